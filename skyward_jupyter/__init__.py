@@ -1,0 +1,28 @@
+"""Multi-node PyTorch training as a notebook cell.
+
+``%load_ext skyward_jupyter`` then ``%%sky --nodes 2`` runs a cell on every rank of a warm pool
+with ``torch.distributed`` initialised. The same runtime API works on the ranks and here.
+"""
+
+from .pool import Pool, RankInfo
+from .results import CellError, PoolError, RankResult, RemoteError, RunResult
+from .runtime import InstanceInfo, Peer, instance_info, log, shard, silent, stderr, stdout
+
+__all__ = [
+    "CellError",
+    "InstanceInfo",
+    "Peer",
+    "Pool",
+    "PoolError",
+    "RankInfo",
+    "RankResult",
+    "RemoteError",
+    "RunResult",
+    "instance_info",
+    "log",
+    "shard",
+    "silent",
+    "stderr",
+    "stdout",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""The code that runs on every rank: ``python -m skyward_jupyter.agent``."""

@@ -1,0 +1,3 @@
+from skyward_jupyter.agent.rank import main
+
+main()

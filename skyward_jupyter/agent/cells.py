@@ -1,0 +1,49 @@
+"""Run a cell's source in a namespace that persists across cells, the way IPython runs one.
+
+The source is compiled under a per-cell file name and registered in ``linecache``, so a
+traceback shows the cell's own lines. A final expression statement is evaluated separately and
+its value becomes the cell's value. The namespace is the ``__main__`` module of the rank, so
+classes and functions a cell defines pickle the way they would in a notebook.
+"""
+
+from __future__ import annotations
+
+import ast
+import linecache
+import sys
+import traceback
+import types
+from typing import Any
+
+
+class Namespace:
+    def __init__(self) -> None:
+        self.module = types.ModuleType("__main__")
+        self.module.__dict__["__builtins__"] = __builtins__
+        sys.modules["__main__"] = self.module
+
+    @property
+    def globals(self) -> dict[str, Any]:
+        return self.module.__dict__
+
+    def run(self, source: str, filename: str) -> Any:
+        """Execute ``source``; return the value of its last expression (None when it has none)."""
+        tree = ast.parse(source, filename, "exec")
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        last: ast.expr | None = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = tree.body.pop().value
+        exec(compile(tree, filename, "exec"), self.globals)
+        if last is None:
+            return None
+        return eval(compile(ast.Expression(last), filename, "eval"), self.globals)
+
+
+def format_remote_traceback(exc: BaseException, filename_prefix: str) -> str:
+    """The traceback from the first frame of user code on: the agent's own frames are noise."""
+    tb = exc.__traceback__
+    while tb is not None and not tb.tb_frame.f_code.co_filename.startswith(filename_prefix):
+        tb = tb.tb_next
+    if tb is None:
+        return "".join(traceback.format_exception_only(type(exc), exc))
+    return "".join(traceback.format_exception(type(exc), exc, tb))

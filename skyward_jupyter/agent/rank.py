@@ -1,0 +1,312 @@
+"""The rank process: one per DDP rank, spawned by a provider, speaking the wire on stdin/stdout.
+
+Threads and their jobs:
+
+- main: runs commands one at a time (cells, process-group changes); user code runs here, so a
+  SIGINT aimed at this thread interrupts it like Ctrl-C in a terminal;
+- reader: reads commands; answers heartbeats and interrupts at once, even while a cell runs; exits
+  the process when the channel closes;
+- watchdog: sends heartbeats and batched metrics; exits the process when the notebook's heartbeat
+  has been silent too long (its machine may be gone without closing the channel);
+- two capture threads (see :mod:`.output`).
+
+The exits use ``os._exit`` because user code may be blocked in C (a collective, a sleep) and
+would never return to let a normal exit happen.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+import os
+import platform
+import queue
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+import cloudpickle
+
+from .. import protocol as p
+from .. import runtime
+from ..wire import SyncChannel
+from .cells import Namespace, format_remote_traceback
+from .output import FdCapture
+from .torch_setup import GroupSettings, ProcessGroup, cuda_device_count, torch_version
+
+CELL_FILE_PREFIX = "<sky-cell-"
+_REPR_LIMIT = 20_000
+EXIT_CHANNEL_CLOSED = 0
+EXIT_HEARTBEAT_LOST = 75
+
+
+@dataclass(frozen=True, slots=True)
+class AgentSettings:
+    """What the provider passes in ``SKYWARD_AGENT`` (JSON); the topology comes in torch's vars."""
+
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 15.0
+    backend: str | None = None
+    pg_timeout: float = 60.0
+
+    @classmethod
+    def from_env(cls) -> AgentSettings:
+        return cls(**json.loads(os.environ.get("SKYWARD_AGENT", "{}")))
+
+
+class Agent:
+    def __init__(self, settings: AgentSettings) -> None:
+        self.settings = settings
+        # Take the wire off descriptors 0 and 1 before anything can print or read there.
+        wire_in, wire_out = os.dup(0), os.dup(1)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.close(devnull)
+        self._diag = os.dup(2)
+        self.channel = SyncChannel(wire_in, wire_out)
+        self.namespace = Namespace()
+        self.group = ProcessGroup(
+            GroupSettings(
+                rank=int(os.environ.get("RANK", "0")),
+                world_size=int(os.environ.get("WORLD_SIZE", "1")),
+                local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+                master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                backend=settings.backend,
+                timeout=settings.pg_timeout,
+            )
+        )
+        self.commands: queue.Queue[object] = queue.Queue()
+        self.cell_id: int | None = None
+        self._in_cell = False
+        self._last_heard = time.monotonic()
+        self._metrics: list[tuple[int | None, dict[str, float]]] = []
+        self._metrics_lock = threading.Lock()
+        self._torch: str | None = None
+
+        # Helper threads inherit a blocked SIGINT, so a process-wide SIGINT reaches the main thread.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        self.captures = [
+            FdCapture(1, "stdout", self._emit_output),
+            FdCapture(2, "stderr", self._emit_output),
+        ]
+        threading.Thread(target=self._read_loop, name="reader", daemon=True).start()
+        threading.Thread(target=self._watchdog, name="watchdog", daemon=True).start()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        signal.signal(signal.SIGINT, self._on_sigint)
+        for stream in (sys.stdout, sys.stderr):
+            stream.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
+        runtime.set_metric_sink(self._record_metric)
+
+    # ------------------------------------------------------------------ threads other than main
+
+    def _diagnose(self, text: str) -> None:
+        os.write(self._diag, f"skyward_jupyter agent (rank {os.environ.get('RANK')}): {text}\n".encode())
+
+    def _emit_output(self, stream: str, text: str) -> None:
+        self.channel.send(p.Output(self.cell_id, stream, text))
+
+    def _record_metric(self, step: int | None, values: dict[str, float]) -> None:
+        with self._metrics_lock:
+            self._metrics.append((step, values))
+
+    def _flush_metrics(self) -> None:
+        with self._metrics_lock:
+            rows, self._metrics = self._metrics, []
+        if rows:
+            self.channel.send(p.Metrics(self.cell_id, tuple(rows)))
+
+    def _read_loop(self) -> None:
+        try:
+            while True:
+                message = self.channel.recv()
+                self._last_heard = time.monotonic()
+                if isinstance(message, p.Beat):
+                    continue
+                if isinstance(message, p.Interrupt):
+                    self._interrupt_main()
+                    continue
+                if isinstance(message, p.Shutdown):
+                    self._interrupt_main()
+                self.commands.put(message)
+        except EOFError:
+            os._exit(EXIT_CHANNEL_CLOSED)
+        except BaseException as exc:  # noqa: BLE001 - an unreadable wire leaves nothing to serve
+            self._diagnose(f"channel failed: {exc!r}")
+            os._exit(EXIT_CHANNEL_CLOSED)
+
+    def _watchdog(self) -> None:
+        s = self.settings
+        tick = min(0.25, s.heartbeat_interval)
+        last_beat = 0.0
+        while True:
+            time.sleep(tick)
+            now = time.monotonic()
+            if now - self._last_heard > s.heartbeat_timeout:
+                self._diagnose(f"no heartbeat from the notebook for {s.heartbeat_timeout:.0f} s; exiting")
+                os._exit(EXIT_HEARTBEAT_LOST)
+            self._flush_metrics()
+            if now - last_beat >= s.heartbeat_interval:
+                self.channel.send(p.Beat())
+                last_beat = now
+
+    def _interrupt_main(self) -> None:
+        if self._in_cell:
+            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+
+    def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
+        # Only user code is interruptible; between cells the agent must finish what it sends.
+        if self._in_cell:
+            raise KeyboardInterrupt
+
+    # ------------------------------------------------------------------------------- main thread
+
+    def serve(self) -> None:
+        self._torch = torch_version()
+        self.channel.send(
+            p.Hello(
+                pid=os.getpid(),
+                hostname=platform.node(),
+                python=platform.python_version(),
+                cloudpickle=cloudpickle.__version__,
+                torch=self._torch,
+                cuda_devices=cuda_device_count(),
+            )
+        )
+        while True:
+            command = self.commands.get()
+            if isinstance(command, p.RunCell):
+                self._run_cell(command)
+            elif isinstance(command, p.FormGroup):
+                self._form_group(command)
+            elif isinstance(command, p.LeaveGroup):
+                self._leave_group()
+            elif isinstance(command, p.Shutdown):
+                self._leave_group()
+                self._sync_output()
+                return
+
+    def _leave_group(self) -> None:
+        try:
+            self.group.leave()
+        except Exception as exc:  # noqa: BLE001 - a broken group is being discarded anyway
+            self._diagnose(f"leaving the process group failed: {exc!r}")
+
+    def _form_group(self, command: p.FormGroup) -> None:
+        if self._torch is None:
+            self.channel.send(
+                p.GroupState(
+                    command.generation,
+                    ok=False,
+                    backend=None,
+                    message="torch is not installed on this rank: torch.distributed setup skipped",
+                )
+            )
+            return
+        try:
+            self.group.leave()
+            port = command.port
+            if port is None:
+                port = self.group.host()
+                self.channel.send(p.GroupPort(command.generation, port))
+            backend = self.group.join(port)
+        except Exception as exc:  # noqa: BLE001 - reported to the notebook with its type
+            self.channel.send(
+                p.GroupState(command.generation, False, None, f"{type(exc).__name__}: {exc}")
+            )
+            return
+        self.channel.send(p.GroupState(command.generation, True, backend, "ready"))
+
+    def _sync_output(self) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass  # a cell may have closed or replaced the stream; nothing buffered is left
+        _flush_c_stdio()
+        for capture in self.captures:
+            capture.sync()
+
+    def _run_cell(self, command: p.RunCell) -> None:
+        self.cell_id = command.cell_id
+        started = time.perf_counter()
+        value: Any = None
+        error: BaseException | None = None
+        try:
+            for name, pickled in command.globals.items():
+                try:
+                    self.namespace.globals[name] = pickled.load()
+                except Exception as exc:
+                    raise RuntimeError(
+                        f"global {name!r} could not be unpickled on this rank: {exc}"
+                    ) from exc
+            self._in_cell = True
+            try:
+                value = self.namespace.run(command.source, command.filename)
+            finally:
+                self._in_cell = False
+        except BaseException as exc:  # noqa: BLE001 - the cell's failure is its result
+            error = exc
+        seconds = time.perf_counter() - started
+        self._sync_output()
+        self._flush_metrics()
+        self.channel.send(_cell_done(command.cell_id, value, error, seconds))
+        self.cell_id = None
+
+
+def _cell_done(cell_id: int, value: Any, error: BaseException | None, seconds: float) -> p.CellDone:
+    if error is not None:
+        return p.CellDone(cell_id, None, None, _error_info(error), seconds)
+    if value is None:
+        return p.CellDone(cell_id, None, None, None, seconds)
+    try:
+        pickled: p.Pickled | None = p.Pickled.dump(value)
+    except Exception:  # noqa: BLE001 - an unpicklable value still shows as its repr
+        pickled = None
+    return p.CellDone(cell_id, pickled, _safe_repr(value), None, seconds)
+
+
+def _safe_repr(value: Any) -> str:
+    try:
+        text = repr(value)
+    except Exception as exc:  # noqa: BLE001 - a broken __repr__ must not fail the cell
+        return f"<{type(value).__name__} (repr failed: {exc!r})>"
+    return text if len(text) <= _REPR_LIMIT else text[:_REPR_LIMIT] + " ...[truncated]"
+
+
+def _error_info(exc: BaseException) -> p.ErrorInfo:
+    try:
+        pickled: p.Pickled | None = p.Pickled.dump(exc)
+    except Exception:  # noqa: BLE001 - the text form below always travels
+        pickled = None
+    return p.ErrorInfo(
+        type_name=type(exc).__qualname__
+        if type(exc).__module__ == "builtins"
+        else f"{type(exc).__module__}.{type(exc).__qualname__}",
+        message=str(exc),
+        traceback=format_remote_traceback(exc, CELL_FILE_PREFIX),
+        exception=pickled,
+    )
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(None)
+    except OSError:
+        return None  # no C library to flush (not Linux/macOS); Python's own streams still are
+
+
+def _flush_c_stdio() -> None:
+    libc = _libc()
+    if libc is not None:
+        libc.fflush(None)
+
+
+def main() -> None:
+    Agent(AgentSettings.from_env()).serve()
+    sys.exit(0)

@@ -1,0 +1,75 @@
+"""Pool events: what views (the widget panel, the text fallback, the lab registry) fold.
+
+The pool emits these from its IO thread. A subscriber must return quickly and must not call back
+into the pool's blocking API from the callback; views that touch a UI hand the event over to
+their own thread or the kernel's.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Union
+
+if TYPE_CHECKING:
+    from .results import RunResult
+
+
+class RankState(enum.Enum):
+    PROVISIONING = "provisioning"
+    BOOTING = "booting"
+    CONNECTING = "connecting"
+    READY = "ready"
+    RUNNING = "running"
+    IDLE = "idle"
+    FAILED = "failed"
+    LOST = "lost"
+    TERMINATED = "terminated"
+
+
+@dataclass(frozen=True, slots=True)
+class RankStateChanged:
+    rank: int
+    node: int
+    state: RankState
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class OutputReceived:
+    rank: int
+    cell_id: int | None
+    stream: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsLogged:
+    rank: int
+    cell_id: int | None
+    rows: tuple[tuple[int | None, dict[str, float]], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CellStarted:
+    cell_id: int
+    ranks: int
+    shipped_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class CellFinished:
+    cell_id: int
+    result: RunResult
+
+
+@dataclass(frozen=True, slots=True)
+class PoolMessage:
+    """Something the user should read (torch setup skipped, namespaces lost, rank restarted)."""
+
+    text: str
+
+
+PoolEvent = Union[  # noqa: UP007 - a runtime alias, usable in isinstance() on 3.10
+    RankStateChanged, OutputReceived, MetricsLogged, CellStarted, CellFinished, PoolMessage
+]

@@ -1,0 +1,153 @@
+"""The messages that travel on the wire between the notebook (the pool) and each rank (the agent).
+
+Commands flow down, events flow up. Every message is a frozen dataclass, so both sides read the
+same shapes and a protocol change is a change of this one file.
+
+User data (globals, cell values, exceptions) travels inside :class:`Pickled`, a pickle nested in
+the message. The nesting keeps a value that cannot be loaded on the receiving side (a module that
+is missing there, a class that changed) from making the whole message unreadable: the message
+arrives, and only that value reports its error. Its buffers stay out-of-band in the outer frame.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+from typing import Any
+
+import cloudpickle
+
+
+def _restore(data: memoryview | bytes, *buffers: memoryview | bytes) -> Pickled:
+    return Pickled(data, buffers)
+
+
+@dataclass(frozen=True, slots=True)
+class Pickled:
+    """A value pickled once (cloudpickle, protocol 5), loadable on demand."""
+
+    data: bytes | bytearray | memoryview
+    buffers: tuple[Any, ...] = ()
+
+    @classmethod
+    def dump(cls, obj: object) -> Pickled:
+        buffers: list[pickle.PickleBuffer] = []
+        data = cloudpickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+        return cls(data, tuple(buffers))
+
+    def load(self) -> Any:
+        return pickle.loads(self.data, buffers=self.buffers)
+
+    @property
+    def nbytes(self) -> int:
+        return memoryview(self.data).nbytes + sum(memoryview(b).nbytes for b in self.buffers)
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        # Hand the payload to the outer pickler as PickleBuffers so the frame carries it
+        # out-of-band instead of copying it into the outer pickle stream.
+        return (
+            _restore,
+            (pickle.PickleBuffer(self.data), *(pickle.PickleBuffer(b) for b in self.buffers)),
+        )
+
+
+# ---------------------------------------------------------------- commands (pool -> rank)
+
+
+@dataclass(frozen=True, slots=True)
+class Beat:
+    """Heartbeat; in both directions. A rank that hears none for a while exits by itself."""
+
+
+@dataclass(frozen=True, slots=True)
+class FormGroup:
+    """Initialise torch.distributed. ``port`` None: this rank hosts the rendezvous store."""
+
+    generation: int
+    port: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class LeaveGroup:
+    """Destroy the process group; peers blocked in a collective with this rank then fail fast."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunCell:
+    cell_id: int
+    source: str
+    filename: str
+    globals: dict[str, Pickled] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Interrupt:
+    """Raise KeyboardInterrupt in the running cell (SIGINT to the rank's main thread)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    """Leave the process group and exit."""
+
+
+# ---------------------------------------------------------------- events (rank -> pool)
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """First message of a rank: what it runs on, for version checks and the views."""
+
+    pid: int
+    hostname: str
+    python: str
+    cloudpickle: str
+    torch: str | None
+    cuda_devices: int
+
+
+@dataclass(frozen=True, slots=True)
+class GroupPort:
+    """The head's rendezvous store is listening on ``port``; the others may now join."""
+
+    generation: int
+    port: int
+
+
+@dataclass(frozen=True, slots=True)
+class GroupState:
+    generation: int
+    ok: bool
+    backend: str | None
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Output:
+    cell_id: int | None
+    stream: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Metrics:
+    cell_id: int | None
+    rows: tuple[tuple[int | None, dict[str, float]], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorInfo:
+    """A remote exception as text (always readable) plus the exception itself when it pickles."""
+
+    type_name: str
+    message: str
+    traceback: str
+    exception: Pickled | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CellDone:
+    cell_id: int
+    value: Pickled | None
+    value_repr: str | None
+    error: ErrorInfo | None
+    seconds: float

@@ -1,0 +1,150 @@
+"""A cell's outcome on every rank, and the exceptions that carry remote failures to the notebook."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, overload
+
+_SUMMARY_IN_FULL = 1
+
+
+class PoolError(Exception):
+    """The pool could not do what was asked (start, form its process group, run)."""
+
+
+class RemoteError(Exception):
+    """An exception raised on a rank (or the rank's death), with its remote traceback.
+
+    ``secondary`` marks a rank that failed only because the pool stopped it after another rank's
+    failure or an interrupt; the primary failure is the one to read.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        where: str,
+        type_name: str,
+        message: str,
+        traceback: str,
+        secondary: bool = False,
+        exception: BaseException | None = None,
+    ) -> None:
+        super().__init__(f"{type_name}: {message}" if message else type_name)
+        self.rank = rank
+        self.where = where
+        self.type_name = type_name
+        self.message = message
+        self.traceback = traceback
+        self.secondary = secondary
+        self.exception = exception
+
+    def __str__(self) -> str:
+        text = f"{self.type_name}: {self.message}" if self.message else self.type_name
+        return f"[rank {self.rank}, {self.where}] {text}"
+
+    def render(self) -> str:
+        return f"--- rank {self.rank} ({self.where}) ---\n{self.traceback.rstrip()}\n"
+
+    def _render_traceback_(self) -> list[str]:
+        return self.render().splitlines()
+
+
+class CellError(Exception):
+    """A cell failed on one or more ranks: the first failure in full, the others summarised."""
+
+    def __init__(self, errors: Sequence[RemoteError]) -> None:
+        primary = [e for e in errors if not e.secondary] or list(errors)
+        self.errors = tuple(errors)
+        self.primary = primary[0]
+        super().__init__(self.summary())
+
+    def summary(self) -> str:
+        first = self.primary
+        others = [e for e in self.errors if e is not first]
+        lines = [f"cell failed on rank {first.rank} ({first.where}): {first.type_name}: {first.message}"]
+        if others:
+            lines.append(
+                f"and on {len(others)} other rank(s): "
+                + "; ".join(f"rank {e.rank}: {e.type_name}" for e in others)
+            )
+        return "\n".join(lines)
+
+    def render(self) -> str:
+        parts = [self.primary.render()]
+        for e in self.errors:
+            if e is not self.primary:
+                suffix = " (stopped after the failure above)" if e.secondary else ""
+                parts.append(f"rank {e.rank}: {e.type_name}: {e.message}{suffix}")
+        return "\n".join(parts)
+
+    def _render_traceback_(self) -> list[str]:
+        return self.render().splitlines()
+
+
+@dataclass(frozen=True, slots=True)
+class RankResult:
+    rank: int
+    node: int
+    value: Any
+    value_repr: str | None
+    error: RemoteError | None
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass(frozen=True)
+class RunResult(Sequence[RankResult]):
+    """One entry per rank, in rank order. ``lost`` names ranks whose namespace was lost."""
+
+    cell_id: int
+    ranks: tuple[RankResult, ...]
+    shipped_bytes: int = 0
+    lost: tuple[int, ...] = ()
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @overload
+    def __getitem__(self, i: int) -> RankResult: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[RankResult]: ...
+    def __getitem__(self, i: int | slice) -> RankResult | Sequence[RankResult]:
+        return self.ranks[i]
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    def __iter__(self) -> Iterator[RankResult]:
+        return iter(self.ranks)
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.ranks)
+
+    @property
+    def values(self) -> list[Any]:
+        return [r.value for r in self.ranks]
+
+    @property
+    def value(self) -> Any:
+        """The head's (rank 0's) value."""
+        return self.ranks[0].value if self.ranks else None
+
+    @property
+    def errors(self) -> list[RemoteError]:
+        return [r.error for r in self.ranks if r.error is not None]
+
+    def raise_for_errors(self) -> RunResult:
+        if not self.ok:
+            raise CellError(self.errors)
+        return self
+
+    def __repr__(self) -> str:
+        state = "ok" if self.ok else f"failed on ranks {[e.rank for e in self.errors]}"
+        extra = f", lost namespaces of ranks {list(self.lost)}" if self.lost else ""
+        return (
+            f"<RunResult cell {self.cell_id}: {len(self.ranks)} ranks, {state}, "
+            f"{self.shipped_bytes} bytes shipped{extra}>"
+        )

@@ -1,0 +1,135 @@
+"""Framed messages over any byte stream: pipes now, SSH channels later.
+
+A frame is a small fixed header, a table of segment lengths, then the segments::
+
+    b"SKY" | version:u8 | count:u32 | count x length:u64 | segment 0 | segment 1 | ...
+
+Segment 0 is a pickle (protocol 5, via cloudpickle so notebook-defined functions travel by
+value); the others are its out-of-band buffers. A large numpy array or tensor is therefore written
+straight from its own memory and read straight into a fresh buffer, never copied into or out of
+the pickle stream. Only authenticated channels (local pipes, SSH) ever carry frames: unpickling
+is code execution, and the channel is the trust boundary.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import struct
+import threading
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import cloudpickle
+
+MAGIC = b"SKY"
+VERSION = 1
+_HEADER = struct.Struct("!3sBI")
+_LENGTH = struct.Struct("!Q")
+_MAX_SEGMENTS = 1 << 20
+
+Segment = bytes | bytearray | memoryview
+
+
+class WireError(Exception):
+    """The byte stream does not carry frames of this protocol (wrong peer, version or corruption)."""
+
+
+class AsyncByteReader(Protocol):
+    """What the wire needs from an async stream: asyncio.StreamReader and asyncssh's reader fit."""
+
+    async def readexactly(self, n: int) -> bytes: ...
+
+
+class AsyncByteWriter(Protocol):
+    def write(self, data: Any) -> None: ...
+
+    async def drain(self) -> None: ...
+
+
+def encode(obj: object) -> list[Segment]:
+    """Serialise ``obj`` into the segments of one frame (header first)."""
+    buffers: list[pickle.PickleBuffer] = []
+    body = cloudpickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    segments: list[Segment] = [body, *(b.raw() for b in buffers)]
+    head = _HEADER.pack(MAGIC, VERSION, len(segments)) + b"".join(
+        _LENGTH.pack(len(s) if not isinstance(s, memoryview) else s.nbytes) for s in segments
+    )
+    return [head, *segments]
+
+
+def decode(segments: Sequence[Segment]) -> Any:
+    """Inverse of :func:`encode` minus the header: segment 0 is the pickle, the rest its buffers."""
+    return pickle.loads(segments[0], buffers=segments[1:])
+
+
+def _check_header(raw: bytes) -> int:
+    magic, version, count = _HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise WireError(f"not a skyward_jupyter stream (got {raw[:3]!r} where {MAGIC!r} belongs)")
+    if version != VERSION:
+        raise WireError(
+            f"wire version {version} on the other side, {VERSION} here: "
+            "the notebook and the ranks run different skyward_jupyter versions"
+        )
+    if not 0 < count <= _MAX_SEGMENTS:
+        raise WireError(f"corrupt frame header: {count} segments")
+    return int(count)
+
+
+async def read_message(reader: AsyncByteReader) -> Any:
+    """Read one frame; raises asyncio.IncompleteReadError at a clean end of stream."""
+    count = _check_header(await reader.readexactly(_HEADER.size))
+    table = await reader.readexactly(_LENGTH.size * count)
+    lengths = [_LENGTH.unpack_from(table, i * _LENGTH.size)[0] for i in range(count)]
+    segments = [await reader.readexactly(n) for n in lengths]
+    return decode(segments)
+
+
+def write_segments(writer: AsyncByteWriter, frame: Sequence[Segment]) -> None:
+    """Queue a pre-encoded frame (the same frame can go to many ranks without re-pickling)."""
+    for segment in frame:
+        writer.write(segment)
+
+
+class SyncChannel:
+    """Blocking frames over a pair of file descriptors; the agent's side of the wire.
+
+    Writes are serialised by a lock because the agent sends from several threads (output
+    capture, metrics, heartbeats, the cell runner).
+    """
+
+    def __init__(self, read_fd: int, write_fd: int) -> None:
+        self._reader = io.FileIO(read_fd, "rb", closefd=False)
+        self._write_fd = write_fd
+        self._lock = threading.Lock()
+
+    def _read_into(self, buf: memoryview) -> None:
+        done = 0
+        while done < buf.nbytes:
+            n = self._reader.readinto(buf[done:])
+            if not n:
+                raise EOFError("channel closed")
+            done += n
+
+    def _read_exact(self, n: int) -> bytearray:
+        buf = bytearray(n)
+        self._read_into(memoryview(buf))
+        return buf
+
+    def recv(self) -> Any:
+        """Read one message; raises EOFError when the other side has gone."""
+        count = _check_header(bytes(self._read_exact(_HEADER.size)))
+        table = self._read_exact(_LENGTH.size * count)
+        lengths = [_LENGTH.unpack_from(table, i * _LENGTH.size)[0] for i in range(count)]
+        return decode([self._read_exact(n) for n in lengths])
+
+    def send(self, obj: object) -> None:
+        frame = encode(obj)
+        with self._lock:
+            for segment in frame:
+                view = memoryview(segment).cast("B")
+                while view.nbytes:
+                    written = os.write(self._write_fd, view)
+                    view = view[written:]
