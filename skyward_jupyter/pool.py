@@ -179,7 +179,9 @@ class Pool:
     ) -> None:
         if not isinstance(nodes, int) or nodes < 1:
             raise ValueError(f"nodes must be a whole number of at least 1, got {nodes!r}")
-        if procs_per_node is not None and (not isinstance(procs_per_node, int) or procs_per_node < 1):
+        if procs_per_node is not None and (
+            not isinstance(procs_per_node, int) or procs_per_node < 1
+        ):
             raise ValueError(f"procs_per_node must be at least 1, got {procs_per_node!r}")
         if backend not in (None, "gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
@@ -188,7 +190,7 @@ class Pool:
 
             provider = LocalProvider()
         self.name = name
-        self.provider = provider
+        self.provider: Provider = provider
         self.requested_nodes = nodes
         self.procs_per_node = procs_per_node
         self.backend = backend
@@ -231,8 +233,13 @@ class Pool:
     def ranks(self) -> tuple[RankInfo, ...]:
         return tuple(
             RankInfo(
-                r.index, r.node.index, r.local_rank, r.node.address, r.state,
-                r.process.describe() if r.process else "", r.hello,
+                r.index,
+                r.node.index,
+                r.local_rank,
+                r.node.address,
+                r.state,
+                r.process.describe() if r.process else "",
+                r.hello,
             )
             for r in self._ranks
         )
@@ -392,7 +399,9 @@ class Pool:
         if missing and len(missing) < len(self._ranks):
             where = ", ".join(f"rank {r.index} ({r.describe()})" for r in missing)
             have = next(r.hello.torch for r in self._ranks if r.hello and r.hello.torch)
-            raise PoolError(f"torch is missing on {where}; the other ranks have torch {have}: install it there")
+            raise PoolError(
+                f"torch is missing on {where}; the other ranks have torch {have}: install it there"
+            )
 
     def _start_failure(self, rank: _Rank) -> str:
         diagnostics = rank.process.diagnostics() if rank.process else ""
@@ -400,7 +409,7 @@ class Pool:
         return f"{text}:\n{diagnostics}" if diagnostics else text
 
     async def _form_group(self) -> None:
-        """(Re-)form torch.distributed on every rank: the head hosts the store, then the rest join."""
+        """(Re-)form torch.distributed everywhere: the head hosts the store, then the rest join."""
         if all(r.hello is not None and r.hello.torch is None for r in self._ranks):
             self.torch_note = "torch is not installed on the ranks: torch.distributed setup skipped"
             self._emit(PoolMessage(self.torch_note))
@@ -424,24 +433,26 @@ class Pool:
             if not port_future.done():
                 state = states[head].result() if states[head].done() else None
                 reason = state.message if state else "no answer"
-                raise PoolError(f"rank 0 ({head.describe()}) could not host the rendezvous: {reason}")
+                raise PoolError(
+                    f"rank 0 ({head.describe()}) could not host the rendezvous: {reason}"
+                )
             port = port_future.result()
             frame = wire.encode(p.FormGroup(generation, port))
             for r in others:
                 self._send(r, frame)
-            results = await asyncio.wait_for(
-                asyncio.gather(*states.values()), self.pg_timeout + 10
-            )
+            results = await asyncio.wait_for(asyncio.gather(*states.values()), self.pg_timeout + 10)
         except _RankEnded as exc:
             raise PoolError(f"a rank ended while the process group formed: {exc.how}") from None
         except asyncio.TimeoutError:
             raise PoolError(
                 f"the process group did not form within {self.pg_timeout:.0f} s"
             ) from None
-        failed = [(r, s) for r, s in zip(self._ranks, results) if not s.ok]
+        failed = [(r, s) for r, s in zip(self._ranks, results, strict=True) if not s.ok]
         if failed:
             r, s = failed[0]
-            raise PoolError(f"rank {r.index} ({r.describe()}) could not join the process group: {s.message}")
+            raise PoolError(
+                f"rank {r.index} ({r.describe()}) could not join the process group: {s.message}"
+            )
         self.group_backend = results[0].backend
         self.master_port = port
         for r in self._ranks:
@@ -511,7 +522,9 @@ class Pool:
             lost_before, self._lost_while_idle = self._lost_while_idle, []
             live = [r for r in self._ranks if r.alive]
             if len(live) < len(self._ranks):
-                raise PoolError(f"pool {self.name!r} has lost ranks it could not restart; restart it")
+                raise PoolError(
+                    f"pool {self.name!r} has lost ranks it could not restart; restart it"
+                )
             deadline = time.monotonic() + timeout if timeout else None
             cell = _Cell(command.cell_id, {r: r.expect("cell") for r in live}, deadline, timeout)
             self._cell = cell
@@ -533,7 +546,11 @@ class Pool:
                 if r.state is RankState.RUNNING:
                     self._set_state(r, RankState.IDLE)
             result = RunResult(
-                command.cell_id, results, shipped, tuple(sorted(set(lost_before + lost))), tuple(cell.notes)
+                command.cell_id,
+                results,
+                shipped,
+                tuple(sorted(set(lost_before + lost))),
+                tuple(cell.notes),
             )
             self._emit(CellFinished(command.cell_id, result))
             return result
@@ -567,7 +584,7 @@ class Pool:
         while pending:
             now = time.monotonic()
             limits = [t - now for t in (cell.stop_at, cell.deadline) if t is not None]
-            waker = asyncio.ensure_future(cell.wake.wait())
+            waker: asyncio.Future[Any] = asyncio.ensure_future(cell.wake.wait())
             await asyncio.wait(
                 [*pending.values(), waker],
                 timeout=max(0.0, min(limits)) if limits else None,
@@ -598,7 +615,9 @@ class Pool:
             if pending and (cell.kill_now or (cell.stop_at is not None and now >= cell.stop_at)):
                 await self._kill_stuck(cell, pending)
 
-    async def _kill_stuck(self, cell: _Cell, pending: dict[_Rank, asyncio.Future[p.CellDone]]) -> None:
+    async def _kill_stuck(
+        self, cell: _Cell, pending: dict[_Rank, asyncio.Future[p.CellDone]]
+    ) -> None:
         stuck = [r for r in pending if r.process is not None]
         cell.notes.append(
             f"ranks {[r.index for r in stuck]} did not stop within {self.interrupt_grace:.0f} s "
@@ -615,16 +634,26 @@ class Pool:
             secondary = r in cell.asked_to_stop and r is not cell.first_failure
             if isinstance(outcome, p.CellDone):
                 error = (
-                    _remote_error(r, outcome.error, secondary) if outcome.error is not None else None
+                    _remote_error(r, outcome.error, secondary)
+                    if outcome.error is not None
+                    else None
                 )
                 value = _load_value(outcome) if error is None else None
-                out.append(RankResult(r.index, r.node.index, value, outcome.value_repr, error, outcome.seconds))
+                out.append(
+                    RankResult(
+                        r.index, r.node.index, value, outcome.value_repr, error, outcome.seconds
+                    )
+                )
             else:
                 how = outcome.how if isinstance(outcome, _RankEnded) else repr(outcome)
                 diag = outcome.diagnostics if isinstance(outcome, _RankEnded) else ""
                 error = RemoteError(
-                    r.index, r.describe(), "RankLost", f"the rank's process {how}",
-                    f"RankLost: the rank's process {how}\n{diag}".rstrip() + "\n", secondary,
+                    r.index,
+                    r.describe(),
+                    "RankLost",
+                    f"the rank's process {how}",
+                    f"RankLost: the rank's process {how}\n{diag}".rstrip() + "\n",
+                    secondary,
                 )
                 out.append(RankResult(r.index, r.node.index, None, None, error, 0.0))
         return tuple(out)
@@ -697,7 +726,13 @@ def _remote_error(rank: _Rank, info: p.ErrorInfo, secondary: bool) -> RemoteErro
         except Exception:  # noqa: BLE001 - its type may not exist here; the text form is kept
             exception = None
     return RemoteError(
-        rank.index, rank.describe(), info.type_name, info.message, info.traceback, secondary, exception
+        rank.index,
+        rank.describe(),
+        info.type_name,
+        info.message,
+        info.traceback,
+        secondary,
+        exception,
     )
 
 

@@ -62,7 +62,9 @@ class CellError(Exception):
     def summary(self) -> str:
         first = self.primary
         others = [e for e in self.errors if e is not first]
-        lines = [f"cell failed on rank {first.rank} ({first.where}): {first.type_name}: {first.message}"]
+        lines = [
+            f"cell failed on rank {first.rank} ({first.where}): {first.type_name}: {first.message}"
+        ]
         if others:
             lines.append(
                 f"and on {len(others)} other rank(s): "

@@ -249,7 +249,9 @@ class _OutputControl(contextlib.ContextDecorator):
         stack = contextlib.ExitStack()
         if not self._keep(instance_info()):
             for name in self._streams:
-                redirect = contextlib.redirect_stdout if name == "stdout" else contextlib.redirect_stderr
+                redirect = (
+                    contextlib.redirect_stdout if name == "stdout" else contextlib.redirect_stderr
+                )
                 stack.enter_context(redirect(io.StringIO()))
         self._stack.append(stack)
         return self
@@ -258,7 +260,9 @@ class _OutputControl(contextlib.ContextDecorator):
         self._stack.pop().close()
 
 
-def _predicate(only: Literal["head", "all"] | Callable[[InstanceInfo], bool]) -> Callable[[InstanceInfo], bool]:
+def _predicate(
+    only: Literal["head", "all"] | Callable[[InstanceInfo], bool],
+) -> Callable[[InstanceInfo], bool]:
     if only == "head":
         return lambda info: info.is_head
     if only == "all":
@@ -268,12 +272,16 @@ def _predicate(only: Literal["head", "all"] | Callable[[InstanceInfo], bool]) ->
     raise ValueError(f"only= must be 'head', 'all' or a function of InstanceInfo, got {only!r}")
 
 
-def stdout(only: Literal["head", "all"] | Callable[[InstanceInfo], bool] = "head") -> _OutputControl:
+def stdout(
+    only: Literal["head", "all"] | Callable[[InstanceInfo], bool] = "head",
+) -> _OutputControl:
     """Keep stdout only where ``only`` holds: ``"head"``, ``"all"`` or ``lambda info: ...``."""
     return _OutputControl(("stdout",), _predicate(only))
 
 
-def stderr(only: Literal["head", "all"] | Callable[[InstanceInfo], bool] = "head") -> _OutputControl:
+def stderr(
+    only: Literal["head", "all"] | Callable[[InstanceInfo], bool] = "head",
+) -> _OutputControl:
     """Keep stderr only where ``only`` holds."""
     return _OutputControl(("stderr",), _predicate(only))
 
@@ -288,4 +296,3 @@ def silent(fn: F | None = None, /) -> F | _OutputControl:
     if fn is None:
         return control
     return functools.wraps(fn)(control(fn))  # type: ignore[return-value]
-

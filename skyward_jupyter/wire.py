@@ -33,7 +33,7 @@ Segment = bytes | bytearray | memoryview
 
 
 class WireError(Exception):
-    """The byte stream does not carry frames of this protocol (wrong peer, version or corruption)."""
+    """The stream does not carry frames of this protocol (wrong peer, version, corruption)."""
 
 
 class AsyncByteReader(Protocol):

@@ -31,8 +31,9 @@ class Namespace:
         tree = ast.parse(source, filename, "exec")
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
         last: ast.expr | None = None
-        if tree.body and isinstance(tree.body[-1], ast.Expr):
-            last = tree.body.pop().value
+        if tree.body and isinstance(final := tree.body[-1], ast.Expr):
+            tree.body.pop()
+            last = final.value
         exec(compile(tree, filename, "exec"), self.globals)
         if last is None:
             return None

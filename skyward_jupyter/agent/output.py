@@ -46,7 +46,9 @@ class FdCapture:
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         pending = ""
         while True:
-            ready, _, _ = select.select([self._read_end], [], [], _HOLD_SECONDS if pending else None)
+            ready, _, _ = select.select(
+                [self._read_end], [], [], _HOLD_SECONDS if pending else None
+            )
             if not ready:
                 self._emit(self.stream, pending)
                 pending = ""

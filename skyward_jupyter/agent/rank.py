@@ -16,6 +16,7 @@ would never return to let a normal exit happen.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import json
@@ -99,13 +100,15 @@ class Agent:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         signal.signal(signal.SIGINT, self._on_sigint)
         for stream in (sys.stdout, sys.stderr):
-            stream.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
+            stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
         runtime.set_metric_sink(self._record_metric)
 
     # ------------------------------------------------------------------ threads other than main
 
     def _diagnose(self, text: str) -> None:
-        os.write(self._diag, f"skyward_jupyter agent (rank {os.environ.get('RANK')}): {text}\n".encode())
+        os.write(
+            self._diag, f"skyward_jupyter agent (rank {os.environ.get('RANK')}): {text}\n".encode()
+        )
 
     def _emit_output(self, stream: str, text: str) -> None:
         self.channel.send(p.Output(self.cell_id, stream, text))
@@ -147,7 +150,9 @@ class Agent:
             time.sleep(tick)
             now = time.monotonic()
             if now - self._last_heard > s.heartbeat_timeout:
-                self._diagnose(f"no heartbeat from the notebook for {s.heartbeat_timeout:.0f} s; exiting")
+                self._diagnose(
+                    f"no heartbeat from the notebook for {s.heartbeat_timeout:.0f} s; exiting"
+                )
                 os._exit(EXIT_HEARTBEAT_LOST)
             self._flush_metrics()
             if now - last_beat >= s.heartbeat_interval:
@@ -223,10 +228,9 @@ class Agent:
 
     def _sync_output(self) -> None:
         for stream in (sys.stdout, sys.stderr):
-            try:
+            # a cell may have closed or replaced the stream; then nothing buffered is left
+            with contextlib.suppress(OSError, ValueError):
                 stream.flush()
-            except (OSError, ValueError):
-                pass  # a cell may have closed or replaced the stream; nothing buffered is left
         _flush_c_stdio()
         for capture in self.captures:
             capture.sync()

@@ -54,7 +54,7 @@ class ProcessGroup:
         s = self.settings
         listener = socket.create_server((s.master_addr, 0), backlog=max(128, s.world_size))
         port = int(listener.getsockname()[1])
-        self._store = dist.TCPStore(
+        self._store = dist.TCPStore(  # type: ignore[attr-defined]
             s.master_addr,
             port,
             s.world_size,
@@ -66,7 +66,7 @@ class ProcessGroup:
         return port
 
     def join(self, port: int) -> str:
-        """Initialise the default process group through the store at ``port``; return the backend."""
+        """Initialise the default process group via the store at ``port``; return the backend."""
         import torch
         import torch.distributed as dist
 
@@ -74,7 +74,9 @@ class ProcessGroup:
         os.environ["MASTER_PORT"] = str(port)
         timeout = datetime.timedelta(seconds=s.timeout)
         if self._store is None:
-            self._store = dist.TCPStore(s.master_addr, port, s.world_size, False, timeout)
+            self._store = dist.TCPStore(  # type: ignore[attr-defined]
+                s.master_addr, port, s.world_size, False, timeout
+            )
         cuda = torch.cuda.is_available()
         backend = s.backend or ("nccl" if cuda else "gloo")
         if cuda:

@@ -35,8 +35,11 @@ class Node:
 class RankProcess(Protocol):
     """A started agent: its wire, and ways to end it that do not depend on its cooperation."""
 
-    reader: AsyncByteReader
-    writer: AsyncByteWriter
+    @property
+    def reader(self) -> AsyncByteReader: ...
+
+    @property
+    def writer(self) -> AsyncByteWriter: ...
 
     def describe(self) -> str:
         """Where it runs, for error messages ("local pid 1234", "alice@gpu1 pid 99")."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import os
 import shutil
 import signal
@@ -36,7 +37,10 @@ def visible_gpus() -> tuple[tuple[str, ...], str | None]:
         try:
             out = subprocess.run(
                 [smi, "--query-gpu=index,name", "--format=csv,noheader"],
-                capture_output=True, text=True, timeout=10, check=True,
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=True,
             ).stdout
         except (subprocess.SubprocessError, OSError):
             out = ""
@@ -87,10 +91,8 @@ class LocalRank:
 
     async def kill(self) -> None:
         if self._process.returncode is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):  # it ended after the check
                 self._process.kill()
-            except ProcessLookupError:
-                pass  # it ended between the check and the kill
         await self._process.wait()
 
     async def wait(self) -> str:
@@ -124,7 +126,9 @@ class LocalProvider:
         if node.gpus or os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
             full_env["CUDA_VISIBLE_DEVICES"] = ",".join(node.gpus)
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "skyward_jupyter.agent",
+            sys.executable,
+            "-m",
+            "skyward_jupyter.agent",
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,

@@ -1,0 +1,83 @@
+"""Shared fixtures: every test ends with none of the rank processes it started still running.
+
+Ranks are found by a marker in their environment (the local provider passes the notebook's
+environment on), so ranks orphaned by a killed parent are found too, and ranks of unrelated
+sessions on the same machine are not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+MARKER = f"SKYWARD_TEST_SESSION={uuid.uuid4().hex}"
+os.environ["SKYWARD_TEST_SESSION"] = MARKER.split("=", 1)[1]
+
+
+def agent_pids() -> set[int]:
+    """Live (non-zombie) rank processes started by this test session."""
+    found = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+            if b"skyward_jupyter.agent" not in cmdline:
+                continue
+            if MARKER.encode() in (proc / "environ").read_bytes().split(b"\0"):
+                found.add(int(proc.name))
+        except OSError:
+            continue  # the process ended while we looked
+    return found
+
+
+def wait_for(condition: Callable[[], object], timeout: float, what: str) -> None:
+    """Poll ``condition`` until it holds; fail naming ``what`` at the deadline."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+_module_pool_pids: set[int] = set()
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_ranks() -> Iterator[None]:
+    before = agent_pids()
+    yield
+    allowed = before | _module_pool_pids
+    try:
+        wait_for(lambda: not (agent_pids() - allowed), 15, "the test's rank processes to end")
+    except AssertionError:
+        leaked = agent_pids() - allowed
+        for pid in leaked:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+        raise AssertionError(
+            f"rank processes left running after the test: {sorted(leaked)}"
+        ) from None
+
+
+@pytest.fixture(scope="module")
+def pool2() -> Iterator[object]:
+    """A 2-rank local pool shared by a module's tests that leave it as they found it."""
+    from skyward_jupyter import Pool
+
+    pool = Pool(nodes=2, interrupt_grace=2.0)
+    pool.start()
+    pids = {r.hello.pid for r in pool.ranks if r.hello}
+    _module_pool_pids.update(pids)
+    try:
+        yield pool
+    finally:
+        pool.close()
+        _module_pool_pids.difference_update(pids)
+        wait_for(lambda: not (pids & agent_pids()), 15, "the shared pool's ranks to end")

@@ -1,0 +1,109 @@
+"""The rank process on its own: it must end by itself when the notebook goes away."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from skyward_jupyter import protocol as p
+from skyward_jupyter.wire import SyncChannel
+
+from .conftest import wait_for
+
+
+@pytest.fixture
+def agent() -> Iterator[tuple[subprocess.Popen[bytes], SyncChannel]]:
+    env = {
+        **os.environ,
+        "SKYWARD_AGENT": json.dumps({"heartbeat_interval": 0.2, "heartbeat_timeout": 1.5}),
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "skyward_jupyter.agent"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    channel = SyncChannel(proc.stdout.fileno(), proc.stdin.fileno())
+    try:
+        yield proc, channel
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@contextlib.contextmanager
+def _beating(channel: SyncChannel) -> Iterator[None]:
+    """Send heartbeats, as a live notebook does, while the block runs."""
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(0.2):
+            channel.send(p.Beat())
+
+    beater = threading.Thread(target=beat)
+    beater.start()
+    try:
+        yield
+    finally:
+        done.set()
+        beater.join()
+
+
+def _until_output(channel: SyncChannel, text: str) -> None:
+    with _beating(channel):
+        while True:
+            message = channel.recv()
+            if isinstance(message, p.Output) and text in message.text:
+                return
+
+
+def test_agent_exits_when_heartbeat_stops_while_cell_blocks(
+    agent: tuple[subprocess.Popen[bytes], SyncChannel],
+) -> None:
+    proc, channel = agent
+    channel.send(
+        p.RunCell(1, "import time\nprint('blocked', flush=True)\ntime.sleep(600)", "<sky-cell-1>")
+    )
+    _until_output(channel, "blocked")
+    # No heartbeats are sent from here on, and the channel stays open.
+    wait_for(lambda: proc.poll() is not None, 10, "the agent to exit after its heartbeat timeout")
+    assert proc.returncode == 75
+
+
+def test_agent_exits_when_channel_closes_while_cell_blocks(
+    agent: tuple[subprocess.Popen[bytes], SyncChannel],
+) -> None:
+    proc, channel = agent
+    channel.send(
+        p.RunCell(1, "import time\nprint('blocked', flush=True)\ntime.sleep(600)", "<sky-cell-1>")
+    )
+    _until_output(channel, "blocked")
+    assert proc.stdin is not None
+    proc.stdin.close()
+    wait_for(lambda: proc.poll() is not None, 5, "the agent to exit after its channel closed")
+    assert proc.returncode == 0
+
+
+def test_agent_answers_with_hello_and_runs_a_cell(
+    agent: tuple[subprocess.Popen[bytes], SyncChannel],
+) -> None:
+    _, channel = agent
+    channel.send(p.RunCell(7, "x = 2\nx * 21", "<sky-cell-7>"))
+    received = []
+    with _beating(channel):
+        while not isinstance(message := channel.recv(), p.CellDone):
+            received.append(message)
+    hellos = [m for m in received if isinstance(m, p.Hello)]
+    assert len(hellos) == 1 and hellos[0].pid > 0 and hellos[0].torch
+    assert message.cell_id == 7 and message.error is None
+    assert message.value is not None and message.value.load() == 42

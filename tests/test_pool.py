@@ -1,0 +1,377 @@
+"""The pool with real spawned ranks and real gloo process groups."""
+
+from __future__ import annotations
+
+import os
+import signal
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from skyward_jupyter import CellError, Pool, PoolError
+from skyward_jupyter.events import CellStarted, OutputReceived, PoolEvent
+
+from .conftest import agent_pids, wait_for
+
+
+def src(text: str) -> str:
+    return textwrap.dedent(text).strip() + "\n"
+
+
+ALL_REDUCE = src(
+    """
+    import torch, torch.distributed as dist
+    t = torch.ones(1) * (dist.get_rank() + 1)
+    dist.all_reduce(t)
+    t.item()
+    """
+)
+
+
+def test_all_reduce_two_ranks(pool2: Pool) -> None:
+    result = pool2.run(ALL_REDUCE)
+    assert result.ok, result.errors
+    assert result.values == [3.0, 3.0]
+
+
+def test_all_reduce_four_ranks_on_two_nodes() -> None:
+    with Pool(nodes=2, procs_per_node=2) as pool:
+        result = pool.run(
+            ALL_REDUCE + "(t.item(), dist.get_world_size(), __import__('os').environ['NODE_RANK'])"
+        )
+        assert result.ok, result.errors
+        assert [v[0] for v in result.values] == [10.0] * 4
+        assert [v[1] for v in result.values] == [4] * 4
+        assert [v[2] for v in result.values] == ["0", "0", "1", "1"]
+
+
+def test_world_of_one_still_has_a_process_group() -> None:
+    with Pool(nodes=1) as pool:
+        result = pool.run(
+            "import torch.distributed as dist\n(dist.is_initialized(), dist.get_world_size())"
+        )
+        assert result.values == [(True, 1)]
+
+
+def test_torch_environment_before_first_cell(pool2: Pool) -> None:
+    result = pool2.run(
+        src(
+            """
+            import os, torch.distributed as dist
+            from skyward_jupyter import instance_info
+            keys = ["MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
+                    "LOCAL_WORLD_SIZE", "NODE_RANK"]
+            info = instance_info()
+            ({k: os.environ[k] for k in keys}, dist.get_backend(), info.is_head, info.total_nodes,
+             [p.ranks for p in info.peers])
+            """
+        )
+    )
+    assert result.ok, result.errors
+    for rank, (env, backend, is_head, nodes, peers) in enumerate(result.values):
+        assert env["RANK"] == env["NODE_RANK"] == str(rank)
+        assert (
+            env["WORLD_SIZE"] == "2" and env["LOCAL_RANK"] == "0" and env["LOCAL_WORLD_SIZE"] == "1"
+        )
+        assert env["MASTER_ADDR"] == "127.0.0.1"
+        assert int(env["MASTER_PORT"]) == pool2.master_port
+        assert backend == "gloo"
+        assert is_head == (rank == 0)
+        assert nodes == 2 and peers == [(0,), (1,)]
+
+
+def test_namespace_persists_across_cells(pool2: Pool) -> None:
+    pool2.run(
+        "import torch.distributed as dist\n"
+        "my_value = dist.get_rank() * 10\n"
+        "def bump(x): return x + my_value"
+    )
+    result = pool2.run("bump(1)")
+    assert result.values == [1, 11]
+
+
+def test_globals_travel_and_large_arrays_arrive_intact(pool2: Pool) -> None:
+    data = np.arange(2_000_000, dtype=np.float64)
+
+    def scale(x: np.ndarray) -> float:
+        return float(x.sum()) * 2
+
+    result = pool2.run("scale(data)", {"data": data, "scale": scale})
+    assert result.values == [float(data.sum()) * 2] * 2
+    assert result.shipped_bytes >= data.nbytes
+
+
+def test_unpicklable_global_fails_before_anything_runs(pool2: Pool) -> None:
+    seen: list[PoolEvent] = []
+    unsubscribe = pool2.subscribe(seen.append)
+    try:
+        with pytest.raises(PoolError, match="'lock'"):
+            pool2.run("lock", {"lock": threading.Lock()})
+        with pytest.raises(SyntaxError):
+            pool2.run("def broken(:\n")
+    finally:
+        unsubscribe()
+    assert not [e for e in seen if isinstance(e, CellStarted)]
+
+
+def test_output_is_captured_at_the_descriptor_level(pool2: Pool) -> None:
+    events: list[OutputReceived] = []
+    unsubscribe = pool2.subscribe(
+        lambda e: events.append(e) if isinstance(e, OutputReceived) else None
+    )
+    try:
+        result = pool2.run(
+            src(
+                """
+                import ctypes, os, sys
+                print("from python")
+                os.write(1, b"from the descriptor\\n")
+                ctypes.CDLL(None).printf(b"from C printf\\n")
+                print("progress 50%\\r", end="")
+                print("progress 100%")
+                print("to stderr", file=sys.stderr)
+                """
+            )
+        )
+    finally:
+        unsubscribe()
+    assert result.ok, result.errors
+    for rank in (0, 1):
+        out = "".join(e.text for e in events if e.rank == rank and e.stream == "stdout")
+        err = "".join(e.text for e in events if e.rank == rank and e.stream == "stderr")
+        assert (
+            out == "from python\nfrom the descriptor\nfrom C printf\nprogress 50%\rprogress 100%\n"
+        )
+        assert err == "to stderr\n"
+    assert {e.cell_id for e in events} == {result.cell_id}
+
+
+def test_remote_traceback_shows_the_cells_lines(pool2: Pool) -> None:
+    result = pool2.run(src("def inner():\n    return {}['missing']\n\ninner()"))
+    assert not result.ok
+    error = result.errors[0]
+    assert error.type_name == "KeyError"
+    assert "return {}['missing']" in error.traceback
+    assert "inner()" in error.traceback
+    assert "skyward_jupyter/agent" not in error.traceback
+    assert isinstance(error.exception, KeyError)
+    with pytest.raises(CellError, match="rank 0"):
+        result.raise_for_errors()
+
+
+def test_ddp_mlp_learns_and_stays_in_sync(pool2: Pool) -> None:
+    result = pool2.run(
+        src(
+            """
+            import torch, torch.nn as nn, torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+            torch.manual_seed(0)
+            x = torch.randn(512, 10)
+            y = (x.sum(dim=1, keepdim=True) > 0).float()
+            dataset = TensorDataset(x, y)
+            sampler = DistributedSampler(dataset, shuffle=True, seed=1)
+            loader = DataLoader(dataset, batch_size=32, sampler=sampler)
+            model = DDP(nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 1)))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            loss_fn = nn.BCEWithLogitsLoss()
+            losses = []
+            for epoch in range(8):
+                sampler.set_epoch(epoch)
+                total = torch.zeros(2)
+                for bx, by in loader:
+                    opt.zero_grad()
+                    loss = loss_fn(model(bx), by)
+                    loss.backward()
+                    opt.step()
+                    total += torch.tensor([loss.item(), 1.0])
+                dist.all_reduce(total)
+                losses.append((total[0] / total[1]).item())
+            flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+            (losses, flat.tolist(), len(list(iter(sampler))))
+            """
+        )
+    )
+    assert result.ok, result.errors
+    (losses0, params0, n0), (losses1, params1, n1) = result.values
+    assert losses0 == losses1
+    assert losses0[-1] < losses0[0] * 0.6
+    assert params0 == params1
+    assert n0 == n1 == 256
+
+
+def test_rank_raising_while_peer_waits_in_collective_ends_fast(pool2: Pool) -> None:
+    pool2.run("import torch, torch.distributed as dist\nkeep = 'rank %d' % dist.get_rank()")
+    started = time.monotonic()
+    result = pool2.run(
+        src(
+            """
+            if dist.get_rank() == 1:
+                raise ValueError("bad batch on rank 1")
+            dist.all_reduce(torch.ones(1))
+            """
+        )
+    )
+    assert time.monotonic() - started < 10
+    error = CellError(result.errors)
+    assert error.primary.rank == 1 and error.primary.type_name == "ValueError"
+    assert "bad batch on rank 1" in error.primary.traceback
+    assert result.lost == ()
+    again = pool2.run(ALL_REDUCE + "(t.item(), keep)")
+    assert again.values == [(3.0, "rank 0"), (3.0, "rank 1")]
+
+
+def test_rank_killed_mid_cell_is_reported_restarted_and_named() -> None:
+    with Pool(nodes=2, interrupt_grace=2.0) as pool:
+        pool.run("import torch, torch.distributed as dist\nkeep = dist.get_rank()")
+        victim = pool.ranks[1].hello
+        assert victim is not None
+        started = time.monotonic()
+        result = pool.run(
+            src(
+                """
+                import os, signal
+                if dist.get_rank() == 1:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                dist.barrier()
+                """
+            )
+        )
+        assert time.monotonic() - started < 15
+        by_rank = {e.rank: e for e in result.errors}
+        assert by_rank[1].type_name == "RankLost" and "SIGKILL" in by_rank[1].message
+        assert result.lost == (1,)
+        assert any("namespaces were lost" in note for note in result.notes)
+        assert victim.pid not in agent_pids()
+        after = pool.run(ALL_REDUCE + "(t.item(), 'keep' in globals())")
+        assert after.values == [(3.0, True), (3.0, False)]
+
+
+def test_stuck_rank_is_killed_after_the_grace_period() -> None:
+    with Pool(nodes=2, interrupt_grace=1.0) as pool:
+        pool.run("import signal, time, torch.distributed as dist")
+        started = time.monotonic()
+        result = pool.run(
+            src(
+                """
+                if dist.get_rank() == 0:
+                    signal.signal(signal.SIGINT, signal.SIG_IGN)
+                    while True:
+                        time.sleep(0.05)
+                raise RuntimeError("rank 1 fails")
+                """
+            )
+        )
+        assert time.monotonic() - started < 15
+        primary = CellError(result.errors).primary
+        assert primary.rank == 1 and primary.type_name == "RuntimeError"
+        assert result.lost == (0,)
+        assert any("were killed" in note for note in result.notes)
+        assert pool.run(ALL_REDUCE).values == [3.0, 3.0]
+
+
+def test_keyboard_interrupt_in_the_caller_reaches_every_rank() -> None:
+    with Pool(nodes=2, interrupt_grace=5.0) as pool:
+        pool.run("import time\nkeep = 1")
+        asleep: set[int] = set()
+
+        def on_event(event: PoolEvent) -> None:
+            if isinstance(event, OutputReceived) and "sleeping" in event.text:
+                asleep.add(event.rank)
+
+        pool.subscribe(on_event)
+
+        def interrupt_when_asleep() -> None:
+            wait_for(lambda: asleep == {0, 1}, 30, "both ranks to sleep")
+            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+
+        helper = threading.Thread(target=interrupt_when_asleep)
+        helper.start()
+        started = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            pool.run("print('sleeping', flush=True)\ntime.sleep(120)")
+        helper.join()
+        assert time.monotonic() - started < 30
+        after = pool.run("keep")
+        assert after.values == [1, 1] and after.lost == ()
+
+
+def test_timeout_stops_the_cell() -> None:
+    with Pool(nodes=2, interrupt_grace=2.0) as pool:
+        pool.run("import time")
+        result = pool.run("time.sleep(120)", timeout=1.0)
+        assert {e.type_name for e in result.errors} == {"KeyboardInterrupt"}
+        assert any("timed out" in n for n in result.notes)
+        assert pool.run("1").values == [1, 1]
+
+
+def test_rank_lost_while_idle_is_restarted_and_reported() -> None:
+    with Pool(nodes=2) as pool:
+        pool.run("keep = 1")
+        victim = pool.ranks[0].hello
+        assert victim is not None
+        os.kill(victim.pid, signal.SIGKILL)
+        wait_for(
+            lambda: (
+                pool.ranks[0].hello is not None
+                and pool.ranks[0].hello.pid != victim.pid
+                and pool.ranks[0].state.value == "ready"
+            ),
+            30,
+            "rank 0 to be restarted",
+        )
+        result = pool.run(ALL_REDUCE)
+        assert result.values == [3.0, 3.0]
+        assert result.lost == (0,)
+
+
+def test_pool_works_without_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shim = tmp_path / "torch"
+    shim.mkdir()
+    (shim / "__init__.py").write_text("raise ImportError('No module named torch (test shim)')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    with Pool(nodes=2) as pool:
+        assert pool.torch_note is not None and "skipped" in pool.torch_note
+        result = pool.run("from skyward_jupyter import instance_info\ninstance_info().rank")
+        assert result.values == [0, 1]
+
+
+def test_closing_the_pool_ends_every_rank() -> None:
+    pool = Pool(nodes=2).start()
+    pids = {r.hello.pid for r in pool.ranks if r.hello}
+    assert pids <= agent_pids()
+    pool.close()
+    wait_for(lambda: not (pids & agent_pids()), 10, "ranks to end after close")
+    with pytest.raises(PoolError, match="not running"):
+        pool.run("1")
+
+
+def test_sigkill_of_the_notebook_process_leaves_no_rank(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    script = tmp_path / "notebook.py"
+    script.write_text(
+        src(
+            """
+            import sys, time
+            from skyward_jupyter import Pool
+            pool = Pool(nodes=2).start()
+            print(" ".join(str(r.hello.pid) for r in pool.ranks), flush=True)
+            time.sleep(600)
+            """
+        )
+    )
+    notebook = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert notebook.stdout is not None
+        pids = {int(x) for x in notebook.stdout.readline().split()}
+        assert len(pids) == 2 and pids <= agent_pids()
+    finally:
+        notebook.kill()
+        notebook.wait()
+    wait_for(lambda: not (pids & agent_pids()), 10, "ranks to end after the notebook was killed")

@@ -1,0 +1,75 @@
+"""Frames: round trips, out-of-band buffers, and clear errors for a wrong peer."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import numpy as np
+import pytest
+
+from skyward_jupyter import protocol as p
+from skyward_jupyter.wire import SyncChannel, WireError, encode, read_message
+
+
+def _through_asyncio(frame: list[bytes | bytearray | memoryview]) -> object:
+    async def go() -> object:
+        reader = asyncio.StreamReader()
+        for segment in frame:
+            reader.feed_data(bytes(segment))
+        reader.feed_eof()
+        return await read_message(reader)
+
+    return asyncio.run(go())
+
+
+def test_large_array_travels_out_of_band() -> None:
+    array = np.arange(1_000_000, dtype=np.float32)
+    frame = encode({"a": array})
+    # header, pickle, then the array's own memory as a separate segment: no copy into the pickle
+    assert len(frame) == 3
+    assert memoryview(frame[2]).nbytes == array.nbytes
+    assert memoryview(frame[1]).nbytes < 1000
+    assert np.array_equal(_through_asyncio(frame)["a"], array)  # type: ignore[index]
+
+
+def test_nested_pickled_payload_stays_out_of_band() -> None:
+    array = np.ones(500_000)
+    message = p.RunCell(1, "x", "<sky-cell-1>", {"x": p.Pickled.dump(array)})
+    frame = encode(message)
+    assert sum(memoryview(s).nbytes for s in frame[1:2]) < 2000
+    decoded = _through_asyncio(frame)
+    assert isinstance(decoded, p.RunCell)
+    assert np.array_equal(decoded.globals["x"].load(), array)
+
+
+def test_sync_channel_round_trip_over_a_pipe() -> None:
+    r, w = os.pipe()
+    channel = SyncChannel(r, w)
+    try:
+        channel.send(p.Output(3, "stdout", "hello\r"))
+        assert channel.recv() == p.Output(3, "stdout", "hello\r")
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_wrong_magic_and_version_are_named() -> None:
+    frame = encode(p.Beat())
+    with pytest.raises(WireError, match="not a skyward_jupyter stream"):
+        _through_asyncio([b"XYZ" + bytes(frame[0])[3:], *frame[1:]])
+    bumped = bytearray(frame[0])
+    bumped[3] = 99
+    with pytest.raises(WireError, match="different skyward_jupyter versions"):
+        _through_asyncio([bytes(bumped), *frame[1:]])
+
+
+def test_closed_stream_raises_eof() -> None:
+    r, w = os.pipe()
+    os.close(w)
+    channel = SyncChannel(r, -1)
+    try:
+        with pytest.raises(EOFError):
+            channel.recv()
+    finally:
+        os.close(r)
