@@ -244,11 +244,19 @@ def _git_revision() -> str:
     try:
         head = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
-            cwd=REPO, capture_output=True, text=True, check=True, timeout=10,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
         ).stdout.strip()
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=REPO, capture_output=True, text=True, check=True, timeout=10,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -327,7 +335,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"Goal: pool start no slower than torchrun (ratio <= {GOAL_START_RATIO:.2f}): "
         f"**{'met' if start_ok else 'NOT met'}**.",
         "",
-        f"### Round trip of a trivial cell (`pool.run(\"1\")`, {NODES} ranks, "
+        f'### Round trip of a trivial cell (`pool.run("1")`, {NODES} ranks, '
         f"{rt['runs']} runs after {rt['warmup']} warm-up)",
         "",
         "| median | p10 | p90 | min | max |",
@@ -362,7 +370,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per launched command")
     parser.add_argument("--json-out", type=Path, default=DEFAULT_JSON)
     parser.add_argument(
-        "--markdown-out", type=Path, default=None,
+        "--markdown-out",
+        type=Path,
+        default=None,
         help="write the markdown section here (replaces the generated block if the file has one)",
     )
     args = parser.parse_args(argv)

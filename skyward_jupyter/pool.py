@@ -11,8 +11,11 @@ Failure policy for a cell (the peers' main complaint is ranks that hang for minu
    (SIGINT to their main thread) and tell the failed ranks to leave the process group, which
    makes a peer blocked in a collective with them fail at once instead of at the timeout;
 2. ranks still running after ``interrupt_grace`` seconds are killed;
-3. dead ranks are restarted and the process group is re-formed on every rank with a fresh port,
-   so the next cell finds the same world; the result says whose namespace was lost.
+3. when ranks had to be stopped or died, dead ranks are restarted and the process group is
+   re-formed on every rank with a fresh port, so the next cell finds the same world (ranks
+   stopped part-way may disagree on how many collectives ran). The result says whose namespace
+   was lost; objects holding the old group (a DDP-wrapped model) must be wrapped again. A cell
+   that simply raised on every rank leaves the group as it was.
 """
 
 from __future__ import annotations
@@ -150,6 +153,7 @@ class _Cell:
     stop_at: float | None = None
     kill_now: bool = False
     asked_to_stop: set[_Rank] = field(default_factory=set)
+    left_group: set[_Rank] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
 
 
@@ -538,7 +542,8 @@ class Pool:
                 await self._drive(cell)
                 results = self._results(cell)
                 lost = [r.index for r in self._ranks if not r.alive]
-                if any(not r.ok for r in results):
+                if cell.asked_to_stop or cell.left_group or lost:
+                    # Ranks stopped part-way may disagree on how many collectives ran.
                     cell.notes.extend(await self._recover())
             finally:
                 self._cell = None
@@ -569,18 +574,23 @@ class Pool:
     def _stop(self, cell: _Cell) -> None:
         """Interrupt the ranks still running; make failed ranks leave the group to free peers."""
         cell.stop_at = time.monotonic() + self.interrupt_grace
-        interrupt, leave = wire.encode(p.Interrupt()), wire.encode(p.LeaveGroup())
+        interrupt = wire.encode(p.Interrupt())
         for r, future in cell.futures.items():
             if not future.done():
                 cell.asked_to_stop.add(r)
                 self._send(r, interrupt)
         for r, outcome in cell.outcomes.items():
             if isinstance(outcome, p.CellDone) and outcome.error is not None:
-                self._send(r, leave)
+                self._leave(cell, r)
+
+    def _leave(self, cell: _Cell, rank: _Rank) -> None:
+        """Make a failed rank leave the group while peers may still wait in a collective with it."""
+        if any(not f.done() for f in cell.futures.values()):
+            cell.left_group.add(rank)
+            self._send(rank, wire.encode(p.LeaveGroup()))
 
     async def _drive(self, cell: _Cell) -> None:
         pending = dict(cell.futures)
-        leave = wire.encode(p.LeaveGroup())
         while pending:
             now = time.monotonic()
             limits = [t - now for t in (cell.stop_at, cell.deadline) if t is not None]
@@ -607,7 +617,7 @@ class Pool:
                     cell.first_failure = r
                     self._stop(cell)
                 elif isinstance(outcome, p.CellDone):
-                    self._send(r, leave)
+                    self._leave(cell, r)
             now = time.monotonic()
             if cell.deadline is not None and now >= cell.deadline and cell.stop_at is None:
                 cell.notes.append(f"timed out after {cell.timeout} s")

@@ -19,6 +19,7 @@ import functools
 import io
 import json
 import math
+import operator
 import os
 import random
 from collections.abc import Callable
@@ -65,7 +66,7 @@ def _env_int(name: str, default: int) -> int:
 
 def instance_info() -> InstanceInfo:
     """The topology as the agent set it, or a world of one outside a pool."""
-    pool = json.loads(os.environ.get("SKYWARD_POOL", "null")) or {}
+    pool = json.loads(os.environ.get("SKYWARD_POOL") or "null") or {}
     node = _env_int("NODE_RANK", 0)
     peers = tuple(
         Peer(
@@ -87,7 +88,7 @@ def instance_info() -> InstanceInfo:
         total_nodes=len(peers) or 1,
         head_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
         head_port=int(port) if port else None,
-        accelerators=peers[node].accelerators if node < len(peers) else 0,
+        accelerators=next((p.accelerators for p in peers if p.node == node), 0),
         peers=peers or (Peer(0, "127.0.0.1", tuple(range(world)), 0),),
         pool=pool.get("name"),
     )
@@ -212,13 +213,20 @@ def log(step: int | None = None, **metrics: Any) -> None:
     values: dict[str, float] = {}
     for name, value in metrics.items():
         try:
+            if isinstance(value, str | bytes):
+                raise TypeError("text is not a number")
             values[name] = float(value.item() if hasattr(value, "item") else value)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RuntimeError) as exc:  # RuntimeError: a multi-item tensor
             raise TypeError(
                 f"log(): metric {name!r} must be a number, got {type(value).__name__}"
             ) from exc
-    if step is not None and not isinstance(step, int):
-        raise TypeError(f"log(): step must be an int, got {type(step).__name__}")
+    if step is not None:
+        if isinstance(step, bool):
+            raise TypeError("log(): step must be an int, got bool")
+        try:
+            step = operator.index(step)  # numpy and 0-d tensor integers are fine
+        except TypeError:
+            raise TypeError(f"log(): step must be an int, got {type(step).__name__}") from None
     if _sink is not None:
         _sink(step, values)
     else:

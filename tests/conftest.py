@@ -20,8 +20,11 @@ MARKER = f"SKYWARD_TEST_SESSION={uuid.uuid4().hex}"
 os.environ["SKYWARD_TEST_SESSION"] = MARKER.split("=", 1)[1]
 
 
-def agent_pids() -> set[int]:
-    """Live (non-zombie) rank processes started by this test session."""
+def agent_pids(name: bytes = b"sky-rank-") -> set[int]:
+    """Live (non-zombie) processes of this test session whose name starts with ``name``.
+
+    Ranks name themselves ``sky-rank-N``, the template ``sky-template``.
+    """
     found = set()
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -29,6 +32,8 @@ def agent_pids() -> set[int]:
         try:
             cmdline = (proc / "cmdline").read_bytes()
             if b"skyward_jupyter.agent" not in cmdline:
+                continue
+            if not (proc / "comm").read_bytes().startswith(name):
                 continue
             if MARKER.encode() in (proc / "environ").read_bytes().split(b"\0"):
                 found.add(int(proc.name))
@@ -46,7 +51,18 @@ def wait_for(condition: Callable[[], object], timeout: float, what: str) -> None
         time.sleep(0.02)
 
 
+TEMPLATE = b"sky-template"
 _module_pool_pids: set[int] = set()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def template_ends_with_the_module() -> Iterator[None]:
+    """The rank template is a process-wide cache: each module ends it and checks that it ended."""
+    yield
+    from skyward_jupyter.providers.local import shutdown_template
+
+    shutdown_template()
+    wait_for(lambda: not agent_pids(TEMPLATE), 10, "the rank template to end")
 
 
 @pytest.fixture(autouse=True)

@@ -15,7 +15,7 @@ import pytest
 from skyward_jupyter import CellError, Pool, PoolError
 from skyward_jupyter.events import CellStarted, OutputReceived, PoolEvent
 
-from .conftest import agent_pids, wait_for
+from .conftest import TEMPLATE, agent_pids, wait_for
 
 
 def src(text: str) -> str:
@@ -220,7 +220,7 @@ def test_rank_raising_while_peer_waits_in_collective_ends_fast(pool2: Pool) -> N
     error = CellError(result.errors)
     assert error.primary.rank == 1 and error.primary.type_name == "ValueError"
     assert "bad batch on rank 1" in error.primary.traceback
-    assert result.lost == ()
+    assert result.lost == (), (result.notes, [e.traceback for e in result.errors])
     again = pool2.run(ALL_REDUCE + "(t.item(), keep)")
     assert again.values == [(3.0, "rank 0"), (3.0, "rank 1")]
 
@@ -366,12 +366,19 @@ def test_sigkill_of_the_notebook_process_leaves_no_rank(tmp_path: Path) -> None:
             """
         )
     )
+    before = agent_pids() | agent_pids(TEMPLATE)
     notebook = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         assert notebook.stdout is not None
         pids = {int(x) for x in notebook.stdout.readline().split()}
         assert len(pids) == 2 and pids <= agent_pids()
+        started = (agent_pids() | agent_pids(TEMPLATE)) - before
+        assert len(started) == 3  # two ranks and the notebook's rank template
     finally:
         notebook.kill()
         notebook.wait()
-    wait_for(lambda: not (pids & agent_pids()), 10, "ranks to end after the notebook was killed")
+    wait_for(
+        lambda: not (started & (agent_pids() | agent_pids(TEMPLATE))),
+        10,
+        "ranks and template to end after the notebook was killed",
+    )

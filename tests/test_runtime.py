@@ -678,26 +678,19 @@ def test_silent_on_every_rank(
         assert capsys.readouterr() == ("", "")
 
 
-# ------------------------------------------------------------ questionable behaviour (see report)
+# ------------------------------------------------------------ edge cases of the inputs
 
 
-@pytest.mark.xfail(strict=True, reason="log() accepts numeric strings: float('1.5') succeeds")
 def test_log_rejects_numeric_string() -> None:
     with pytest.raises(TypeError, match="'loss'"):
         log(loss="1.5")
 
 
-@pytest.mark.xfail(
-    strict=True, reason="multi-element tensor raises RuntimeError from .item(), not TypeError"
-)
 def test_log_rejects_multi_element_tensor_with_type_error() -> None:
     with pytest.raises(TypeError, match="'batch'"):
         log(batch=torch.tensor([1.0, 2.0]))
 
 
-@pytest.mark.xfail(
-    strict=True, reason="accelerators is looked up by list position, not by the 'node' field"
-)
 def test_accelerators_follow_node_field_not_list_order(monkeypatch: pytest.MonkeyPatch) -> None:
     pool = {
         "nodes": [
@@ -710,7 +703,6 @@ def test_accelerators_follow_node_field_not_list_order(monkeypatch: pytest.Monke
     assert instance_info().accelerators == 8
 
 
-@pytest.mark.xfail(strict=True, reason="an empty SKYWARD_POOL raises JSONDecodeError")
 def test_empty_pool_var_is_treated_as_unset(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SKYWARD_POOL", "")
     assert instance_info().total_nodes == 1

@@ -16,6 +16,7 @@ would never return to let a normal exit happen.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import functools
@@ -63,6 +64,7 @@ class AgentSettings:
 class Agent:
     def __init__(self, settings: AgentSettings) -> None:
         self.settings = settings
+        set_process_name(f"sky-rank-{os.environ.get('RANK', '0')}")
         # Take the wire off descriptors 0 and 1 before anything can print or read there.
         wire_in, wire_out = os.dup(0), os.dup(1)
         devnull = os.open(os.devnull, os.O_RDONLY)
@@ -172,6 +174,11 @@ class Agent:
 
     def serve(self) -> None:
         self._torch = torch_version()
+        threads = os.environ.get("SKYWARD_NUM_THREADS")
+        if self._torch and threads:
+            import torch
+
+            torch.set_num_threads(int(threads))
         self.channel.send(
             p.Hello(
                 pid=os.getpid(),
@@ -297,6 +304,13 @@ def _error_info(exc: BaseException) -> p.ErrorInfo:
     )
 
 
+def set_process_name(name: str) -> None:
+    """Name the process as ``ps``/``top`` show it, so a user can tell ranks from other Pythons."""
+    libc = _libc()
+    if libc is not None and sys.platform.startswith("linux"):
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+
+
 @functools.cache
 def _libc() -> ctypes.CDLL | None:
     try:
@@ -313,4 +327,6 @@ def _flush_c_stdio() -> None:
 
 def main() -> None:
     Agent(AgentSettings.from_env()).serve()
-    sys.exit(0)
+    # Run the user's exit hooks, then skip the interpreter's teardown of torch (about a second).
+    atexit._run_exitfuncs()
+    os._exit(0)

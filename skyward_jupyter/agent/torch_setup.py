@@ -8,6 +8,7 @@ a fresh port, so a port that torch failed to release cannot block the next group
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
@@ -42,10 +43,32 @@ def cuda_device_count() -> int:
     return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
 
 
+def _socket_inodes() -> dict[str, int]:
+    """This process's sockets: ``socket:[inode]`` -> descriptor."""
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue  # closed while we looked (the listing's own descriptor among them)
+        if target.startswith("socket:"):
+            found[target] = int(name)
+    return found
+
+
 class ProcessGroup:
+    """The default process group of this rank, and a way to abort it that peers notice at once.
+
+    ``destroy_process_group`` does not close gloo's connections while anything still holds the
+    group (a DDP model in the cell's namespace does), so a peer blocked in a collective with
+    this rank would wait for the full timeout. The sockets the group opened are therefore
+    recorded when it forms and shut down on abort: the peer's collective fails immediately.
+    """
+
     def __init__(self, settings: GroupSettings) -> None:
         self.settings = settings
         self._store: Any = None
+        self._sockets: dict[str, int] = {}
 
     def host(self) -> int:
         """Start the rendezvous store on the head; return its port."""
@@ -81,14 +104,41 @@ class ProcessGroup:
         backend = s.backend or ("nccl" if cuda else "gloo")
         if cuda:
             torch.cuda.set_device(s.local_rank % torch.cuda.device_count())
+        before = _socket_inodes() if os.path.isdir("/proc/self/fd") else {}
         dist.init_process_group(
             backend, store=self._store, rank=s.rank, world_size=s.world_size, timeout=timeout
         )
+        if before or os.path.isdir("/proc/self/fd"):
+            after = _socket_inodes()
+            self._sockets = {k: fd for k, fd in after.items() if k not in before}
         return backend
 
     def leave(self) -> None:
+        """Abort the group (its peers' pending collectives fail now) and destroy it."""
         import torch.distributed as dist
 
-        if dist.is_initialized():
+        if not dist.is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            from torch.distributed.distributed_c10d import _abort_process_group
+
+            _abort_process_group()
+        else:
+            self._shut_sockets()
             dist.destroy_process_group()
         self._store = None
+
+    def _shut_sockets(self) -> None:
+        current = _socket_inodes()
+        for inode, fd in self._sockets.items():
+            if current.get(inode) != fd:
+                continue  # already closed by torch, or the number now names something else
+            sock = socket.socket(fileno=os.dup(fd))
+            try:
+                # A listener is left alone: gloo aborts the process when its accept() fails.
+                if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    with contextlib.suppress(OSError):  # the peer may have closed it first
+                        sock.shutdown(socket.SHUT_RDWR)
+            finally:
+                sock.close()
+        self._sockets = {}

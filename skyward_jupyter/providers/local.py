@@ -1,30 +1,42 @@
 """The embedded default: every node is simulated on this machine, every rank a spawned process.
 
-Ranks are spawned (``python -m skyward_jupyter.agent``), never forked from the notebook, so the
-kernel's state (CUDA included) cannot leak into them. Each rank gets its own session, so the
-kernel's Ctrl-C reaches it only through the pool, which decides how to escalate.
+Ranks are never forked from the notebook, so the kernel's state (CUDA included) cannot leak into
+them. They come from a warm template process (:mod:`skyward_jupyter.agent.template`) that has
+imported torch once, so a pool starts, and a failed rank restarts, without paying torch's import
+again; when the template cannot serve a rank (its environment changes what torch reads at import)
+the rank is spawned cold with ``python -m skyward_jupyter.agent``. Either way each rank gets its
+own session, so the kernel's Ctrl-C reaches it only through the pool, which decides how to
+escalate.
 
 The machine's GPUs are split evenly across the simulated nodes; each node sees only its own
-through ``CUDA_VISIBLE_DEVICES``, as a real separate machine would.
+through ``CUDA_VISIBLE_DEVICES``, as a real separate machine would. CPU threads are split across
+the ranks too (``torch.set_num_threads``), so two ranks on two cores do not fight over four.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import contextlib
+import json
 import os
+import queue
 import shutil
 import signal
+import socket
 import subprocess
 import sys
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from .base import Node, ProviderError
 
 _DIAGNOSTIC_LINES = 40
 _PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
+_IMPORT_TIME_PREFIXES = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "TORCH_", "PYTORCH_", "LD_")
+_RANK_KEYS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR"}
 
 
 def visible_gpus() -> tuple[tuple[str, ...], str | None]:
@@ -65,39 +77,240 @@ def split_gpus(gpus: tuple[str, ...], nodes: int) -> list[tuple[str, ...]]:
     return [gpus[i * per : (i + 1) * per] for i in range(nodes)]
 
 
-class LocalRank:
-    def __init__(self, process: asyncio.subprocess.Process) -> None:
-        self._process = process
-        assert process.stdout is not None and process.stdin is not None
-        self.reader = process.stdout
-        self.writer = process.stdin
-        self._diagnostics: collections.deque[str] = collections.deque(maxlen=_DIAGNOSTIC_LINES)
-        self._stderr_task = asyncio.get_running_loop().create_task(self._collect_stderr())
+# ------------------------------------------------------------------------------ the template
+
+
+class Template:
+    """The notebook's handle on its template process; one per notebook process, shared by pools.
+
+    Blocking calls, made from a pool's IO thread through ``asyncio.to_thread``; a reader thread
+    routes the template's replies and its reports of ranks that ended.
+    """
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.env = dict(env)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "skyward_jupyter.agent.template", str(theirs.fileno())],
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
+            env=self.env,
+            start_new_session=True,
+        )
+        theirs.close()
+        self._sock = ours
+        self._request_lock = threading.Lock()
+        self._replies: queue.Queue[dict[str, object]] = queue.Queue()
+        self._ready = threading.Event()
+        self._alive = True
+        self._exit_lock = threading.Lock()
+        self._exits: dict[int, int] = {}
+        self._watchers: dict[int, Callable[[int], None]] = {}
+        threading.Thread(target=self._read, name="skyward-template", daemon=True).start()
 
     @property
-    def pid(self) -> int:
-        return self._process.pid
+    def alive(self) -> bool:
+        return self._alive
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data = self._sock.recv(1 << 16)
+            except OSError:
+                break
+            if not data:
+                break
+            message = json.loads(data)
+            if "exited" in message:
+                self._ended(int(message["exited"]), int(message["status"]))
+            elif "ready" in message:
+                self._ready.set()
+            else:
+                self._replies.put(message)
+        self._alive = False
+        self._ready.set()
+        self._replies.put({"error": "the template process ended"})
+
+    def _ended(self, pid: int, status: int) -> None:
+        with self._exit_lock:
+            watcher = self._watchers.pop(pid, None)
+            if watcher is None:
+                self._exits[pid] = status
+        if watcher is not None:
+            watcher(status)
+
+    def watch(self, pid: int, on_exit: Callable[[int], None]) -> None:
+        """Call ``on_exit(status)`` (from the reader thread) when rank ``pid`` ends."""
+        with self._exit_lock:
+            status = self._exits.pop(pid, None)
+            if status is None:
+                self._watchers[pid] = on_exit
+        if status is not None:
+            on_exit(status)
+
+    def spawn(self, env: Mapping[str, str], fds: tuple[int, int, int], timeout: float) -> int:
+        """Fork a rank with ``env`` and descriptors (stdin, stdout, stderr); return its pid."""
+        if not self._ready.wait(timeout) or not self._alive:
+            raise ProviderError("the rank template process is not running")
+        with self._request_lock:
+            socket.send_fds(self._sock, [json.dumps({"env": dict(env)}).encode()], list(fds))
+            reply = self._replies.get(timeout=timeout)
+        if "pid" not in reply:
+            raise ProviderError(f"the rank template could not start a rank: {reply.get('error')}")
+        return int(str(reply["pid"]))
+
+    def close(self) -> None:
+        self._sock.close()
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+_template: Template | None = None
+_retired: list[Template] = []  # replaced templates whose ranks may still be running
+_template_lock = threading.Lock()
+
+
+def _base_env() -> dict[str, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (_PACKAGE_PARENT, os.environ.get("PYTHONPATH", "")) if p
+    )
+    return env
+
+
+def _import_signature(env: Mapping[str, str]) -> dict[str, str]:
+    """The part of an environment that a process reads at start-up or when torch is imported."""
+    return {
+        k: v
+        for k, v in env.items()
+        if k.startswith(_IMPORT_TIME_PREFIXES) or k in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
+    }
+
+
+def template() -> Template:
+    """The warm template, started on first use (or again if it died or the environment moved)."""
+    global _template
+    with _template_lock:
+        base = _base_env()
+        if (
+            _template is None
+            or not _template.alive
+            or _import_signature(_template.env) != _import_signature(base)
+        ):
+            if _template is not None:
+                # Its ranks may still run, and it reports how they end: close it at shutdown.
+                _retired.append(_template)
+            _template = Template(base)
+        return _template
+
+
+def prewarm() -> None:
+    """Start the template now, so the first pool does not wait for torch's import."""
+    template()
+
+
+@atexit.register
+def shutdown_template() -> None:
+    """End the template (and replaced ones); their ranks then see their channel close."""
+    global _template
+    with _template_lock:
+        for old in [*_retired, *([_template] if _template else [])]:
+            old.close()
+        _retired.clear()
+        _template = None
+
+
+# ----------------------------------------------------------------------------------- ranks
+
+
+async def _pipe_reader(fd: int) -> asyncio.StreamReader:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=1 << 16)
+    await loop.connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", buffering=0)
+    )
+    return reader
+
+
+async def _pipe_writer(fd: int) -> asyncio.StreamWriter:
+    loop = asyncio.get_running_loop()
+    transport, protocol = await loop.connect_write_pipe(
+        asyncio.streams.FlowControlMixin, os.fdopen(fd, "wb", buffering=0)
+    )
+    return asyncio.StreamWriter(transport, protocol, None, loop)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True  # no /proc: signal 0 said it exists
+
+
+class LocalRank:
+    """A rank process on this machine, reached through three pipes the notebook created."""
+
+    def __init__(
+        self,
+        pid: int,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        stderr: asyncio.StreamReader,
+        exited: asyncio.Future[int],
+    ) -> None:
+        self.pid = pid
+        self.reader = reader
+        self.writer = writer
+        self._exited = exited
+        self._diagnostics: collections.deque[str] = collections.deque(maxlen=_DIAGNOSTIC_LINES)
+        self._stderr_task = asyncio.get_running_loop().create_task(self._collect(stderr))
 
     def describe(self) -> str:
-        return f"local pid {self._process.pid}"
+        return f"local pid {self.pid}"
 
-    async def _collect_stderr(self) -> None:
-        assert self._process.stderr is not None
-        async for line in self._process.stderr:
+    async def _collect(self, stderr: asyncio.StreamReader) -> None:
+        async for line in stderr:
             self._diagnostics.append(line.decode(errors="replace").rstrip())
 
     def diagnostics(self) -> str:
         return "\n".join(self._diagnostics)
 
     async def kill(self) -> None:
-        if self._process.returncode is None:
+        if not self._exited.done():
             with contextlib.suppress(ProcessLookupError):  # it ended after the check
-                self._process.kill()
-        await self._process.wait()
+                os.kill(self.pid, signal.SIGKILL)
+        await self._status()
+
+    async def _status(self) -> int | None:
+        """The exit status once the process has ended; None if nobody could report it.
+
+        The status comes from the process's parent (a thread here, or the template). Should the
+        template be gone, the process is still seen to end, by its pid disappearing.
+        """
+        while not self._exited.done():
+            done, _ = await asyncio.wait([self._exited], timeout=0.05)
+            if not done and not _pid_alive(self.pid):
+                await asyncio.wait([self._exited], timeout=0.5)
+                if not self._exited.done():
+                    return None
+        return self._exited.result()
 
     async def wait(self) -> str:
-        code = await self._process.wait()
+        code = await self._status()
         await asyncio.wait([self._stderr_task], timeout=1.0)
+        self.writer.close()
+        if code is None:
+            return "ended (exit status unknown)"
         if code < 0:
             return f"killed by {signal.Signals(-code).name}"
         return f"exited with status {code}"
@@ -106,10 +319,17 @@ class LocalRank:
 class LocalProvider:
     name = "local"
 
-    def __init__(self, gpus: tuple[str, ...] | None = None, gpu_type: str | None = None) -> None:
+    def __init__(
+        self,
+        gpus: tuple[str, ...] | None = None,
+        gpu_type: str | None = None,
+        use_template: bool = True,
+    ) -> None:
         self._gpus = gpus
         self._gpu_type = gpu_type
+        self._use_template = use_template
         self._ranks: list[LocalRank] = []
+        self._threads = 0
 
     async def provision(self, nodes: int) -> list[Node]:
         gpus, name = (self._gpus, self._gpu_type) if self._gpus is not None else visible_gpus()
@@ -118,24 +338,72 @@ class LocalProvider:
             for i, share in enumerate(split_gpus(gpus, nodes))
         ]
 
-    async def start_rank(self, node: Node, env: Mapping[str, str]) -> LocalRank:
-        full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
-        full_env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (_PACKAGE_PARENT, os.environ.get("PYTHONPATH", "")) if p
-        )
+    def _rank_env(self, node: Node, env: Mapping[str, str]) -> dict[str, str]:
+        full = {**_base_env(), **env}
         if node.gpus or os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
-            full_env["CUDA_VISIBLE_DEVICES"] = ",".join(node.gpus)
-        process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "skyward_jupyter.agent",
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env=full_env,
-            start_new_session=True,
+            full["CUDA_VISIBLE_DEVICES"] = ",".join(node.gpus)
+        world = int(env.get("WORLD_SIZE", "1"))
+        if "OMP_NUM_THREADS" not in full and world > 1:
+            full["SKYWARD_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
+        return full
+
+    def _template_can_serve(self, env: Mapping[str, str]) -> bool:
+        """False when the rank's environment changes what torch reads when it is imported."""
+        base = _base_env()
+        return self._use_template and not any(
+            k.startswith(_IMPORT_TIME_PREFIXES) and base.get(k) != v
+            for k, v in env.items()
+            if k not in _RANK_KEYS
         )
-        rank = LocalRank(process)
+
+    async def start_rank(self, node: Node, env: Mapping[str, str]) -> LocalRank:
+        full_env = self._rank_env(node, env)
+        loop = asyncio.get_running_loop()
+        exited: asyncio.Future[int] = loop.create_future()
+
+        def settle(status: int) -> None:
+            if not exited.done():
+                exited.set_result(status)
+
+        def on_exit(status: int) -> None:
+            loop.call_soon_threadsafe(settle, status)
+
+        wire_in_r, wire_in_w = os.pipe()
+        wire_out_r, wire_out_w = os.pipe()
+        diag_r, diag_w = os.pipe()
+        theirs = (wire_in_r, wire_out_w, diag_w)
+        try:
+            if self._template_can_serve(env):
+                tmpl = await asyncio.to_thread(template)
+                pid = await asyncio.to_thread(tmpl.spawn, full_env, theirs, 60.0)
+                tmpl.watch(pid, on_exit)
+            else:
+                popen = subprocess.Popen(
+                    [sys.executable, "-m", "skyward_jupyter.agent"],
+                    stdin=wire_in_r,
+                    stdout=wire_out_w,
+                    stderr=diag_w,
+                    env=full_env,
+                    start_new_session=True,
+                )
+                pid = popen.pid
+                threading.Thread(
+                    target=lambda: on_exit(popen.wait()), name=f"wait-{pid}", daemon=True
+                ).start()
+        except BaseException:
+            for fd in (wire_in_w, wire_out_r, diag_r):
+                os.close(fd)
+            raise
+        finally:
+            for fd in theirs:
+                os.close(fd)
+        rank = LocalRank(
+            pid,
+            await _pipe_reader(wire_out_r),
+            await _pipe_writer(wire_in_w),
+            await _pipe_reader(diag_r),
+            exited,
+        )
         self._ranks.append(rank)
         return rank
 
