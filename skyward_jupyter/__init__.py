@@ -26,3 +26,16 @@ __all__ = [
     "stdout",
 ]
 __version__ = "0.1.0"
+
+
+def load_ipython_extension(ipython: object) -> None:
+    """``%load_ext skyward_jupyter``: register ``%%sky``/``%sky`` and warm up the rank template."""
+    from .extension import load
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython: object) -> None:
+    from .extension import unload
+
+    unload(ipython)

@@ -53,6 +53,7 @@ Subscriber = Callable[[PoolEvent], None]
 log = logging.getLogger(__name__)
 
 _live_pools: weakref.WeakSet[Pool] = weakref.WeakSet()
+_WAIT_TICK = 0.05
 
 
 @atexit.register
@@ -211,6 +212,7 @@ class Pool:
         self.master_port: int | None = None
         self._ranks: list[_Rank] = []
         self._subscribers: list[Subscriber] = []
+        self._observers: dict[int, Subscriber] = {}
         self._io: _IOThread | None = None
         self._op_lock: asyncio.Lock | None = None
         self._cell: _Cell | None = None
@@ -277,10 +279,15 @@ class Pool:
         *,
         timeout: float | None = None,
         filename: str | None = None,
+        observer: Subscriber | None = None,
+        on_wait: Callable[[], None] | None = None,
     ) -> RunResult:
         """Run ``source`` on every rank with ``globals`` bound first; one result per rank.
 
         A syntax error or a global that cannot be pickled fails here, before anything is sent.
+        ``observer`` gets this cell's events only (on the IO thread); ``on_wait`` is called on
+        the caller's thread about 20 times a second while it waits, so a view can draw output
+        from the thread that owns the notebook cell.
         """
         if self._io is None or self._closing:
             raise PoolError(f"pool {self.name!r} is not running; start it first")
@@ -289,7 +296,12 @@ class Pool:
         compile(source, filename, "exec")
         shipped = {name: _pickle_global(name, value) for name, value in (globals or {}).items()}
         command = p.RunCell(cell_id, source, filename, shipped)
-        return self._wait(self._io.submit(self._run(command, timeout)))
+        if observer is not None:
+            self._observers[cell_id] = observer
+        try:
+            return self._wait(self._io.submit(self._run(command, timeout)), on_wait)
+        finally:
+            self._observers.pop(cell_id, None)
 
     def interrupt(self) -> None:
         """Interrupt the running cell on every rank (a second call kills what is still running)."""
@@ -307,23 +319,39 @@ class Pool:
         finally:
             io.stop()
 
-    def _wait(self, future: concurrent.futures.Future[T]) -> T:
+    def _wait(
+        self, future: concurrent.futures.Future[T], on_wait: Callable[[], None] | None = None
+    ) -> T:
         """Wait for the IO thread; Ctrl-C interrupts the ranks, a second one kills them."""
+
+        def settle() -> T:
+            while True:
+                try:
+                    return future.result(timeout=_WAIT_TICK if on_wait else None)
+                except concurrent.futures.TimeoutError:
+                    assert on_wait is not None
+                    on_wait()
+
         try:
-            return future.result()
+            return settle()
         except KeyboardInterrupt:
             self.interrupt()
             try:
-                future.result()
+                settle()
             except KeyboardInterrupt:
                 self.interrupt()
-                future.result()
+                settle()
             raise
 
     # ---------------------------------------------------------------------- IO thread: start
 
     def _emit(self, event: PoolEvent) -> None:
-        for callback in list(self._subscribers):
+        cell_id = getattr(event, "cell_id", None)
+        if cell_id is None and self._cell is not None and isinstance(event, RankStateChanged):
+            cell_id = self._cell.cell_id
+        observer = self._observers.get(cell_id) if cell_id is not None else None
+        callbacks = [*self._subscribers, *([observer] if observer else [])]
+        for callback in callbacks:
             try:
                 callback(event)
             except Exception:
@@ -641,7 +669,9 @@ class Pool:
         out = []
         for r in self._ranks:
             outcome = cell.outcomes.get(r)
-            secondary = r in cell.asked_to_stop and r is not cell.first_failure
+            secondary = (
+                r in cell.asked_to_stop and r is not cell.first_failure and _consequence(outcome)
+            )
             if isinstance(outcome, p.CellDone):
                 error = (
                     _remote_error(r, outcome.error, secondary)
@@ -715,6 +745,18 @@ class Pool:
                 await asyncio.gather(*(r.process.kill() for r in live if r.alive and r.process))
                 await asyncio.wait(stuck, timeout=5)
         await self.provider.release()
+
+
+def _consequence(outcome: p.CellDone | BaseException | None) -> bool:
+    """Whether a rank's failure looks caused by the pool stopping it (not its own error)."""
+    if not isinstance(outcome, p.CellDone) or outcome.error is None:
+        return True  # killed, or lost
+    error = outcome.error
+    return (
+        error.type_name == "KeyboardInterrupt"
+        or "DistBackendError" in error.type_name
+        or "Connection closed by peer" in error.message
+    )
 
 
 def _pickle_global(name: str, value: Any) -> p.Pickled:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, overload
 
 _SUMMARY_IN_FULL = 1
@@ -107,6 +107,11 @@ class RunResult(Sequence[RankResult]):
     shipped_bytes: int = 0
     lost: tuple[int, ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
+    show_all: bool = False
+    """Displayed with every rank's value rather than the head's (``%%sky --all``)."""
+
+    def with_display(self, every_rank: bool) -> RunResult:
+        return replace(self, show_all=every_rank)
 
     @overload
     def __getitem__(self, i: int) -> RankResult: ...

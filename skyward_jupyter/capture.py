@@ -1,0 +1,162 @@
+"""Which notebook globals a cell needs on the ranks, and which of them must actually travel.
+
+A cell is read, not run, to find the names it uses: every name it loads, also inside the
+functions, lambdas and comprehensions it defines (they run on the ranks later and look those
+names up there). The ones the notebook defines travel with the cell: modules by name, functions
+and classes defined in the notebook by value (cloudpickle), data by value.
+
+Two rules keep this cheap and unsurprising:
+- a name an earlier ``%%sky`` cell bound on the ranks stays remote and wins over the notebook's;
+- a value whose pickled bytes hash the same as when it was last sent is not sent again.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .protocol import Pickled
+
+LARGE_GLOBAL_BYTES = 100 * 1024 * 1024
+_NOTEBOOK_INTERNALS = {"In", "Out", "get_ipython", "exit", "quit"}
+_LOCAL_SCOPES = (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+
+
+class CaptureError(Exception):
+    """A global the cell needs cannot be sent; the message names it and says why."""
+
+
+def names_read(source: str) -> set[str]:
+    """Every name the cell loads anywhere, including in the functions and lambdas it defines."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load | ast.Del):
+            found.add(node.id)
+        elif isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
+            found.add(node.target.id)  # x += 1 reads x first
+    return found
+
+
+def names_bound(source: str) -> set[str]:
+    """The names the cell binds in the ranks' global namespace."""
+    bound: set[str] = set()
+    tree = ast.parse(source)
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            bound.add(node.name)
+            return  # what a body binds is local to it
+        if isinstance(node, _LOCAL_SCOPES):
+            return
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            bound.add(node.id)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            bound.update((a.asname or a.name).split(".")[0] for a in node.names if a.name != "*")
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    for statement in tree.body:
+        visit(statement)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Global):
+            bound.update(node.names)
+    return bound
+
+
+def _digest(pickled: Pickled) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(pickled.data)
+    for buffer in pickled.buffers:
+        h.update(buffer)
+    return h.digest()
+
+
+@dataclass(frozen=True)
+class Shipment:
+    """What one cell sends: the changed globals, pickled once for every rank."""
+
+    globals: dict[str, Pickled]
+    unchanged: tuple[str, ...]
+    remote: tuple[str, ...]
+    nbytes: int
+    warnings: tuple[str, ...]
+    digests: dict[str, bytes] = field(repr=False)
+    bound: frozenset[str] = frozenset()
+
+
+class Shipper:
+    """Per pool: the globals already on the ranks (by hash) and the names the ranks own."""
+
+    def __init__(self) -> None:
+        self._sent: dict[str, bytes] = {}
+        self._remote: set[str] = set()
+
+    @property
+    def remote_names(self) -> frozenset[str]:
+        return frozenset(self._remote)
+
+    def prepare(
+        self, source: str, user_ns: Mapping[str, Any], force: frozenset[str] = frozenset()
+    ) -> Shipment:
+        """Pickle the globals ``source`` needs; raises :class:`CaptureError` naming a bad one."""
+        wanted = sorted(
+            name
+            for name in names_read(source) | force
+            if name in user_ns
+            and not name.startswith("_")
+            and name not in _NOTEBOOK_INTERNALS
+            and (name not in vars(builtins) or user_ns[name] is not vars(builtins)[name])
+        )
+        send: dict[str, Pickled] = {}
+        digests: dict[str, bytes] = {}
+        unchanged, remote, warnings = [], [], []
+        for name in wanted:
+            if name in self._remote and name not in force:
+                remote.append(name)
+                continue
+            value = user_ns[name]
+            try:
+                pickled = Pickled.dump(value)
+            except Exception as exc:
+                raise CaptureError(
+                    f"global {name!r} ({type(value).__name__}) cannot be sent to the ranks: "
+                    f"{type(exc).__name__}: {exc}. Create it inside the %%sky cell instead, "
+                    "or pass what it is built from."
+                ) from exc
+            digest = _digest(pickled)
+            digests[name] = digest
+            if self._sent.get(name) == digest and name not in force:
+                unchanged.append(name)
+                continue
+            send[name] = pickled
+            if pickled.nbytes > LARGE_GLOBAL_BYTES:
+                warnings.append(
+                    f"global {name!r} is {pickled.nbytes / 2**20:.0f} MiB and is sent to every "
+                    "rank; loading it on the ranks inside the cell avoids the transfer"
+                )
+        return Shipment(
+            send,
+            tuple(unchanged),
+            tuple(remote),
+            sum(p.nbytes for p in send.values()),
+            tuple(warnings),
+            digests,
+            frozenset(names_bound(source)),
+        )
+
+    def commit(self, shipment: Shipment) -> None:
+        """The cell ran: its globals are on the ranks, and the names it bound are theirs now."""
+        for name in shipment.globals:
+            self._sent[name] = shipment.digests[name]
+        for name in shipment.bound:
+            self._remote.add(name)
+            self._sent.pop(name, None)
+
+    def forget(self) -> None:
+        """Namespaces were lost (ranks restarted): nothing can be assumed to be there any more."""
+        self._sent.clear()
+        self._remote.clear()

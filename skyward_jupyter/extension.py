@@ -1,0 +1,31 @@
+"""Wiring for ``%load_ext skyward_jupyter``: one session per shell, its magics and displays."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from .display import values
+from .magics import SkyMagics
+from .providers.local import prewarm
+from .session import Session
+
+_SESSION_ATTR = "_skyward_session"
+
+
+def load(shell: Any) -> None:
+    if getattr(shell, _SESSION_ATTR, None) is not None:
+        return
+    session = Session()
+    setattr(shell, _SESSION_ATTR, session)
+    shell.register_magics(SkyMagics(shell, session))
+    values.register(shell)
+    # Import torch in the rank template now, while the user writes the first cell.
+    threading.Thread(target=prewarm, name="skyward-prewarm", daemon=True).start()
+
+
+def unload(shell: Any) -> None:
+    session: Session | None = getattr(shell, _SESSION_ATTR, None)
+    if session is not None:
+        session.down_all()
+        setattr(shell, _SESSION_ATTR, None)

@@ -1,0 +1,234 @@
+"""``%%sky`` and ``%sky``: parse the options, call the session. Nothing else lives here."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+
+from .capture import CaptureError
+from .providers.base import ProviderError
+from .results import PoolError, RunResult
+from .session import PROVIDERS, Session, SessionError, check_gpu_name
+
+_POOL_OPTIONS = ("provider", "nodes", "procs_per_node", "gpu", "backend", "env")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
+    return value
+
+
+def _env(text: str) -> tuple[str, str]:
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", text, re.S):
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    key, value = text.split("=", 1)
+    return key, value
+
+
+def _gpu(text: str) -> str:
+    try:
+        return check_gpu_name(text)
+    except SessionError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _identifier(text: str) -> str:
+    if not text.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected a variable name, got {text!r}")
+    return text
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # one line, no usage dump, no SystemExit
+        raise UsageError(f"%{self.prog}: {message}")
+
+
+def _add_pool_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nodes", type=_positive_int, help="nodes in the pool (default 1)")
+    parser.add_argument(
+        "--procs-per-node", type=_positive_int, help="ranks per node (default: one per GPU, or 1)"
+    )
+    parser.add_argument("--provider", choices=PROVIDERS, help="where the nodes come from (local)")
+    parser.add_argument("--gpu", type=_gpu, help="GPU model, e.g. T4, A10G, L4, A100, H100")
+    parser.add_argument("--name", type=_identifier, help="pool name (several pools per kernel)")
+    parser.add_argument(
+        "--backend", choices=("gloo", "nccl"), help="torch.distributed backend (auto)"
+    )
+    parser.add_argument(
+        "--env",
+        type=_env,
+        action="append",
+        metavar="KEY=VALUE",
+        help="environment variable for every rank, set before torch starts (repeatable)",
+    )
+
+
+def _add_cell_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--stdout",
+        choices=("head", "all", "none"),
+        help="whose stdout the cell shows: the head's (default), every rank's, or none",
+    )
+    parser.add_argument("--all", action="store_true", help="display every rank's last value")
+    parser.add_argument("--out", type=_identifier, help="store the per-rank result in NAME")
+    parser.add_argument("--timeout", type=_seconds, help="stop the cell after SECONDS")
+
+
+def _cell_parser() -> _Parser:
+    parser = _Parser(prog="%sky", add_help=False, description="Run the cell on every rank.")
+    _add_pool_options(parser)
+    _add_cell_options(parser)
+    return parser
+
+
+def _line_parsers() -> dict[str, _Parser]:
+    up = _Parser(prog="sky up", add_help=False)
+    _add_pool_options(up)
+    down = _Parser(prog="sky down", add_help=False)
+    down.add_argument("name", nargs="?", type=_identifier)
+    down.add_argument("--all", action="store_true")
+    pull = _Parser(prog="sky pull", add_help=False)
+    pull.add_argument("name", type=_identifier)
+    which = pull.add_mutually_exclusive_group()
+    which.add_argument("--rank", type=_non_negative_int, default=0)
+    which.add_argument("--all", action="store_true")
+    push = _Parser(prog="sky push", add_help=False)
+    push.add_argument("names", nargs="+", type=_identifier)
+    config = _Parser(prog="sky config", add_help=False)
+    _add_pool_options(config)
+    config.add_argument("--stdout", choices=("head", "all", "none"))
+    restart = _Parser(prog="sky restart", add_help=False)
+    restart.add_argument("name", nargs="?", type=_identifier)
+    status = _Parser(prog="sky status", add_help=False)
+    return {
+        "up": up,
+        "down": down,
+        "status": status,
+        "restart": restart,
+        "pull": pull,
+        "push": push,
+        "config": config,
+    }
+
+
+_LINE_HELP = """
+Line magic:
+  %sky up [pool options]          start a pool without running code
+  %sky down [NAME | --all]        shut a pool down (the current one by default)
+  %sky status                     list pools and their ranks
+  %sky restart [NAME]             fresh rank processes and process group, same pool
+  %sky pull NAME [--rank K|--all] bring a rank's variable into the notebook
+  %sky push NAME [NAME ...]       send notebook variables to every rank now
+  %sky config [options]           defaults for later cells (pool options, --stdout)
+"""
+
+
+@magics_class
+class SkyMagics(Magics):
+    def __init__(self, shell: Any, session: Session) -> None:
+        super().__init__(shell)
+        self.session = session
+
+    @property
+    def _user_ns(self) -> dict[str, Any]:
+        assert self.shell is not None
+        namespace: dict[str, Any] = self.shell.user_ns
+        return namespace
+
+    @line_cell_magic
+    def sky(self, line: str, cell: str | None = None) -> Any:
+        try:
+            if cell is None:
+                return self._line(line)
+            return self._cell(line, cell)
+        except (SessionError, CaptureError, PoolError, ProviderError) as exc:
+            raise UsageError(str(exc)) from None
+
+    def _cell(self, line: str, cell: str) -> RunResult | None:
+        args = _cell_parser().parse_args(shlex.split(line))
+        compile(cell, "<%%sky cell>", "exec")  # a syntax error fails here, before a pool starts
+        pool_options = {k: getattr(args, k) for k in _POOL_OPTIONS}
+        # Options describe a whole pool (the configured defaults fill the rest); none: current.
+        spec = None
+        if any(v is not None for v in pool_options.values()):
+            spec = self.session.spec_from(pool_options)
+        entry = self.session.entry(args.name, spec)
+        result = self.session.run_cell(
+            entry, cell, self._user_ns, stdout=args.stdout, timeout=args.timeout
+        )
+        if args.out:
+            self._user_ns[args.out] = result
+        result.raise_for_errors()
+        if all(r.value_repr is None for r in result):
+            return None
+        return result.with_display(every_rank=args.all)
+
+    def _line(self, line: str) -> Any:
+        words = shlex.split(line)
+        if not words:
+            raise UsageError("%sky needs a command: " + ", ".join(_line_parsers()))
+        command, rest = words[0], words[1:]
+        parsers = _line_parsers()
+        if command not in parsers:
+            raise UsageError(f"%sky: unknown command {command!r}; one of {', '.join(parsers)}")
+        args = parsers[command].parse_args(rest)
+        session = self.session
+        if command == "up":
+            pool_options = {k: getattr(args, k) for k in _POOL_OPTIONS}
+            session.entry(args.name, session.spec_from(pool_options))
+        elif command == "down":
+            session.down_all() if args.all else session.down(args.name)
+        elif command == "status":
+            print(session.status())
+        elif command == "restart":
+            session.restart(args.name)
+        elif command == "pull":
+            value = session.pull(args.name, "all" if args.all else args.rank)
+            self._user_ns[args.name] = value
+        elif command == "push":
+            result = session.push(args.names, self._user_ns)
+            print(f"pushed {', '.join(args.names)}: {result.shipped_bytes} bytes to each rank")
+        elif command == "config":
+            options = {k: getattr(args, k) for k in _POOL_OPTIONS}
+            session.defaults = session.spec_from(options)
+            if args.stdout:
+                session.stdout_mode = args.stdout
+            print(f"defaults: {session.defaults.describe()}, stdout {session.stdout_mode}")
+        return None
+
+
+SkyMagics.sky.__doc__ = (
+    "Run the cell on every rank of a warm pool, with torch.distributed initialised.\n\n"
+    + _cell_parser().format_help()
+    + _LINE_HELP
+)

@@ -1,0 +1,246 @@
+"""The kernel's pools: which one a cell runs on, keeping them warm, replacing and ending them.
+
+One session per IPython shell. A cell without pool options runs on the current pool (started
+with the configured defaults the first time); a cell whose options describe a different pool
+replaces the pool of that name, and says so. Pools end with ``%sky down``, with the kernel, or
+when the extension is unloaded.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from .capture import Shipper
+from .display.output import CellOutput, StdoutMode
+from .pool import Pool
+from .providers.base import Provider
+from .results import CellError, RunResult
+
+KNOWN_GPUS = ("T4", "A10G", "L4", "L40S", "V100", "A100", "H100")
+PROVIDERS = ("local", "ssh", "aws")
+Announce = Callable[[str], None]
+
+
+class SessionError(Exception):
+    """Bad input or a state the user must change; shown as one line, nothing else changes."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    """What a pool is: two cells asking for equal specs share a pool."""
+
+    provider: str = "local"
+    nodes: int = 1
+    procs_per_node: int | None = None
+    gpu: str | None = None
+    backend: str | None = None
+    env: tuple[tuple[str, str], ...] = ()
+
+    def describe(self) -> str:
+        ranks = f"{self.procs_per_node} ranks" if self.procs_per_node else "1 rank per GPU or CPU"
+        gpu = f", {self.gpu}" if self.gpu else ""
+        return f"{self.nodes} node{'s' * (self.nodes != 1)} x {ranks}, {self.provider}{gpu}"
+
+
+def check_gpu_name(name: str) -> str:
+    match = next((g for g in KNOWN_GPUS if g.lower() == name.lower()), None)
+    if match is None:
+        raise SessionError(f"unknown GPU {name!r}; known: {', '.join(KNOWN_GPUS)}")
+    return match
+
+
+def make_provider(spec: PoolSpec) -> Provider:
+    if spec.provider != "local":
+        raise SessionError(
+            f"--provider {spec.provider} is not available in this version yet; "
+            "use --provider local (the default)"
+        )
+    from .providers.local import LocalProvider, visible_gpus
+
+    if spec.gpu:
+        ids, model = visible_gpus()
+        if not ids:
+            raise SessionError(
+                f"--gpu {spec.gpu}: this machine has no GPU, and the local provider runs on "
+                "this machine; leave out --gpu to train on CPUs"
+            )
+        if model and spec.gpu.lower() not in model.lower():
+            raise SessionError(f"--gpu {spec.gpu}: this machine's GPUs are {model}")
+    return LocalProvider()
+
+
+@dataclass
+class PoolEntry:
+    name: str
+    spec: PoolSpec
+    pool: Pool
+    shipper: Shipper = field(default_factory=Shipper)
+
+
+class Session:
+    def __init__(self, announce: Announce | None = None) -> None:
+        self._pools: dict[str, PoolEntry] = {}
+        self.current: str | None = None
+        self.defaults = PoolSpec()
+        self.stdout_mode: StdoutMode = "head"
+        self._announce = announce or (lambda text: print(text, file=sys.stderr))
+
+    @property
+    def pools(self) -> dict[str, PoolEntry]:
+        return dict(self._pools)
+
+    def spec_from(self, options: Mapping[str, Any], base: PoolSpec | None = None) -> PoolSpec:
+        """A spec from the defaults (or ``base``) overlaid with the options given."""
+        changes = {k: v for k, v in options.items() if v is not None}
+        if "env" in changes:
+            changes["env"] = tuple(sorted(changes["env"]))
+        return replace(base or self.defaults, **changes)
+
+    def entry(self, name: str | None = None, spec: PoolSpec | None = None) -> PoolEntry:
+        """The pool a cell runs on, started or replaced as the spec asks."""
+        name = name or self.current or "default"
+        entry = self._pools.get(name)
+        if entry is not None and entry.pool.running and spec in (None, entry.spec):
+            self.current = name
+            return entry
+        wanted = spec or (entry.spec if entry else self.defaults)
+        provider = make_provider(wanted)
+        if entry is not None:
+            self._announce(
+                f"pool {name!r}: replacing {entry.spec.describe()} with {wanted.describe()}"
+            )
+            self.down(name, quiet=True)
+        self._announce(f"pool {name!r}: starting {wanted.describe()} ...")
+        started = time.perf_counter()
+        pool = Pool(
+            wanted.nodes,
+            wanted.procs_per_node,
+            provider=provider,
+            name=name,
+            backend=wanted.backend,
+            env=dict(wanted.env),
+        ).start()
+        group = (
+            pool.torch_note or f"torch.distributed {pool.group_backend}, port {pool.master_port}"
+        )
+        self._announce(
+            f"pool {name!r}: {pool.world_size} ranks ready in "
+            f"{time.perf_counter() - started:.1f} s ({group})"
+        )
+        entry = PoolEntry(name, wanted, pool)
+        self._pools[name] = entry
+        self.current = name
+        return entry
+
+    def run_cell(
+        self,
+        entry: PoolEntry,
+        source: str,
+        user_ns: Mapping[str, Any],
+        *,
+        stdout: StdoutMode | None = None,
+        timeout: float | None = None,
+        filename: str | None = None,
+    ) -> RunResult:
+        """Ship what the cell needs, run it, stream its output into this cell."""
+        shipment = entry.shipper.prepare(source, user_ns)
+        for warning in shipment.warnings:
+            self._announce(f"warning: {warning}")
+        view = CellOutput(stdout or self.stdout_mode)
+        try:
+            result = entry.pool.run(
+                source,
+                shipment.globals,
+                timeout=timeout,
+                filename=filename,
+                observer=view.on_event,
+                on_wait=view.flush,
+            )
+        finally:
+            view.flush()
+        if result.lost:
+            entry.shipper.forget()
+        else:
+            entry.shipper.commit(shipment)
+        for note in result.notes:
+            self._announce(f"pool {entry.name!r}: {note}")
+        return result
+
+    def pull(self, name: str, ranks: str | int = 0) -> Any:
+        """A rank's value of ``name`` (``ranks="all"``: every rank's, as a list)."""
+        entry = self._require()
+        if not name.isidentifier():
+            raise SessionError(f"{name!r} is not a variable name")
+        result = entry.pool.run(name)
+        if not result.ok:
+            raise CellError(result.errors)
+        if ranks == "all":
+            return result.values
+        if not 0 <= int(ranks) < len(result):
+            raise SessionError(f"--rank {ranks}: the pool has ranks 0..{len(result) - 1}")
+        return result.values[int(ranks)]
+
+    def push(self, names: list[str], user_ns: Mapping[str, Any]) -> RunResult:
+        """Send notebook variables to every rank now, even ones the ranks already bound."""
+        entry = self._require()
+        missing = [n for n in names if n not in user_ns]
+        if missing:
+            raise SessionError(f"not defined in the notebook: {', '.join(missing)}")
+        shipment = entry.shipper.prepare("", user_ns, force=frozenset(names))
+        result = entry.pool.run("", shipment.globals).raise_for_errors()
+        entry.shipper.commit(shipment)
+        return result
+
+    def restart(self, name: str | None = None) -> PoolEntry:
+        """Fresh processes and a fresh process group for the pool, same spec."""
+        entry = self._require(name)
+        self.down(entry.name, quiet=True)
+        return self.entry(entry.name, entry.spec)
+
+    def down(self, name: str | None = None, *, quiet: bool = False) -> list[str]:
+        """End a pool (the current one by default); returns the names ended."""
+        target = name or self.current
+        if target is None or target not in self._pools:
+            if quiet:
+                return []
+            raise SessionError(f"no pool named {target!r}" if target else "no pool is running")
+        entry = self._pools.pop(target)
+        entry.pool.close()
+        if self.current == target:
+            self.current = next(iter(self._pools), None)
+        if not quiet:
+            self._announce(f"pool {target!r}: shut down")
+        return [target]
+
+    def down_all(self) -> list[str]:
+        return [n for name in list(self._pools) for n in self.down(name, quiet=True)]
+
+    def status(self) -> str:
+        if not self._pools:
+            return "no pools"
+        lines = []
+        for name, entry in self._pools.items():
+            pool = entry.pool
+            mark = "*" if name == self.current else " "
+            uptime = time.time() - (pool.started_at or time.time())
+            state = "running" if pool.running else "ended"
+            lines.append(
+                f"{mark} {name}: {entry.spec.describe()}, {state}, up {uptime:.0f} s, "
+                f"{pool.group_backend or 'no process group'}"
+            )
+            for rank in pool.ranks:
+                lines.append(
+                    f"    rank {rank.rank} (node {rank.node}, {rank.address}, {rank.process}): "
+                    f"{rank.state.value}"
+                )
+        return "\n".join(lines)
+
+    def _require(self, name: str | None = None) -> PoolEntry:
+        target = name or self.current
+        if target is None or target not in self._pools:
+            raise SessionError("no pool is running; run a %%sky cell or %sky up first")
+        return self._pools[target]
