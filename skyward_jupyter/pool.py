@@ -740,7 +740,8 @@ class Pool:
             self._send(r, bye)
         readers = [r.reader for r in live if r.reader is not None]
         if readers:
-            _, stuck = await asyncio.wait(readers, timeout=self.interrupt_grace)
+            # Idle ranks leave the group and run their exit hooks; only stuck ones are killed.
+            _, stuck = await asyncio.wait(readers, timeout=max(self.interrupt_grace, 5.0))
             if stuck:
                 await asyncio.gather(*(r.process.kill() for r in live if r.alive and r.process))
                 await asyncio.wait(stuck, timeout=5)

@@ -382,3 +382,53 @@ def test_sigkill_of_the_notebook_process_leaves_no_rank(tmp_path: Path) -> None:
         10,
         "ranks and template to end after the notebook was killed",
     )
+
+
+def test_gpus_are_split_across_nodes_one_rank_per_gpu() -> None:
+    from skyward_jupyter.providers.base import ProviderError
+    from skyward_jupyter.providers.local import LocalProvider, split_gpus
+
+    assert split_gpus(("0", "1", "2", "3"), 2) == [("0", "1"), ("2", "3")]
+    assert split_gpus((), 3) == [(), (), ()]
+    with pytest.raises(ProviderError, match="3 GPUs cannot be split evenly across 2"):
+        split_gpus(("0", "1", "2"), 2)
+    # A machine with four (pretend) GPUs: the ranks see their node's GPUs only, one rank each.
+    with Pool(nodes=2, provider=LocalProvider(gpus=("0", "1", "2", "3"), gpu_type="T4")) as pool:
+        result = pool.run(
+            "import os\n(os.environ['CUDA_VISIBLE_DEVICES'], os.environ['LOCAL_RANK'], "
+            "os.environ['NODE_RANK'], os.environ['LOCAL_WORLD_SIZE'])"
+        )
+        assert result.values == [
+            ("0,1", "0", "0", "2"),
+            ("0,1", "1", "0", "2"),
+            ("2,3", "0", "1", "2"),
+            ("2,3", "1", "1", "2"),
+        ]
+
+
+def test_visible_gpus_follow_cuda_visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    from skyward_jupyter.providers.local import visible_gpus
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert visible_gpus()[0] == ("2", "3")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert visible_gpus()[0] == ()
+
+
+def test_process_group_is_destroyed_when_the_pool_ends(tmp_path: Path) -> None:
+    with Pool(nodes=2) as pool:
+        pool.run(
+            src(
+                f"""
+                import atexit, os, torch.distributed as dist
+                def report():
+                    path = os.path.join({str(tmp_path)!r}, os.environ["RANK"])
+                    with open(path + ".tmp", "w") as f:
+                        f.write(str(dist.is_initialized()))
+                    os.rename(path + ".tmp", path)  # seen whole or not at all
+                atexit.register(report)
+                """
+            )
+        )
+    wait_for(lambda: len(list(tmp_path.glob("[01]"))) == 2, 10, "both ranks' exit hooks to run")
+    assert {p.name: p.read_text() for p in tmp_path.glob("[01]")} == {"0": "False", "1": "False"}
