@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import builtins
 import hashlib
+import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,6 +68,27 @@ def names_bound(source: str) -> set[str]:
     return bound
 
 
+def _code_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
+
+
+def names_used_by(value: Any) -> set[str]:
+    """Global names a notebook-defined function (or the methods of such a class) looks up.
+
+    On the ranks these functions are rebound to the rank's namespace (as if defined there), so
+    the globals they use must travel as globals of their own.
+    """
+    if isinstance(value, types.FunctionType) and value.__module__ == "__main__":
+        return _code_names(value.__code__)
+    if isinstance(value, type) and value.__module__ == "__main__":
+        return {n for member in vars(value).values() for n in names_used_by(member)}
+    return set()
+
+
 def _digest(pickled: Pickled) -> bytes:
     h = hashlib.blake2b(digest_size=16)
     h.update(pickled.data)
@@ -103,14 +125,7 @@ class Shipper:
         self, source: str, user_ns: Mapping[str, Any], force: frozenset[str] = frozenset()
     ) -> Shipment:
         """Pickle the globals ``source`` needs; raises :class:`CaptureError` naming a bad one."""
-        wanted = sorted(
-            name
-            for name in names_read(source) | force
-            if name in user_ns
-            and not name.startswith("_")
-            and name not in _NOTEBOOK_INTERNALS
-            and (name not in vars(builtins) or user_ns[name] is not vars(builtins)[name])
-        )
+        wanted = sorted(self._closure(names_read(source) | force, user_ns))
         send: dict[str, Pickled] = {}
         digests: dict[str, bytes] = {}
         unchanged, remote, warnings = [], [], []
@@ -147,6 +162,28 @@ class Shipper:
             digests,
             frozenset(names_bound(source)),
         )
+
+    @staticmethod
+    def _closure(names: set[str], user_ns: Mapping[str, Any]) -> set[str]:
+        """The notebook globals among ``names``, plus those their functions use, transitively."""
+
+        def shippable(name: str) -> bool:
+            return (
+                name in user_ns
+                and not name.startswith("_")
+                and name not in _NOTEBOOK_INTERNALS
+                and (name not in vars(builtins) or user_ns[name] is not vars(builtins)[name])
+            )
+
+        found: set[str] = set()
+        todo = [n for n in names if shippable(n)]
+        while todo:
+            name = todo.pop()
+            if name in found:
+                continue
+            found.add(name)
+            todo.extend(n for n in names_used_by(user_ns[name]) if shippable(n))
+        return found
 
     def commit(self, shipment: Shipment) -> None:
         """The cell ran: its globals are on the ranks, and the names it bound are theirs now."""

@@ -432,3 +432,14 @@ def test_process_group_is_destroyed_when_the_pool_ends(tmp_path: Path) -> None:
         )
     wait_for(lambda: len(list(tmp_path.glob("[01]"))) == 2, 10, "both ranks' exit hooks to run")
     assert {p.name: p.read_text() for p in tmp_path.glob("[01]")} == {"0": "False", "1": "False"}
+
+
+def test_notebook_functions_see_the_ranks_namespace(pool2: Pool) -> None:
+    notebook: dict[str, object] = {"__name__": "__main__"}
+    exec(
+        "def f():\n    return remote_value\nclass C:\n    def m(self):\n        return remote_value",
+        notebook,
+    )
+    pool2.run("import torch.distributed as dist\nremote_value = dist.get_rank() + 10")
+    result = pool2.run("(f(), C().m())", {"f": notebook["f"], "C": notebook["C"]})
+    assert result.values == [(10, 10), (11, 11)]

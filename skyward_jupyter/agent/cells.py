@@ -26,6 +26,32 @@ class Namespace:
     def globals(self) -> dict[str, Any]:
         return self.module.__dict__
 
+    def bind(self, name: str, value: Any) -> None:
+        """Bind a value shipped from the notebook.
+
+        A function (or a class's methods) defined in the notebook is rebound to this namespace,
+        as if the cell had defined it here: it then sees the names earlier cells bound on this
+        rank, not a frozen copy of the notebook's globals.
+        """
+        self.globals[name] = self._rebound(value)
+
+    def _rebound(self, value: Any) -> Any:
+        if isinstance(value, types.FunctionType) and value.__module__ == "__main__":
+            fn = types.FunctionType(
+                value.__code__, self.globals, value.__name__, value.__defaults__, value.__closure__
+            )
+            fn.__kwdefaults__ = value.__kwdefaults__
+            fn.__qualname__ = value.__qualname__
+            fn.__doc__ = value.__doc__
+            fn.__dict__.update(value.__dict__)
+            fn.__annotations__ = value.__annotations__
+            return fn
+        if isinstance(value, type) and value.__module__ == "__main__":
+            for attr, member in list(vars(value).items()):
+                if isinstance(member, types.FunctionType):
+                    setattr(value, attr, self._rebound(member))
+        return value
+
     def run(self, source: str, filename: str) -> Any:
         """Execute ``source``; return the value of its last expression (None when it has none)."""
         tree = ast.parse(source, filename, "exec")

@@ -250,7 +250,7 @@ class Agent:
         try:
             for name, pickled in command.globals.items():
                 try:
-                    self.namespace.globals[name] = pickled.load()
+                    self.namespace.bind(name, pickled.load())
                 except Exception as exc:
                     raise RuntimeError(
                         f"global {name!r} could not be unpickled on this rank: {exc}"

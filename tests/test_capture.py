@@ -1,0 +1,90 @@
+"""Which globals a cell takes along, and which of them are actually sent."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+from skyward_jupyter import capture
+from skyward_jupyter.capture import CaptureError, Shipper, names_bound, names_read
+
+CELL = """
+import torch as T, os.path
+x = 1
+def f(a):
+    b = a + y
+    global g
+    g = 2
+    return lambda q: q + z
+for i in range(3):
+    pass
+[k for k in w]
+x += h
+del gone
+"""
+
+
+def test_names_read_include_nested_scopes() -> None:
+    read = names_read(CELL)
+    assert {"y", "z", "w", "h", "gone", "x", "range"} <= read
+    assert "T" not in read and "f" not in read
+
+
+def test_names_bound_are_the_cells_globals_only() -> None:
+    assert names_bound(CELL) == {"T", "os", "x", "f", "g", "i"}
+
+
+def _ns(**values: Any) -> dict[str, Any]:
+    return {"__name__": "__main__", "In": [], "_": None, **values}
+
+
+def test_only_names_the_notebook_defines_travel() -> None:
+    shipper = Shipper()
+    ns = _ns(y=1, z=2, unrelated=3, _private=4)
+    shipment = shipper.prepare("f = lambda: y + z + _private + undefined_here", ns)
+    assert set(shipment.globals) == {"y", "z"}
+
+
+def test_unchanged_values_are_not_sent_again_and_changed_ones_are() -> None:
+    shipper = Shipper()
+    ns = _ns(data=np.arange(1000))
+    first = shipper.prepare("data.sum()", ns)
+    assert set(first.globals) == {"data"} and first.nbytes >= 8000
+    shipper.commit(first)
+    second = shipper.prepare("data.sum()", ns)
+    assert second.globals == {} and second.unchanged == ("data",) and second.nbytes == 0
+    ns["data"][0] = 42  # changed in place: same object, new content
+    third = shipper.prepare("data.sum()", ns)
+    assert set(third.globals) == {"data"}
+
+
+def test_names_bound_on_the_ranks_stay_remote() -> None:
+    shipper = Shipper()
+    shipper.commit(shipper.prepare("model = 1", _ns()))
+    shipment = shipper.prepare("model + 1", _ns(model="notebook's"))
+    assert shipment.globals == {} and shipment.remote == ("model",)
+    forced = shipper.prepare("", _ns(model="notebook's"), force=frozenset({"model"}))
+    assert set(forced.globals) == {"model"}
+    shipper.forget()
+    assert set(shipper.prepare("model", _ns(model=1)).globals) == {"model"}
+
+
+def test_functions_take_the_globals_they_use() -> None:
+    ns = _ns(LR=0.1, unused=5)
+    exec("def step(x):\n    return x * LR\nclass Opt:\n    def rate(self):\n        return LR", ns)
+    assert set(Shipper().prepare("step(1)", ns).globals) == {"step", "LR"}
+    assert set(Shipper().prepare("Opt().rate()", ns).globals) == {"Opt", "LR"}
+
+
+def test_an_unpicklable_global_is_named() -> None:
+    with pytest.raises(CaptureError, match=r"global 'lock' \(lock\) cannot be sent"):
+        Shipper().prepare("lock.acquire()", _ns(lock=threading.Lock()))
+
+
+def test_a_large_global_is_warned_about(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(capture, "LARGE_GLOBAL_BYTES", 1000)
+    shipment = Shipper().prepare("big", _ns(big=np.zeros(10_000)))
+    assert len(shipment.warnings) == 1 and "'big'" in shipment.warnings[0]
