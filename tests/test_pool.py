@@ -437,7 +437,8 @@ def test_process_group_is_destroyed_when_the_pool_ends(tmp_path: Path) -> None:
 def test_notebook_functions_see_the_ranks_namespace(pool2: Pool) -> None:
     notebook: dict[str, object] = {"__name__": "__main__"}
     exec(
-        "def f():\n    return remote_value\nclass C:\n    def m(self):\n        return remote_value",
+        "def f():\n    return remote_value\n"
+        "class C:\n    def m(self):\n        return remote_value",
         notebook,
     )
     pool2.run("import torch.distributed as dist\nremote_value = dist.get_rank() + 10")
