@@ -90,7 +90,7 @@ def names_used_by(value: Any) -> set[str]:
 
 
 def _digest(pickled: Pickled) -> bytes:
-    h = hashlib.blake2b(digest_size=16)
+    h = hashlib.sha1(usedforsecurity=False)  # a change detector; sha1 is the fastest here
     h.update(pickled.data)
     for buffer in pickled.buffers:
         h.update(buffer)

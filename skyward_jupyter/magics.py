@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import shlex
 from collections.abc import Callable
@@ -102,6 +103,7 @@ def _add_cell_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=_seconds, help="stop the cell after SECONDS")
 
 
+@functools.cache
 def _cell_parser() -> _Parser:
     parser = _Parser(prog="%sky", add_help=False, description="Run the cell on every rank.")
     _add_pool_options(parser)
@@ -109,6 +111,7 @@ def _cell_parser() -> _Parser:
     return parser
 
 
+@functools.cache
 def _line_parsers() -> dict[str, _Parser]:
     up = _Parser(prog="sky up", add_help=False)
     _add_pool_options(up)

@@ -1,8 +1,8 @@
 """How a cell's result shows in the notebook: as the head's value (``--all``: every rank's).
 
-Registered with IPython's display formatters, so :class:`RunResult` stays free of IPython and the
-notebook shows ``3.0`` for a cell ending in ``t.item()``, with the rich form (a DataFrame's table)
-when the value could be loaded here.
+Registered with IPython's formatters, so :class:`RunResult` stays free of IPython: the cell's
+``Out[n]`` is the head's value in every form IPython knows for it (a DataFrame shows as a table),
+while ``Out[n]`` itself still holds the per-rank result object.
 """
 
 from __future__ import annotations
@@ -12,20 +12,17 @@ from typing import Any
 from ..results import RunResult
 
 
-def _show(result: RunResult) -> None:
-    from IPython.display import display
-
-    if result.show_all:
-        for rank in result:
-            print(f"[rank {rank.rank}] {rank.value_repr}")
-        return
-    head = result[0]
-    if head.value is not None:
-        display(head.value)  # type: ignore[no-untyped-call]
-    elif head.value_repr is not None:
-        print(head.value_repr)
-
-
 def register(shell: Any) -> None:
-    formatter = shell.display_formatter.ipython_display_formatter
-    formatter.for_type(RunResult, _show)
+    formatters = shell.display_formatter
+
+    def mimebundle(result: RunResult, include: Any = None, exclude: Any = None) -> dict[str, Any]:
+        if result.show_all:
+            lines = [f"[rank {r.rank}] {r.value_repr}" for r in result]
+            return {"text/plain": "\n".join(lines)}
+        head = result[0]
+        if head.value is None:
+            return {"text/plain": head.value_repr or ""}
+        data, _ = formatters.format(head.value, include=include, exclude=exclude)
+        return dict(data)
+
+    formatters.mimebundle_formatter.for_type(RunResult, mimebundle)
