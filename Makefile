@@ -30,6 +30,7 @@ test: lint
 
 bench: setup
 	$(PY) bench/bench_core.py --markdown-out BENCHMARKS.md
+	$(PY) bench/bench_magics.py --markdown-out BENCHMARKS.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
