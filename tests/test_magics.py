@@ -1,0 +1,882 @@
+"""``%%sky`` and ``%sky`` through real Jupyter kernels (jupyter_client, the venv's ``python3``).
+
+Most tests share one kernel (and, where they leave it as they found it, its 2-rank pool); the
+tests that end a kernel (shutdown, restart, SIGKILL) each get their own. Rank processes that the
+shared kernel keeps warm between tests are registered with conftest's ``_module_pool_pids``, so
+its per-test leak check still catches anything else left running; a test that leaves the shared
+pool's process group broken errors in teardown, and the pool is restarted for the next test.
+
+Known product bugs are pinned by the ``xfail`` tests below (their reasons say where).
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import os
+import queue
+import re
+import signal
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jupyter_client.blocking.client import BlockingKernelClient
+from jupyter_client.manager import KernelManager
+
+from .conftest import TEMPLATE, _module_pool_pids, agent_pids, wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
+HEALTH = "%%sky --all\nimport torch.distributed as dist\ndist.is_initialized()"
+CELL_TIMEOUT = 90.0  # a pool start on a loaded 2-core machine included
+GONE_TIMEOUT = 20.0
+
+# ------------------------------------------------------------------------------ kernel helper
+
+
+@dataclass
+class Cell:
+    """What one executed cell produced: its iopub messages (parent = this cell) and its reply."""
+
+    code: str
+    msg_id: str
+    reply: dict[str, Any]
+    messages: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def status(self) -> str:
+        return str(self.reply["status"])
+
+    def stream(self, name: str) -> str:
+        return "".join(
+            m["content"]["text"]
+            for m in self.messages
+            if m["msg_type"] == "stream" and m["content"]["name"] == name
+        )
+
+    @property
+    def stdout(self) -> str:
+        return self.stream("stdout")
+
+    @property
+    def stderr(self) -> str:
+        return self.stream("stderr")
+
+    @property
+    def shown(self) -> list[str]:
+        """text/plain of every execute_result and display_data, in order."""
+        return [
+            m["content"]["data"].get("text/plain", "")
+            for m in self.messages
+            if m["msg_type"] in ("execute_result", "display_data")
+        ]
+
+    @property
+    def per_rank(self) -> dict[int, str]:
+        """What ``--all`` shows: ``[rank k] value`` lines (in the cell's result or its stdout)."""
+        return rank_lines("\n".join([*self.shown, self.stdout]))
+
+    @property
+    def errors(self) -> list[dict[str, Any]]:
+        return [m["content"] for m in self.messages if m["msg_type"] == "error"]
+
+    @property
+    def page(self) -> str:
+        """What ``?`` shows (a pager payload of the execute_reply)."""
+        return "".join(p["data"]["text/plain"] for p in self.reply.get("payload", []))
+
+    def __str__(self) -> str:
+        summary = [(m["msg_type"], m["content"]) for m in self.messages]
+        return f"cell {self.code!r}: {self.status} {self.reply.get('evalue', '')!r}\n{summary}"
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def live_agents() -> set[int]:
+    """Ranks and templates of this test session that are running now."""
+    return agent_pids() | agent_pids(TEMPLATE)
+
+
+class Kernel:
+    """A real ipykernel started from the venv's python, and a blocking client to it."""
+
+    def __init__(self) -> None:
+        self.km = KernelManager(kernel_name="python3")
+        self.km.start_kernel(cwd=str(ROOT))
+        self.kc: BlockingKernelClient = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=60)
+        self.iopub: list[dict[str, Any]] = []  # every iopub message seen, in arrival order
+        self.registered: set[int] = set()
+
+    @property
+    def pid(self) -> int:
+        pid = self.km.provisioner.pid  # type: ignore[union-attr]
+        assert isinstance(pid, int)
+        return pid
+
+    def execute(
+        self,
+        code: str,
+        timeout: float = CELL_TIMEOUT,
+        on_message: Callable[[dict[str, Any]], None] | None = None,
+    ) -> Cell:
+        """Run ``code``; collect its iopub messages until the kernel is idle for it."""
+        msg_id = self.kc.execute(code, allow_stdin=False)
+        deadline = time.monotonic() + timeout
+        mine: list[dict[str, Any]] = []
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(f"cell did not finish within {timeout} s: {code!r}")
+            try:
+                msg = self.kc.get_iopub_msg(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                continue
+            self.iopub.append(msg)
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            if msg["msg_type"] == "status":
+                if msg["content"]["execution_state"] == "idle":
+                    break
+                continue
+            if msg["msg_type"] == "execute_input":
+                continue
+            mine.append(msg)
+            if on_message is not None:
+                on_message(msg)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(f"no execute_reply within {timeout} s: {code!r}")
+            try:
+                reply = self.kc.get_shell_msg(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                continue
+            if reply["parent_header"].get("msg_id") == msg_id:
+                return Cell(code, msg_id, reply["content"], mine)
+
+    def interrupted(self, code: str, when: str, timeout: float = 40) -> tuple[Cell, float]:
+        """Run ``code``, interrupt the kernel once its output shows ``when``; return the cell
+        and how long it took to end after the interrupt."""
+        sent: list[float] = []
+
+        def interrupt_once(msg: dict[str, Any]) -> None:
+            if not sent and msg["msg_type"] == "stream" and when in msg["content"]["text"]:
+                sent.append(time.monotonic())
+                self.km.interrupt_kernel()
+
+        try:
+            cell = self.execute(code, timeout=timeout, on_message=interrupt_once)
+        except AssertionError:
+            for _ in range(2):  # leave the kernel usable for the tests after this one
+                self.km.interrupt_kernel()
+            self.execute("pass", timeout=30)
+            raise
+        assert sent, f"{when!r} never arrived while the cell ran: {cell}"
+        return cell, time.monotonic() - sent[0]
+
+    def ensure_healthy(self) -> str | None:
+        """If the current pool's process group is broken, restart the pool and say what was seen.
+
+        Keeps one test's broken pool from failing the tests after it.
+        """
+        if self.status().strip() == "no pools":
+            return None
+        cell = self.execute(HEALTH)
+        if cell.status == "ok" and set(cell.per_rank.values()) == {"True"}:
+            return None
+        self.ok("%sky restart")
+        return f"the pool's process group was broken (restarted it): {cell}"
+
+    def ok(self, code: str, **kw: Any) -> Cell:
+        cell = self.execute(code, **kw)
+        assert cell.status == "ok", str(cell)
+        assert not cell.errors, str(cell)
+        return cell
+
+    def fails(self, code: str, **kw: Any) -> Cell:
+        cell = self.execute(code, **kw)
+        assert cell.status == "error", str(cell)
+        return cell
+
+    def eval(self, expression: str) -> Any:
+        """The value of a plain (notebook-side) expression, read back from its repr."""
+        cell = self.ok(expression)
+        assert len(cell.shown) == 1, str(cell)
+        return ast.literal_eval(cell.shown[0])
+
+    def status(self) -> str:
+        return self.ok("%sky status").stdout
+
+    def pool_pids(self) -> list[int]:
+        """The pids of every rank of every pool, as ``%sky status`` lists them."""
+        return [int(p) for p in re.findall(r"local pid (\d+)", self.status())]
+
+    def started_processes(self) -> set[int]:
+        """Ranks and templates descended from this kernel's process."""
+        found = set()
+        for pid in live_agents():
+            parent = _ppid(pid)
+            for _ in range(4):
+                if parent is None or parent <= 1:
+                    break
+                if parent == self.pid:
+                    found.add(pid)
+                    break
+                parent = _ppid(parent)
+        return found
+
+    def register_pool_pids(self) -> None:
+        """Tell conftest's leak check that this kernel's current pools may outlive the test."""
+        current = set(self.pool_pids())
+        _module_pool_pids.difference_update(self.registered)
+        _module_pool_pids.update(current)
+        self.registered = current
+
+    def close(self) -> None:
+        """Shut the kernel down (if it still runs) and wait until its ranks and template ended."""
+        spawned = self.started_processes() | self.registered
+        with contextlib.suppress(Exception):
+            self.km.shutdown_kernel(now=not self.km.is_alive())
+        self.kc.stop_channels()
+        try:
+            wait_for(
+                lambda: not (spawned & live_agents()),
+                GONE_TIMEOUT,
+                "the kernel's rank and template processes to end",
+            )
+        finally:
+            _module_pool_pids.difference_update(self.registered)
+            self.registered.clear()
+
+
+def normalised(status: str) -> str:
+    return re.sub(r"up \d+ s", "up _ s", status)
+
+
+def rank_lines(text: str) -> dict[int, str]:
+    """``[rank k] value`` lines (what ``--all`` prints) as {k: value}."""
+    return {int(k): v for k, v in re.findall(r"^\[rank (\d+)\] (.*)$", text, re.M)}
+
+
+# ------------------------------------------------------------------------------ fixtures
+
+
+@pytest.fixture(scope="module")
+def shared_kernel() -> Iterator[Kernel]:
+    kernel = Kernel()
+    try:
+        kernel.ok("%load_ext skyward_jupyter")
+        yield kernel
+    finally:
+        kernel.close()
+
+
+@pytest.fixture
+def nb(shared_kernel: Kernel) -> Iterator[Kernel]:
+    """The shared kernel; what it keeps warm after the test is registered for the leak check.
+
+    A test that leaves the pool's process group broken errors here (and the pool is restarted
+    for the next test): every cell after a failure is promised a working group.
+    """
+    yield shared_kernel
+    problem = shared_kernel.ensure_healthy()
+    shared_kernel.register_pool_pids()
+    if problem:
+        pytest.fail(problem)
+
+
+@pytest.fixture
+def own_kernel() -> Iterator[Kernel]:
+    kernel = Kernel()
+    try:
+        yield kernel
+    finally:
+        kernel.close()
+
+
+POOL2 = "%%sky --nodes 2\npass"  # the shared 2-rank pool: reused when it is already there
+
+# ------------------------------------------------------------------------------ 1. options
+
+BAD_OPTIONS = [
+    ("--nodes 0", "must be at least 1"),
+    ("--nodes x", "expected a whole number"),
+    ("--provider nope", "invalid choice"),
+    ("--gpu NOPE", "unknown GPU 'NOPE'"),
+    ("--env FOO", "expected KEY=VALUE"),
+    ("--provider ssh", "not available"),
+    ("--provider aws", "not available"),
+]
+
+
+def _check_bad_options(nb: Kernel) -> None:
+    before = normalised(nb.status())
+    ranks_before = agent_pids()
+    for option, fragment in BAD_OPTIONS:
+        cell = nb.fails(f"%%sky {option}\nprint('THE CELL RAN')")
+        assert cell.reply["ename"] == "UsageError", str(cell)
+        evalue = cell.reply["evalue"]
+        assert fragment in evalue, str(cell)
+        assert "\n" not in evalue.strip(), f"not one line: {evalue!r}"
+        assert cell.stderr == f"UsageError: {evalue}\n", str(cell)
+        assert "THE CELL RAN" not in cell.stdout
+        assert not cell.errors, "a usage error shows no traceback"
+        assert normalised(nb.status()) == before, f"{option} changed the pools"
+        assert agent_pids() == ranks_before, f"{option} started or ended rank processes"
+
+
+def test_bad_options_are_one_line_usage_errors_that_change_nothing(nb: Kernel) -> None:
+    nb.ok("%sky down --all")
+    assert nb.status().strip() == "no pools"
+    _check_bad_options(nb)  # with no pool: none is started
+    assert nb.status().strip() == "no pools"
+
+    nb.ok(POOL2)
+    assert len(nb.pool_pids()) == 2
+    _check_bad_options(nb)  # with a pool: it is neither replaced nor restarted
+
+
+def test_help_documents_every_option(nb: Kernel) -> None:
+    options = [
+        "--nodes",
+        "--procs-per-node",
+        "--provider",
+        "--gpu",
+        "--name",
+        "--backend",
+        "--env",
+        "--stdout",
+        "--all",
+        "--out",
+        "--timeout",
+    ]
+    for code in ("%%sky?", "get_ipython().run_line_magic('pinfo', 'sky')"):
+        page = nb.ok(code).page
+        missing = [o for o in options if not re.search(rf"{o}\b", page)]
+        assert not missing, f"{code} does not document {missing}:\n{page}"
+        for command in ("up", "down", "status", "restart", "pull", "push", "config"):
+            assert f"%sky {command}" in page
+
+
+# ------------------------------------------------------------------------------ 2. keep-alive
+
+
+def test_two_cells_with_the_same_options_reuse_the_warm_pool(nb: Kernel) -> None:
+    nb.ok("%%sky --nodes 2 --out first_pids\nimport os\nos.getpid()")
+    first = nb.eval("first_pids.values")
+    assert len(first) == 2 and len(set(first)) == 2
+
+    cell = nb.ok("%%sky --nodes 2 --all\nimport os\nos.getpid()")
+    assert cell.per_rank == {0: str(first[0]), 1: str(first[1])}
+    assert "starting" not in cell.stderr and "replacing" not in cell.stderr
+
+    nb.ok("%%sky --out plain_pids\nimport os\nos.getpid()")  # no options: the current pool
+    assert nb.eval("plain_pids.values") == first
+    assert sorted(nb.pool_pids()) == sorted(first)
+
+
+# ------------------------------------------------------------------------------ 3. capture
+
+
+def test_globals_read_inside_functions_and_lambdas_are_shipped(nb: Kernel) -> None:
+    nb.ok(POOL2)
+    nb.ok("IN_FUNCTION = 7\nIN_LAMBDA = 8")
+    cell = nb.ok(
+        "%%sky --all\n"
+        "def uses_global():\n"
+        "    return IN_FUNCTION\n"
+        "reads_global = lambda: IN_LAMBDA + 1\n"
+        "(uses_global(), reads_global())"
+    )
+    assert cell.per_rank == {0: "(7, 9)", 1: "(7, 9)"}, str(cell)
+
+
+def test_an_unchanged_array_is_not_sent_again_and_a_changed_one_is(nb: Kernel) -> None:
+    nb.ok(POOL2)
+    nb.ok("import numpy as np\nbig = np.arange(100_000, dtype=np.float64)")
+    nbytes = 800_000
+
+    nb.ok("%%sky --out ship1\nfloat(big.sum())")
+    assert nb.eval("ship1.shipped_bytes") > nbytes
+    assert nb.eval("ship1.values") == [4999950000.0, 4999950000.0]
+
+    nb.ok("%%sky --out ship2\nfloat(big.sum())")
+    assert nb.eval("ship2.shipped_bytes") == 0
+    assert nb.eval("ship2.values") == [4999950000.0, 4999950000.0]
+
+    nb.ok("big[0] = 1000.0")
+    nb.ok("%%sky --out ship3\nfloat(big.sum())")
+    assert nb.eval("ship3.shipped_bytes") > nbytes
+    assert nb.eval("ship3.values") == [4999951000.0, 4999951000.0]
+
+
+def test_a_name_bound_by_a_sky_cell_stays_remote(nb: Kernel) -> None:
+    nb.ok(POOL2)
+    nb.ok("%%sky\nwhere_bound = 'remote'")
+    nb.ok("where_bound = 'local'")
+    cell = nb.ok("%%sky --all\nwhere_bound")
+    assert cell.per_rank == {0: "'remote'", 1: "'remote'"}, str(cell)
+    assert nb.eval("where_bound") == "local"
+
+
+def test_an_unpicklable_global_fails_the_cell_before_it_runs_naming_it(nb: Kernel) -> None:
+    nb.ok(POOL2)
+    pids = nb.pool_pids()
+    nb.ok("import threading\na_lock = threading.Lock()")
+    cell = nb.fails("%%sky\nran_before_lock = True\nprint('THE CELL RAN')\na_lock")
+    assert cell.reply["ename"] == "UsageError", str(cell)
+    assert "'a_lock'" in cell.reply["evalue"], str(cell)
+    assert "THE CELL RAN" not in cell.stdout
+    cell = nb.ok("%%sky --all\n'ran_before_lock' in globals()")
+    assert cell.per_rank == {0: "False", 1: "False"}, "the cell ran on the ranks"
+    assert nb.pool_pids() == pids
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="product bug: Session.run_cell commits a failed cell's shipment, so every name the "
+    "cell's source assigns is marked remote even when the cell raised before binding it; the "
+    "notebook's later value of that name is then never sent (NameError on the ranks)",
+)
+def test_a_name_a_failed_cell_never_bound_is_still_shipped(nb: Kernel) -> None:
+    nb.ok(POOL2)
+    nb.fails("%%sky\nraise ValueError('fails before binding')\nnever_bound = 'remote'")
+    nb.ok("never_bound = 'local'")
+    cell = nb.execute("%%sky --all\nnever_bound")
+    assert cell.status == "ok", cell.reply.get("evalue")
+    assert cell.per_rank == {0: "'local'", 1: "'local'"}
+
+
+def test_a_notebook_function_is_shipped_by_value(nb: Kernel) -> None:
+    nb.ok(POOL2)
+    nb.ok("FACTOR = 2\ndef scaled(v):\n    return v * FACTOR")
+    cell = nb.ok("%%sky --all\nscaled(21)")
+    assert cell.per_rank == {0: "42", 1: "42"}, str(cell)
+    # Redefined in the notebook: the new definition travels (its bytes changed).
+    nb.ok("def scaled(v):\n    return v * FACTOR + 1")
+    cell = nb.ok("%%sky --all\nscaled(21)")
+    assert cell.per_rank == {0: "43", 1: "43"}, str(cell)
+
+
+# ------------------------------------------------------------------------------ 4. display
+
+
+def test_the_heads_last_value_is_the_cells_value(nb: Kernel) -> None:
+    nb.ok(POOL2)
+    cell = nb.ok(
+        "%%sky --nodes 2\n"
+        "import torch, torch.distributed as dist\n"
+        "t = torch.ones(1) * (dist.get_rank() + 1)\n"
+        "dist.all_reduce(t)\n"
+        "t.item()"
+    )
+    assert cell.shown == ["3.0"], str(cell)
+    assert cell.stdout == ""
+
+
+def test_all_shows_every_ranks_value(nb: Kernel) -> None:
+    nb.ok(POOL2)
+    cell = nb.ok("%%sky --all\nimport torch.distributed as dist\ndist.get_rank() * 10")
+    shown = "\n".join([*cell.shown, cell.stdout])
+    assert shown.split() == ["[rank", "0]", "0", "[rank", "1]", "10"], str(cell)
+
+
+def test_a_cell_without_a_final_expression_displays_nothing(nb: Kernel) -> None:
+    nb.ok(POOL2)
+    for code in ("%%sky\nno_final_value = 5", "%%sky --all\nno_final_value = 6"):
+        cell = nb.ok(code)
+        assert cell.shown == [] and cell.stdout == "" and cell.stderr == "", str(cell)
+
+
+def test_out_stores_a_result_with_one_value_per_rank(nb: Kernel) -> None:
+    nb.ok(POOL2)
+    cell = nb.ok("%%sky --out stored\nimport torch.distributed as dist\n{'rank': dist.get_rank()}")
+    assert cell.shown == ["{'rank': 0}"], str(cell)
+    assert nb.eval("stored.values") == [{"rank": 0}, {"rank": 1}]
+    assert nb.eval("len(stored)") == 2
+    text = nb.eval("repr(stored)")
+    assert re.fullmatch(r"<RunResult cell \d+: 2 ranks, ok, \d+ bytes shipped>", text), text
+
+
+# ------------------------------------------------------------------------------ 5. output
+
+
+def test_only_the_heads_stdout_shows_by_default(nb: Kernel) -> None:
+    nb.ok(POOL2)
+    cell = nb.ok("%%sky\nimport torch.distributed as dist\nprint(f'hello from {dist.get_rank()}')")
+    assert cell.stdout == "hello from 0\n", str(cell)
+    assert "hello from 1" not in cell.stderr
+
+
+def test_stdout_all_prefixes_every_ranks_lines(nb: Kernel) -> None:
+    nb.ok(POOL2)
+    cell = nb.ok(
+        "%%sky --stdout all\n"
+        "import torch.distributed as dist\n"
+        "print(f'one {dist.get_rank()}')\n"
+        "print(f'two {dist.get_rank()}')"
+    )
+    lines = cell.stdout.splitlines()
+    assert sorted(lines) == sorted(
+        ["[rank 0] one 0", "[rank 0] two 0", "[rank 1] one 1", "[rank 1] two 1"]
+    ), str(cell)
+    assert lines.index("[rank 0] one 0") < lines.index("[rank 0] two 0")
+    assert lines.index("[rank 1] one 1") < lines.index("[rank 1] two 1")
+    cell = nb.ok("%%sky --stdout none\nimport sys\nprint('quiet')\nprint('loud', file=sys.stderr)")
+    assert cell.stdout == "", str(cell)
+    assert sorted(cell.stderr.splitlines()) == ["[rank 0 stderr] loud", "[rank 1 stderr] loud"]
+
+
+def test_every_ranks_stderr_shows_labelled(nb: Kernel) -> None:
+    nb.ok(POOL2)
+    cell = nb.ok(
+        "%%sky\nimport sys, torch.distributed as dist\n"
+        "print(f'careful {dist.get_rank()}', file=sys.stderr)"
+    )
+    assert sorted(cell.stderr.splitlines()) == [
+        "[rank 0 stderr] careful 0",
+        "[rank 1 stderr] careful 1",
+    ], str(cell)
+    assert cell.stdout == ""
+
+
+def test_output_is_attributed_to_the_cell_that_printed_it(nb: Kernel) -> None:
+    nb.ok(POOL2)
+    start = len(nb.iopub)
+    lines = 2000
+    first = nb.ok(
+        "%%sky --stdout all\n"
+        "import torch.distributed as dist\n"
+        f"for i in range({lines}):\n"
+        "    print(f'A-line {dist.get_rank()} {i}')\n"
+        "print('A-tail', end='')"
+    )
+    second = nb.ok("%%sky\nprint('B-line')")
+
+    # (Searched for rather than split into lines: an unterminated line of one rank is glued to
+    # the next rank's line, see test_stdout_all_keeps_each_ranks_lines_apart.)
+    found = re.findall(r"\[rank (\d)\] A-line (\d) (\d+)\n", first.stdout)
+    for label in ("0", "1"):
+        got = [int(i) for shown, r, i in found if shown == label and r == label]
+        assert got == list(range(lines)), f"rank {label}'s lines are missing or out of order"
+    assert len(found) == 2 * lines
+    for rank in (0, 1):  # both ranks' unterminated last line arrived in this cell
+        assert first.stdout.count(f"[rank {rank}] A-tail") == 1, first.stdout[-200:]
+    assert second.stdout == "B-line\n", "the first cell's output reached the second cell"
+
+    streams = [m for m in nb.iopub[start:] if m["msg_type"] == "stream"]
+    for m in streams:
+        parent = m["parent_header"].get("msg_id")
+        if "A-" in m["content"]["text"]:
+            assert parent == first.msg_id, f"A's output attributed to {parent}: {m['content']}"
+        if "B-line" in m["content"]["text"]:
+            assert parent == second.msg_id
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="product bug: with --stdout all, CellOutput._prefixed tracks line starts per rank "
+    "but writes every rank into one stream, so a rank's unterminated line (print(end=''), a "
+    "progress bar) is continued by the next rank's text ('[rank 0] half[rank 1] whole') and the "
+    "rest of the first rank's line then shows with no label at all",
+)
+def test_stdout_all_keeps_each_ranks_lines_apart(nb: Kernel) -> None:
+    nb.ok(POOL2)
+    cell = nb.ok(
+        "%%sky --stdout all\n"
+        "import time, torch.distributed as dist\n"
+        "if dist.get_rank() == 0:\n"
+        "    print('half', end='', flush=True)\n"
+        "    time.sleep(0.5)  # the unterminated text is sent after a short hold\n"
+        "dist.barrier()\n"
+        "if dist.get_rank() == 1:\n"
+        "    print('whole', flush=True)\n"
+        "    time.sleep(0.5)\n"
+        "dist.barrier()\n"
+        "if dist.get_rank() == 0:\n"
+        "    print('-done')"
+    )
+    lines = cell.stdout.splitlines()
+    assert "[rank 1] whole" in lines, repr(cell.stdout)
+    assert all(line.startswith("[rank ") for line in lines if line), repr(cell.stdout)
+
+
+def test_a_carriage_return_progress_line_survives(nb: Kernel) -> None:
+    nb.ok(POOL2)
+    body = "for i in range(3):\n    print(f'\\rprogress {i}/3', end='', flush=True)\nprint()"
+    cell = nb.ok("%%sky\n" + body)
+    assert cell.stdout == "\rprogress 0/3\rprogress 1/3\rprogress 2/3\n", repr(cell.stdout)
+    cell = nb.ok("%%sky --stdout all\n" + body)
+    for rank in (0, 1):
+        assert f"\r[rank {rank}] progress 2/3\n" in cell.stdout, repr(cell.stdout)
+
+
+# ------------------------------------------------------------------------------ 6. errors
+
+
+def test_a_failing_rank_shows_its_exception_and_the_cells_source_line(nb: Kernel) -> None:
+    nb.ok(POOL2)
+    started = time.monotonic()
+    cell = nb.fails(
+        "%%sky\n"
+        "import torch.distributed as dist\n"
+        "if dist.get_rank() == 1:\n"
+        "    raise ValueError('only rank one fails')\n"
+        "dist.barrier()  # rank 0 waits here for a peer that failed"
+    )
+    assert time.monotonic() - started < 20, "the head waited for the collective's timeout"
+    assert len(cell.errors) == 1, str(cell)
+    error = cell.errors[0]
+    assert cell.reply["ename"] == error["ename"]
+    assert error["evalue"].startswith("cell failed on rank 1"), error["evalue"]
+    assert "ValueError: only rank one fails" in error["evalue"]
+    traceback = "\n".join(error["traceback"])
+    assert "--- rank 1" in traceback
+    assert "raise ValueError('only rank one fails')" in traceback
+    assert 'File "<sky-cell-' in traceback
+    assert "rank 0:" in traceback  # the head, stopped after the failure, is summarised
+    # The pool recovered: a collective works on the next cell.
+    cell = nb.ok(
+        "%%sky\nimport torch, torch.distributed as dist\n"
+        "t = torch.ones(1)\ndist.all_reduce(t)\nt.item()"
+    )
+    assert cell.shown == ["2.0"], str(cell)
+
+
+def test_several_failing_ranks_are_summarised(nb: Kernel) -> None:
+    nb.ok(POOL2)
+    cell = nb.fails(
+        "%%sky\nimport torch.distributed as dist\nraise RuntimeError(f'bad rank {dist.get_rank()}')"
+    )
+    assert len(cell.errors) == 1, str(cell)
+    evalue = cell.errors[0]["evalue"]
+    first = re.match(r"cell failed on rank (\d) \(.*\): RuntimeError: bad rank (\d)", evalue)
+    assert first and first[1] == first[2], evalue
+    other = re.search(r"and on 1 other rank\(s\): rank (\d): (\w+)", evalue)
+    assert other and {first[1], other[1]} == {"0", "1"}, evalue
+    traceback = "\n".join(cell.errors[0]["traceback"])
+    assert "raise RuntimeError(f'bad rank {dist.get_rank()}')" in traceback
+    assert f"rank {other[1]}: " in traceback
+
+
+@pytest.mark.xfail(
+    strict=False,  # a race: it shows within 40 tries on most runs, not on every one
+    reason="product bug: agent/torch_setup.ProcessGroup._shut_sockets lists the group's socket "
+    "descriptors, then os.dup()s each one, while gloo's own threads may close them in between; "
+    "the OSError(EBADF) escapes leave(), so re-forming the group after a failure fails ('rank 0 "
+    "... could not host the rendezvous: OSError: [Errno 9] Bad file descriptor', shown as a "
+    "UsageError) and the head keeps the old group while the other ranks have none: every later "
+    "cell fails ('Default process group has not been initialized') until %sky restart",
+)
+def test_the_group_reforms_after_every_failure(nb: Kernel) -> None:
+    nb.ok(POOL2)
+    try:
+        for attempt in range(40):
+            cell = nb.fails(
+                "%%sky\nimport torch.distributed as dist\n"
+                "raise RuntimeError(f'bad rank {dist.get_rank()}')"
+            )
+            assert cell.reply["ename"] == "CellError", f"try {attempt}: {cell.reply['evalue']}"
+            health = nb.execute(HEALTH)
+            assert health.per_rank == {0: "True", 1: "True"}, f"try {attempt}: {health}"
+    finally:
+        nb.ensure_healthy()
+
+
+# ------------------------------------------------------------------------------ 7. interrupt
+
+
+def test_interrupt_stops_the_cell_and_keeps_the_pool(nb: Kernel) -> None:
+    nb.ok(POOL2)
+    nb.ok("%%sky --out before_interrupt\nkept_across_interrupt = 41\nimport os\nos.getpid()")
+    pids = nb.eval("before_interrupt.values")
+    cell, took = nb.interrupted(
+        "%%sky\nimport time\nprint('sleeping', flush=True)\ntime.sleep(120)\nprint('woke')",
+        when="sleeping",  # the head's print streams into the cell while it runs
+    )
+    assert took < 15, f"the cell ended {took:.1f} s after the interrupt"
+    assert cell.status == "error", str(cell)
+    assert cell.reply["ename"] == "KeyboardInterrupt", str(cell)
+    assert "woke" not in cell.stdout
+
+    cell = nb.ok(
+        "%%sky --all --out after_interrupt\nimport os\n(os.getpid(), kept_across_interrupt + 1)"
+    )
+    assert nb.eval("after_interrupt.values") == [(pids[0], 42), (pids[1], 42)], str(cell)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="product bug: when Ctrl-C interrupts a %%sky cell, Pool._wait re-raises "
+    "KeyboardInterrupt out of Session.run_cell before shipper.commit, so the names the cell "
+    "bound on the ranks are not marked remote and the next cell silently overwrites them with "
+    "the notebook's values of the same names",
+)
+def test_names_bound_by_an_interrupted_cell_stay_remote(nb: Kernel) -> None:
+    nb.ok(POOL2)
+    cell, _ = nb.interrupted(
+        "%%sky\ntrained = 'remote model'\nprint('sleeping', flush=True)\n"
+        "import time\ntime.sleep(120)",
+        when="sleeping",
+    )
+    assert cell.reply.get("ename") == "KeyboardInterrupt", str(cell)
+    nb.ok("trained = 'notebook model'")
+    cell = nb.ok("%%sky --all\ntrained")
+    assert cell.per_rank == {0: "'remote model'", 1: "'remote model'"}
+
+
+def test_timeout_stops_the_cell_and_keeps_the_pool(nb: Kernel) -> None:
+    nb.ok(POOL2)
+    nb.ok("%%sky\nkept_across_timeout = 1")
+    pids = nb.pool_pids()
+    started = time.monotonic()
+    cell = nb.fails("%%sky --timeout 1\nimport time\ntime.sleep(60)\nprint('woke')")
+    assert time.monotonic() - started < 15
+    assert "timed out after 1.0 s" in cell.stderr, str(cell)
+    assert "woke" not in cell.stdout
+    assert len(cell.errors) == 1 and "KeyboardInterrupt" in cell.errors[0]["evalue"]
+    assert "time.sleep(60)" in "\n".join(cell.errors[0]["traceback"])
+    cell = nb.ok("%%sky --all\nkept_across_timeout + 1")
+    assert cell.per_rank == {0: "2", 1: "2"}
+    assert nb.pool_pids() == pids
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="product bug (cosmetic): agent/cells.format_remote_traceback keeps every frame after "
+    "the cell's first one, so an interrupted or timed-out rank's traceback ends in the agent's "
+    "own signal handler (agent/rank.py, _on_sigint, 'raise KeyboardInterrupt') instead of "
+    "showing only the cell's lines as the README promises",
+)
+def test_a_stopped_ranks_traceback_shows_only_the_cells_lines(nb: Kernel) -> None:
+    nb.ok(POOL2)
+    cell = nb.fails("%%sky --timeout 0.5\nimport time\ntime.sleep(60)")
+    traceback = "\n".join(cell.errors[0]["traceback"])
+    assert "time.sleep(60)" in traceback
+    assert "skyward_jupyter" not in traceback, traceback
+
+
+# ------------------------------------------------------------------------------ line magics
+
+
+def test_pull_and_push(nb: Kernel) -> None:
+    nb.ok(POOL2)
+    nb.ok("%%sky\nimport torch.distributed as dist\npulled = dist.get_rank() * 10 + 1")
+    nb.ok("%sky pull pulled --all")
+    assert nb.eval("pulled") == [1, 11]
+    nb.ok("%sky pull pulled --rank 1")
+    assert nb.eval("pulled") == 11
+    nb.ok("%sky pull pulled")
+    assert nb.eval("pulled") == 1
+
+    nb.ok("%%sky\npushed = 'remote'")
+    nb.ok("pushed = 'local'")
+    assert nb.ok("%%sky --all\npushed").per_rank == {0: "'remote'", 1: "'remote'"}
+    cell = nb.ok("%sky push pushed")
+    assert re.fullmatch(r"pushed pushed: \d+ bytes to each rank\n", cell.stdout), str(cell)
+    assert nb.ok("%%sky --all\npushed").per_rank == {0: "'local'", 1: "'local'"}
+
+
+def test_config_stdout_all_applies_to_later_cells(nb: Kernel) -> None:
+    nb.ok(POOL2)
+    try:
+        cell = nb.ok("%sky config --stdout all")
+        assert "stdout all" in cell.stdout, str(cell)
+        code = "%%sky\nimport torch.distributed as dist\nprint(f'configured {dist.get_rank()}')"
+        cell = nb.ok(code)
+        assert sorted(cell.stdout.splitlines()) == [
+            "[rank 0] configured 0",
+            "[rank 1] configured 1",
+        ], str(cell)
+        cell = nb.ok(code.replace("%%sky", "%%sky --stdout head"))  # a cell's option wins
+        assert cell.stdout == "configured 0\n", str(cell)
+    finally:
+        nb.ok("%sky config --stdout head")
+    assert nb.ok(code).stdout == "configured 0\n"
+
+
+def test_restart_gives_fresh_ranks_with_an_empty_namespace(nb: Kernel) -> None:
+    nb.ok(POOL2)
+    nb.ok("%%sky --out before_restart\nrestart_probe = 1\nimport os\nos.getpid()")
+    old = set(nb.eval("before_restart.values"))
+    nb.ok("%sky restart")
+    wait_for(lambda: not (old & agent_pids()), GONE_TIMEOUT, "the old ranks to end")
+    new = nb.pool_pids()
+    assert len(new) == 2 and not (set(new) & old)
+    nb.ok("%%sky --out after_restart\nimport os\n(os.getpid(), 'restart_probe' in globals())")
+    assert nb.eval("after_restart.values") == [(new[0], False), (new[1], False)]
+
+
+# ------------------------------------------------------------------------------ 2. replacement
+
+
+def test_other_options_replace_the_pool_and_names_add_pools(nb: Kernel) -> None:
+    nb.ok("%%sky --nodes 2 --out two_nodes\nimport os\nos.getpid()")
+    two = nb.eval("two_nodes.values")
+
+    cell = nb.ok("%%sky --nodes 1 --out one_node\nimport os\nos.getpid()")
+    assert "replacing" in cell.stderr, str(cell)
+    one = nb.eval("one_node.values")
+    assert len(one) == 1 and one[0] not in two
+    wait_for(lambda: not (set(two) & agent_pids()), GONE_TIMEOUT, "the replaced ranks to end")
+
+    nb.ok("%%sky --out current_pool\nimport os\nos.getpid()")
+    assert nb.eval("current_pool.values") == one
+
+    cell = nb.ok("%%sky --name other --out other_pool\nimport os\nos.getpid()")
+    assert "replacing" not in cell.stderr
+    other = nb.eval("other_pool.values")
+    assert len(other) == 1 and other != one
+    status = nb.status()
+    assert re.search(r"^  default: 1 node\b", status, re.M), status
+    assert re.search(r"^\* other: 1 node\b", status, re.M), status
+    assert set(nb.pool_pids()) == {*one, *other}
+    assert {*one, *other} <= agent_pids()
+
+    nb.ok("%sky down --all")
+    assert nb.status().strip() == "no pools"
+    wait_for(lambda: not ({*one, *other} & agent_pids()), GONE_TIMEOUT, "the pools' ranks to end")
+
+
+# ------------------------------------------------------------------------------ 8. no ranks left
+
+
+def _start_pool(kernel: Kernel) -> set[int]:
+    kernel.ok("%load_ext skyward_jupyter")
+    kernel.ok(POOL2)
+    ranks = set(kernel.pool_pids())
+    spawned = kernel.started_processes()
+    assert len(ranks) == 2 and ranks <= spawned, (ranks, spawned)
+    assert spawned & agent_pids(TEMPLATE), "no rank template started by this kernel"
+    return spawned
+
+
+def test_shutting_the_kernel_down_ends_its_ranks(own_kernel: Kernel) -> None:
+    spawned = _start_pool(own_kernel)
+    own_kernel.km.shutdown_kernel(now=False)
+    wait_for(lambda: not (spawned & live_agents()), GONE_TIMEOUT, "ranks and template to end")
+
+
+def test_restarting_the_kernel_ends_its_ranks(own_kernel: Kernel) -> None:
+    spawned = _start_pool(own_kernel)
+    own_kernel.km.restart_kernel(now=False)
+    wait_for(lambda: not (spawned & live_agents()), GONE_TIMEOUT, "ranks and template to end")
+    own_kernel.kc.wait_for_ready(timeout=60)
+    assert own_kernel.eval("1 + 1") == 2
+
+
+def test_killing_the_kernel_ends_its_ranks(own_kernel: Kernel) -> None:
+    spawned = _start_pool(own_kernel)
+    os.kill(own_kernel.pid, signal.SIGKILL)
+    wait_for(lambda: not (spawned & live_agents()), GONE_TIMEOUT, "ranks and template to end")
