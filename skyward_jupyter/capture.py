@@ -24,7 +24,6 @@ from .protocol import Pickled
 
 LARGE_GLOBAL_BYTES = 100 * 1024 * 1024
 _NOTEBOOK_INTERNALS = {"In", "Out", "get_ipython", "exit", "quit"}
-_LOCAL_SCOPES = (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
 
 
 class CaptureError(Exception):
@@ -40,32 +39,6 @@ def names_read(source: str) -> set[str]:
         elif isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
             found.add(node.target.id)  # x += 1 reads x first
     return found
-
-
-def names_bound(source: str) -> set[str]:
-    """The names the cell binds in the ranks' global namespace."""
-    bound: set[str] = set()
-    tree = ast.parse(source)
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-            bound.add(node.name)
-            return  # what a body binds is local to it
-        if isinstance(node, _LOCAL_SCOPES):
-            return
-        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-            bound.add(node.id)
-        elif isinstance(node, ast.Import | ast.ImportFrom):
-            bound.update((a.asname or a.name).split(".")[0] for a in node.names if a.name != "*")
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    for statement in tree.body:
-        visit(statement)
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Global):
-            bound.update(node.names)
-    return bound
 
 
 def _code_names(code: types.CodeType) -> set[str]:
@@ -107,7 +80,6 @@ class Shipment:
     nbytes: int
     warnings: tuple[str, ...]
     digests: dict[str, bytes] = field(repr=False)
-    bound: frozenset[str] = frozenset()
 
 
 class Shipper:
@@ -160,7 +132,6 @@ class Shipper:
             sum(p.nbytes for p in send.values()),
             tuple(warnings),
             digests,
-            frozenset(names_bound(source)),
         )
 
     @staticmethod
@@ -185,11 +156,15 @@ class Shipper:
             todo.extend(n for n in names_used_by(user_ns[name]) if shippable(n))
         return found
 
-    def commit(self, shipment: Shipment) -> None:
-        """The cell ran: its globals are on the ranks, and the names it bound are theirs now."""
+    def commit(self, shipment: Shipment, bound: frozenset[str]) -> None:
+        """The cell ran: its globals are on the ranks, and the names it bound are theirs now.
+
+        ``bound`` comes from the ranks (what the cell actually rebound, also when it failed
+        part-way), not from reading the cell, so ``exec`` or ``globals()[...]`` count too.
+        """
         for name in shipment.globals:
             self._sent[name] = shipment.digests[name]
-        for name in shipment.bound:
+        for name in bound:
             self._remote.add(name)
             self._sent.pop(name, None)
 

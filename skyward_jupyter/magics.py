@@ -14,7 +14,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from .capture import CaptureError
 from .providers.base import ProviderError
-from .results import PoolError, RunResult
+from .results import CellInterrupted, PoolError, RunResult
 from .session import PROVIDERS, Session, SessionError, check_gpu_name
 
 _POOL_OPTIONS = ("provider", "nodes", "procs_per_node", "gpu", "backend", "env")
@@ -174,6 +174,8 @@ class SkyMagics(Magics):
             return self._cell(line, cell)
         except (SessionError, CaptureError, PoolError, ProviderError) as exc:
             raise UsageError(str(exc)) from None
+        except CellInterrupted:
+            raise KeyboardInterrupt from None  # as a local cell's Ctrl-C looks
 
     def _cell(self, line: str, cell: str) -> RunResult | None:
         args = _cell_parser().parse_args(shlex.split(line))
@@ -183,9 +185,13 @@ class SkyMagics(Magics):
         spec = None
         if any(v is not None for v in pool_options.values()):
             spec = self.session.spec_from(pool_options)
-        entry = self.session.entry(args.name, spec)
         result = self.session.run_cell(
-            entry, cell, self._user_ns, stdout=args.stdout, timeout=args.timeout
+            cell,
+            self._user_ns,
+            name=args.name,
+            spec=spec,
+            stdout=args.stdout,
+            timeout=args.timeout,
         )
         if args.out:
             self._user_ns[args.out] = result

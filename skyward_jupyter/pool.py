@@ -46,7 +46,7 @@ from .events import (
     RankStateChanged,
 )
 from .providers.base import Node, Provider, RankProcess
-from .results import PoolError, RankResult, RemoteError, RunResult
+from .results import CellInterrupted, PoolError, RankResult, RemoteError, RunResult
 
 T = TypeVar("T")
 Subscriber = Callable[[PoolEvent], None]
@@ -322,7 +322,11 @@ class Pool:
     def _wait(
         self, future: concurrent.futures.Future[T], on_wait: Callable[[], None] | None = None
     ) -> T:
-        """Wait for the IO thread; Ctrl-C interrupts the ranks, a second one kills them."""
+        """Wait for the IO thread; Ctrl-C interrupts the ranks, a second one kills them.
+
+        After Ctrl-C the wait goes on until the ranks have stopped; a cell then raises
+        :class:`CellInterrupted` (a KeyboardInterrupt) carrying how each rank ended.
+        """
 
         def settle() -> T:
             while True:
@@ -337,10 +341,12 @@ class Pool:
         except KeyboardInterrupt:
             self.interrupt()
             try:
-                settle()
+                outcome = settle()
             except KeyboardInterrupt:
                 self.interrupt()
-                settle()
+                outcome = settle()
+            if isinstance(outcome, RunResult):
+                raise CellInterrupted(outcome) from None
             raise
 
     # ---------------------------------------------------------------------- IO thread: start
@@ -578,12 +584,19 @@ class Pool:
             for r in self._ranks:
                 if r.state is RankState.RUNNING:
                     self._set_state(r, RankState.IDLE)
+            bound = frozenset(
+                name
+                for outcome in cell.outcomes.values()
+                if isinstance(outcome, p.CellDone)
+                for name in outcome.bound
+            )
             result = RunResult(
                 command.cell_id,
                 results,
                 shipped,
                 tuple(sorted(set(lost_before + lost))),
                 tuple(cell.notes),
+                bound=bound,
             )
             self._emit(CellFinished(command.cell_id, result))
             return result

@@ -151,3 +151,5 @@ class CellDone:
     value_repr: str | None
     error: ErrorInfo | None
     seconds: float
+    bound: tuple[str, ...] = ()
+    """Global names the cell (re)bound on this rank, also when it failed part-way."""

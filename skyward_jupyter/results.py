@@ -6,7 +6,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, overload
 
-_SUMMARY_IN_FULL = 1
+
+def _what(error: RemoteError) -> str:
+    return f"{error.type_name}: {error.message}" if error.message else error.type_name
 
 
 class PoolError(Exception):
@@ -40,14 +42,21 @@ class RemoteError(Exception):
         self.exception = exception
 
     def __str__(self) -> str:
-        text = f"{self.type_name}: {self.message}" if self.message else self.type_name
-        return f"[rank {self.rank}, {self.where}] {text}"
+        return f"[rank {self.rank}, {self.where}] {_what(self)}"
 
     def render(self) -> str:
         return f"--- rank {self.rank} ({self.where}) ---\n{self.traceback.rstrip()}\n"
 
     def _render_traceback_(self) -> list[str]:
         return self.render().splitlines()
+
+
+class CellInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped a cell on every rank; ``result`` says how each rank ended."""
+
+    def __init__(self, result: RunResult) -> None:
+        super().__init__()
+        self.result = result
 
 
 class CellError(Exception):
@@ -62,9 +71,7 @@ class CellError(Exception):
     def summary(self) -> str:
         first = self.primary
         others = [e for e in self.errors if e is not first]
-        lines = [
-            f"cell failed on rank {first.rank} ({first.where}): {first.type_name}: {first.message}"
-        ]
+        lines = [f"cell failed on rank {first.rank} ({first.where}): {_what(first)}"]
         if others:
             lines.append(
                 f"and on {len(others)} other rank(s): "
@@ -77,7 +84,7 @@ class CellError(Exception):
         for e in self.errors:
             if e is not self.primary:
                 suffix = " (stopped after the failure above)" if e.secondary else ""
-                parts.append(f"rank {e.rank}: {e.type_name}: {e.message}{suffix}")
+                parts.append(f"rank {e.rank}: {_what(e)}{suffix}")
         return "\n".join(parts)
 
     def _render_traceback_(self) -> list[str]:
@@ -109,6 +116,8 @@ class RunResult(Sequence[RankResult]):
     notes: tuple[str, ...] = field(default_factory=tuple)
     show_all: bool = False
     """Displayed with every rank's value rather than the head's (``%%sky --all``)."""
+    bound: frozenset[str] = frozenset()
+    """Global names the cell (re)bound on any rank: they are the ranks' now."""
 
     def with_display(self, every_rank: bool) -> RunResult:
         return replace(self, show_all=every_rank)

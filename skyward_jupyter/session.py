@@ -14,11 +14,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .capture import Shipper
+from .capture import Shipment, Shipper
 from .display.output import CellOutput, StdoutMode
 from .pool import Pool
 from .providers.base import Provider
-from .results import CellError, RunResult
+from .results import CellError, CellInterrupted, RunResult
 
 KNOWN_GPUS = ("T4", "A10G", "L4", "L40S", "V100", "A100", "H100")
 PROVIDERS = ("local", "ssh", "aws")
@@ -100,13 +100,25 @@ class Session:
             changes["env"] = tuple(sorted(changes["env"]))
         return replace(base or self.defaults, **changes)
 
-    def entry(self, name: str | None = None, spec: PoolSpec | None = None) -> PoolEntry:
-        """The pool a cell runs on, started or replaced as the spec asks."""
+    def _reusable(self, name: str | None, spec: PoolSpec | None) -> tuple[str, PoolEntry | None]:
         name = name or self.current or "default"
         entry = self._pools.get(name)
         if entry is not None and entry.pool.running and spec in (None, entry.spec):
+            return name, entry
+        return name, None
+
+    def entry(
+        self,
+        name: str | None = None,
+        spec: PoolSpec | None = None,
+        shipper: Shipper | None = None,
+    ) -> PoolEntry:
+        """The pool a cell runs on, started or replaced as the spec asks."""
+        name, reusable = self._reusable(name, spec)
+        if reusable is not None:
             self.current = name
-            return entry
+            return reusable
+        entry = self._pools.get(name)
         wanted = spec or (entry.spec if entry else self.defaults)
         provider = make_provider(wanted)
         if entry is not None:
@@ -131,23 +143,30 @@ class Session:
             f"pool {name!r}: {pool.world_size} ranks ready in "
             f"{time.perf_counter() - started:.1f} s ({group})"
         )
-        entry = PoolEntry(name, wanted, pool)
+        entry = PoolEntry(name, wanted, pool, shipper or Shipper())
         self._pools[name] = entry
         self.current = name
         return entry
 
     def run_cell(
         self,
-        entry: PoolEntry,
         source: str,
         user_ns: Mapping[str, Any],
         *,
+        name: str | None = None,
+        spec: PoolSpec | None = None,
         stdout: StdoutMode | None = None,
         timeout: float | None = None,
-        filename: str | None = None,
     ) -> RunResult:
-        """Ship what the cell needs, run it, stream its output into this cell."""
-        shipment = entry.shipper.prepare(source, user_ns)
+        """Ship what the cell needs, run it, stream its output into this cell.
+
+        The globals are pickled before any pool starts or is replaced, so a global that cannot
+        be sent costs nothing but the error.
+        """
+        _, reusable = self._reusable(name, spec)
+        shipper = reusable.shipper if reusable else Shipper()
+        shipment = shipper.prepare(source, user_ns)
+        entry = self.entry(name, spec, shipper)
         for warning in shipment.warnings:
             self._announce(f"warning: {warning}")
         view = CellOutput(stdout or self.stdout_mode)
@@ -156,19 +175,24 @@ class Session:
                 source,
                 shipment.globals,
                 timeout=timeout,
-                filename=filename,
                 observer=view.on_event,
                 on_wait=view.flush,
             )
+        except CellInterrupted as interrupted:
+            self._settle(entry, shipment, interrupted.result)
+            raise
         finally:
             view.flush()
+        self._settle(entry, shipment, result)
+        return result
+
+    def _settle(self, entry: PoolEntry, shipment: Shipment, result: RunResult) -> None:
         if result.lost:
             entry.shipper.forget()
         else:
-            entry.shipper.commit(shipment)
+            entry.shipper.commit(shipment, result.bound)
         for note in result.notes:
             self._announce(f"pool {entry.name!r}: {note}")
-        return result
 
     def pull(self, name: str, ranks: str | int = 0) -> Any:
         """A rank's value of ``name`` (``ranks="all"``: every rank's, as a list)."""
@@ -192,7 +216,7 @@ class Session:
             raise SessionError(f"not defined in the notebook: {', '.join(missing)}")
         shipment = entry.shipper.prepare("", user_ns, force=frozenset(names))
         result = entry.pool.run("", shipment.globals).raise_for_errors()
-        entry.shipper.commit(shipment)
+        entry.shipper.commit(shipment, result.bound)
         return result
 
     def restart(self, name: str | None = None) -> PoolEntry:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from skyward_jupyter import capture
-from skyward_jupyter.capture import CaptureError, Shipper, names_bound, names_read
+from skyward_jupyter.capture import CaptureError, Shipper, names_read
 
 CELL = """
 import torch as T, os.path
@@ -33,10 +33,6 @@ def test_names_read_include_nested_scopes() -> None:
     assert "T" not in read and "f" not in read
 
 
-def test_names_bound_are_the_cells_globals_only() -> None:
-    assert names_bound(CELL) == {"T", "os", "x", "f", "g", "i"}
-
-
 def _ns(**values: Any) -> dict[str, Any]:
     return {"__name__": "__main__", "In": [], "_": None, **values}
 
@@ -53,7 +49,7 @@ def test_unchanged_values_are_not_sent_again_and_changed_ones_are() -> None:
     ns = _ns(data=np.arange(1000))
     first = shipper.prepare("data.sum()", ns)
     assert set(first.globals) == {"data"} and first.nbytes >= 8000
-    shipper.commit(first)
+    shipper.commit(first, frozenset())
     second = shipper.prepare("data.sum()", ns)
     assert second.globals == {} and second.unchanged == ("data",) and second.nbytes == 0
     ns["data"][0] = 42  # changed in place: same object, new content
@@ -63,7 +59,7 @@ def test_unchanged_values_are_not_sent_again_and_changed_ones_are() -> None:
 
 def test_names_bound_on_the_ranks_stay_remote() -> None:
     shipper = Shipper()
-    shipper.commit(shipper.prepare("model = 1", _ns()))
+    shipper.commit(shipper.prepare("model = 1", _ns()), frozenset({"model"}))
     shipment = shipper.prepare("model + 1", _ns(model="notebook's"))
     assert shipment.globals == {} and shipment.remote == ("model",)
     forced = shipper.prepare("", _ns(model="notebook's"), force=frozenset({"model"}))

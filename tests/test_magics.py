@@ -6,7 +6,7 @@ shared kernel keeps warm between tests are registered with conftest's ``_module_
 its per-test leak check still catches anything else left running; a test that leaves the shared
 pool's process group broken errors in teardown, and the pool is restarted for the next test.
 
-Known product bugs are pinned by the ``xfail`` tests below (their reasons say where).
+
 """
 
 from __future__ import annotations
@@ -443,12 +443,6 @@ def test_an_unpicklable_global_fails_the_cell_before_it_runs_naming_it(nb: Kerne
     assert nb.pool_pids() == pids
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug: Session.run_cell commits a failed cell's shipment, so every name the "
-    "cell's source assigns is marked remote even when the cell raised before binding it; the "
-    "notebook's later value of that name is then never sent (NameError on the ranks)",
-)
 def test_a_name_a_failed_cell_never_bound_is_still_shipped(nb: Kernel) -> None:
     nb.ok(POOL2)
     nb.fails("%%sky\nraise ValueError('fails before binding')\nnever_bound = 'remote'")
@@ -584,13 +578,6 @@ def test_output_is_attributed_to_the_cell_that_printed_it(nb: Kernel) -> None:
             assert parent == second.msg_id
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug: with --stdout all, CellOutput._prefixed tracks line starts per rank "
-    "but writes every rank into one stream, so a rank's unterminated line (print(end=''), a "
-    "progress bar) is continued by the next rank's text ('[rank 0] half[rank 1] whole') and the "
-    "rest of the first rank's line then shows with no label at all",
-)
 def test_stdout_all_keeps_each_ranks_lines_apart(nb: Kernel) -> None:
     nb.ok(POOL2)
     cell = nb.ok(
@@ -670,15 +657,6 @@ def test_several_failing_ranks_are_summarised(nb: Kernel) -> None:
     assert f"rank {other[1]}: " in traceback
 
 
-@pytest.mark.xfail(
-    strict=False,  # a race: it shows within 40 tries on most runs, not on every one
-    reason="product bug: agent/torch_setup.ProcessGroup._shut_sockets lists the group's socket "
-    "descriptors, then os.dup()s each one, while gloo's own threads may close them in between; "
-    "the OSError(EBADF) escapes leave(), so re-forming the group after a failure fails ('rank 0 "
-    "... could not host the rendezvous: OSError: [Errno 9] Bad file descriptor', shown as a "
-    "UsageError) and the head keeps the old group while the other ranks have none: every later "
-    "cell fails ('Default process group has not been initialized') until %sky restart",
-)
 def test_the_group_reforms_after_every_failure(nb: Kernel) -> None:
     nb.ok(POOL2)
     try:
@@ -716,13 +694,6 @@ def test_interrupt_stops_the_cell_and_keeps_the_pool(nb: Kernel) -> None:
     assert nb.eval("after_interrupt.values") == [(pids[0], 42), (pids[1], 42)], str(cell)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug: when Ctrl-C interrupts a %%sky cell, Pool._wait re-raises "
-    "KeyboardInterrupt out of Session.run_cell before shipper.commit, so the names the cell "
-    "bound on the ranks are not marked remote and the next cell silently overwrites them with "
-    "the notebook's values of the same names",
-)
 def test_names_bound_by_an_interrupted_cell_stay_remote(nb: Kernel) -> None:
     nb.ok(POOL2)
     cell, _ = nb.interrupted(
@@ -752,13 +723,6 @@ def test_timeout_stops_the_cell_and_keeps_the_pool(nb: Kernel) -> None:
     assert nb.pool_pids() == pids
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug (cosmetic): agent/cells.format_remote_traceback keeps every frame after "
-    "the cell's first one, so an interrupted or timed-out rank's traceback ends in the agent's "
-    "own signal handler (agent/rank.py, _on_sigint, 'raise KeyboardInterrupt') instead of "
-    "showing only the cell's lines as the README promises",
-)
 def test_a_stopped_ranks_traceback_shows_only_the_cells_lines(nb: Kernel) -> None:
     nb.ok(POOL2)
     cell = nb.fails("%%sky --timeout 0.5\nimport time\ntime.sleep(60)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import linecache
+import os
 import sys
 import traceback
 import types
@@ -66,11 +67,21 @@ class Namespace:
         return eval(compile(ast.Expression(last), filename, "eval"), self.globals)
 
 
-def format_remote_traceback(exc: BaseException, filename_prefix: str) -> str:
-    """The traceback from the first frame of user code on: the agent's own frames are noise."""
-    tb = exc.__traceback__
-    while tb is not None and not tb.tb_frame.f_code.co_filename.startswith(filename_prefix):
-        tb = tb.tb_next
-    if tb is None:
-        return "".join(traceback.format_exception_only(type(exc), exc))
-    return "".join(traceback.format_exception(type(exc), exc, tb))
+_AGENT_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _without_agent_frames(te: traceback.TracebackException) -> None:
+    te.stack = traceback.StackSummary.from_list(
+        [f for f in te.stack if not os.path.abspath(f.filename).startswith(_AGENT_DIR)]
+    )
+    for chained in (te.__cause__, te.__context__):
+        if chained is not None:
+            _without_agent_frames(chained)
+
+
+def format_remote_traceback(exc: BaseException) -> str:
+    """The traceback as the user's code made it: the agent's own frames (the runner around the
+    cell, the SIGINT handler that raised KeyboardInterrupt) are noise and are left out."""
+    te = traceback.TracebackException.from_exception(exc)
+    _without_agent_frames(te)
+    return "".join(te.format())

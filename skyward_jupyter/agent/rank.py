@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import json
 import os
@@ -41,7 +42,6 @@ from .cells import Namespace, format_remote_traceback
 from .output import FdCapture
 from .torch_setup import GroupSettings, ProcessGroup, cuda_device_count, torch_version
 
-CELL_FILE_PREFIX = "<sky-cell-"
 _REPR_LIMIT = 20_000
 EXIT_CHANNEL_CLOSED = 0
 EXIT_HEARTBEAT_LOST = 75
@@ -247,6 +247,7 @@ class Agent:
         started = time.perf_counter()
         value: Any = None
         error: BaseException | None = None
+        before: dict[str, Any] = {}
         try:
             for name, pickled in command.globals.items():
                 try:
@@ -255,6 +256,7 @@ class Agent:
                     raise RuntimeError(
                         f"global {name!r} could not be unpickled on this rank: {exc}"
                     ) from exc
+            before = dict(self.namespace.globals)  # holds the values, so ids cannot be reused
             self._in_cell = True
             try:
                 value = self.namespace.run(command.source, command.filename)
@@ -263,9 +265,16 @@ class Agent:
         except BaseException as exc:  # noqa: BLE001 - the cell's failure is its result
             error = exc
         seconds = time.perf_counter() - started
+        bound = tuple(
+            name
+            for name, v in self.namespace.globals.items()
+            if before and (name not in before or before[name] is not v)
+        )
+        before.clear()
         self._sync_output()
         self._flush_metrics()
-        self.channel.send(_cell_done(command.cell_id, value, error, seconds))
+        done = _cell_done(command.cell_id, value, error, seconds)
+        self.channel.send(dataclasses.replace(done, bound=bound))
         self.cell_id = None
 
 
@@ -299,7 +308,7 @@ def _error_info(exc: BaseException) -> p.ErrorInfo:
         if type(exc).__module__ == "builtins"
         else f"{type(exc).__module__}.{type(exc).__qualname__}",
         message=str(exc),
-        traceback=format_remote_traceback(exc, CELL_FILE_PREFIX),
+        traceback=format_remote_traceback(exc),
         exception=pickled,
     )
 

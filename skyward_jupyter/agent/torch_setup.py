@@ -129,11 +129,15 @@ class ProcessGroup:
         self._store = None
 
     def _shut_sockets(self) -> None:
-        current = _socket_inodes()
         for inode, fd in self._sockets.items():
-            if current.get(inode) != fd:
-                continue  # already closed by torch, or the number now names something else
-            sock = socket.socket(fileno=os.dup(fd))
+            try:
+                copy = os.dup(fd)
+            except OSError:
+                continue  # gloo closed it meanwhile
+            if f"socket:[{os.fstat(copy).st_ino}]" != inode:
+                os.close(copy)  # the number was reused for something that is not ours
+                continue
+            sock = socket.socket(fileno=copy)
             try:
                 # A listener is left alone: gloo aborts the process when its accept() fails.
                 if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):

@@ -30,6 +30,8 @@ class CellOutput:
         self._stderr = stderr
         self._queue: collections.deque[OutputReceived] = collections.deque()
         self._at_line_start: dict[tuple[int, str], bool] = {}
+        # Per stream of the notebook: whose line is still open (no final newline yet).
+        self._open_line: dict[str, tuple[int, str] | None] = {"stdout": None, "stderr": None}
         self.skipped_chars = 0
 
     def on_event(self, event: PoolEvent) -> None:
@@ -69,10 +71,17 @@ class CellOutput:
         while self._queue:
             event = self._queue.popleft()
             label = self._label(event)
-            if label is not None:
-                chunks[event.stream if event.stream in chunks else "stderr"].append(
-                    self._prefixed(event, label)
-                )
+            if label is None or not event.text:
+                continue
+            target = event.stream if event.stream in chunks else "stderr"
+            key = (event.rank, event.stream)
+            other = self._open_line[target]
+            if other is not None and other != key:
+                # Another rank's line is unfinished: end it here rather than glue onto it.
+                chunks[target].append("\n")
+                self._at_line_start[other] = True
+            chunks[target].append(self._prefixed(event, label))
+            self._open_line[target] = None if event.text.endswith("\n") else key
         for stream, parts in chunks.items():
             if not parts:
                 continue
@@ -84,8 +93,8 @@ class CellOutput:
                     f"[skyward_jupyter: {cut} characters of rank output skipped to keep the "
                     f"notebook responsive]\n" + text[cut:]
                 )
-            target = (
+            out = (
                 (self._stdout or sys.stdout) if stream == "stdout" else (self._stderr or sys.stderr)
             )
-            target.write(text)
-            target.flush()
+            out.write(text)
+            out.flush()
