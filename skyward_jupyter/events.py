@@ -36,6 +36,19 @@ class RankStateChanged:
 
 
 @dataclass(frozen=True, slots=True)
+class RankUsage:
+    """A rank's resource use, with its heartbeat; ``at`` (epoch seconds) is when it arrived."""
+
+    rank: int
+    node: int
+    cpu_percent: float
+    rss_bytes: int
+    gpu_memory_bytes: int | None
+    gpu_utilization: float | None
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
 class OutputReceived:
     rank: int
     cell_id: int | None
@@ -71,5 +84,11 @@ class PoolMessage:
 
 
 PoolEvent = Union[  # noqa: UP007 - a runtime alias, usable in isinstance() on 3.10
-    RankStateChanged, OutputReceived, MetricsLogged, CellStarted, CellFinished, PoolMessage
+    RankStateChanged,
+    RankUsage,
+    OutputReceived,
+    MetricsLogged,
+    CellStarted,
+    CellFinished,
+    PoolMessage,
 ]

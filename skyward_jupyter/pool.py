@@ -44,6 +44,7 @@ from .events import (
     PoolMessage,
     RankState,
     RankStateChanged,
+    RankUsage,
 )
 from .providers.base import Node, Provider, RankProcess
 from .results import CellInterrupted, PoolError, RankResult, RemoteError, RunResult
@@ -532,6 +533,18 @@ class Pool:
             self._emit(MetricsLogged(rank.index, message.cell_id, message.rows))
         elif isinstance(message, p.CellDone):
             rank.resolve("cell", message)
+        elif isinstance(message, p.Usage):
+            self._emit(
+                RankUsage(
+                    rank.index,
+                    rank.node.index,
+                    message.cpu_percent,
+                    message.rss_bytes,
+                    message.gpu_memory_bytes,
+                    message.gpu_utilization,
+                    time.time(),
+                )
+            )
         elif isinstance(message, p.Hello):
             rank.hello = message
             rank.resolve("hello", message)

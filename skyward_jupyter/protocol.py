@@ -106,6 +106,16 @@ class Hello:
 
 
 @dataclass(frozen=True, slots=True)
+class Usage:
+    """What the rank's process uses, sent with its heartbeat (about once a second)."""
+
+    cpu_percent: float
+    rss_bytes: int
+    gpu_memory_bytes: int | None
+    gpu_utilization: float | None
+
+
+@dataclass(frozen=True, slots=True)
 class GroupPort:
     """The head's rendezvous store is listening on ``port``; the others may now join."""
 

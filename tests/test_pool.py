@@ -444,3 +444,20 @@ def test_notebook_functions_see_the_ranks_namespace(pool2: Pool) -> None:
     pool2.run("import torch.distributed as dist\nremote_value = dist.get_rank() + 10")
     result = pool2.run("(f(), C().m())", {"f": notebook["f"], "C": notebook["C"]})
     assert result.values == [(10, 10), (11, 11)]
+
+
+def test_ranks_report_their_resource_use(pool2: Pool) -> None:
+    from skyward_jupyter.events import RankUsage
+
+    seen: dict[int, RankUsage] = {}
+    unsubscribe = pool2.subscribe(
+        lambda e: seen.__setitem__(e.rank, e) if isinstance(e, RankUsage) else None
+    )
+    try:
+        wait_for(lambda: set(seen) == {0, 1}, 10, "usage from both ranks")
+    finally:
+        unsubscribe()
+    for usage in seen.values():
+        assert usage.rss_bytes > 10 * 2**20  # a Python process with torch imported
+        assert 0 <= usage.cpu_percent < 400
+        assert usage.gpu_memory_bytes is None  # CUDA never initialised on a CPU machine

@@ -90,6 +90,7 @@ class Agent:
         self._metrics: list[tuple[int | None, dict[str, float]]] = []
         self._metrics_lock = threading.Lock()
         self._torch: str | None = None
+        self._usage = UsageMeter()
 
         # Helper threads inherit a blocked SIGINT, so a process-wide SIGINT reaches the main thread.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
@@ -158,7 +159,7 @@ class Agent:
                 os._exit(EXIT_HEARTBEAT_LOST)
             self._flush_metrics()
             if now - last_beat >= s.heartbeat_interval:
-                self.channel.send(p.Beat())
+                self.channel.send(self._usage.sample())
                 last_beat = now
 
     def _interrupt_main(self) -> None:
@@ -276,6 +277,35 @@ class Agent:
         done = _cell_done(command.cell_id, value, error, seconds)
         self.channel.send(dataclasses.replace(done, bound=bound))
         self.cell_id = None
+
+
+class UsageMeter:
+    """CPU share since the last sample, resident memory, and GPU memory once CUDA is in use.
+
+    It never initialises CUDA itself (that would take GPU memory on a rank that uses none).
+    """
+
+    def __init__(self) -> None:
+        self._cpu = time.process_time()
+        self._wall = time.monotonic()
+        self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+    def sample(self) -> p.Usage:
+        cpu, wall = time.process_time(), time.monotonic()
+        percent = 100.0 * (cpu - self._cpu) / max(wall - self._wall, 1e-6)
+        self._cpu, self._wall = cpu, wall
+        try:
+            with open("/proc/self/statm") as statm:
+                rss = int(statm.read().split()[1]) * self._page
+        except OSError:
+            rss = 0
+        gpu_memory, gpu_util = None, None
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            gpu_memory = int(torch.cuda.memory_reserved())
+            with contextlib.suppress(ImportError, RuntimeError):  # needs NVML, maybe absent
+                gpu_util = float(torch.cuda.utilization())
+        return p.Usage(percent, rss, gpu_memory, gpu_util)
 
 
 def _cell_done(cell_id: int, value: Any, error: BaseException | None, seconds: float) -> p.CellDone:
