@@ -6,7 +6,13 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup system-deps demo test lint bench clean
+
+# Debian packages the browser tests need (Playwright drives Debian's chromium; it never
+# downloads a browser). Installed only when missing.
+system-deps:
+	@command -v chromium >/dev/null || { apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium fonts-liberation; }
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -25,7 +31,7 @@ lint: setup
 	$(PY) -m ruff format --check skyward_jupyter tests bench scripts
 	$(PY) -m mypy
 
-test: lint
+test: lint system-deps
 	$(PY) -m pytest
 
 bench: setup
