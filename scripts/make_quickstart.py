@@ -77,6 +77,14 @@ for epoch in range(EPOCHS):
         "dist.all_gather(gathered, params)\n"
         "all(torch.equal(gathered[0], g) for g in gathered)  # DDP kept the replicas equal",
     ),
+    (
+        "markdown",
+        "Every `%%sky` cell shows the pool's live panel: its nodes and their state, each rank's "
+        "output in a tab, and what the ranks `log()`, reduced across ranks per step (mean, "
+        "min and max) as a table and a chart, with buttons to interrupt the cell or shut the "
+        "pool down. `%sky metrics` returns the same figures as rows:",
+    ),
+    ("code", "%sky metrics"),
     ("code", "%sky down"),
 ]
 

@@ -6,6 +6,7 @@ import threading
 from typing import Any
 
 from .display import values
+from .display.views import PoolViews
 from .magics import SkyMagics
 from .providers.local import prewarm
 from .session import Session
@@ -16,7 +17,9 @@ _SESSION_ATTR = "_skyward_session"
 def load(shell: Any) -> None:
     if getattr(shell, _SESSION_ATTR, None) is not None:
         return
-    session = Session()
+    views = PoolViews(shell)
+    session = Session(views=views)
+    views.attach(session.down_pool)
     setattr(shell, _SESSION_ATTR, session)
     shell.register_magics(SkyMagics(shell, session))
     values.register(shell)

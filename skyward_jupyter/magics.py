@@ -131,6 +131,10 @@ def _line_parsers() -> dict[str, _Parser]:
     restart = _Parser(prog="sky restart", add_help=False)
     restart.add_argument("name", nargs="?", type=_identifier)
     status = _Parser(prog="sky status", add_help=False)
+    panel = _Parser(prog="sky panel", add_help=False)
+    panel.add_argument("name", nargs="?", type=_identifier)
+    metrics = _Parser(prog="sky metrics", add_help=False)
+    metrics.add_argument("name", nargs="?", type=_identifier)
     return {
         "up": up,
         "down": down,
@@ -139,6 +143,8 @@ def _line_parsers() -> dict[str, _Parser]:
         "pull": pull,
         "push": push,
         "config": config,
+        "panel": panel,
+        "metrics": metrics,
     }
 
 
@@ -151,6 +157,9 @@ Line magic:
   %sky pull NAME [--rank K|--all] bring a rank's variable into the notebook
   %sky push NAME [NAME ...]       send notebook variables to every rank now
   %sky config [options]           defaults for later cells (pool options, --stdout)
+  %sky panel [NAME]               show the pool's live panel (text without widgets)
+  %sky metrics [NAME]             what log() recorded: step, name, mean, min, max, ranks
+                                  across ranks (a DataFrame with pandas, else a list)
 """
 
 
@@ -231,6 +240,10 @@ class SkyMagics(Magics):
             if args.stdout:
                 session.stdout_mode = args.stdout
             print(f"defaults: {session.defaults.describe()}, stdout {session.stdout_mode}")
+        elif command == "panel":
+            session.panel(args.name)
+        elif command == "metrics":
+            return session.metrics(args.name)
         return None
 
 

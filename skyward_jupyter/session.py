@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 from .capture import Shipment, Shipper
 from .display.output import CellOutput, StdoutMode
@@ -27,6 +27,63 @@ Announce = Callable[[str], None]
 
 class SessionError(Exception):
     """Bad input or a state the user must change; shown as one line, nothing else changes."""
+
+
+class CellView(Protocol):
+    def flush(self) -> None:
+        """Kernel thread, while the cell waits (about 20 times a second)."""
+
+    def finish(self) -> None:
+        """Kernel thread, once the cell ended (also when it failed)."""
+
+
+class Views(Protocol):
+    """The display layer's part in a pool's life (``display/views.py``); no widgets here."""
+
+    def pool_created(self, entry: PoolEntry) -> None:
+        """The pool exists and is about to start."""
+
+    def pool_started(self, entry: PoolEntry) -> None: ...
+
+    def pool_ended(self, entry: PoolEntry) -> None: ...
+
+    def cell(self, entry: PoolEntry) -> CellView:
+        """A cell is about to run on the pool."""
+        ...
+
+    def show(self, name: str | None, current: str | None) -> None:
+        """Show a pool's panel (``%sky panel``); LookupError when there is no such pool."""
+
+    def metrics(self, name: str | None, current: str | None) -> Any:
+        """A pool's metrics as rows (``%sky metrics``); LookupError when there is no such pool."""
+
+
+class _NoCellView:
+    def flush(self) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+class NoViews:
+    def pool_created(self, entry: PoolEntry) -> None:
+        pass
+
+    def pool_started(self, entry: PoolEntry) -> None:
+        pass
+
+    def pool_ended(self, entry: PoolEntry) -> None:
+        pass
+
+    def cell(self, entry: PoolEntry) -> CellView:
+        return _NoCellView()
+
+    def show(self, name: str | None, current: str | None) -> None:
+        raise LookupError("this session has no panel")
+
+    def metrics(self, name: str | None, current: str | None) -> Any:
+        raise LookupError("this session keeps no metrics")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,8 +139,9 @@ class PoolEntry:
 
 
 class Session:
-    def __init__(self, announce: Announce | None = None) -> None:
+    def __init__(self, announce: Announce | None = None, views: Views | None = None) -> None:
         self._pools: dict[str, PoolEntry] = {}
+        self.views: Views = views or NoViews()
         self.current: str | None = None
         self.defaults = PoolSpec()
         self.stdout_mode: StdoutMode = "head"
@@ -135,7 +193,14 @@ class Session:
             name=name,
             backend=wanted.backend,
             env=dict(wanted.env),
-        ).start()
+        )
+        entry = PoolEntry(name, wanted, pool, shipper or Shipper())
+        self.views.pool_created(entry)
+        try:
+            pool.start()
+        except BaseException:
+            self.views.pool_ended(entry)
+            raise
         group = (
             pool.torch_note or f"torch.distributed {pool.group_backend}, port {pool.master_port}"
         )
@@ -143,9 +208,9 @@ class Session:
             f"pool {name!r}: {pool.world_size} ranks ready in "
             f"{time.perf_counter() - started:.1f} s ({group})"
         )
-        entry = PoolEntry(name, wanted, pool, shipper or Shipper())
         self._pools[name] = entry
         self.current = name
+        self.views.pool_started(entry)
         return entry
 
     def run_cell(
@@ -170,19 +235,26 @@ class Session:
         for warning in shipment.warnings:
             self._announce(f"warning: {warning}")
         view = CellOutput(stdout or self.stdout_mode)
+        panel = self.views.cell(entry)
+
+        def on_wait() -> None:
+            view.flush()
+            panel.flush()
+
         try:
             result = entry.pool.run(
                 source,
                 shipment.globals,
                 timeout=timeout,
                 observer=view.on_event,
-                on_wait=view.flush,
+                on_wait=on_wait,
             )
         except CellInterrupted as interrupted:
             self._settle(entry, shipment, interrupted.result)
             raise
         finally:
             view.flush()
+            panel.finish()
         self._settle(entry, shipment, result)
         return result
 
@@ -233,15 +305,40 @@ class Session:
                 return []
             raise SessionError(f"no pool named {target!r}" if target else "no pool is running")
         entry = self._pools.pop(target)
-        entry.pool.close()
+        try:
+            entry.pool.close()
+        finally:
+            self.views.pool_ended(entry)
         if self.current == target:
             self.current = next(iter(self._pools), None)
         if not quiet:
             self._announce(f"pool {target!r}: shut down")
         return [target]
 
+    def down_pool(self, name: str, pool: Pool) -> None:
+        """End ``pool`` if it is still the pool called ``name`` (a panel's "Shut down")."""
+        entry = self._pools.get(name)
+        if entry is not None and entry.pool is pool:
+            self.down(name, quiet=True)
+        else:
+            pool.close()
+
     def down_all(self) -> list[str]:
         return [n for name in list(self._pools) for n in self.down(name, quiet=True)]
+
+    def panel(self, name: str | None = None) -> None:
+        """Show the live panel of a pool (the current one by default)."""
+        try:
+            self.views.show(name, self.current)
+        except LookupError as exc:
+            raise SessionError(str(exc.args[0] if exc.args else exc)) from None
+
+    def metrics(self, name: str | None = None) -> Any:
+        """What ``log()`` recorded on a pool's ranks: (step, name, mean, min, max, ranks) rows."""
+        try:
+            return self.views.metrics(name, self.current)
+        except LookupError as exc:
+            raise SessionError(str(exc.args[0] if exc.args else exc)) from None
 
     def status(self) -> str:
         if not self._pools:

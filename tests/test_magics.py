@@ -67,11 +67,12 @@ class Cell:
 
     @property
     def shown(self) -> list[str]:
-        """text/plain of every execute_result and display_data, in order."""
+        """text/plain of every execute_result and display_data, in order (not the pool panel)."""
         return [
             m["content"]["data"].get("text/plain", "")
             for m in self.messages
             if m["msg_type"] in ("execute_result", "display_data")
+            and "skyward_jupyter" not in m["content"].get("metadata", {})
         ]
 
     @property

@@ -1,0 +1,218 @@
+"""The panel as lines of text, for terminal IPython (no widget frontend).
+
+Like :class:`~skyward_jupyter.display.output.CellOutput`, events are only queued on the pool's
+IO thread; :meth:`TextReport.flush` writes on the kernel's thread while a cell waits (the pool's
+``on_wait`` hook) and once more when it ends (``final=True``). What it says:
+
+- rank state changes worth reading: ``rank 1 (node 1): lost, killed by SIGKILL``, ``... failed``,
+  and ``rank 1 (node 1): ready again`` when a lost rank was restarted. Changes that happen
+  between cells (a rank lost while idle) are written when the next cell starts. Starting,
+  running and idle are not news; the session already says when a pool starts and ends.
+- notes of the pool made between cells (notes made during a cell come with its result);
+- one line per step of the running cell's ``log()`` metrics, once the step is complete (every
+  rank of the cell logged it, or ``grace`` seconds passed since its first value, or the cell
+  ended): ``step 3: loss 0.4123 (0.4012 - 0.4234), accuracy 91.2``, mean first and the range
+  across ranks when they differ. Never more than one line per step; when steps complete faster
+  than a person reads (more than ``burst`` lines, then ``per_second``), the lines in between are
+  left out, the last one is always written, and the cell ends with how many were left out.
+
+Plain text only: no ANSI escape codes, control characters are replaced.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import sys
+import time
+from collections.abc import Callable
+from typing import TextIO
+
+from ..events import (
+    CellFinished,
+    CellStarted,
+    MetricsLogged,
+    PoolEvent,
+    PoolMessage,
+    RankState,
+    RankStateChanged,
+)
+from .state import MetricRow, StepNumbers, format_number
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_QUEUE_LIMIT = 100_000
+
+
+def plain(text: str) -> str:
+    """One line of plain text: control characters (ESC included) become spaces."""
+    return _CONTROL.sub(" ", text).strip()
+
+
+def metric_line(step: int, rows: list[MetricRow], expected: int = 0) -> str:
+    parts = []
+    for row in rows:
+        value = format_number(row.mean)
+        if row.min != row.max:
+            value += f" ({format_number(row.min)} - {format_number(row.max)})"
+        parts.append(f"{row.name} {value}")
+    line = f"step {step}: " + ", ".join(parts)
+    ranks = max(r.ranks for r in rows)
+    if expected and ranks < expected:
+        line += f" [{ranks} of {expected} ranks]"
+    return plain(line)
+
+
+class TextReport:
+    def __init__(
+        self,
+        out: TextIO | None = None,
+        *,
+        grace: float = 2.0,
+        burst: int = 5,
+        per_second: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._out = out
+        self.grace = grace
+        self.burst = burst
+        self.per_second = per_second
+        self._clock = clock
+        self._queue: collections.deque[PoolEvent] = collections.deque(maxlen=_QUEUE_LIMIT)
+        self._numbers = StepNumbers()
+        self._cell: int | None = None
+        self._cells_seen = 0
+        self._expected = 0
+        # This cell's metrics: step -> name -> rank -> value; when each step first arrived.
+        self._steps: dict[int, dict[str, dict[int, float]]] = {}
+        self._first: dict[int, float] = {}
+        self._done: set[int] = set()
+        self._held: int | None = None
+        self._skipped = 0
+        self._tokens = float(burst)
+        self._refilled = clock()
+        self._lost: set[int] = set()
+
+    # ------------------------------------------------------------------- IO thread
+
+    def on_event(self, event: PoolEvent) -> None:
+        """Keep what this report may write about (called on the pool's IO thread)."""
+        if isinstance(
+            event, RankStateChanged | MetricsLogged | CellStarted | CellFinished | PoolMessage
+        ):
+            self._queue.append(event)
+
+    __call__ = on_event
+
+    # ----------------------------------------------------------------- kernel thread
+
+    def flush(self, final: bool = False) -> None:
+        """Write what is new; ``final``: the cell ended, write its last metrics too."""
+        lines: list[str] = []
+        while self._queue:
+            event = self._queue.popleft()
+            if isinstance(event, CellFinished):
+                lines.extend(self._metric_lines(final=True))
+            self._take(event, lines)
+        lines.extend(self._metric_lines(final=final))
+        if final:
+            self._cell = None
+        if lines:
+            out = self._out or sys.stdout
+            out.write("".join(line + "\n" for line in lines))
+            out.flush()
+
+    def _take(self, event: PoolEvent, lines: list[str]) -> None:
+        if isinstance(event, RankStateChanged):
+            where = f"rank {event.rank} (node {event.node})"
+            if event.state in (RankState.LOST, RankState.FAILED):
+                if event.state is RankState.LOST:
+                    self._lost.add(event.rank)
+                detail = f", {event.detail}" if event.detail else ""
+                lines.append(plain(f"{where}: {event.state.value}{detail}"))
+            elif event.state is RankState.READY and event.rank in self._lost:
+                self._lost.discard(event.rank)
+                lines.append(plain(f"{where}: ready again"))
+        elif isinstance(event, PoolMessage):
+            if self._cell is None and self._cells_seen:
+                lines.append(plain(event.text))
+        elif isinstance(event, CellStarted):
+            self._cell = event.cell_id
+            self._cells_seen += 1
+            self._expected = event.ranks
+            self._steps.clear()
+            self._first.clear()
+            self._done.clear()
+            self._held, self._skipped = None, 0
+        elif isinstance(event, CellFinished):
+            if self._cell == event.cell_id:
+                self._cell = None
+        elif isinstance(event, MetricsLogged):
+            now = self._clock()
+            for step, values in event.rows:
+                for name, value in values.items():
+                    resolved = self._numbers.resolve(event.rank, name, step)
+                    if resolved in self._done:
+                        continue  # already written: once per step
+                    by_name = self._steps.setdefault(resolved, {})
+                    by_name.setdefault(name, {})[event.rank] = value
+                    self._first.setdefault(resolved, now)
+
+    def _rows(self, step: int) -> list[MetricRow]:
+        return [
+            MetricRow.of(step, name, values.values())
+            for name, values in self._steps.get(step, {}).items()
+        ]
+
+    def _complete(self, step: int, now: float) -> bool:
+        ranks: set[int] = set()
+        for values in self._steps[step].values():
+            ranks.update(values)
+        if self._expected and len(ranks) >= self._expected:
+            return True
+        return now - self._first[step] >= self.grace
+
+    def _token(self, now: float) -> bool:
+        self._tokens = min(
+            float(self.burst), self._tokens + (now - self._refilled) * self.per_second
+        )
+        self._refilled = now
+        if self._tokens >= 1:
+            self._tokens -= 1
+            return True
+        return False
+
+    def _forget(self, step: int) -> None:
+        self._steps.pop(step, None)
+        self._first.pop(step, None)
+
+    def _line(self, step: int) -> str:
+        return metric_line(step, self._rows(step), self._expected)
+
+    def _metric_lines(self, final: bool) -> list[str]:
+        now = self._clock()
+        ready = sorted(
+            s for s in self._steps if s not in self._done and (final or self._complete(s, now))
+        )
+        lines = []
+        for step in ready:
+            self._done.add(step)
+            if self._held is not None:
+                self._skipped += 1  # an older step than this one, never written
+                self._forget(self._held)
+                self._held = None
+            if self._token(now):
+                lines.append(self._line(step))
+                self._forget(step)
+            else:
+                self._held = step
+        if self._held is not None and (final or (not ready and self._token(now))):
+            lines.append(self._line(self._held))
+            self._forget(self._held)
+            self._held = None
+        if final:
+            if self._skipped:
+                lines.append(f"({self._skipped} steps not shown; %sky metrics lists every step)")
+            self._steps.clear()
+            self._first.clear()
+            self._skipped = 0
+        return lines

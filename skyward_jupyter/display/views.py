@@ -1,0 +1,290 @@
+"""Which view of its pools a kernel gets, and when: the session's hooks into the display layer.
+
+Per pool, for the pool's whole life, a :class:`~.state.PanelState` folds the pool's events (and
+stays after the pool ends, for ``%sky metrics`` and ``%sky panel``, until a pool of the same name
+replaces it). On top of it:
+
+- in a kernel with a frontend (``ZMQInteractiveShell``: JupyterLab, Notebook, VS Code, nbclient),
+  a :class:`~.panel.SkyPanel`, displayed once per pool per cell: as the pool starts (so starting
+  shows), else before the cell runs; and by ``%sky panel``. When the cell ends its display is
+  updated once, so the saved notebook's ``text/plain`` says how the cell left the pool;
+- elsewhere (terminal IPython), a :class:`~.text.TextReport` written from the kernel's thread
+  while a cell waits, like the cell's own output.
+
+The panel's "Shut down" goes through the session (``%sky status`` then knows); pressed while a
+cell runs on the pool, it interrupts the cell and shuts the pool down when the cell has ended.
+"""
+
+from __future__ import annotations
+
+import html
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from .state import MetricRow, PanelState, format_number, price_of, summary_text
+from .text import TextReport
+
+if TYPE_CHECKING:
+    from ..session import PoolEntry
+    from .panel import SkyPanel
+
+log = logging.getLogger(__name__)
+Mode = Literal["auto", "widgets", "text", "off"]
+
+
+def has_widget_frontend(shell: Any) -> bool:
+    """Whether displays reach a frontend that may render widgets (a kernel), not a terminal."""
+    kernel = getattr(shell, "kernel", None)
+    return type(shell).__name__ == "ZMQInteractiveShell" and kernel is not None
+
+
+@dataclass
+class _View:
+    name: str
+    pool: Any
+    state: PanelState
+    panel: SkyPanel | None = None
+    text: TextReport | None = None
+    handles: list[Any] = field(default_factory=list)  # displays made in the current cell
+    shown_in: object = None  # the cell it was last displayed in
+    in_cell: bool = False
+    shutdown_pending: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class _CellView:
+    """What the session calls around one cell (all on the kernel's thread)."""
+
+    def __init__(self, views: PoolViews, view: _View | None) -> None:
+        self._views = views
+        self._view = view
+
+    def flush(self) -> None:
+        view = self._view
+        if view is not None and view.text is not None:
+            view.text.flush()
+
+    def finish(self) -> None:
+        view = self._view
+        if view is not None:
+            self._views._cell_finished(view)
+
+
+class PoolViews:
+    """The display layer's side of :class:`~skyward_jupyter.session.Session`."""
+
+    def __init__(self, shell: Any = None, mode: Mode = "auto") -> None:
+        self.shell = shell
+        self.mode: Mode = mode
+        self._views: dict[str, _View] = {}
+        self._shutdown: Callable[[str, Any], None] | None = None
+
+    def attach(self, shutdown: Callable[[str, Any], None]) -> None:
+        """How "Shut down" ends a pool: ``shutdown(name, pool)`` (the session's ``down``)."""
+        self._shutdown = shutdown
+
+    @property
+    def kind(self) -> Literal["widgets", "text", "off"]:
+        if self.mode != "auto":
+            return self.mode
+        return "widgets" if has_widget_frontend(self.shell) else "text"
+
+    # ------------------------------------------------------------ session hooks
+
+    def pool_created(self, entry: PoolEntry) -> None:
+        """A pool was made and is about to start: fold its events from the first one."""
+        pool = entry.pool
+        state = PanelState(entry.name, pool.provider.name, price_per_hour=price_of(pool))
+        pool.subscribe(state.apply)
+        view = _View(entry.name, pool, state)
+        kind = self.kind
+        self._views[entry.name] = view
+        if kind == "widgets":
+            try:
+                from .panel import SkyPanel
+
+                view.panel = SkyPanel(
+                    pool,
+                    state,
+                    on_shutdown=lambda: self._request_shutdown(view),
+                )
+            except Exception:  # a view must never keep a pool from starting
+                log.exception("the panel of pool %r could not be made", entry.name)
+                return
+            self._show(view)
+        elif kind == "text":
+            view.text = TextReport()
+            pool.subscribe(view.text.on_event)
+
+    def pool_started(self, entry: PoolEntry) -> None:
+        view = self._views.get(entry.name)
+        if view is not None and view.pool is entry.pool:
+            self._update(view)
+
+    def pool_ended(self, entry: PoolEntry) -> None:
+        view = self._views.get(entry.name)
+        if view is None or view.pool is not entry.pool:
+            return
+        view.state.sync(view.pool)
+        if view.panel is not None:
+            view.panel.stop()
+            self._update(view)
+
+    def cell(self, entry: PoolEntry) -> _CellView:
+        """A cell is about to run on ``entry``'s pool (kernel thread)."""
+        view = self._views.get(entry.name)
+        if view is None or view.pool is not entry.pool:
+            return _CellView(self, None)
+        with view.lock:
+            view.in_cell = True
+        if view.panel is not None:
+            view.state.sync(view.pool)
+            view.panel.refresh(force=True)
+            self._show(view)
+        if view.text is not None:
+            view.text.flush()
+        return _CellView(self, view)
+
+    def _cell_finished(self, view: _View) -> None:
+        with view.lock:
+            view.in_cell = False
+            pending, view.shutdown_pending = view.shutdown_pending, False
+        if view.text is not None:
+            view.text.flush(final=True)
+        if view.panel is not None:
+            view.panel.refresh(force=True)
+            self._update(view)
+        if pending:
+            self._down(view)
+
+    # ---------------------------------------------------------------- commands
+
+    def _find(self, name: str | None, current: str | None) -> _View:
+        target = name or current
+        if target is None and len(self._views) == 1:
+            target = next(iter(self._views))
+        view = self._views.get(target) if target else None
+        if view is None:
+            known = ", ".join(sorted(self._views)) or "none yet"
+            raise LookupError(
+                f"no pool named {target!r} (pools: {known})" if target else "no pool has run yet"
+            )
+        return view
+
+    def show(self, name: str | None = None, current: str | None = None) -> None:
+        """``%sky panel``: the pool's panel here (its text where widgets cannot show)."""
+        view = self._find(name, current)
+        if view.panel is not None and view.panel.widget.comm is not None:
+            view.state.sync(view.pool)
+            view.panel.refresh(force=True)
+            self._display(view)
+        else:
+            view.state.sync(view.pool)
+            print(summary_text(view.state.snapshot()))
+
+    def metrics(self, name: str | None = None, current: str | None = None) -> Any:
+        """``%sky metrics``: a DataFrame (pandas importable) or a list of dicts."""
+        return metrics_table(self._find(name, current).state.metric_rows())
+
+    def state(self, name: str | None = None, current: str | None = None) -> PanelState:
+        return self._find(name, current).state
+
+    # --------------------------------------------------------------- displays
+
+    def _cell_key(self) -> object:
+        shell = self.shell
+        parent = getattr(shell, "parent_header", None)
+        msg_id = parent.get("header", {}).get("msg_id") if isinstance(parent, dict) else None
+        return (getattr(shell, "execution_count", None), msg_id)
+
+    def _show(self, view: _View) -> None:
+        """Display the panel unless it was already displayed in this cell."""
+        key = self._cell_key()
+        if view.shown_in == key:
+            return
+        view.shown_in = key
+        view.handles.clear()
+        self._display(view)
+
+    def _display(self, view: _View) -> None:
+        from IPython.display import display
+
+        try:
+            handle = display(view.panel, display_id=True)  # type: ignore[no-untyped-call]
+        except Exception:  # the cell runs on without its panel
+            log.exception("the panel of pool %r could not be displayed", view.name)
+            return
+        if handle is not None:
+            view.handles.append(handle)
+
+    def _update(self, view: _View) -> None:
+        """Bring this cell's displays' text/plain up to date (the widget view draws itself)."""
+        if view.shown_in != self._cell_key():
+            return
+        for handle in view.handles:
+            try:
+                handle.update(view.panel)
+            except Exception:
+                log.exception("the panel of pool %r could not be updated", view.name)
+
+    # ---------------------------------------------------------------- shut down
+
+    def _request_shutdown(self, view: _View) -> None:
+        """The button (whichever thread handles the click)."""
+        with view.lock:
+            later = view.shutdown_pending = view.in_cell
+        if later:
+            view.pool.interrupt()  # the cell ends, then _cell_finished shuts the pool down
+        else:
+            self._down(view)
+
+    def _down(self, view: _View) -> None:
+        if self._shutdown is not None:
+            self._shutdown(view.name, view.pool)
+        else:
+            view.pool.close()
+
+
+_COLUMNS = ("step", "name", "mean", "min", "max", "ranks")
+
+
+class MetricRows(list[dict[str, Any]]):
+    """A list of dicts, one per (step, metric), that shows itself as a table."""
+
+    def _cells(self) -> list[list[str]]:
+        return [
+            [v if isinstance(v, str) else format_number(v) for v in (r[c] for c in _COLUMNS)]
+            for r in self
+        ]
+
+    def table(self) -> str:
+        rows = [list(_COLUMNS), *self._cells()]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
+        return "\n".join(
+            "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+            for row in rows
+        )
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(self.table() if self else "no metrics yet")
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{c}</th>" for c in _COLUMNS)
+        body = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
+            for row in self._cells()
+        )
+        return f'<table class="sky-metric-rows"><thead><tr>{head}</tr></thead>{body}</table>'
+
+
+def metrics_table(rows: list[MetricRow]) -> Any:
+    """Rows as a pandas DataFrame when pandas is importable, else a list of dicts (a table)."""
+    records = MetricRows(r.as_dict() for r in rows)
+    try:
+        import pandas as pd  # type: ignore[import-untyped]
+    except ImportError:
+        return records
+    return pd.DataFrame.from_records(list(records), columns=list(_COLUMNS))

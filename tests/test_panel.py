@@ -1,0 +1,243 @@
+"""The widget panel, without a browser: its widgets' values from real pools, and its buttons.
+
+In this process ipywidgets has no frontend (its comms go nowhere), which is enough to read what
+the panel would send. The last test runs the panel in a real kernel, where a click is a comm
+message from the frontend, sent here by a jupyter_client while a cell runs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from skyward_jupyter import Pool
+from skyward_jupyter.display.panel import SkyPanel
+from skyward_jupyter.events import RankState
+
+from .conftest import wait_for
+from .test_magics import Kernel
+
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
+@pytest.fixture
+def pool() -> Iterator[Pool]:
+    pool = Pool(nodes=2, interrupt_grace=2.0)
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+def node_states(panel: SkyPanel) -> list[str]:
+    return re.findall(r'<tr class="sky-node" data-node="\d+" data-state="(\w+)"', panel.nodes.value)
+
+
+def test_the_panel_draws_nodes_a_tab_per_rank_metrics_and_a_point_per_step(pool: Pool) -> None:
+    panel = SkyPanel(pool, interval=0.05)
+    try:
+        assert "provisioning" in panel.header.value, "drawn before the pool starts"
+        pool.start()
+        result = pool.run(
+            "from skyward_jupyter import log, instance_info\n"
+            "rank = instance_info().rank\n"
+            "for i in range(4):\n"
+            "    log(step=i, loss=1.0 + rank + i)\n"
+            "    print(f'progress {i}', end='\\r', flush=True)\n"
+            "print()\n"
+            "print(f'done on rank {rank}')\n"
+        )
+        assert result.ok, result
+        wait_for(lambda: 'data-steps="4"' in panel.charts.value, 10, "the chart of 4 steps")
+        wait_for(lambda: node_states(panel) == ["idle", "idle"], 10, "both nodes idle")
+
+        assert "2 nodes &times; 1 rank" in panel.header.value
+        assert "local" in panel.header.value
+        assert panel.nodes.value.count("127.0.0.1") == 2
+
+        assert panel.tabs.titles == ("rank 0 (head)", "rank 1")
+        assert len(panel.tabs.children) == 2
+        for rank, view in enumerate(panel.outputs):
+            assert f'<pre class="sky-stdout" data-rank="{rank}"' in view.value
+            assert f"progress 3\ndone on rank {rank}\n" in view.value, "one line per progress bar"
+            assert "progress 2" not in view.value
+
+        (chart,) = re.findall(
+            r'<svg class="sky-chart" data-metric="loss".*?</svg>', panel.charts.value
+        )
+        (line,) = re.findall(r'<polyline class="sky-mean" points="([^"]*)"', chart)
+        assert len(line.split()) == 4, "a vertex per step"
+        assert len(re.findall(r'<circle class="sky-point"', chart)) == 4
+        assert 'class="sky-band"' in chart, "the ranks differ: a min-max band"
+
+        (row,) = re.findall(
+            r'<tr class="sky-metric" data-metric="loss">(.*?)</tr>', panel.metrics.value
+        )
+        assert re.findall(r">([^<]*)</td>", row) == ["loss", "3", "4.5", "4", "5", "2"]
+
+        data, metadata = panel._repr_mimebundle_()
+        assert data[WIDGET_VIEW]["model_id"] == panel.widget.model_id
+        assert data["text/plain"].startswith("pool 'default' (local): 2 nodes")
+        assert "loss" in data["text/plain"] and "VBox" not in data["text/plain"]
+        assert metadata == {"skyward_jupyter": {"panel": "default"}}
+    finally:
+        panel.close()
+    assert not panel.live
+
+
+def test_the_interrupt_button_stops_the_running_cell(pool: Pool) -> None:
+    panel = SkyPanel(pool.start(), interval=0.05)
+    try:
+
+        def click_once_running() -> None:
+            wait_for(
+                lambda: "started" in panel.state.snapshot().ranks[0].stdout, 30, "the cell to run"
+            )
+            panel.interrupt_button.click()
+
+        clicker = threading.Thread(target=click_once_running)
+        clicker.start()
+        started = time.monotonic()
+        result = pool.run("import time\nprint('started', flush=True)\ntime.sleep(120)\n")
+        clicker.join()
+        assert time.monotonic() - started < 60
+        assert not result.ok
+        assert {e.type_name for e in result.errors} == {"KeyboardInterrupt"}
+        assert pool.run("1 + 1").values == [2, 2], "the pool is usable after the interrupt"
+    finally:
+        panel.close()
+
+
+def test_a_rank_lost_while_idle_shows_as_lost_then_ready_again(pool: Pool) -> None:
+    panel = SkyPanel(pool.start(), interval=0.05)
+    drawn: list[str] = []
+    panel.nodes.observe(lambda change: drawn.append(change["new"]), "value")
+    try:
+        pid = next(r.hello.pid for r in pool.ranks if r.rank == 1 and r.hello)
+        os.kill(pid, signal.SIGKILL)
+        wait_for(
+            lambda: any('data-node="1" data-state="lost"' in v for v in drawn),
+            20,
+            "node 1 drawn as lost",
+        )
+        wait_for(lambda: node_states(panel) == ["ready", "ready"], 60, "the rank restarted")
+        assert any("killed by SIGKILL" in v for v in drawn)
+    finally:
+        panel.close()
+
+
+def test_shut_down_ends_the_pool_and_the_panel_stops_drawing(pool: Pool) -> None:
+    panel = SkyPanel(pool.start(), interval=0.05)
+    assert panel.live
+    panel.shutdown_button.click()
+    assert not pool.running
+    wait_for(lambda: not panel.live, 30, "the panel's timer to stop")
+    assert node_states(panel) == ["terminated", "terminated"]
+    assert 'data-state="terminated"' in panel.header.value
+    assert panel.interrupt_button.disabled and panel.shutdown_button.disabled
+    assert panel.widget.comm is not None, "the last state stays on show"
+    panel.close()
+
+
+def test_closing_the_widget_stops_the_timer(pool: Pool) -> None:
+    panel = SkyPanel(pool.start(), interval=0.05)
+    assert panel.live
+    panel.widget.close()  # as Widget.close_all() or a frontend would
+    wait_for(lambda: not panel.live, 10, "the panel's timer to stop")
+    assert pool.running, "closing the view leaves the pool alone"
+    assert pool.subscribe  # the panel unsubscribed: the pool's events reach nothing of it
+    assert panel.state.apply not in pool._subscribers
+
+
+# ----------------------------------------------------------------------- in a real kernel
+
+
+def _panel_displays(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        m["content"]
+        for m in messages
+        if m["msg_type"] == "display_data" and "skyward_jupyter" in m["content"].get("metadata", {})
+    ]
+
+
+def _click(kernel: Kernel, comm_id: str) -> None:
+    data = {"method": "custom", "content": {"event": "click"}}
+    kernel.kc.shell_channel.send(
+        kernel.kc.session.msg("comm_msg", {"comm_id": comm_id, "data": data})
+    )
+
+
+def test_in_a_kernel_each_cell_shows_the_panel_once_and_its_buttons_act() -> None:
+    kernel = Kernel()
+    try:
+        kernel.ok("%load_ext skyward_jupyter")
+        cell = kernel.ok(
+            "%%sky --nodes 2\n"
+            "from skyward_jupyter import log\n"
+            "import torch.distributed as dist\n"
+            "for i in range(3):\n"
+            "    log(step=i, loss=i + dist.get_rank())\n"
+        )
+        (shown,) = _panel_displays(cell.messages)
+        assert WIDGET_VIEW in shown["data"]
+        updates = [
+            m["content"]["data"]["text/plain"]
+            for m in cell.messages
+            if m["msg_type"] == "update_display_data"
+        ]
+        assert updates and "loss  step 2: 2.5 (2 - 3), 2 ranks" in updates[-1], updates
+
+        again = kernel.ok("%%sky\n1 + 1")
+        assert len(_panel_displays(again.messages)) == 1, "once per pool per cell"
+        assert again.shown == ["2"]
+
+        metrics = kernel.ok("%sky metrics")
+        # step, name, mean, min, max, ranks (a DataFrame also shows its index first)
+        assert re.search(r"\b2\s+loss\s+2\.5\s+2(\.0)?\s+3(\.0)?\s+2$", metrics.shown[0], re.M)
+        assert len(_panel_displays(kernel.ok("%sky panel").messages)) == 1
+
+        buttons = {
+            m["content"]["data"]["state"].get("description"): m["content"]["comm_id"]
+            for m in kernel.iopub
+            if m["msg_type"] == "comm_open"
+            and m["content"]["data"]["state"].get("_model_name") == "ButtonModel"
+        }
+
+        def interrupt_when_running(msg: dict[str, Any]) -> None:
+            if msg["msg_type"] == "stream" and "started" in msg["content"]["text"]:
+                _click(kernel, buttons["Interrupt"])
+
+        started = time.monotonic()
+        stopped = kernel.execute(
+            "%%sky\nimport time\nprint('started', flush=True)\ntime.sleep(120)\n",
+            timeout=90,
+            on_message=interrupt_when_running,
+        )
+        assert stopped.status == "error" and "KeyboardInterrupt" in stopped.reply["evalue"]
+        assert time.monotonic() - started < 60, "the click was handled while the cell ran"
+
+        _click(kernel, buttons["Shut down"])
+        wait_for(lambda: kernel.status().strip() == "no pools", 30, "the pool to shut down")
+    finally:
+        kernel.close()
+
+
+def test_rank_states_are_the_events_states() -> None:
+    assert {s.value for s in RankState} == {
+        "provisioning",
+        "booting",
+        "connecting",
+        "ready",
+        "running",
+        "idle",
+        "failed",
+        "lost",
+        "terminated",
+    }

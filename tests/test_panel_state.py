@@ -1,0 +1,330 @@
+"""The panel's state: pool events folded into rows, aggregates, bounded buffers and a version."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from skyward_jupyter.display.state import (
+    NodeInfo,
+    PanelState,
+    TextBuffer,
+    aggregate_state,
+    summary_text,
+)
+from skyward_jupyter.events import (
+    CellFinished,
+    CellStarted,
+    MetricsLogged,
+    OutputReceived,
+    PoolMessage,
+    RankState,
+    RankStateChanged,
+    RankUsage,
+)
+
+from .conftest import wait_for
+
+S = RankState
+
+
+def state_with(ranks: dict[int, int], **kw: Any) -> PanelState:
+    """A state whose ranks (rank -> node) are idle on nodes at 10.0.0.<node>."""
+    nodes = sorted(set(ranks.values()))
+    state = PanelState(
+        "p", "test", nodes=[NodeInfo(n, f"10.0.0.{n}", "T4", 1) for n in nodes], **kw
+    )
+    for rank, node in ranks.items():
+        state.apply(RankStateChanged(rank, node, S.IDLE))
+    return state
+
+
+def usage(rank: int, node: int, cpu: float, rss: int, gpu: int | None = None, at: float = 0.0):
+    return RankUsage(rank, node, cpu, rss, gpu, None, at)
+
+
+def metrics(rank: int, *rows: tuple[int | None, dict[str, float]], cell: int | None = 1):
+    return MetricsLogged(rank, cell, tuple(rows))
+
+
+# --------------------------------------------------------------------------- output buffers
+
+
+def test_a_carriage_return_progress_bar_keeps_one_line() -> None:
+    buf = TextBuffer()
+    buf.write("start\n")
+    for i in range(1000):
+        buf.write(f"\r{i / 10:5.1f}%|{'#' * (i // 50)}")
+    buf.write("\n")
+    buf.write("done\n")
+    assert buf.text == f"start\n{99.9:5.1f}%|{'#' * 19}\ndone\n"
+
+
+def test_crlf_ends_a_line_and_a_return_split_from_its_newline_keeps_the_line() -> None:
+    buf = TextBuffer()
+    buf.write("a\r\nb\r")
+    buf.write("\nc")
+    assert buf.text == "a\nb\nc"
+    buf.write("\rd")  # the open line is replaced
+    assert buf.text == "a\nb\nd"
+
+
+def test_output_is_bounded_oldest_lines_first() -> None:
+    buf = TextBuffer(cap=100)
+    for i in range(1000):
+        buf.write(f"line {i:04d}\n")  # 10 characters each
+    assert len(buf) <= 100
+    assert buf.text.endswith("line 0999\n")
+    assert buf.text.startswith("line 0990\n")
+    assert buf.dropped == 990 * 10
+
+
+def test_a_line_longer_than_the_cap_keeps_its_end() -> None:
+    buf = TextBuffer(cap=50)
+    buf.write("x" * 200 + "END")
+    assert len(buf) == 50 and buf.text.endswith("END")
+
+
+def test_each_ranks_output_is_kept_apart_and_bounded() -> None:
+    state = state_with({0: 0, 1: 1}, output_cap=30)
+    for i in range(20):
+        state.apply(OutputReceived(0, 1, "stdout", f"head {i:02d}\n"))
+    state.apply(OutputReceived(1, 1, "stdout", "other\n"))
+    state.apply(OutputReceived(1, 1, "stderr", "warning\n"))
+    ranks = {r.rank: r for r in state.snapshot().ranks}
+    assert ranks[0].stdout == "head 17\nhead 18\nhead 19\n"
+    assert ranks[0].dropped == 17 * 8
+    assert (ranks[1].stdout, ranks[1].stderr) == ("other\n", "warning\n")
+
+
+# ---------------------------------------------------------------------------------- states
+
+
+@pytest.mark.parametrize(
+    ("states", "shown"),
+    [
+        ([], S.PROVISIONING),
+        ([S.IDLE, S.LOST], S.LOST),
+        ([S.FAILED, S.RUNNING], S.FAILED),
+        ([S.READY, S.BOOTING], S.BOOTING),
+        ([S.CONNECTING, S.READY], S.CONNECTING),
+        ([S.RUNNING, S.IDLE], S.RUNNING),
+        ([S.IDLE, S.READY], S.IDLE),
+        ([S.TERMINATED, S.IDLE], S.IDLE),
+        ([S.TERMINATED, S.TERMINATED], S.TERMINATED),
+    ],
+)
+def test_a_group_of_ranks_shows_trouble_first_then_the_slowest_start_then_activity(
+    states: list[RankState], shown: RankState
+) -> None:
+    assert aggregate_state(states) is shown
+
+
+def test_a_node_shows_the_state_aggregated_from_its_ranks() -> None:
+    state = state_with({0: 0, 1: 0, 2: 1, 3: 1})
+    state.apply(RankStateChanged(1, 0, S.RUNNING))
+    state.apply(RankStateChanged(3, 1, S.LOST, "killed by SIGKILL"))
+    node0, node1 = state.snapshot().nodes
+    assert (node0.state, node0.ranks) == (S.RUNNING, (0, 1))
+    assert (node1.state, node1.detail, node1.ranks) == (S.LOST, "killed by SIGKILL", (2, 3))
+    assert (node1.address, node1.kind) == ("10.0.0.1", "T4")
+    assert state.snapshot().header.state is S.LOST
+
+
+def test_a_lost_rank_shows_as_lost_for_a_moment_while_it_restarts() -> None:
+    now = [0.0]
+    state = state_with({0: 0, 1: 1}, lost_hold=5.0, clock=lambda: now[0])
+    state.apply(RankStateChanged(1, 1, S.LOST, "killed by SIGKILL"))
+    state.apply(RankStateChanged(1, 1, S.BOOTING))
+    node = state.snapshot().nodes[1]
+    assert (node.state, node.detail) == (S.LOST, "killed by SIGKILL; restarting (booting)")
+    state.apply(RankStateChanged(1, 1, S.READY))
+    now[0] = 4.9
+    assert state.snapshot().nodes[1].detail == "killed by SIGKILL; restarted"
+    now[0] = 5.0
+    assert state.snapshot().nodes[1].state is S.READY
+    state.apply(RankStateChanged(1, 1, S.LOST, "exited with status 1"))
+    state.apply(RankStateChanged(1, 1, S.RUNNING))
+    assert state.snapshot().nodes[1].state is S.RUNNING, "a running rank is not held"
+
+
+def test_usage_is_summed_over_a_nodes_live_ranks() -> None:
+    state = state_with({0: 0, 1: 0, 2: 1})
+    state.apply(usage(0, 0, 50.0, 100, 1000, at=10.0))
+    state.apply(usage(1, 0, 25.0, 200, None, at=11.0))
+    state.apply(usage(2, 1, 10.0, 300, None, at=12.0))
+    node0, node1 = state.snapshot().nodes
+    assert (node0.cpu_percent, node0.rss_bytes, node0.gpu_memory_bytes) == (75.0, 300, 1000)
+    assert node0.last_heartbeat == 11.0 and node0.heartbeat_age(13.0) == 2.0
+    assert (node1.cpu_percent, node1.gpu_memory_bytes) == (10.0, None)
+    state.apply(RankStateChanged(1, 0, S.LOST, "exited with status 1"))
+    node0 = state.snapshot().nodes[0]
+    assert (node0.cpu_percent, node0.rss_bytes) == (50.0, 100), "a lost rank uses nothing"
+
+
+def test_header_counts_nodes_and_ranks_and_prices_only_when_known() -> None:
+    state = state_with({0: 0, 1: 0, 2: 1, 3: 1})
+    state.describe_pool(started_at=1000.0)
+    header = state.snapshot().header
+    assert (header.nodes, header.ranks, header.ranks_per_node) == (2, 4, "2")
+    assert header.uptime(1060.0) == 60.0
+    assert header.price_per_hour is None and header.cost(1060.0) is None
+    assert "$" not in summary_text(state.snapshot(), now=1060.0)
+    state.describe_pool(price_per_hour=3.6)
+    assert state.snapshot().header.cost(1000.0 + 3600) == pytest.approx(3.6)
+    assert "$3.60/hour" in summary_text(state.snapshot(), now=1060.0)
+
+
+def test_an_ended_pool_is_terminated_and_its_uptime_stops() -> None:
+    state = state_with({0: 0})
+    state.describe_pool(started_at=1.0, ended=True)
+    header = state.snapshot().header
+    assert header.state is S.TERMINATED
+    assert header.uptime(10**12) == header.uptime(10**13)
+
+
+def test_the_running_cell_is_known() -> None:
+    state = state_with({0: 0})
+    state.apply(CellStarted(7, 1, 0))
+    assert state.snapshot().header.cell == 7
+    state.apply(CellFinished(7, None))  # type: ignore[arg-type]
+    header = state.snapshot().header
+    assert (header.cell, header.cells) == (None, 1)
+
+
+def test_pool_messages_are_kept_newest_last_and_bounded() -> None:
+    state = state_with({0: 0})
+    for i in range(50):
+        state.apply(PoolMessage(f"note {i}"))
+    messages = state.snapshot().messages
+    assert messages[-1] == "note 49" and len(messages) == 20
+
+
+# --------------------------------------------------------------------------------- metrics
+
+
+def test_each_step_is_reduced_across_the_ranks_that_logged_it() -> None:
+    state = state_with({0: 0, 1: 1, 2: 2})
+    state.apply(metrics(0, (0, {"loss": 1.0}), (1, {"loss": 0.5, "acc": 10.0})))
+    state.apply(metrics(1, (0, {"loss": 3.0}), (1, {"loss": 1.5})))
+    state.apply(metrics(2, (0, {"loss": 2.0})))
+    rows = {(r.step, r.name): r for r in state.metric_rows()}
+    loss0 = rows[(0, "loss")]
+    assert (loss0.mean, loss0.min, loss0.max, loss0.ranks) == (2.0, 1.0, 3.0, 3)
+    loss1 = rows[(1, "loss")]
+    assert (loss1.mean, loss1.min, loss1.max, loss1.ranks) == (1.0, 0.5, 1.5, 2)
+    acc1 = rows[(1, "acc")]
+    assert (acc1.mean, acc1.ranks) == (10.0, 1), "only the ranks that logged the step count"
+    assert [(r.step, r.name) for r in state.metric_rows()] == [
+        (0, "loss"),
+        (1, "acc"),
+        (1, "loss"),
+    ]
+    snap = state.snapshot()
+    assert [(r.name, r.step) for r in snap.latest] == [("loss", 1), ("acc", 1)]
+    assert [r.step for r in snap.series["loss"]] == [0, 1]
+
+
+def test_log_without_a_step_numbers_each_ranks_values_in_order() -> None:
+    state = state_with({0: 0, 1: 1})
+    state.apply(metrics(0, (None, {"loss": 1.0}), (None, {"loss": 2.0})))
+    state.apply(metrics(1, (None, {"loss": 3.0})))
+    state.apply(metrics(1, (None, {"loss": 4.0})))
+    rows = state.metric_rows()
+    assert [(r.step, r.mean, r.ranks) for r in rows] == [(0, 2.0, 2), (1, 3.0, 2)]
+    state.apply(metrics(0, (10, {"loss": 0.0}), (None, {"loss": 0.0})))
+    assert [r.step for r in state.metric_rows()] == [0, 1, 10, 11]
+
+
+def test_a_step_logged_again_by_a_later_cell_replaces_the_earlier_values() -> None:
+    state = state_with({0: 0, 1: 1})
+    state.apply(metrics(0, (0, {"loss": 1.0}), cell=1))
+    state.apply(metrics(1, (0, {"loss": 3.0}), cell=1))
+    state.apply(metrics(0, (0, {"loss": 10.0}), cell=2))
+    (row,) = state.metric_rows()
+    assert (row.mean, row.ranks) == (10.0, 1)
+
+
+def test_metrics_keep_the_last_steps_only() -> None:
+    state = state_with({0: 0}, max_steps=100)
+    for step in range(1000):
+        state.apply(metrics(0, (step, {"loss": float(step)})))
+    steps = [r.step for r in state.metric_rows()]
+    assert steps == list(range(900, 1000))
+    assert len(state.snapshot().series["loss"]) == 100
+
+
+# --------------------------------------------------------------------------------- version
+
+
+def test_the_version_moves_with_every_change_and_only_then() -> None:
+    state = state_with({0: 0})
+    v = state.version
+    state.snapshot()
+    state.metric_rows()
+    assert state.version == v, "reading changes nothing"
+    state.apply(OutputReceived(0, 1, "stdout", "x"))
+    assert state.version == v + 1
+    assert state.snapshot().version == v + 1
+    state.describe_pool(nodes=[NodeInfo(0, "10.0.0.0", "T4", 1)])
+    assert state.version == v + 1, "the same facts again are no change"
+    state.describe_pool(nodes=[NodeInfo(0, "10.0.0.9", "T4", 1)])
+    assert state.version == v + 2
+
+
+def test_events_from_several_threads_fold_completely() -> None:
+    state = state_with({r: r for r in range(4)})
+    v = state.version
+    barrier = threading.Barrier(5)
+
+    def feed(rank: int) -> None:
+        barrier.wait()
+        for step in range(500):
+            state.apply(metrics(rank, (step, {"loss": float(rank)})))
+            state.apply(OutputReceived(rank, 1, "stdout", f"{step}\n"))
+
+    threads = [threading.Thread(target=feed, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    while any(t.is_alive() for t in threads):
+        state.snapshot()  # reading while they write
+    for t in threads:
+        t.join()
+    rows = state.metric_rows()
+    assert len(rows) == 500 and all((r.ranks, r.mean) == (4, 1.5) for r in rows)
+    assert state.version == v + 4 * 500 * 2
+
+
+# ----------------------------------------------------------------------- with a real pool
+
+
+def test_a_real_pool_logs_are_aggregated_per_step(pool2: Any) -> None:
+    state = PanelState(pool2.name)
+    unsubscribe = pool2.subscribe(state.apply)
+    try:
+        state.sync(pool2)
+        result = pool2.run(
+            "from skyward_jupyter import log, instance_info\n"
+            "rank = instance_info().rank\n"
+            "for i in range(5):\n"
+            "    log(step=i, loss=10.0 * (rank + 1) + i, lr=0.1)\n"
+        )
+        assert result.ok, result
+        # Every rank's metrics arrive before its cell is done: no waiting needed here.
+        rows = {(r.step, r.name): r for r in state.metric_rows()}
+        for i in range(5):
+            loss = rows[(i, "loss")]
+            assert (loss.min, loss.max, loss.mean, loss.ranks) == (10.0 + i, 20.0 + i, 15.0 + i, 2)
+            assert (rows[(i, "lr")].mean, rows[(i, "lr")].ranks) == (0.1, 2)
+        snap = state.snapshot()
+        assert [r.rank for r in snap.ranks] == [0, 1]
+        assert [n.index for n in snap.nodes] == [0, 1]
+        assert all(n.state is S.IDLE and n.kind for n in snap.nodes)
+        wait_for(
+            lambda: all(n.rss_bytes for n in state.snapshot().nodes), 10, "usage from every node"
+        )
+    finally:
+        unsubscribe()

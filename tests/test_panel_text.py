@@ -1,0 +1,176 @@
+"""The text fallback: state changes and per-step metrics as plain lines, from the kernel thread."""
+
+from __future__ import annotations
+
+import io
+import re
+
+import pytest
+
+from skyward_jupyter.display.text import TextReport
+from skyward_jupyter.display.views import PoolViews
+from skyward_jupyter.events import (
+    CellFinished,
+    CellStarted,
+    MetricsLogged,
+    OutputReceived,
+    PoolMessage,
+    RankState,
+    RankStateChanged,
+)
+from skyward_jupyter.session import PoolSpec, Session
+
+S = RankState
+ESCAPES = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def report(**kw: object) -> tuple[TextReport, io.StringIO, Clock]:
+    out, clock = io.StringIO(), Clock()
+    return TextReport(out, clock=clock, **kw), out, clock  # type: ignore[arg-type]
+
+
+def lines(out: io.StringIO) -> list[str]:
+    text = out.getvalue()
+    assert not ESCAPES.search(text), f"control characters in {text!r}"
+    return text.splitlines()
+
+
+def test_notable_state_changes_are_lines_and_routine_ones_are_not() -> None:
+    text, out, _ = report()
+    for state in (S.BOOTING, S.CONNECTING, S.READY, S.RUNNING, S.IDLE):
+        text.on_event(RankStateChanged(0, 0, state))
+    text.on_event(RankStateChanged(1, 1, S.LOST, "killed by SIGKILL"))
+    text.on_event(RankStateChanged(1, 1, S.BOOTING))
+    text.on_event(RankStateChanged(1, 1, S.READY, "gloo, port 1234"))
+    text.on_event(RankStateChanged(0, 0, S.FAILED))
+    text.on_event(RankStateChanged(0, 0, S.READY))
+    assert out.getvalue() == "", "nothing is written from the IO thread"
+    text.flush()
+    assert lines(out) == [
+        "rank 1 (node 1): lost, killed by SIGKILL",
+        "rank 1 (node 1): ready again",
+        "rank 0 (node 0): failed",
+    ]
+
+
+def test_no_escape_codes_even_when_a_detail_carries_them() -> None:
+    text, out, _ = report()
+    text.on_event(RankStateChanged(1, 1, S.LOST, "\x1b[31mkilled\x1b[0m by SIGKILL\r\n"))
+    text.on_event(CellStarted(1, 1, 0))
+    text.on_event(MetricsLogged(0, 1, ((0, {"lo\x1bss": 1.0}),)))
+    text.flush(final=True)
+    assert lines(out)[0] == "rank 1 (node 1): lost,  [31mkilled [0m by SIGKILL"
+    assert "\x1b" not in out.getvalue()
+
+
+def test_a_step_is_written_once_when_every_rank_logged_it() -> None:
+    text, out, _ = report()
+    text.on_event(CellStarted(1, 2, 0))
+    text.on_event(MetricsLogged(0, 1, ((0, {"loss": 1.0, "acc": 50.0}), (1, {"loss": 0.5}))))
+    text.flush()
+    assert lines(out) == [], "rank 1 has not logged step 0 yet"
+    text.on_event(MetricsLogged(1, 1, ((0, {"loss": 3.0, "acc": 50.0}),)))
+    text.flush()
+    text.flush()
+    assert lines(out) == ["step 0: loss 2 (1 - 3), acc 50"]
+    text.on_event(MetricsLogged(1, 1, ((1, {"loss": 0.5}),)))
+    text.on_event(MetricsLogged(0, 1, ((0, {"loss": 9.0}),)))  # late value of a written step
+    text.on_event(CellFinished(1, None))  # type: ignore[arg-type]
+    text.flush(final=True)
+    assert lines(out) == ["step 0: loss 2 (1 - 3), acc 50", "step 1: loss 0.5"]
+
+
+def test_a_step_only_some_ranks_log_is_written_after_a_grace_or_at_the_end() -> None:
+    text, out, clock = report(grace=2.0)
+    text.on_event(CellStarted(1, 2, 0))
+    text.on_event(MetricsLogged(0, 1, ((0, {"loss": 1.0}),)))
+    text.flush()
+    clock.now += 1.0
+    text.on_event(MetricsLogged(0, 1, ((1, {"loss": 0.5}),)))
+    text.flush()
+    assert lines(out) == []
+    clock.now += 1.5
+    text.flush()
+    assert lines(out) == ["step 0: loss 1 [1 of 2 ranks]"]
+    text.flush(final=True)
+    assert lines(out)[-1] == "step 1: loss 0.5 [1 of 2 ranks]"
+
+
+def test_many_steps_do_not_flood_the_terminal() -> None:
+    text, out, clock = report(burst=3, per_second=1.0)
+    text.on_event(CellStarted(1, 1, 0))
+    for step in range(1000):
+        text.on_event(MetricsLogged(0, 1, ((step, {"loss": float(step)}),)))
+        if step % 100 == 0:
+            clock.now += 0.5
+            text.flush()
+    text.on_event(CellFinished(1, None))  # type: ignore[arg-type]
+    text.flush(final=True)
+    written = lines(out)
+    assert len(written) < 15, written
+    steps = [int(m) for line in written for m in re.findall(r"^step (\d+):", line)]
+    assert steps == sorted(set(steps)), "each step at most once, in order"
+    assert steps[-1] == 999, "the last step is always written"
+    assert written[-1] == f"({1000 - len(steps)} steps not shown; %sky metrics lists every step)"
+
+
+def test_notes_between_cells_are_written_and_notes_during_a_cell_are_left_to_its_result() -> None:
+    text, out, _ = report()
+    text.on_event(PoolMessage("torch is not installed"))  # while starting: the session says it
+    text.on_event(CellStarted(1, 1, 0))
+    text.on_event(PoolMessage("ranks [1] were restarted"))  # the cell's result says it
+    text.on_event(CellFinished(1, None))  # type: ignore[arg-type]
+    text.on_event(PoolMessage("rank 1 (node 1, local pid 9) killed by SIGKILL while idle"))
+    text.on_event(OutputReceived(0, 1, "stdout", "output is the cell's business\n"))
+    text.flush()
+    assert lines(out) == ["rank 1 (node 1, local pid 9) killed by SIGKILL while idle"]
+
+
+def test_terminal_ipython_gets_lines_from_a_real_pool(capsys: pytest.CaptureFixture[str]) -> None:
+    views = PoolViews(shell=None)  # no kernel: the text fallback
+    assert views.kind == "text"
+    session = Session(announce=lambda _: None, views=views)
+    views.attach(session.down_pool)
+    try:
+        result = session.run_cell(
+            "from skyward_jupyter import log, instance_info\n"
+            "r = instance_info().rank\n"
+            "for i in range(3):\n"
+            "    log(step=i, loss=1.0 + r + i)\n"
+            "print('trained')\n",
+            {},
+            spec=PoolSpec(nodes=2),
+        )
+        assert result.ok
+        out = capsys.readouterr().out
+        assert not ESCAPES.search(out.replace("\n", ""))
+        assert sorted(out.splitlines()) == [
+            "step 0: loss 1.5 (1 - 2)",
+            "step 1: loss 2.5 (2 - 3)",
+            "step 2: loss 3.5 (3 - 4)",
+            "trained",
+        ], out
+        rows = session.metrics()
+        if hasattr(rows, "to_dict"):  # a DataFrame where pandas is installed
+            rows = rows.to_dict("records")
+        assert rows[0] == {
+            "step": 0,
+            "name": "loss",
+            "mean": 1.5,
+            "min": 1.0,
+            "max": 2.0,
+            "ranks": 2,
+        }
+        session.panel()
+        summary = capsys.readouterr().out
+        assert summary.startswith("pool 'default' (local): 2 nodes") and "VBox" not in summary
+    finally:
+        session.down_all()
