@@ -37,6 +37,7 @@ test: lint system-deps
 bench: setup
 	$(PY) bench/bench_core.py --markdown-out BENCHMARKS.md
 	$(PY) bench/bench_magics.py --markdown-out BENCHMARKS.md
+	$(PY) bench/bench_log.py --markdown-out BENCHMARKS.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
