@@ -45,6 +45,8 @@ from .torch_setup import GroupSettings, ProcessGroup, cuda_device_count, torch_v
 _REPR_LIMIT = 20_000
 EXIT_CHANNEL_CLOSED = 0
 EXIT_HEARTBEAT_LOST = 75
+EXIT_AGENT_FAILED = 70
+_AGENT_THREADS = {"reader", "watchdog", "capture-stdout", "capture-stderr"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +94,7 @@ class Agent:
         self._torch: str | None = None
         self._usage = UsageMeter()
 
+        threading.excepthook = self._thread_died
         # Helper threads inherit a blocked SIGINT, so a process-wide SIGINT reaches the main thread.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         self.captures = [
@@ -112,6 +115,14 @@ class Agent:
         os.write(
             self._diag, f"skyward_jupyter agent (rank {os.environ.get('RANK')}): {text}\n".encode()
         )
+
+    def _thread_died(self, args: threading.ExceptHookArgs) -> None:
+        """A thread of the agent's own died: the rank cannot be trusted any more, so it exits
+        loudly (the pool reports it lost, with this message) rather than limp on unwatched."""
+        if args.thread is not None and args.thread.name in _AGENT_THREADS:
+            self._diagnose(f"agent thread {args.thread.name} failed: {args.exc_value!r}")
+            os._exit(EXIT_AGENT_FAILED)
+        threading.__excepthook__(args)  # a user thread: report as Python always does
 
     def _emit_output(self, stream: str, text: str) -> None:
         self.channel.send(p.Output(self.cell_id, stream, text))
@@ -159,7 +170,9 @@ class Agent:
                 os._exit(EXIT_HEARTBEAT_LOST)
             self._flush_metrics()
             if now - last_beat >= s.heartbeat_interval:
-                self.channel.send(self._usage.sample())
+                # torch is read only once the main thread has finished importing it: a module
+                # half-imported by another thread has no attributes yet.
+                self.channel.send(self._usage.sample(torch_ready=self._torch is not None))
                 last_beat = now
 
     def _interrupt_main(self) -> None:
@@ -290,7 +303,7 @@ class UsageMeter:
         self._wall = time.monotonic()
         self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
-    def sample(self) -> p.Usage:
+    def sample(self, torch_ready: bool) -> p.Usage:
         cpu, wall = time.process_time(), time.monotonic()
         percent = 100.0 * (cpu - self._cpu) / max(wall - self._wall, 1e-6)
         self._cpu, self._wall = cpu, wall
@@ -300,7 +313,7 @@ class UsageMeter:
         except OSError:
             rss = 0
         gpu_memory, gpu_util = None, None
-        torch = sys.modules.get("torch")
+        torch = sys.modules.get("torch") if torch_ready else None
         if torch is not None and torch.cuda.is_initialized():
             gpu_memory = int(torch.cuda.memory_reserved())
             with contextlib.suppress(ImportError, RuntimeError):  # needs NVML, maybe absent
