@@ -1,9 +1,10 @@
 """Capture a rank's output at the file-descriptor level, so C libraries' prints are seen too.
 
 The stream's descriptor (1 or 2) is pointed at a pipe; a thread reads the pipe and hands text on
-in chunks that end at a line break or a carriage return (``\\r`` is kept, so progress bars redraw
-in place). A chunk with neither is held briefly, then sent anyway, so ``print(x, end="")`` shows.
-Whatever is readable at once is sent as one chunk, which coalesces a flood of small writes.
+in chunks that end at a line break, or with the text after a carriage return (``\\r`` is kept
+and sent with the redraw it starts, so progress bars redraw in place). A chunk with neither is
+held briefly, then sent anyway, so ``print(x, end="")`` shows. Whatever is readable at once is
+sent as one chunk, which coalesces a flood of small writes.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ class FdCapture:
                 self._synced.set()
                 continue
             cut = max(pending.rfind("\n"), pending.rfind("\r")) + 1
+            if cut and pending[cut - 1] == "\r":
+                cut = len(pending)  # "\rtext" is a whole redraw (a progress bar): send it as one
             if cut:
                 self._emit(self.stream, pending[:cut])
                 pending = pending[cut:]
