@@ -133,15 +133,20 @@ def nodes_html(nodes: Sequence[NodeRow], now: float) -> str:
             format_bytes(n.gpu_memory_bytes),
             heard,
         )
-        rows.append(
-            f'<tr class="sky-node" data-node="{n.index}" data-state="{n.state.value}">'
-            + "".join(f'<td style="{_CELL}">{c}</td>' for c in cells)
-            + "</tr>"
-        )
+        rows.append((f'class="sky-node" data-node="{n.index}" data-state="{n.state.value}"', cells))
+    return _table("sky-nodes", heads, rows)
+
+
+def _table(css_class: str, heads: Sequence[str], rows: Sequence[tuple[str, Sequence[str]]]) -> str:
+    """An HTML table; each row is (attributes of its ``tr``, its cells' HTML)."""
     head = "".join(f'<th style="{_CELL}">{h}</th>' for h in heads)
+    body = "".join(
+        f"<tr {attrs}>" + "".join(f'<td style="{_CELL}">{c}</td>' for c in cells) + "</tr>"
+        for attrs, cells in rows
+    )
     return (
-        f'<table class="sky-nodes" style="{_TABLE}"><thead><tr>{head}</tr></thead>'
-        f"<tbody>{''.join(rows)}</tbody></table>"
+        f'<table class="{css_class}" style="{_TABLE}"><thead><tr>{head}</tr></thead>'
+        f"<tbody>{body}</tbody></table>"
     )
 
 
@@ -201,16 +206,8 @@ def metrics_html(snap: PanelSnapshot) -> str:
             format_number(r.max),
             str(r.ranks),
         )
-        rows.append(
-            f'<tr class="sky-metric" data-metric="{html.escape(r.name)}">'
-            + "".join(f'<td style="{_CELL}">{c}</td>' for c in cells)
-            + "</tr>"
-        )
-    head = "".join(f'<th style="{_CELL}">{h}</th>' for h in heads)
-    return (
-        f'<table class="sky-metrics" style="{_TABLE}"><thead><tr>{head}</tr></thead>'
-        f"<tbody>{''.join(rows)}</tbody></table>"
-    )
+        rows.append((f'class="sky-metric" data-metric="{html.escape(r.name)}"', cells))
+    return _table("sky-metrics", heads, rows)
 
 
 def messages_html(messages: Sequence[str]) -> str:
