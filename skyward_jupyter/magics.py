@@ -17,7 +17,20 @@ from .providers.base import ProviderError
 from .results import CellInterrupted, PoolError, RunResult
 from .session import PROVIDERS, Session, SessionError, check_gpu_name
 
-_POOL_OPTIONS = ("provider", "nodes", "procs_per_node", "gpu", "backend", "env")
+_POOL_OPTIONS = (
+    "provider",
+    "nodes",
+    "procs_per_node",
+    "gpu",
+    "backend",
+    "env",
+    "hosts",
+    "identity",
+    "known_hosts",
+    "accept_new_host_keys",
+    "python",
+    "head_addr",
+)
 
 
 def _int_at_least(minimum: int) -> Callable[[str], int]:
@@ -52,6 +65,20 @@ def _env(text: str) -> tuple[str, str]:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
     key, value = text.split("=", 1)
     return key, value
+
+
+def _hosts(text: str) -> tuple[str, ...]:
+    from .providers.ssh import Host
+
+    hosts = tuple(h.strip() for h in text.split(",") if h.strip())
+    try:
+        for h in hosts:
+            Host.parse(h)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not hosts:
+        raise argparse.ArgumentTypeError("expected user@host[:port],...")
+    return hosts
 
 
 def _gpu(text: str) -> str:
@@ -89,6 +116,24 @@ def _add_pool_options(parser: argparse.ArgumentParser) -> None:
         action="append",
         metavar="KEY=VALUE",
         help="environment variable for every rank, set before torch starts (repeatable)",
+    )
+    parser.add_argument(
+        "--hosts",
+        type=_hosts,
+        metavar="USER@HOST[:PORT],...",
+        help="machines to use over SSH, one node each (implies --provider ssh)",
+    )
+    parser.add_argument("--identity", metavar="KEY", help="SSH private key file")
+    parser.add_argument("--known-hosts", metavar="FILE", help="known_hosts file for host keys")
+    parser.add_argument(
+        "--accept-new-host-keys",
+        action="store_true",
+        default=None,
+        help="accept host keys not in known_hosts (an explicit choice; default: refuse)",
+    )
+    parser.add_argument("--python", metavar="PATH", help="Python on the hosts (python3)")
+    parser.add_argument(
+        "--head-addr", metavar="ADDR", help="the head's address as the other hosts reach it"
     )
 
 

@@ -96,11 +96,24 @@ class PoolSpec:
     gpu: str | None = None
     backend: str | None = None
     env: tuple[tuple[str, str], ...] = ()
+    hosts: tuple[str, ...] = ()
+    """SSH hosts (``user@host[:port]``); given, they decide the provider and the node count."""
+    identity: str | None = None
+    known_hosts: str | None = None
+    accept_new_host_keys: bool | None = None
+    python: str | None = None
+    head_addr: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.hosts:
+            object.__setattr__(self, "provider", "ssh")
+            object.__setattr__(self, "nodes", len(self.hosts))
 
     def describe(self) -> str:
         ranks = f"{self.procs_per_node} ranks" if self.procs_per_node else "1 rank per GPU or CPU"
         gpu = f", {self.gpu}" if self.gpu else ""
-        return f"{self.nodes} node{'s' * (self.nodes != 1)} x {ranks}, {self.provider}{gpu}"
+        where = f"ssh to {', '.join(self.hosts)}" if self.hosts else self.provider
+        return f"{self.nodes} node{'s' * (self.nodes != 1)} x {ranks}, {where}{gpu}"
 
 
 def check_gpu_name(name: str) -> str:
@@ -111,6 +124,8 @@ def check_gpu_name(name: str) -> str:
 
 
 def make_provider(spec: PoolSpec) -> Provider:
+    if spec.provider == "ssh":
+        return _ssh_provider(spec)
     if spec.provider != "local":
         raise SessionError(
             f"--provider {spec.provider} is not available in this version yet; "
@@ -128,6 +143,25 @@ def make_provider(spec: PoolSpec) -> Provider:
         if model and spec.gpu.lower() not in model.lower():
             raise SessionError(f"--gpu {spec.gpu}: this machine's GPUs are {model}")
     return LocalProvider()
+
+
+def _ssh_provider(spec: PoolSpec) -> Provider:
+    from .providers.ssh import Host, SSHOptions, SSHProvider
+
+    if not spec.hosts:
+        raise SessionError("--provider ssh needs --hosts user@host[:port],...")
+    try:
+        hosts = [Host.parse(h) for h in spec.hosts]
+    except ValueError as exc:
+        raise SessionError(f"--hosts: {exc}") from None
+    options = SSHOptions(
+        identity=spec.identity,
+        known_hosts=spec.known_hosts,
+        accept_new_host_keys=bool(spec.accept_new_host_keys),
+        python=spec.python or "python3",
+        head_addr=spec.head_addr,
+    )
+    return SSHProvider(hosts, options)
 
 
 @dataclass
@@ -208,6 +242,8 @@ class Session:
             f"pool {name!r}: {pool.world_size} ranks ready in "
             f"{time.perf_counter() - started:.1f} s ({group})"
         )
+        for warning in getattr(provider, "warnings", ()):
+            self._announce(f"warning: {warning}")
         self._pools[name] = entry
         self.current = name
         self.views.pool_started(entry)

@@ -377,7 +377,22 @@ def _flush_c_stdio() -> None:
         libc.fflush(None)
 
 
+def _env_from_stdin() -> None:
+    """Read one JSON line of environment from fd 0, byte by byte (the wire follows it)."""
+    line = bytearray()
+    while not line.endswith(b"\n"):
+        byte = os.read(0, 1)
+        if not byte:
+            os._exit(EXIT_CHANNEL_CLOSED)
+        line += byte
+    os.environ.update(json.loads(line))
+
+
 def main() -> None:
+    if "--env-from-stdin" in sys.argv[1:]:
+        # Remote ranks: the environment (which may hold tokens) comes over the channel, not on a
+        # command line that other users of the host could read.
+        _env_from_stdin()
     Agent(AgentSettings.from_env()).serve()
     # Run the user's exit hooks, then skip the interpreter's teardown of torch (about a second).
     atexit._run_exitfuncs()

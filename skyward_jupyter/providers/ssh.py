@@ -1,0 +1,354 @@
+"""Machines the user already has, over SSH: one connection per host, one channel per rank.
+
+This is also the path the cloud providers take once their instances are up. What it does:
+
+- connects with host keys verified against ``known_hosts`` (accepting an unknown key is an
+  explicit option), with errors that name the host and say what to do;
+- checks the host's Python, torch and cloudpickle against the notebook's: a mismatch that
+  breaks pickling is an error naming both versions, a harmless one a warning;
+- ships this package (pure Python) once per content hash to ``~/.cache/skyward_jupyter/<hash>``
+  instead of needing it installed there;
+- starts each rank as ``python -m skyward_jupyter.agent --env-from-stdin``: its environment (which
+  may hold tokens) travels over the encrypted channel, not on a command line other users can read.
+
+Remote commands are argument lists quoted with :func:`shlex.join`, never shell text built from
+user input. A root login's channel cannot be signalled through sshd, so each rank first prints
+its pid, and ending it is a ``kill`` over the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import hashlib
+import io
+import json
+import platform
+import shlex
+import tarfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import asyncssh
+import cloudpickle
+
+from .base import Node, ProviderError
+
+_PACKAGE = Path(__file__).resolve().parents[1]
+_CACHE = ".cache/skyward_jupyter"
+_DIAGNOSTIC_LINES = 40
+_PROBE = """
+import json, platform, shutil, subprocess, sys
+out = {"python": platform.python_version(), "executable": sys.executable}
+for name in ("torch", "cloudpickle"):
+    try:
+        out[name] = __import__(name).__version__
+    except ImportError:
+        out[name] = None
+gpus, model = 0, None
+if shutil.which("nvidia-smi"):
+    rows = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                          capture_output=True, text=True).stdout.split("\\n")
+    rows = [r.strip() for r in rows if r.strip()]
+    gpus, model = len(rows), (rows[0] if rows else None)
+out["gpus"], out["gpu_model"] = gpus, model
+print(json.dumps(out))
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Host:
+    """``user@host:port`` as the user wrote it."""
+
+    host: str
+    user: str | None = None
+    port: int = 22
+
+    @classmethod
+    def parse(cls, text: str) -> Host:
+        user, _, rest = text.rpartition("@")
+        host, port = rest, 22
+        if rest.count(":") == 1:
+            host, _, port_text = rest.partition(":")
+            if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+                raise ValueError(f"bad port in {text!r}: expected user@host[:port]")
+            port = int(port_text)
+        if not host:
+            raise ValueError(f"no host in {text!r}: expected user@host[:port]")
+        return cls(host, user or None, port)
+
+    def __str__(self) -> str:
+        who = f"{self.user}@" if self.user else ""
+        return f"{who}{self.host}" + (f":{self.port}" if self.port != 22 else "")
+
+
+@dataclass(frozen=True, slots=True)
+class SSHOptions:
+    identity: str | None = None
+    known_hosts: str | None = None
+    accept_new_host_keys: bool = False
+    python: str = "python3"
+    head_addr: str | None = None
+    connect_timeout: float = 15.0
+    keepalive_interval: float = 5.0
+
+
+def package_digest() -> str:
+    """A hash of this package's files: a host holds one copy per distinct content."""
+    h = hashlib.sha256()
+    for path in sorted(_PACKAGE.rglob("*.py")):
+        h.update(str(path.relative_to(_PACKAGE)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _package_tarball() -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for path in sorted(_PACKAGE.rglob("*.py")):
+            tar.add(path, arcname=str(Path("skyward_jupyter") / path.relative_to(_PACKAGE)))
+    return buffer.getvalue()
+
+
+def check_versions(host: Host, found: Mapping[str, Any]) -> list[str]:
+    """Errors raise; harmless differences come back as warnings."""
+    local_py = platform.python_version_tuple()[:2]
+    remote_py = str(found["python"]).split(".")[:2]
+    if list(local_py) != remote_py:
+        raise ProviderError(
+            f"{host}: Python {found['python']} there, {platform.python_version()} in the "
+            "notebook: code shipped by value cannot load across Python versions; use --python "
+            "with a matching interpreter on the host"
+        )
+    if found.get("torch") is None:
+        raise ProviderError(
+            f"{host}: torch is not installed for {found['executable']}; install it there "
+            f"(pip install torch=={_local_torch() or '<version>'}) or pass --python"
+        )
+    if found.get("cloudpickle") is None:
+        raise ProviderError(
+            f"{host}: cloudpickle is not installed for {found['executable']}; "
+            f"pip install cloudpickle=={cloudpickle.__version__} there"
+        )
+    warnings = []
+    if str(found["cloudpickle"]).split(".")[0] != cloudpickle.__version__.split(".")[0]:
+        raise ProviderError(
+            f"{host}: cloudpickle {found['cloudpickle']} there, {cloudpickle.__version__} in the "
+            "notebook: its pickles do not load across major versions"
+        )
+    if found["cloudpickle"] != cloudpickle.__version__:
+        warnings.append(
+            f"{host}: cloudpickle {found['cloudpickle']} there, {cloudpickle.__version__} here"
+        )
+    local_torch = _local_torch()
+    if local_torch and found["torch"] != local_torch:
+        warnings.append(f"{host}: torch {found['torch']} there, {local_torch} in the notebook")
+    return warnings
+
+
+def _local_torch() -> str | None:
+    try:
+        import importlib.metadata
+
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+class SSHRank:
+    """One rank on a host: an SSH channel running the agent."""
+
+    def __init__(
+        self, host: Host, conn: asyncssh.SSHClientConnection, process: Any, pid: int
+    ) -> None:
+        self._host = host
+        self._conn = conn
+        self._process = process
+        self.pid = pid
+        self.reader = process.stdout
+        self.writer = process.stdin
+        self._diagnostics: collections.deque[str] = collections.deque(maxlen=_DIAGNOSTIC_LINES)
+        self._stderr_task = asyncio.get_running_loop().create_task(self._collect())
+
+    def describe(self) -> str:
+        return f"{self._host} pid {self.pid}"
+
+    async def _collect(self) -> None:
+        try:
+            async for line in self._process.stderr:
+                self._diagnostics.append(line.decode(errors="replace").rstrip())
+        except (asyncssh.Error, OSError):
+            return  # the connection went; wait() reports it
+
+    def diagnostics(self) -> str:
+        return "\n".join(self._diagnostics)
+
+    async def kill(self) -> None:
+        # An unreachable host cannot be asked: closing the channel is then all that is left.
+        with contextlib.suppress(asyncssh.Error, OSError, asyncio.TimeoutError):
+            await asyncio.wait_for(
+                self._conn.run(shlex.join(["kill", "-9", str(self.pid)]), check=False), 5
+            )
+        self._process.close()
+
+    async def wait(self) -> str:
+        try:
+            await asyncio.wait_for(self._process.wait_closed(), 10)
+        except (asyncssh.Error, OSError, asyncio.TimeoutError):
+            return f"lost: the connection to {self._host} dropped"
+        if self._process.exit_signal:
+            return f"killed by SIG{self._process.exit_signal[0]} on {self._host}"
+        if self._process.exit_status is None:
+            return f"lost: the connection to {self._host} dropped"
+        return f"exited with status {self._process.exit_status} on {self._host}"
+
+
+class SSHProvider:
+    name = "ssh"
+
+    def __init__(self, hosts: Sequence[Host], options: SSHOptions | None = None) -> None:
+        if not hosts:
+            raise ProviderError("--hosts needs at least one user@host")
+        self.hosts = tuple(hosts)
+        self.options = options or SSHOptions()
+        self.warnings: list[str] = []
+        self.shipped: list[str] = []
+        self._conns: list[asyncssh.SSHClientConnection] = []
+        self._remote_package: list[str] = []
+        self._python: list[str] = []
+
+    async def provision(self, nodes: int) -> list[Node]:
+        if nodes != len(self.hosts):
+            raise ProviderError(f"{len(self.hosts)} hosts given for {nodes} nodes")
+        results = await asyncio.gather(
+            *(self._prepare(h) for h in self.hosts), return_exceptions=True
+        )
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            for result in results:
+                if not isinstance(result, BaseException):
+                    result[0].close()
+            raise failures[0]
+        out = []
+        for index, (host, result) in enumerate(zip(self.hosts, results, strict=True)):
+            assert not isinstance(result, BaseException)
+            conn, found, package_dir = result
+            self._conns.append(conn)
+            self._remote_package.append(package_dir)
+            self._python.append(str(found["executable"]))
+            address = self.options.head_addr if index == 0 and self.options.head_addr else host.host
+            gpus = tuple(str(i) for i in range(int(found.get("gpus") or 0)))
+            out.append(Node(index, address, gpus, found.get("gpu_model")))
+        return out
+
+    async def _connect(self, host: Host) -> asyncssh.SSHClientConnection:
+        o = self.options
+        known_hosts: Any = o.known_hosts if o.known_hosts else ()
+        if o.accept_new_host_keys:
+            known_hosts = None  # an explicit choice of the user: any host key is accepted
+        try:
+            return await asyncio.wait_for(
+                asyncssh.connect(
+                    host.host,
+                    port=host.port,
+                    username=host.user,
+                    client_keys=[o.identity] if o.identity else (),
+                    known_hosts=known_hosts,
+                    keepalive_interval=o.keepalive_interval,
+                    keepalive_count_max=3,
+                ),
+                o.connect_timeout,
+            )
+        except asyncssh.HostKeyNotVerifiable as exc:
+            raise ProviderError(
+                f"{host}: its host key is not trusted ({exc.reason}); add it to your "
+                "known_hosts (ssh-keyscan), pass --known-hosts FILE, or, if you trust this "
+                "network, --accept-new-host-keys"
+            ) from None
+        except asyncssh.PermissionDenied:
+            raise ProviderError(
+                f"{host}: authentication failed for user {host.user or '(default)'}; "
+                "check the user and pass --identity KEY"
+            ) from None
+        except ConnectionRefusedError:
+            raise ProviderError(
+                f"{host}: connection refused on port {host.port}; is sshd running there?"
+            ) from None
+        except (asyncio.TimeoutError, OSError) as exc:
+            raise ProviderError(
+                f"{host}: unreachable within {o.connect_timeout:.0f} s ({exc or 'timed out'})"
+            ) from None
+        except asyncssh.Error as exc:
+            raise ProviderError(f"{host}: SSH failed: {exc}") from None
+
+    async def _prepare(
+        self, host: Host
+    ) -> tuple[asyncssh.SSHClientConnection, dict[str, Any], str]:
+        conn = await self._connect(host)
+        try:
+            probe = await asyncio.wait_for(
+                conn.run(shlex.join([self.options.python, "-c", _PROBE]), check=False), 60
+            )
+            if probe.exit_status == 127:
+                raise ProviderError(
+                    f"{host}: no Python at {self.options.python!r}; pass --python PATH"
+                )
+            if probe.exit_status != 0:
+                raise ProviderError(f"{host}: probing Python failed: {probe.stderr!s:.500}")
+            found = json.loads(str(probe.stdout).strip().splitlines()[-1])
+            self.warnings.extend(check_versions(host, found))
+            package_dir = await self._ship(host, conn)
+        except BaseException:
+            conn.close()
+            raise
+        return conn, found, package_dir
+
+    async def _ship(self, host: Host, conn: asyncssh.SSHClientConnection) -> str:
+        """Make sure the host has this package's content; ship it when it does not."""
+        target = f"{_CACHE}/{package_digest()}"
+        present = await conn.run(shlex.join(["test", "-f", f"{target}/.complete"]), check=False)
+        if present.exit_status != 0:
+            unpack = " && ".join(
+                [
+                    shlex.join(["mkdir", "-p", target]),
+                    shlex.join(["tar", "-xzf", "-", "-C", target]),
+                    shlex.join(["touch", f"{target}/.complete"]),
+                ]
+            )
+            result = await conn.run(unpack, input=_package_tarball(), encoding=None, check=False)
+            if result.exit_status != 0:
+                raise ProviderError(f"{host}: could not unpack the package under ~/{target}")
+            self.shipped.append(str(host))
+        home = await conn.run('printf %s "$HOME"', check=True)
+        return f"{home.stdout!s}/{target}"
+
+    async def start_rank(self, node: Node, env: Mapping[str, str]) -> SSHRank:
+        conn = self._conns[node.index]
+        host = self.hosts[node.index]
+        agent = shlex.join(
+            [
+                "env",
+                f"PYTHONPATH={self._remote_package[node.index]}",
+                self._python[node.index],
+                "-m",
+                "skyward_jupyter.agent",
+                "--env-from-stdin",
+            ]
+        )
+        process = await conn.create_process(f"echo $$; exec {agent}", encoding=None)
+        try:
+            pid = int((await asyncio.wait_for(process.stdout.readline(), 30)).strip())
+        except (ValueError, asyncio.TimeoutError, asyncssh.Error) as exc:
+            process.close()
+            raise ProviderError(f"{host}: the rank did not start ({exc!r})") from None
+        process.stdin.write(json.dumps({**env, "PYTHONUNBUFFERED": "1"}).encode() + b"\n")
+        return SSHRank(host, conn, process, pid)
+
+    async def release(self) -> None:
+        for conn in self._conns:
+            conn.close()
+        await asyncio.gather(*(c.wait_closed() for c in self._conns), return_exceptions=True)
+        self._conns.clear()
