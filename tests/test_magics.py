@@ -316,7 +316,8 @@ BAD_OPTIONS = [
     ("--provider nope", "invalid choice"),
     ("--gpu NOPE", "unknown GPU 'NOPE'"),
     ("--env FOO", "expected KEY=VALUE"),
-    ("--provider ssh", "not available"),
+    ("--provider ssh", "needs --hosts"),
+    ("--hosts alice@gpu1:99999", "bad port"),
     ("--provider aws", "not available"),
 ]
 
