@@ -8,11 +8,14 @@ TORCH  := torch==2.13.0
 
 .PHONY: setup system-deps demo test lint bench clean
 
-# Debian packages the browser tests need (Playwright drives Debian's chromium; it never
-# downloads a browser). Installed only when missing.
+# Debian packages the tests need, each installed only when missing: chromium for the browser
+# tests (Playwright drives Debian's chromium; it never downloads a browser), openssh-server for
+# the SSH test hosts in network namespaces (tests/hosts.py; no system sshd is started).
 system-deps:
 	@command -v chromium >/dev/null || { apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium fonts-liberation; }
+	@test -x /usr/sbin/sshd || { apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssh-server; }
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
