@@ -46,7 +46,7 @@ from .events import (
     RankStateChanged,
     RankUsage,
 )
-from .providers.base import Node, Provider, RankProcess
+from .providers.base import Node, Provider, ProviderError, RankProcess
 from .results import CellInterrupted, PoolError, RankResult, RemoteError, RunResult
 
 T = TypeVar("T")
@@ -591,7 +591,12 @@ class Pool:
                 lost = [r.index for r in self._ranks if not r.alive]
                 if cell.asked_to_stop or cell.left_group or lost:
                     # Ranks stopped part-way may disagree on how many collectives ran.
-                    cell.notes.extend(await self._recover())
+                    try:
+                        cell.notes.extend(await self._recover())
+                    except (PoolError, ProviderError) as exc:
+                        # The cell's own result still matters most; the next cell says more.
+                        cell.notes.append(f"the pool could not recover: {exc}")
+                        self._emit(PoolMessage(cell.notes[-1]))
             finally:
                 self._cell = None
             for r in self._ranks:

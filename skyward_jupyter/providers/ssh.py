@@ -25,6 +25,7 @@ import hashlib
 import io
 import json
 import platform
+import secrets
 import shlex
 import tarfile
 from collections.abc import Mapping, Sequence
@@ -38,7 +39,6 @@ import cloudpickle
 from .base import Node, ProviderError
 
 _PACKAGE = Path(__file__).resolve().parents[1]
-_CACHE = ".cache/skyward_jupyter"
 _DIAGNOSTIC_LINES = 40
 _PROBE = """
 import json, platform, shutil, subprocess, sys
@@ -94,6 +94,8 @@ class SSHOptions:
     head_addr: str | None = None
     connect_timeout: float = 15.0
     keepalive_interval: float = 5.0
+    cache_dir: str = ".cache/skyward_jupyter"
+    """Where the package goes on the hosts, relative to the login's home unless absolute."""
 
 
 def package_digest() -> str:
@@ -278,8 +280,10 @@ class SSHProvider:
                 f"{host}: connection refused on port {host.port}; is sshd running there?"
             ) from None
         except (asyncio.TimeoutError, OSError) as exc:
+            why = f" ({exc})" if str(exc) else ""
             raise ProviderError(
-                f"{host}: unreachable within {o.connect_timeout:.0f} s ({exc or 'timed out'})"
+                f"{host}: unreachable within {o.connect_timeout:.0f} s{why}; check the address, "
+                "the network, or a firewall"
             ) from None
         except asyncssh.Error as exc:
             raise ProviderError(f"{host}: SSH failed: {exc}") from None
@@ -307,23 +311,35 @@ class SSHProvider:
         return conn, found, package_dir
 
     async def _ship(self, host: Host, conn: asyncssh.SSHClientConnection) -> str:
-        """Make sure the host has this package's content; ship it when it does not."""
-        target = f"{_CACHE}/{package_digest()}"
-        present = await conn.run(shlex.join(["test", "-f", f"{target}/.complete"]), check=False)
-        if present.exit_status != 0:
-            unpack = " && ".join(
-                [
-                    shlex.join(["mkdir", "-p", target]),
-                    shlex.join(["tar", "-xzf", "-", "-C", target]),
-                    shlex.join(["touch", f"{target}/.complete"]),
-                ]
-            )
-            result = await conn.run(unpack, input=_package_tarball(), encoding=None, check=False)
-            if result.exit_status != 0:
-                raise ProviderError(f"{host}: could not unpack the package under ~/{target}")
-            self.shipped.append(str(host))
+        """Make sure the host has this package's content; ship it when it does not.
+
+        The copy is unpacked in a fresh directory and renamed into place, so two pools (or two
+        hosts sharing a home) never see a half-written package.
+        """
         home = await conn.run('printf %s "$HOME"', check=True)
-        return f"{home.stdout!s}/{target}"
+        base = self.options.cache_dir
+        base = base if base.startswith("/") else f"{home.stdout!s}/{base}"
+        target = f"{base}/{package_digest()}"
+        present = await conn.run(shlex.join(["test", "-d", target]), check=False)
+        if present.exit_status == 0:
+            return target
+        staging = f"{target}.{secrets.token_hex(4)}"
+        unpack = " && ".join(
+            [
+                shlex.join(["mkdir", "-p", staging]),
+                shlex.join(["tar", "-xzf", "-", "-C", staging]),
+                shlex.join(["mv", "-T", staging, target]),
+            ]
+        )
+        result = await conn.run(unpack, input=_package_tarball(), encoding=None, check=False)
+        if result.exit_status != 0:
+            await conn.run(shlex.join(["rm", "-rf", staging]), check=False)
+            lost_race = await conn.run(shlex.join(["test", "-d", target]), check=False)
+            if lost_race.exit_status != 0:
+                raise ProviderError(f"{host}: could not unpack the package into {target}")
+        else:
+            self.shipped.append(str(host))
+        return target
 
     async def start_rank(self, node: Node, env: Mapping[str, str]) -> SSHRank:
         conn = self._conns[node.index]
@@ -338,7 +354,10 @@ class SSHProvider:
                 "--env-from-stdin",
             ]
         )
-        process = await conn.create_process(f"echo $$; exec {agent}", encoding=None)
+        try:
+            process = await conn.create_process(f"echo $$; exec {agent}", encoding=None)
+        except (asyncssh.Error, OSError) as exc:
+            raise ProviderError(f"{host}: cannot start a rank: {exc}") from None
         try:
             pid = int((await asyncio.wait_for(process.stdout.readline(), 30)).strip())
         except (ValueError, asyncio.TimeoutError, asyncssh.Error) as exc:

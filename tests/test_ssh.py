@@ -1,0 +1,201 @@
+"""The SSH provider against real sshd hosts in network namespaces (tests/hosts.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from skyward_jupyter import Pool
+from skyward_jupyter.providers.base import ProviderError
+from skyward_jupyter.providers.ssh import Host, SSHOptions, SSHProvider
+
+from .conftest import wait_for
+from .hosts import Hosts, available, ssh_hosts
+
+pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
+
+ALL_REDUCE = (
+    "import torch, torch.distributed as dist\n"
+    "t = torch.ones(1) * (dist.get_rank() + 1)\n"
+    "dist.all_reduce(t)\n"
+    "(t.item(), dist.get_world_size(), __import__('socket').gethostname())"
+)
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
+    with ssh_hosts(3, tmp_path_factory.mktemp("hosts")) as made:
+        yield made
+
+
+def _provider(hosts: Hosts, count: int, tmp: Path, **changes: object) -> SSHProvider:
+    options = SSHOptions(
+        identity=str(hosts.client_key),
+        known_hosts=str(hosts.known_hosts),
+        python=sys.executable,
+        connect_timeout=5,
+        cache_dir=str(tmp / "cache"),
+    )
+    return SSHProvider(
+        [Host(hosts[i].address, hosts.user, hosts[i].port) for i in range(count)],
+        dataclasses.replace(options, **changes),  # type: ignore[arg-type]
+    )
+
+
+def _remote_agents(hosts: Hosts) -> list[int]:
+    found = []
+    for i in range(len(hosts)):
+        for pid in hosts.pids(i):
+            try:
+                if b"skyward_jupyter.agent" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    found.append(pid)
+            except OSError:
+                continue
+    return found
+
+
+def test_ddp_across_three_hosts_and_the_package_ships_once(hosts: Hosts, tmp_path: Path) -> None:
+    provider = _provider(hosts, 3, tmp_path)
+    with Pool(nodes=3, provider=provider, heartbeat_timeout=10) as pool:
+        result = pool.run(ALL_REDUCE)
+        assert result.ok, result.errors
+        assert [v[:2] for v in result.values] == [(6.0, 3)] * 3
+        assert pool.master_port and pool.nodes[0].address == hosts[0].address
+        step = pool.run(
+            "import torch.nn as nn\n"
+            "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+            "torch.manual_seed(dist.get_rank())\n"
+            "model = DDP(nn.Linear(4, 2))\n"
+            "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+            "model(torch.randn(8, 4) * (dist.get_rank() + 1)).sum().backward()\n"
+            "opt.step()\n"
+            "[p.detach().tolist() for p in model.parameters()]"
+        )
+        assert step.ok, step.errors
+        assert step.values[0] == step.values[1] == step.values[2]
+    assert len(provider.shipped) >= 1  # hosts share a filesystem here: one copy serves all
+    again = _provider(hosts, 2, tmp_path)
+    with Pool(nodes=2, provider=again) as pool:
+        assert pool.run("1").values == [1, 1]
+    assert again.shipped == []
+    wait_for(lambda: not _remote_agents(hosts), 10, "remote ranks to end after close")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"python": "/nonexistent/python3"}, "no Python at"),
+        ({"python": "/usr/bin/python3"}, "torch is not installed"),
+        ({"identity": "WRONG_KEY"}, "authentication failed"),
+        ({"known_hosts": "OTHER_KNOWN_HOSTS"}, "host key is not trusted"),
+    ],
+)
+def test_clear_errors(hosts: Hosts, tmp_path: Path, change: dict[str, str], message: str) -> None:
+    if change.get("identity") == "WRONG_KEY":
+        key = tmp_path / "wrong"
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+        change = {"identity": str(key)}
+    if change.get("known_hosts") == "OTHER_KNOWN_HOSTS":
+        other = tmp_path / "known_hosts"
+        key = tmp_path / "impostor"
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+        pub = (tmp_path / "impostor.pub").read_text().split()[:2]
+        other.write_text(f"[{hosts[0].address}]:{hosts[0].port} {' '.join(pub)}\n")
+        change = {"known_hosts": str(other)}
+    started = time.monotonic()
+    with pytest.raises(ProviderError, match=message) as raised:
+        Pool(nodes=1, provider=_provider(hosts, 1, tmp_path, **change)).start()
+    assert hosts[0].address in str(raised.value)
+    assert time.monotonic() - started < 30
+
+
+def test_unreachable_and_refused_hosts_are_named(hosts: Hosts, tmp_path: Path) -> None:
+    refused = SSHProvider(
+        [Host(hosts[0].address, hosts.user, 2299)],
+        SSHOptions(identity=str(hosts.client_key), known_hosts=str(hosts.known_hosts)),
+    )
+    with pytest.raises(ProviderError, match="connection refused on port 2299"):
+        Pool(nodes=1, provider=refused).start()
+    hosts.down_link(2)
+    try:
+        started = time.monotonic()
+        with pytest.raises(ProviderError, match=f"{hosts[2].address}:{hosts[2].port}: unreachable"):
+            Pool(nodes=1, provider=_provider_for(hosts, 2, tmp_path)).start()
+        assert time.monotonic() - started < 20
+    finally:
+        hosts.up_link(2)
+
+
+def _provider_for(hosts: Hosts, index: int, tmp: Path) -> SSHProvider:
+    return SSHProvider(
+        [Host(hosts[index].address, hosts.user, hosts[index].port)],
+        SSHOptions(
+            identity=str(hosts.client_key),
+            known_hosts=str(hosts.known_hosts),
+            python=sys.executable,
+            connect_timeout=3,
+            cache_dir=str(tmp / "cache"),
+        ),
+    )
+
+
+def test_a_host_dying_mid_cell_ends_the_cell_and_names_it(hosts: Hosts, tmp_path: Path) -> None:
+    with Pool(nodes=2, provider=_provider(hosts, 2, tmp_path), heartbeat_timeout=8) as pool:
+        pool.run("import time, torch.distributed as dist")
+        killer_started = time.monotonic()
+
+        def kill_host_one() -> None:
+            wait_for(lambda: len(_remote_agents(hosts)) == 2, 10, "both ranks")
+            hosts.kill_sshd(1)
+
+        killer = threading.Thread(target=kill_host_one)
+        killer.start()
+        result = pool.run("print('working', flush=True)\ndist.barrier()\ntime.sleep(60)")
+        killer.join()
+        assert time.monotonic() - killer_started < 40
+        lost = {e.rank: e for e in result.errors}
+        assert 1 in lost and hosts[1].address in (lost[1].where + lost[1].message)
+    assert not _remote_agents(hosts)
+
+
+def test_remote_ranks_end_when_the_notebook_is_killed(hosts: Hosts, tmp_path: Path) -> None:
+    # Hosts 0 and 2: host 1's sshd may have been killed by the test above.
+    script = tmp_path / "notebook.py"
+    script.write_text(
+        "import sys, time\n"
+        "from skyward_jupyter import Pool\n"
+        "from skyward_jupyter.providers.ssh import Host, SSHOptions, SSHProvider\n"
+        f"hosts = [Host({hosts[0].address!r}, 'root', {hosts[0].port}),"
+        f" Host({hosts[2].address!r}, 'root', {hosts[2].port})]\n"
+        f"options = SSHOptions(identity={str(hosts.client_key)!r},"
+        f" known_hosts={str(hosts.known_hosts)!r}, python={sys.executable!r},"
+        f" cache_dir={str(tmp_path / 'cache')!r})\n"
+        "pool = Pool(nodes=2, provider=SSHProvider(hosts, options)).start()\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    notebook = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert notebook.stdout is not None
+        assert notebook.stdout.readline().strip() == "ready"
+        assert len(_remote_agents(hosts)) == 2
+    finally:
+        notebook.kill()
+        notebook.wait()
+    wait_for(lambda: not _remote_agents(hosts), 30, "remote ranks to end after the notebook died")
+
+
+def test_host_strings_parse() -> None:
+    assert Host.parse("alice@gpu1:2222") == Host("gpu1", "alice", 2222)
+    assert Host.parse("gpu2") == Host("gpu2", None, 22)
+    with pytest.raises(ValueError, match="bad port"):
+        Host.parse("alice@gpu1:x")
+    with pytest.raises(ProviderError, match="at least one"):
+        SSHProvider([])
