@@ -199,3 +199,81 @@ def test_host_strings_parse() -> None:
         Host.parse("alice@gpu1:x")
     with pytest.raises(ProviderError, match="at least one"):
         SSHProvider([])
+
+
+def test_sky_hosts_cell_in_a_real_kernel(hosts: Hosts, tmp_path: Path) -> None:
+    from .test_magics import Kernel
+
+    kernel = Kernel()
+    try:
+        kernel.ok("%load_ext skyward_jupyter")
+        targets = ",".join(f"root@{hosts[i].address}:{hosts[i].port}" for i in (0, 2))
+        options = (
+            f"--hosts {targets} --identity {hosts.client_key} --known-hosts {hosts.known_hosts}"
+            f" --python {sys.executable}"
+        )
+        cell = kernel.ok(f"%%sky {options}\n{ALL_REDUCE}")
+        assert "(3.0, 2," in " ".join(cell.shown), str(cell)
+        status = kernel.ok("%sky status").stdout
+        assert "ssh to" in status and hosts[2].address in status
+        kernel.ok("%sky down")
+        wait_for(lambda: not _remote_agents(hosts), 20, "remote ranks to end after %sky down")
+    finally:
+        kernel.km.shutdown_kernel(now=True)
+        kernel.kc.stop_channels()
+
+
+def test_versions_are_checked() -> None:
+    import platform
+
+    import cloudpickle
+
+    from skyward_jupyter.providers.ssh import check_versions
+
+    host = Host("gpu1", "alice")
+    same = {
+        "python": platform.python_version(),
+        "executable": "/usr/bin/python3",
+        "torch": "0.0.1",
+        "cloudpickle": cloudpickle.__version__,
+    }
+    warnings = check_versions(host, same)
+    assert any("torch 0.0.1 there" in w for w in warnings)
+    with pytest.raises(ProviderError, match=r"alice@gpu1: Python 2\.7\.18 there"):
+        check_versions(host, {**same, "python": "2.7.18"})
+    with pytest.raises(ProviderError, match=r"cloudpickle 1\.0\.0 there"):
+        check_versions(host, {**same, "cloudpickle": "1.0.0"})
+
+
+def test_a_network_drop_mid_cell_ends_the_cell_in_bounded_time(
+    hosts: Hosts, tmp_path: Path
+) -> None:
+    provider = SSHProvider(
+        [Host(hosts[i].address, hosts.user, hosts[i].port) for i in (0, 2)],
+        SSHOptions(
+            identity=str(hosts.client_key),
+            known_hosts=str(hosts.known_hosts),
+            python=sys.executable,
+            cache_dir=str(tmp_path / "cache"),
+            keepalive_interval=2,
+        ),
+    )
+    with Pool(nodes=2, provider=provider, heartbeat_timeout=6) as pool:
+        pool.run("import time, torch.distributed as dist")
+
+        def drop_host_two() -> None:
+            wait_for(lambda: len(_remote_agents(hosts)) >= 2, 10, "both ranks")
+            hosts.down_link(2)
+
+        dropper = threading.Thread(target=drop_host_two)
+        started = time.monotonic()
+        dropper.start()
+        try:
+            result = pool.run("dist.barrier()\ntime.sleep(60)")
+        finally:
+            dropper.join()
+            hosts.up_link(2)
+        assert time.monotonic() - started < 40
+        lost = {e.rank: e for e in result.errors}
+        assert 1 in lost and hosts[2].address in (lost[1].where + lost[1].message)
+    wait_for(lambda: not _remote_agents(hosts), 30, "remote ranks to end")
