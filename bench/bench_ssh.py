@@ -218,7 +218,7 @@ async def _time_ship(hosts: Hosts, tmp: Path, runs: int, warmup: int) -> dict[st
             steps: list[tuple[str, SSHProvider]] = [("fresh_ms", fresh), ("present_ms", present)]
             for key, provider in steps if i % 2 == 0 else steps[::-1]:
                 t0 = time.perf_counter_ns()
-                await provider._ship(host, conn)
+                await provider._ship(host, conn, str(Path.home()))  # the hosts share this home
                 t1 = time.perf_counter_ns()
                 if i >= warmup:
                     samples[key].append((t1 - t0) / 1e6)

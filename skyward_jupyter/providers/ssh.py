@@ -40,13 +40,16 @@ from .base import Node, ProviderError
 
 _PACKAGE = Path(__file__).resolve().parents[1]
 _DIAGNOSTIC_LINES = 40
+# Versions come from the installed metadata: importing torch only to read its version would
+# cost the host a second or more on every pool start.
 _PROBE = """
-import json, platform, shutil, subprocess, sys
-out = {"python": platform.python_version(), "executable": sys.executable}
+import importlib.metadata as md, json, os, platform, shutil, subprocess, sys
+out = {"python": platform.python_version(), "executable": sys.executable,
+       "home": os.path.expanduser("~")}
 for name in ("torch", "cloudpickle"):
     try:
-        out[name] = __import__(name).__version__
-    except ImportError:
+        out[name] = md.version(name)
+    except md.PackageNotFoundError:
         out[name] = None
 gpus, model = 0, None
 if shutil.which("nvidia-smi"):
@@ -304,21 +307,20 @@ class SSHProvider:
                 raise ProviderError(f"{host}: probing Python failed: {probe.stderr!s:.500}")
             found = json.loads(str(probe.stdout).strip().splitlines()[-1])
             self.warnings.extend(check_versions(host, found))
-            package_dir = await self._ship(host, conn)
+            package_dir = await self._ship(host, conn, str(found["home"]))
         except BaseException:
             conn.close()
             raise
         return conn, found, package_dir
 
-    async def _ship(self, host: Host, conn: asyncssh.SSHClientConnection) -> str:
+    async def _ship(self, host: Host, conn: asyncssh.SSHClientConnection, home: str) -> str:
         """Make sure the host has this package's content; ship it when it does not.
 
         The copy is unpacked in a fresh directory and renamed into place, so two pools (or two
         hosts sharing a home) never see a half-written package.
         """
-        home = await conn.run('printf %s "$HOME"', check=True)
         base = self.options.cache_dir
-        base = base if base.startswith("/") else f"{home.stdout!s}/{base}"
+        base = base if base.startswith("/") else f"{home}/{base}"
         target = f"{base}/{package_digest()}"
         present = await conn.run(shlex.join(["test", "-d", target]), check=False)
         if present.exit_status == 0:
