@@ -20,7 +20,7 @@ What is compared, and why it is fair:
   SSH pools are started in this process, which has already imported ``skyward_jupyter`` and
   ``asyncssh``, as a notebook kernel has; the package is already in the hosts' cache (**warm
   cache**). Each SSH rank is a fresh ``python -m skyward_jupyter.agent`` on its host that imports
-  torch, and ``provision`` probes each host's Python (which imports torch too), so the time spent
+  torch, and ``provision`` probes each host's Python and package versions, so the time spent
   in ``provision`` (connect, probe, cache check) is reported apart from the rest (ranks, group,
   first cell). The local pool forks its ranks from a template process that has imported torch, so
   it is measured as ``bench_core.py`` measures it, in a fresh ``python -c`` subprocess after its
@@ -372,7 +372,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"**{start['ratio_ssh_over_local_warm']:.0f}** vs warm template",
         ),
         row(
-            "*of which `provision`: connect, probe Python (imports torch), check the cache*",
+            "*of which `provision`: connect, probe Python and package versions, check the cache*",
             "ssh_warm_provision_s",
         ),
         row(
