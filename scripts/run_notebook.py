@@ -6,11 +6,15 @@ non-zero if a cell fails.
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import nbformat
+from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
@@ -25,8 +29,13 @@ def _text(output: nbformat.NotebookNode) -> str:
 def main(path: str) -> int:
     nb = nbformat.read(path, as_version=4)
     started = time.perf_counter()
+    # IPC sockets in a private runtime dir: nothing listens on TCP, and the kernel does not warn
+    # about unencrypted TCP on every run.
+    runtime = tempfile.mkdtemp(prefix="skyward-demo-")
+    km = KernelManager(kernel_name="python3", transport="ipc", ip=os.path.join(runtime, "kernel"))
     client = NotebookClient(
         nb,
+        km=km,
         timeout=600,
         kernel_name="python3",
         resources={"metadata": {"path": str(Path(path).parent)}},
@@ -36,6 +45,10 @@ def main(path: str) -> int:
     except CellExecutionError as exc:
         print(exc, file=sys.stderr)
         return 1
+    finally:
+        if km.has_kernel:
+            km.shutdown_kernel()  # a kernel we passed in is ours to end, not nbclient's
+        shutil.rmtree(runtime, ignore_errors=True)
     for cell in nb.cells:
         if cell.cell_type != "code":
             continue
