@@ -9,6 +9,7 @@ from .display import values
 from .display.views import PoolViews
 from .magics import SkyMagics
 from .providers.local import prewarm
+from .registry import Registry
 from .session import Session
 
 _SESSION_ATTR = "_skyward_session"
@@ -18,8 +19,10 @@ def load(shell: Any) -> None:
     if getattr(shell, _SESSION_ATTR, None) is not None:
         return
     views = PoolViews(shell)
-    session = Session(views=views)
+    registry = Registry()  # what the Jupyter server's "Sky" panel reads
+    session = Session(views=views, watchers=[registry])
     views.attach(session.down_pool)
+    registry.attach(views.request_shutdown)
     setattr(shell, _SESSION_ATTR, session)
     shell.register_magics(SkyMagics(shell, session))
     values.register(shell)

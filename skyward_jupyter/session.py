@@ -3,14 +3,15 @@
 One session per IPython shell. A cell without pool options runs on the current pool (started
 with the configured defaults the first time); a cell whose options describe a different pool
 replaces the pool of that name, and says so. Pools end with ``%sky down``, with the kernel, or
-when the extension is unloaded.
+when the extension is unloaded. The display (``views``) and the watchers (the lab panel's
+registry) are told of every pool's creation, start and end.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -56,6 +57,16 @@ class Views(Protocol):
 
     def metrics(self, name: str | None, current: str | None) -> Any:
         """A pool's metrics as rows (``%sky metrics``); LookupError when there is no such pool."""
+
+
+class PoolWatcher(Protocol):
+    """Another view of a pool's life beside the display (the lab panel's registry)."""
+
+    def pool_created(self, entry: PoolEntry) -> None: ...
+
+    def pool_started(self, entry: PoolEntry) -> None: ...
+
+    def pool_ended(self, entry: PoolEntry) -> None: ...
 
 
 class _NoCellView:
@@ -173,9 +184,15 @@ class PoolEntry:
 
 
 class Session:
-    def __init__(self, announce: Announce | None = None, views: Views | None = None) -> None:
+    def __init__(
+        self,
+        announce: Announce | None = None,
+        views: Views | None = None,
+        watchers: Sequence[PoolWatcher] = (),
+    ) -> None:
         self._pools: dict[str, PoolEntry] = {}
         self.views: Views = views or NoViews()
+        self.watchers: tuple[PoolWatcher, ...] = tuple(watchers)
         self.current: str | None = None
         self.defaults = PoolSpec()
         self.stdout_mode: StdoutMode = "head"
@@ -230,10 +247,12 @@ class Session:
         )
         entry = PoolEntry(name, wanted, pool, shipper or Shipper())
         self.views.pool_created(entry)
+        for watcher in self.watchers:
+            watcher.pool_created(entry)
         try:
             pool.start()
         except BaseException:
-            self.views.pool_ended(entry)
+            self._ended(entry)
             raise
         group = (
             pool.torch_note or f"torch.distributed {pool.group_backend}, port {pool.master_port}"
@@ -247,6 +266,8 @@ class Session:
         self._pools[name] = entry
         self.current = name
         self.views.pool_started(entry)
+        for watcher in self.watchers:
+            watcher.pool_started(entry)
         return entry
 
     def run_cell(
@@ -344,12 +365,19 @@ class Session:
         try:
             entry.pool.close()
         finally:
-            self.views.pool_ended(entry)
+            self._ended(entry)
         if self.current == target:
             self.current = next(iter(self._pools), None)
         if not quiet:
             self._announce(f"pool {target!r}: shut down")
         return [target]
+
+    def _ended(self, entry: PoolEntry) -> None:
+        try:
+            self.views.pool_ended(entry)
+        finally:
+            for watcher in self.watchers:
+                watcher.pool_ended(entry)
 
     def down_pool(self, name: str, pool: Pool) -> None:
         """End ``pool`` if it is still the pool called ``name`` (a panel's "Shut down")."""

@@ -7,8 +7,11 @@ sessions on the same machine are not.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -18,6 +21,10 @@ import pytest
 
 MARKER = f"SKYWARD_TEST_SESSION={uuid.uuid4().hex}"
 os.environ["SKYWARD_TEST_SESSION"] = MARKER.split("=", 1)[1]
+# Pools of in-process shells register here, not in the developer's Jupyter runtime directory.
+_REGISTRY = tempfile.mkdtemp(prefix="skyward-registry-")
+os.environ["SKYWARD_REGISTRY_DIR"] = _REGISTRY
+atexit.register(shutil.rmtree, _REGISTRY, ignore_errors=True)
 
 
 def agent_pids(name: bytes = b"sky-rank-") -> set[int]:

@@ -232,6 +232,16 @@ class PoolViews:
 
     # ---------------------------------------------------------------- shut down
 
+    def request_shutdown(self, name: str, pool: Any) -> None:
+        """Shut ``pool`` down as its panel's button does (the lab panel's request, any thread)."""
+        view = self._views.get(name)
+        if view is not None and view.pool is pool:
+            self._request_shutdown(view)
+        elif self._shutdown is not None:
+            self._shutdown(name, pool)
+        else:
+            pool.close()
+
     def _request_shutdown(self, view: _View) -> None:
         """The button (whichever thread handles the click)."""
         with view.lock:

@@ -209,6 +209,13 @@ def template() -> Template:
         return _template
 
 
+def template_pids() -> list[int]:
+    """This process's live rank templates (the current one and replaced ones still serving)."""
+    with _template_lock:
+        templates = [*_retired, *([_template] if _template else [])]
+    return [t.process.pid for t in templates if t.alive]
+
+
 def prewarm() -> None:
     """Start the template now, so the first pool does not wait for torch's import."""
     template()

@@ -1,0 +1,283 @@
+"""The pool registry: the record files a kernel's pools publish for the Jupyter server."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from skyward_jupyter import registry
+from skyward_jupyter.registry import Registry
+from skyward_jupyter.server import pools as served
+from skyward_jupyter.session import PoolSpec, Session
+
+from .conftest import TEMPLATE, agent_pids, wait_for
+
+
+def _record(pool_id: str | None = None, **changes: Any) -> dict[str, Any]:
+    record = {
+        "format": registry.FORMAT,
+        "id": pool_id or registry.new_pool_id(),
+        "name": "default",
+        "owner": registry.Owner.current().as_dict(),
+        "created_at": 1.0,
+        "started_at": 100.0,
+        "price_per_hour": None,
+        "currency": None,
+        "teardown": {"provider": "local", "ranks": [], "templates": []},
+    }
+    record.update(changes)
+    return record
+
+
+# --------------------------------------------------------------------------- the files
+
+
+def test_directory_and_files_are_private(tmp_path: Path) -> None:
+    directory = registry.ensure_dir(tmp_path / "a" / "skyward")
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    record = _record()
+    path = registry.write_record(directory, record)
+    assert path.name == f"{record['id']}.json"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert registry.read_record(directory, record["id"]) == record
+    registry.request_shutdown(directory, record["id"])
+    assert stat.S_IMODE(registry.down_path(directory, record["id"]).stat().st_mode) == 0o600
+
+    open_dir = tmp_path / "shared"
+    open_dir.mkdir(mode=0o755)
+    os.chmod(open_dir, 0o755)
+    with pytest.raises(registry.RegistryError, match="open to other users"):
+        registry.ensure_dir(open_dir)
+
+
+def test_a_record_is_replaced_whole(tmp_path: Path) -> None:
+    """Readers racing a writer see the old record or the new one, never part of one."""
+    directory = registry.ensure_dir(tmp_path / "skyward")
+    pool_id = registry.new_pool_id()
+    registry.write_record(directory, _record(pool_id, blob="0" * 100_000))
+    stop = threading.Event()
+    seen: set[str] = set()
+
+    def write() -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            registry.write_record(directory, _record(pool_id, blob=str(n % 10) * 100_000))
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        for _ in range(500):
+            text = (directory / f"{pool_id}.json").read_text()
+            blob = json.loads(text)["blob"]  # a torn file would not parse
+            assert len(blob) == 100_000 and len(set(blob)) == 1
+            seen.add(blob[0])
+    finally:
+        stop.set()
+        writer.join()
+    assert len(seen) > 1  # the reads did overlap the writes
+    assert os.listdir(directory) == [f"{pool_id}.json"]  # no temporary file left behind
+
+
+def test_a_failed_write_keeps_the_old_record_and_leaves_nothing(tmp_path: Path) -> None:
+    directory = registry.ensure_dir(tmp_path / "skyward")
+    record = _record()
+    registry.write_record(directory, record)
+    with pytest.raises(TypeError):
+        registry.write_record(directory, {**record, "bad": object()})
+    assert registry.read_record(directory, record["id"]) == record
+    assert os.listdir(directory) == [f"{record['id']}.json"]
+
+
+def test_readers_skip_what_is_not_a_record(tmp_path: Path) -> None:
+    directory = registry.ensure_dir(tmp_path / "skyward")
+    good = _record(created_at=2.0)
+    older = _record(created_at=1.0)
+    for r in (good, older):
+        registry.write_record(directory, r)
+    (directory / ".0123456789ab.xyz.tmp").write_text("{")
+    (directory / "notes.json").write_text("{}")
+    (directory / "0123456789ab.json").write_text('{"format": 99, "id": "0123456789ab"}')
+    (directory / "ba9876543210.json").write_text("{not json")
+    registry.request_shutdown(directory, good["id"])
+    assert [r["id"] for r in registry.read_records(directory)] == [older["id"], good["id"]]
+    with pytest.raises(ValueError):
+        registry.record_path(directory, "../../etc/passwd")
+    registry.remove_record(directory, good["id"])
+    assert not registry.shutdown_requested(directory, good["id"])
+    assert [r["id"] for r in registry.read_records(directory)] == [older["id"]]
+    assert registry.read_records(tmp_path / "none") == []
+
+
+def test_process_start_tells_a_process_from_its_reused_pid() -> None:
+    me = registry.process_start(os.getpid())
+    assert me is not None and registry.process_alive(os.getpid(), me)
+    assert not registry.process_alive(os.getpid(), "proc:1")
+    child = subprocess.Popen(["true"])
+    wait_for(lambda: registry.process_start(child.pid) is None, 10, "the child to end")
+    child.wait()  # it was a zombie until now; both count as ended
+    assert not registry.process_alive(child.pid, None)
+
+
+# ------------------------------------------------------------------- the server's view
+
+
+def test_orphans_as_the_server_sees_them(tmp_path: Path) -> None:
+    directory = registry.ensure_dir(tmp_path / "skyward")
+    child = subprocess.Popen(["sleep", "60"])
+    child_start = registry.process_start(child.pid)
+    child.kill()
+    child.wait()
+    me = registry.Owner.current()
+    here = socket.gethostname()
+    cases = {
+        "live, this server's": (me.pid, me.start, here, "k1", False),
+        "live, kernel unknown here": (me.pid, me.start, here, "k9", True),
+        "live, no kernel (terminal IPython)": (me.pid, me.start, here, None, False),
+        "owner dead": (child.pid, child_start, here, "k1", True),
+        "pid reused": (me.pid, "proc:1", here, "k1", True),
+    }
+    for name, (pid, start, host, kernel, orphan) in cases.items():
+        record = _record(
+            owner=registry.Owner(pid, start, host, kernel).as_dict(), price_per_hour=2.0
+        )
+        pool = served.public(record, {"k1"}, directory, now=100.0 + 1800)
+        assert pool["orphan"] is orphan, name
+        assert "teardown" not in pool and "format" not in pool
+        assert pool["cost"] == {"price_per_hour": 2.0, "spent": 1.0, "currency": None}
+        assert pool["uptime_s"] == 1800
+
+    elsewhere = _record(owner=registry.Owner(1, None, "another-machine", "k2").as_dict())
+    assert served.owner_alive(elsewhere) is None
+    assert not served.concerns(elsewhere, {"k1"})  # another machine's server shows it
+    assert served.concerns(elsewhere, {"k2"})  # unless its kernel is one of ours
+
+
+# -------------------------------------------------------------------- the kernel's side
+
+
+@pytest.fixture
+def session(tmp_path: Path) -> Iterator[tuple[Session, Registry]]:
+    reg = Registry(tmp_path / "skyward")
+    session = Session(announce=lambda text: None, watchers=[reg])
+    reg.attach(session.down_pool)
+    try:
+        yield session, reg
+    finally:
+        session.down_all()
+        reg.close()
+
+
+def test_a_pool_is_registered_while_it_lives(session: tuple[Session, Registry]) -> None:
+    session_, reg = session
+    entry = session_.entry("train", PoolSpec(nodes=2, env=(("API_TOKEN", "hunter2"),)))
+    pool_id = reg.pool_id(entry)
+    assert pool_id is not None
+    path = reg.directory / f"{pool_id}.json"
+    text = path.read_text()  # written when the pool became ready, not later
+    record = json.loads(text)
+    assert "hunter2" not in text and "API_TOKEN" not in text  # no secrets on disk
+    assert record["format"] == registry.FORMAT and record["id"] == pool_id
+    assert record["name"] == "train" and record["provider"] == "local"
+    assert record["owner"] == registry.Owner.current().as_dict()
+    assert record["owner"]["kernel_id"] is None  # not a kernel
+    assert record["ready"] is True and record["state"] == "ready"
+    assert record["started_at"] <= record["ready_at"] <= record["updated_at"]
+    assert record["price_per_hour"] is None
+    ranks = [r for node in record["nodes"] for r in node["ranks"]]
+    assert [n["index"] for n in record["nodes"]] == [0, 1]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    pids = {r["pid"] for r in ranks}
+    assert pids == {r.hello.pid for r in entry.pool.ranks if r.hello} and pids <= agent_pids()
+    teardown = record["teardown"]
+    assert {(r["pid"], r["start"]) for r in teardown["ranks"]} == {
+        (pid, registry.process_start(pid)) for pid in pids
+    }
+    assert {t["pid"] for t in teardown["templates"]} == agent_pids(TEMPLATE)
+
+    # Rank states reach the record from the registry's thread.
+    entry.pool.run("x = 1")
+    wait_for(lambda: json.loads(path.read_text())["state"] == "idle", 10, "the record to say idle")
+
+    session_.down("train")
+    assert not path.exists()  # gone with the pool, at once
+    assert os.listdir(reg.directory) == []
+    wait_for(
+        lambda: "skyward-registry" not in {t.name for t in threading.enumerate()},
+        5,
+        "the registry's thread to end with its last pool",
+    )
+
+
+def test_records_are_rewritten_a_few_times_a_second_at_most(
+    session: tuple[Session, Registry], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    session_, reg = session
+    entry = session_.entry(None, PoolSpec(nodes=2))
+    writes: list[float] = []
+    real_write = registry.write_record
+
+    def counted(directory: Path, record: dict[str, Any]) -> Path:
+        writes.append(record["updated_at"])
+        return real_write(directory, record)
+
+    monkeypatch.setattr(registry, "write_record", counted)
+    started = time.monotonic()
+    cells = 0
+    while time.monotonic() - started < 1.0:  # every cell: two state changes on every rank
+        entry.pool.run("pass")
+        cells += 1
+    elapsed = time.monotonic() - started
+    assert cells >= 5
+    assert len(writes) <= elapsed / reg.interval + 2
+
+
+def test_the_server_asks_and_the_session_shuts_the_pool_down(
+    session: tuple[Session, Registry],
+) -> None:
+    session_, reg = session
+    entry = session_.entry(None, PoolSpec(nodes=2))
+    pool_id = reg.pool_id(entry)
+    assert pool_id is not None
+    pids = {r.hello.pid for r in entry.pool.ranks if r.hello}
+    registry.request_shutdown(reg.directory, pool_id)
+    # What the server waits for: record and request both gone, once the pool has ended.
+    wait_for(lambda: not os.listdir(reg.directory), 30, "the pool's record to go")
+    assert session_.status() == "no pools"
+    assert not pids & agent_pids()
+
+
+def test_close_removes_every_record_and_stops_writing(
+    session: tuple[Session, Registry],
+) -> None:
+    session_, reg = session
+    entry = session_.entry(None, PoolSpec(nodes=1))
+    assert len(os.listdir(reg.directory)) == 1
+    reg.close()  # what happens at exit
+    assert os.listdir(reg.directory) == []
+    entry.pool.run("pass")  # state changes after close write nothing
+    reg.pool_started(entry)
+    assert os.listdir(reg.directory) == []
+
+
+def test_an_unusable_directory_does_not_stop_pools(tmp_path: Path) -> None:
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    reg = Registry(blocked / "skyward")
+    session = Session(announce=lambda text: None, watchers=[reg])
+    try:
+        entry = session.entry(None, PoolSpec(nodes=1))
+        assert entry.pool.run("1 + 1").values == [2]
+    finally:
+        session.down_all()
+        reg.close()
