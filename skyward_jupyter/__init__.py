@@ -28,6 +28,11 @@ __all__ = [
 __version__ = "0.1.0"
 
 
+def _jupyter_server_extension_points() -> list[dict[str, str]]:
+    """The Jupyter server extension of the lab's "Sky" panel (:mod:`skyward_jupyter.server`)."""
+    return [{"module": "skyward_jupyter.server"}]
+
+
 def load_ipython_extension(ipython: object) -> None:
     """``%load_ext skyward_jupyter``: register ``%%sky``/``%sky`` and warm up the rank template."""
     from .extension import load

@@ -28,6 +28,12 @@ from .conftest import wait_for
 
 CHROMIUM = os.environ.get("SKYWARD_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
+SERVER_EXTENSION_CONFIG = (
+    Path(__file__).resolve().parents[1]
+    / "jupyter-config"
+    / "jupyter_server_config.d"
+    / "skyward_jupyter.json"
+)
 _CHROMIUM_ARGS = [
     "--headless",
     "--no-sandbox",
@@ -45,6 +51,10 @@ class Lab:
     url: str
     token: str
     root: Path
+
+    @property
+    def runtime_dir(self) -> Path:
+        return self.root / ".jupyter-home" / "runtime"
 
     def page_url(self, path: str) -> str:
         return f"{self.url}/{path}?token={self.token}"
@@ -75,11 +85,17 @@ def jupyter_lab(root: Path) -> Iterator[Lab]:
     (settings / "notification.jupyterlab-settings").write_text(
         json.dumps({"fetchNews": "false", "checkForUpdates": False})
     )
+    # The server extension, enabled as an install enables it (the editable dev install may not
+    # have put the file under the environment's etc/jupyter).
+    server_config = home / "config" / "jupyter_server_config.d"
+    server_config.mkdir(parents=True)
+    shutil.copy(SERVER_EXTENSION_CONFIG, server_config)
     env = {
         **os.environ,
         "JUPYTER_CONFIG_DIR": str(home / "config"),
         "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
     }
+    env.pop("SKYWARD_REGISTRY_DIR", None)  # kernels and server meet in the runtime dir's registry
     log = (root / "lab.log").open("wb")
     server = subprocess.Popen(
         [

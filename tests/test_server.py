@@ -1,0 +1,361 @@
+"""The server extension's routes in a real JupyterLab, with pools of real kernels.
+
+Kernels are started through the server's REST API and driven with jupyter_client over their
+connection files; the pools they start register in the server's runtime directory, which is
+where the extension reads them.
+"""
+
+from __future__ import annotations
+
+import http.cookiejar
+import json
+import os
+import queue
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jupyter_client.blocking.client import BlockingKernelClient
+
+from skyward_jupyter import registry
+
+from .conftest import agent_pids, wait_for
+from .lab import Lab, jupyter_lab
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    with jupyter_lab(tmp_path_factory.mktemp("server")) as server:
+        yield server
+
+
+def api(
+    lab: Lab,
+    method: str,
+    path: str,
+    body: object = None,
+    *,
+    token: str | None = "",
+    headers: dict[str, str] | None = None,
+    opener: urllib.request.OpenerDirector | None = None,
+) -> tuple[int, Any]:
+    """``(status, JSON body or raw bytes)``; ``token=None`` sends no credentials."""
+    all_headers = dict(headers or {})
+    if token is not None:
+        all_headers["Authorization"] = f"token {token or lab.token}"
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(lab.url + path, data, all_headers, method=method)
+    try:
+        with (opener or urllib.request.build_opener()).open(request, timeout=120) as response:
+            raw = response.read()
+            status = response.status
+    except urllib.error.HTTPError as error:
+        raw, status = error.read(), error.code
+    try:
+        return status, json.loads(raw) if raw else None
+    except ValueError:
+        return status, raw
+
+
+def pools(lab: Lab) -> list[dict[str, Any]]:
+    status, body = api(lab, "GET", "/skyward/pools")
+    assert status == 200, body
+    return list(body["pools"])
+
+
+def pools_of(lab: Lab, kernel: Kernel) -> list[dict[str, Any]]:
+    return [p for p in pools(lab) if p["kernel_id"] == kernel.id]
+
+
+def rank_pids(pool: dict[str, Any]) -> set[int]:
+    return {r["pid"] for node in pool["nodes"] for r in node["ranks"]}
+
+
+class Kernel:
+    """A kernel started through the server's REST API, driven over its connection file."""
+
+    def __init__(self, lab: Lab) -> None:
+        self.lab = lab
+        status, body = api(lab, "POST", "/api/kernels", {"name": "python3"})
+        assert status == 201, body
+        self.id: str = body["id"]
+        connection = lab.runtime_dir / f"kernel-{self.id}.json"
+        wait_for(connection.exists, 30, "the kernel's connection file")
+        self.client = BlockingKernelClient(connection_file=str(connection))
+        self.client.load_connection_file()
+        self.client.start_channels()
+        self.client.wait_for_ready(timeout=60)
+
+    def run(self, code: str, timeout: float = 120) -> str:
+        """Run ``code``; its stdout, stderr and error as text (an error fails the test)."""
+        reply, text = self.collect(self.client.execute(code), timeout)
+        assert reply["status"] == "ok", text
+        return text
+
+    def collect(self, msg_id: str, timeout: float, until: str | None = None) -> tuple[Any, str]:
+        """Outputs of request ``msg_id`` until it ends (or, with ``until``, that text shows)."""
+        deadline = time.monotonic() + timeout
+        text = ""
+        while True:
+            left = deadline - time.monotonic()
+            assert left > 0, f"timed out waiting for the kernel; output so far:\n{text}"
+            try:
+                msg = self.client.get_iopub_msg(timeout=left)
+            except queue.Empty:
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                text += content["text"]
+            elif kind == "error":
+                text += f"{content['ename']}: {content['evalue']}\n"
+            elif kind == "status" and content["execution_state"] == "idle":
+                break
+            if until is not None and until in text:
+                return None, text
+        reply = self.client.get_shell_msg(timeout=max(1.0, deadline - time.monotonic()))
+        assert reply["parent_header"]["msg_id"] == msg_id
+        return reply["content"], text
+
+    def pid(self) -> int:
+        return int(self.run("import os; print(os.getpid())").strip())
+
+    def close(self) -> None:
+        self.client.stop_channels()
+        api(self.lab, "DELETE", f"/api/kernels/{self.id}")
+
+
+@pytest.fixture
+def kernels(lab: Lab) -> Iterator[list[Kernel]]:
+    """Kernels a test starts; shut down through the server when it ends (their ranks go too)."""
+    started: list[Kernel] = []
+    try:
+        yield started
+    finally:
+        for kernel in started:
+            kernel.close()
+        wait_for(lambda: not agent_pids(), 30, "the kernels' ranks to end with them")
+
+
+def test_routes_need_authentication(lab: Lab, kernels: list[Kernel]) -> None:
+    kernel = Kernel(lab)
+    kernels.append(kernel)
+    kernel.run("%load_ext skyward_jupyter\n%sky up --nodes 1")
+    (pool,) = pools_of(lab, kernel)
+    for token in (None, "not-the-token"):
+        for method, path in (
+            ("GET", "/skyward/pools"),
+            ("GET", f"/skyward/pools/{pool['id']}"),
+            ("GET", "/skyward/pools/default"),
+            ("DELETE", f"/skyward/pools/{pool['id']}"),
+        ):
+            status, body = api(lab, method, path, token=token)
+            assert status == 403, (method, path, token, status)
+            assert pool["id"] not in str(body) and kernel.id not in str(body)
+    assert [p["id"] for p in pools_of(lab, kernel)] == [pool["id"]]  # the DELETEs did nothing
+    assert rank_pids(pool) <= agent_pids()
+
+
+def test_delete_from_a_browser_session_needs_the_xsrf_token(lab: Lab) -> None:
+    """Cookie-authenticated (the panel): DELETE without the XSRF header is refused."""
+    jar = http.cookiejar.CookieJar()
+    browser = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
+    with browser.open(lab.page_url("lab"), timeout=60) as response:
+        assert response.status == 200
+    xsrf = next(c.value for c in jar if c.name == "_xsrf")
+    missing = registry.new_pool_id()
+
+    status, _ = api(lab, "GET", "/skyward/pools", token=None, opener=browser)
+    assert status == 200  # a GET needs no XSRF token
+    status, body = api(lab, "DELETE", f"/skyward/pools/{missing}", token=None, opener=browser)
+    assert status == 403 and "_xsrf" in str(body)
+    status, body = api(
+        lab,
+        "DELETE",
+        f"/skyward/pools/{missing}",
+        token=None,
+        headers={"X-XSRFToken": xsrf},
+        opener=browser,
+    )
+    assert status == 404, body  # past authentication and XSRF: there is no such pool
+
+
+def test_list_one_delete_and_reap_orphans(lab: Lab, kernels: list[Kernel]) -> None:
+    first, second = Kernel(lab), Kernel(lab)
+    kernels += [first, second]
+    first.run("%load_ext skyward_jupyter\n%sky up --nodes 2")
+
+    # The list: the pool, its kernel, 2 nodes of one live rank each.
+    (pool,) = pools(lab)
+    assert pool["kernel_id"] == first.id and pool["name"] == "default"
+    assert pool["provider"] == "local" and pool["ready"] and pool["state"] == "ready"
+    assert pool["world_size"] == 2 and pool["nodes_requested"] == 2
+    assert [len(n["ranks"]) for n in pool["nodes"]] == [1, 1]
+    assert {n["state"] for n in pool["nodes"]} == {"ready"}
+    assert pool["orphan"] is False and pool["shutdown_requested"] is False
+    assert pool["owner"] == {
+        "pid": first.pid(),
+        "host": socket.gethostname(),
+        "alive": True,
+        "kernel_known": True,
+    }
+    assert pool["cost"] == {"price_per_hour": None, "spent": None, "currency": None}
+    assert pool["uptime_s"] >= 0 and "teardown" not in pool
+    first_ranks = rank_pids(pool)
+    assert len(first_ranks) == 2 and first_ranks <= agent_pids()
+
+    # On disk: a private directory, a private file.
+    directory = lab.runtime_dir / "skyward"
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    assert stat.S_IMODE((directory / f"{pool['id']}.json").stat().st_mode) == 0o600
+
+    # One pool, by id or by name; a cell's rank states reach the record.
+    first.run("%%sky\nx = 1")
+    wait_for(
+        lambda: api(lab, "GET", f"/skyward/pools/{pool['id']}")[1]["state"] == "idle",
+        10,
+        "the pool's record to say idle after a cell",
+    )
+    status, one = api(lab, "GET", "/skyward/pools/default")
+    assert status == 200 and one["id"] == pool["id"] and one["state"] == "idle"
+    status, _ = api(lab, "GET", f"/skyward/pools/{registry.new_pool_id()}")
+    assert status == 404
+
+    # A second kernel's pool appears beside it; its name is then ambiguous.
+    second.run("%load_ext skyward_jupyter\n%sky up --nodes 2")
+    (other,) = pools_of(lab, second)
+    assert len(pools(lab)) == 2 and other["id"] != pool["id"]
+    status, body = api(lab, "GET", "/skyward/pools/default")
+    assert status == 409 and pool["id"] in str(body) and other["id"] in str(body)
+
+    # Shut the first pool down through the server: its kernel ends it; %sky status knows.
+    status, body = api(lab, "DELETE", f"/skyward/pools/{pool['id']}")
+    assert status == 200 and body == {"id": pool["id"], "name": "default", "how": "kernel"}
+    assert not first_ranks & agent_pids()
+    assert pools_of(lab, first) == []
+    assert first.run("%sky status").strip() == "no pools"
+
+    # The same while a cell runs on the pool: the cell is interrupted, then the pool ends.
+    first.run("%sky up --nodes 2")
+    (busy,) = pools_of(lab, first)
+    cell = first.client.execute(
+        "%%sky\nimport time\nprint('sleeping', flush=True)\ntime.sleep(300)"
+    )
+    first.collect(cell, 60, until="sleeping")
+    status, body = api(lab, "DELETE", f"/skyward/pools/{busy['id']}")
+    assert status == 200 and body["how"] == "kernel"
+    reply, text = first.collect(cell, 60)
+    assert reply["status"] == "error" and "KeyboardInterrupt" in text
+    assert not rank_pids(busy) & agent_pids()
+    assert first.run("%sky status").strip() == "no pools"
+
+    # The second kernel dies: its pool is an orphan, and DELETE reaps what is left of it.
+    os.kill(second.pid(), signal.SIGKILL)
+    wait_for(lambda: pools_of(lab, second)[0]["orphan"], 30, "the pool to be an orphan")
+    (orphan,) = pools_of(lab, second)
+    assert orphan["owner"]["alive"] is False
+    status, body = api(lab, "DELETE", f"/skyward/pools/{orphan['id']}")
+    assert status == 200 and body["how"] == "reaped", body
+    assert rank_pids(orphan) <= set(body["killed"]) | set(body["gone"])  # and its template
+    assert body["spared"] == []
+    wait_for(lambda: not rank_pids(orphan) & agent_pids(), 10, "the orphan's ranks to end")
+    assert api(lab, "GET", f"/skyward/pools/{orphan['id']}")[0] == 404
+    assert pools(lab) == []
+
+
+def _fake_rank(rank: int) -> subprocess.Popen[bytes]:
+    """A real agent process that stays up (its wire open, a long heartbeat timeout)."""
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "skyward_jupyter.agent"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env={
+            **os.environ,
+            "RANK": str(rank),
+            "SKYWARD_AGENT": json.dumps({"heartbeat_timeout": 600}),
+        },
+        start_new_session=True,
+    )
+    wait_for(lambda: agent.pid in agent_pids(), 60, f"agent {rank} to name itself")
+    return agent
+
+
+def test_reap_kills_the_pools_processes_and_nothing_else(lab: Lab) -> None:
+    """An orphan whose ranks still run (here their wire stays open): DELETE ends them.
+
+    The record also lists a process that is some other program now (left alone), and a pid
+    whose start time does not match, a pid reused by another process (left alone, counted as
+    gone).
+    """
+    rank0, rank1 = _fake_rank(0), _fake_rank(1)
+    stranger = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    dead = subprocess.Popen(["sleep", "300"])
+    dead_start = registry.process_start(dead.pid)
+    dead.kill()
+    dead.wait()
+    try:
+        directory = registry.ensure_dir(lab.runtime_dir / "skyward")
+        record = {
+            "format": registry.FORMAT,
+            "id": registry.new_pool_id(),
+            "name": "left",
+            "owner": registry.Owner(dead.pid, dead_start, socket.gethostname(), None).as_dict(),
+            "provider": "local",
+            "created_at": time.time(),
+            "started_at": time.time(),
+            "nodes": [],
+            "teardown": {
+                "provider": "local",
+                "host": socket.gethostname(),
+                "ranks": [
+                    {"pid": rank0.pid, "start": registry.process_start(rank0.pid)},
+                    {"pid": rank1.pid, "start": "proc:1"},  # the pid of a process reused
+                    {"pid": stranger.pid, "start": registry.process_start(stranger.pid)},
+                    {"pid": dead.pid, "start": dead_start},
+                ],
+                "templates": [],
+            },
+        }
+        registry.write_record(directory, record)
+        (listed,) = [p for p in pools(lab) if p["id"] == record["id"]]
+        assert listed["orphan"] is True and listed["owner"]["alive"] is False
+
+        status, body = api(lab, "DELETE", f"/skyward/pools/{record['id']}")
+        assert status == 200 and body["how"] == "reaped", body
+        assert body["killed"] == [rank0.pid]
+        assert body["spared"] == [stranger.pid]
+        assert body["gone"] == sorted([rank1.pid, dead.pid])
+        assert rank0.wait(timeout=10) == -signal.SIGTERM
+        assert rank1.poll() is None and stranger.poll() is None
+        assert registry.read_record(directory, record["id"]) is None
+    finally:
+        for process in (rank0, rank1, stranger):
+            process.kill()
+            process.wait()
+            for pipe in (process.stdin, process.stdout):
+                if pipe is not None:
+                    pipe.close()
+
+
+def test_the_extension_is_enabled_by_its_config_file() -> None:
+    config = Path(__file__).resolve().parents[1] / "jupyter-config" / "jupyter_server_config.d"
+    assert json.loads((config / "skyward_jupyter.json").read_text()) == {
+        "ServerApp": {"jpserver_extensions": {"skyward_jupyter": True}}
+    }
+    import skyward_jupyter
+    from skyward_jupyter import server
+
+    points = skyward_jupyter._jupyter_server_extension_points()
+    assert points == [{"module": "skyward_jupyter.server"}]
+    assert callable(server._load_jupyter_server_extension)
