@@ -89,10 +89,6 @@ class Shipper:
         self._sent: dict[str, bytes] = {}
         self._remote: set[str] = set()
 
-    @property
-    def remote_names(self) -> frozenset[str]:
-        return frozenset(self._remote)
-
     def prepare(
         self, source: str, user_ns: Mapping[str, Any], force: frozenset[str] = frozenset()
     ) -> Shipment:

@@ -56,7 +56,9 @@ class Pickled:
 
 @dataclass(frozen=True, slots=True)
 class Beat:
-    """Heartbeat; in both directions. A rank that hears none for a while exits by itself."""
+    """The notebook's heartbeat; a rank that hears none for a while exits by itself.
+
+    (A rank's own heartbeat is its :class:`Usage`, sent at the same rhythm.)"""
 
 
 @dataclass(frozen=True, slots=True)

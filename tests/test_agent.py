@@ -59,11 +59,15 @@ def _beating(channel: SyncChannel) -> Iterator[None]:
         beater.join()
 
 
-def _until_output(channel: SyncChannel, text: str) -> None:
+def _block_in_a_cell(channel: SyncChannel) -> None:
+    """Start a cell that sleeps, heartbeating until it has printed that it is blocked."""
+    channel.send(
+        p.RunCell(1, "import time\nprint('blocked', flush=True)\ntime.sleep(600)", "<sky-cell-1>")
+    )
     with _beating(channel):
         while True:
             message = channel.recv()
-            if isinstance(message, p.Output) and text in message.text:
+            if isinstance(message, p.Output) and "blocked" in message.text:
                 return
 
 
@@ -71,10 +75,7 @@ def test_agent_exits_when_heartbeat_stops_while_cell_blocks(
     agent: tuple[subprocess.Popen[bytes], SyncChannel],
 ) -> None:
     proc, channel = agent
-    channel.send(
-        p.RunCell(1, "import time\nprint('blocked', flush=True)\ntime.sleep(600)", "<sky-cell-1>")
-    )
-    _until_output(channel, "blocked")
+    _block_in_a_cell(channel)
     # No heartbeats are sent from here on, and the channel stays open.
     wait_for(lambda: proc.poll() is not None, 10, "the agent to exit after its heartbeat timeout")
     assert proc.returncode == 75
@@ -84,10 +85,7 @@ def test_agent_exits_when_channel_closes_while_cell_blocks(
     agent: tuple[subprocess.Popen[bytes], SyncChannel],
 ) -> None:
     proc, channel = agent
-    channel.send(
-        p.RunCell(1, "import time\nprint('blocked', flush=True)\ntime.sleep(600)", "<sky-cell-1>")
-    )
-    _until_output(channel, "blocked")
+    _block_in_a_cell(channel)
     assert proc.stdin is not None
     proc.stdin.close()
     wait_for(lambda: proc.poll() is not None, 5, "the agent to exit after its channel closed")

@@ -482,10 +482,6 @@ class PanelState:
             rows = [row for name, m in self._metrics.items() for row in m.rows(name)]
         return sorted(rows, key=lambda r: (r.step, r.name))
 
-    def metric_names(self) -> list[str]:
-        with self._lock:
-            return list(self._metrics)
-
     def snapshot(self) -> PanelSnapshot:
         with self._lock:
             now = self._clock()
