@@ -30,6 +30,12 @@ _POOL_OPTIONS = (
     "accept_new_host_keys",
     "python",
     "head_addr",
+    "instance_type",
+    "region",
+    "spot",
+    "ssh_cidr",
+    "ami",
+    "idle_timeout",
 )
 
 
@@ -57,6 +63,16 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
+    return value
+
+
+def _minutes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected minutes, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (never) or more minutes, got {text}")
     return value
 
 
@@ -135,6 +151,28 @@ def _add_pool_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--head-addr", metavar="ADDR", help="the head's address as the other hosts reach it"
     )
+    parser.add_argument(
+        "--instance-type", metavar="TYPE", help="EC2 instance type (default: from --gpu)"
+    )
+    parser.add_argument("--region", metavar="REGION", help="AWS region (default: boto3's)")
+    parser.add_argument(
+        "--spot",
+        action="store_true",
+        default=None,
+        help="spot instances, on-demand when spot has no capacity",
+    )
+    parser.add_argument(
+        "--ssh-cidr",
+        metavar="CIDR",
+        help="where SSH to the instances may come from (default: this notebook's address/32)",
+    )
+    parser.add_argument("--ami", metavar="ID", help="image (default: the Deep Learning AMI)")
+    parser.add_argument(
+        "--idle-timeout",
+        type=_minutes,
+        metavar="MIN",
+        help="stop the pool after MIN minutes without a cell (0: never; aws: 30 by default)",
+    )
 
 
 def _add_cell_options(parser: argparse.ArgumentParser) -> None:
@@ -180,6 +218,10 @@ def _line_parsers() -> dict[str, _Parser]:
     panel.add_argument("name", nargs="?", type=_identifier)
     metrics = _Parser(prog="sky metrics", add_help=False)
     metrics.add_argument("name", nargs="?", type=_identifier)
+    sweep = _Parser(prog="sky sweep", add_help=False)
+    sweep.add_argument("--yes", action="store_true")
+    sweep.add_argument("--region")
+    sweep.add_argument("--all-owners", action="store_true")
     return {
         "up": up,
         "down": down,
@@ -190,6 +232,7 @@ def _line_parsers() -> dict[str, _Parser]:
         "config": config,
         "panel": panel,
         "metrics": metrics,
+        "sweep": sweep,
     }
 
 
@@ -205,6 +248,9 @@ Line magic:
   %sky panel [NAME]               show the pool's live panel (text without widgets)
   %sky metrics [NAME]             what log() recorded: step, name, mean, min, max, ranks
                                   across ranks (a DataFrame with pandas, else a list)
+  %sky sweep [--yes] [--region R] [--all-owners]
+                                  list EC2 instances of this product that no live pool owns;
+                                  --yes terminates them and deletes their pools' resources
 """
 
 
@@ -289,6 +335,8 @@ class SkyMagics(Magics):
             session.panel(args.name)
         elif command == "metrics":
             return session.metrics(args.name)
+        elif command == "sweep":
+            print(session.sweep(yes=args.yes, region=args.region, all_owners=args.all_owners))
         return None
 
 

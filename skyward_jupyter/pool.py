@@ -222,6 +222,7 @@ class Pool:
         self._closing = False
         self._lost_while_idle: list[int] = []
         self._monitor: asyncio.Task[None] | None = None
+        self._start_task: asyncio.Task[Any] | None = None
         self._beat = wire.encode(p.Beat())
 
     # ------------------------------------------------------------------------- blocking API
@@ -315,8 +316,10 @@ class Pool:
         if io is None:
             return
         _live_pools.discard(self)
+        # A cloud provider waits for its instances to be gone: give it the time it asks for.
+        release = float(getattr(self.provider, "release_timeout", 0.0))
         try:
-            io.submit(self._shutdown()).result(timeout=self.interrupt_grace + 30)
+            io.submit(self._shutdown()).result(timeout=self.interrupt_grace + 30 + release)
         finally:
             io.stop()
 
@@ -346,6 +349,8 @@ class Pool:
             except KeyboardInterrupt:
                 self.interrupt()
                 outcome = settle()
+            except concurrent.futures.CancelledError:
+                raise KeyboardInterrupt from None  # the start was cancelled by this Ctrl-C
             if isinstance(outcome, RunResult):
                 raise CellInterrupted(outcome) from None
             raise
@@ -371,6 +376,14 @@ class Pool:
     async def _start(self) -> None:
         self._op_lock = asyncio.Lock()
         self.started_at = time.time()
+        self._start_task = asyncio.current_task()
+        if hasattr(self.provider, "progress"):  # a provider that boots machines says how it goes
+            loop = asyncio.get_running_loop()
+            setattr(  # noqa: B010 - an optional attribute, not part of the Provider protocol
+                self.provider,
+                "progress",
+                lambda text: loop.call_soon_threadsafe(self._emit, PoolMessage(text)),
+            )
         self.nodes = tuple(await self.provider.provision(self.requested_nodes))
         for node in self.nodes:
             per_node = self.procs_per_node or len(node.gpus) or 1
@@ -622,6 +635,8 @@ class Pool:
     def _request_stop(self) -> None:
         cell = self._cell
         if cell is None:
+            if self._start_task is not None and not self._start_task.done():
+                self._start_task.cancel()  # Ctrl-C while starting: the provider cleans up
             return
         if cell.stop_at is None:
             cell.notes.append("interrupted")

@@ -5,7 +5,8 @@ One JSON file per pool, ``<id>.json``, in a per-user directory (``$SKYWARD_REGIS
 replaced whole, by rename, so a reader never sees half of one). A record holds what the panel
 shows (owner kernel, provider, nodes and their ranks' states, start time, price) and what is
 needed to end the pool without its kernel (``teardown``: local rank and template pids with their
-start times; SSH hosts and remote pids). No secrets: no environment, no keys, no tokens.
+start times; SSH hosts and remote pids; for AWS the region, the pool's tag and its instances).
+No secrets: no environment, no keys, no tokens.
 
 The kernel side is :class:`Registry`, one more watcher of the session's pools: it writes a
 record when a pool is created and when it is ready, removes it when the pool ends (and at exit),
@@ -345,6 +346,10 @@ def pool_record(
             }
             for node in pool.nodes
         ]
+    elif pool.provider.name == "aws":
+        record_of = getattr(pool.provider, "teardown_record", None)
+        if callable(record_of):
+            teardown.update(record_of())
     price = _price(pool)
     return {
         "format": FORMAT,

@@ -10,6 +10,7 @@ registry) are told of every pool's creation, start and end.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -23,6 +24,8 @@ from .results import CellError, CellInterrupted, RunResult
 
 KNOWN_GPUS = ("T4", "A10G", "L4", "L40S", "V100", "A100", "H100")
 PROVIDERS = ("local", "ssh", "aws")
+DEFAULT_IDLE_MINUTES = {"aws": 30.0}
+"""Paid providers stop an idle pool by default (``--idle-timeout 0`` keeps it)."""
 Announce = Callable[[str], None]
 
 
@@ -114,6 +117,13 @@ class PoolSpec:
     accept_new_host_keys: bool | None = None
     python: str | None = None
     head_addr: str | None = None
+    instance_type: str | None = None
+    region: str | None = None
+    spot: bool | None = None
+    ssh_cidr: str | None = None
+    ami: str | None = None
+    idle_timeout: float | None = None
+    """Minutes without a cell after which the pool stops; 0: never; None: the provider's default."""
 
     def __post_init__(self) -> None:
         if self.hosts:
@@ -124,7 +134,17 @@ class PoolSpec:
         ranks = f"{self.procs_per_node} ranks" if self.procs_per_node else "1 rank per GPU or CPU"
         gpu = f", {self.gpu}" if self.gpu else ""
         where = f"ssh to {', '.join(self.hosts)}" if self.hosts else self.provider
+        if self.provider == "aws":
+            parts = [self.instance_type, self.region, "spot" if self.spot else None]
+            where += "".join(f" {p}" for p in parts if p)
         return f"{self.nodes} node{'s' * (self.nodes != 1)} x {ranks}, {where}{gpu}"
+
+    def idle_minutes(self) -> float | None:
+        """The idle stop that applies to this pool (None: it never stops for being idle)."""
+        minutes = self.idle_timeout
+        if minutes is None:
+            minutes = DEFAULT_IDLE_MINUTES.get(self.provider)
+        return minutes or None
 
 
 def check_gpu_name(name: str) -> str:
@@ -134,9 +154,14 @@ def check_gpu_name(name: str) -> str:
     return match
 
 
-def make_provider(spec: PoolSpec) -> Provider:
+def make_provider(
+    spec: PoolSpec, name: str = "default", extra: Mapping[str, Any] | None = None
+) -> Provider:
+    """The provider for ``spec``; ``extra`` overrides provider options (tests: an endpoint)."""
     if spec.provider == "ssh":
         return _ssh_provider(spec)
+    if spec.provider == "aws":
+        return _aws_provider(spec, name, extra or {})
     if spec.provider != "local":
         raise SessionError(
             f"--provider {spec.provider} is not available in this version yet; "
@@ -175,12 +200,34 @@ def _ssh_provider(spec: PoolSpec) -> Provider:
     return SSHProvider(hosts, options)
 
 
+def _aws_provider(spec: PoolSpec, name: str, extra: Mapping[str, Any]) -> Provider:
+    from .providers.aws import AWSOptions, AWSProvider
+
+    if spec.hosts:
+        raise SessionError("--hosts is for --provider ssh; --provider aws makes its own hosts")
+    options = AWSOptions(
+        pool_name=name,
+        gpu=spec.gpu,
+        instance_type=spec.instance_type,
+        region=spec.region,
+        spot=bool(spec.spot),
+        ssh_cidr=spec.ssh_cidr,
+        ami=spec.ami,
+    )
+    if spec.python:
+        options = replace(options, python=spec.python)
+    return AWSProvider(replace(options, **extra))
+
+
 @dataclass
 class PoolEntry:
     name: str
     spec: PoolSpec
     pool: Pool
     shipper: Shipper = field(default_factory=Shipper)
+    last_active: float = field(default_factory=time.monotonic)
+    """When the last cell on it ended (or it started): what the idle stop counts from."""
+    busy: int = 0
 
 
 class Session:
@@ -196,7 +243,11 @@ class Session:
         self.current: str | None = None
         self.defaults = PoolSpec()
         self.stdout_mode: StdoutMode = "head"
+        self.provider_options: dict[str, dict[str, Any]] = {}
+        """Per provider, options users never need (tests: ``{"aws": {"endpoint_url": ...}}``)."""
         self._announce = announce or (lambda text: print(text, file=sys.stderr))
+        self._lock = threading.RLock()
+        self._idle_thread: threading.Thread | None = None
 
     @property
     def pools(self) -> dict[str, PoolEntry]:
@@ -229,7 +280,7 @@ class Session:
             return reusable
         entry = self._pools.get(name)
         wanted = spec or (entry.spec if entry else self.defaults)
-        provider = make_provider(wanted)
+        provider = make_provider(wanted, name, self.provider_options.get(wanted.provider))
         if entry is not None:
             self._announce(
                 f"pool {name!r}: replacing {entry.spec.describe()} with {wanted.describe()}"
@@ -263,12 +314,52 @@ class Session:
         )
         for warning in getattr(provider, "warnings", ()):
             self._announce(f"warning: {warning}")
+        entry.last_active = time.monotonic()
         self._pools[name] = entry
         self.current = name
         self.views.pool_started(entry)
         for watcher in self.watchers:
             watcher.pool_started(entry)
+        if wanted.idle_minutes():
+            self._watch_idle()
         return entry
+
+    # ----------------------------------------------------------------------- idle stop
+
+    idle_check = 15.0
+    """Seconds between the idle watcher's rounds (at most; shorter for short idle timeouts)."""
+
+    def _watch_idle(self) -> None:
+        with self._lock:
+            if self._idle_thread is None:
+                self._idle_thread = threading.Thread(
+                    target=self._idle_loop, name="skyward-idle", daemon=True
+                )
+                self._idle_thread.start()
+
+    def _idle_loop(self) -> None:
+        """Stop pools idle past their ``--idle-timeout``; a running cell is never stopped."""
+        while True:
+            with self._lock:
+                watched = [
+                    (e, m * 60) for e in self._pools.values() if (m := e.spec.idle_minutes())
+                ]
+                if not watched:
+                    self._idle_thread = None
+                    return
+                now = time.monotonic()
+                for entry, limit in watched:
+                    if entry.busy == 0 and now - entry.last_active >= limit:
+                        self._announce(
+                            f"pool {entry.name!r}: no cell for {limit / 60:g} min, shutting "
+                            "down (--idle-timeout)"
+                        )
+                        try:
+                            self.down_pool(entry.name, entry.pool)
+                        except Exception as exc:  # noqa: BLE001 - said, and the loop goes on
+                            self._announce(f"pool {entry.name!r}: idle shutdown failed: {exc}")
+                wait = min([self.idle_check, *(limit / 4 for _, limit in watched)])
+            time.sleep(max(wait, 0.05))
 
     def run_cell(
         self,
@@ -288,7 +379,23 @@ class Session:
         _, reusable = self._reusable(name, spec)
         shipper = reusable.shipper if reusable else Shipper()
         shipment = shipper.prepare(source, user_ns)
-        entry = self.entry(name, spec, shipper)
+        with self._lock:  # the idle watcher must not stop the pool this cell is about to use
+            entry = self.entry(name, spec, shipper)
+            entry.busy += 1
+        try:
+            return self._run_on(entry, source, shipment, stdout, timeout)
+        finally:
+            entry.busy -= 1
+            entry.last_active = time.monotonic()
+
+    def _run_on(
+        self,
+        entry: PoolEntry,
+        source: str,
+        shipment: Shipment,
+        stdout: StdoutMode | None,
+        timeout: float | None,
+    ) -> RunResult:
         for warning in shipment.warnings:
             self._announce(f"warning: {warning}")
         view = CellOutput(stdout or self.stdout_mode)
@@ -403,6 +510,47 @@ class Session:
             return self.views.metrics(name, self.current)
         except LookupError as exc:
             raise SessionError(str(exc.args[0] if exc.args else exc)) from None
+
+    def sweep(
+        self, *, yes: bool = False, region: str | None = None, all_owners: bool = False
+    ) -> str:
+        """EC2 instances this product tagged that no live pool owns: listed, or with ``yes``
+        terminated with the rest of their pools (key pairs, security and placement groups).
+
+        Live pools are this session's and those of the registry whose owner process is alive;
+        only instances tagged with this user@host as owner are considered unless ``all_owners``.
+        """
+        from .providers import aws
+        from .registry import process_alive, read_records, registry_dir
+
+        extra = self.provider_options.get("aws", {})
+        ec2, _, region = aws.clients(region or self.defaults.region, extra.get("endpoint_url"))
+        live = {
+            str(getattr(e.pool.provider, "pool_tag", ""))
+            for e in self._pools.values()
+            if e.pool.provider.name == "aws"
+        }
+        for record in read_records(registry_dir()):
+            owner = record.get("owner") or {}
+            if process_alive(int(owner.get("pid") or 0), owner.get("start")):
+                live.add(str((record.get("teardown") or {}).get("pool_tag", "")))
+        owner_tag = None if all_owners else extra.get("owner") or aws.default_owner()
+        orphans = aws.find_orphans(ec2, live, owner_tag)
+        whose = "anyone's" if owner_tag is None else owner_tag
+        if not orphans:
+            return f"no orphaned instances in {region} ({whose})"
+        lines = [f"orphaned instances in {region} ({whose}):"]
+        lines += [f"  {o.describe()}" for o in orphans]
+        if not yes:
+            lines.append(
+                "run %sky sweep --yes to terminate them and delete their pools' key pairs, "
+                "security groups and placement groups"
+            )
+            return "\n".join(lines)
+        for pool_tag in sorted({o.pool_tag for o in orphans}):
+            removed = aws.teardown_pool(ec2, pool_tag)
+            lines.append(f"pool {pool_tag}: removed {', '.join(removed)}")
+        return "\n".join(lines)
 
     def status(self) -> str:
         if not self._pools:

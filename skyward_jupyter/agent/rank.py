@@ -47,6 +47,8 @@ EXIT_CHANNEL_CLOSED = 0
 EXIT_HEARTBEAT_LOST = 75
 EXIT_AGENT_FAILED = 70
 _AGENT_THREADS = {"reader", "watchdog", "capture-stdout", "capture-stderr"}
+HEARTBEAT_FILE_EVERY = 2.0
+"""Seconds between touches of ``$SKYWARD_HEARTBEAT_FILE`` (a cloud instance's watchdog reads it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +91,8 @@ class Agent:
         self.cell_id: int | None = None
         self._in_cell = False
         self._last_heard = time.monotonic()
+        self._heartbeat_file = os.environ.get("SKYWARD_HEARTBEAT_FILE") or None
+        self._heartbeat_touched = 0.0
         self._metrics: list[tuple[int | None, dict[str, float]]] = []
         self._metrics_lock = threading.Lock()
         self._torch: str | None = None
@@ -143,6 +147,7 @@ class Agent:
                 message = self.channel.recv()
                 self._last_heard = time.monotonic()
                 if isinstance(message, p.Beat):
+                    self._touch_heartbeat_file()
                     continue
                 if isinstance(message, p.Interrupt):
                     self._interrupt_main()
@@ -155,6 +160,19 @@ class Agent:
         except BaseException as exc:  # noqa: BLE001 - an unreadable wire leaves nothing to serve
             self._diagnose(f"channel failed: {exc!r}")
             os._exit(EXIT_CHANNEL_CLOSED)
+
+    def _touch_heartbeat_file(self) -> None:
+        """Tell the machine's watchdog that the notebook is alive (cloud instances only)."""
+        now = time.monotonic()
+        if self._heartbeat_file is None or now - self._heartbeat_touched < HEARTBEAT_FILE_EVERY:
+            return
+        self._heartbeat_touched = now
+        try:
+            with open(self._heartbeat_file, "a"):
+                os.utime(self._heartbeat_file)
+        except OSError as exc:  # the watchdog will stop the machine: say why, once
+            self._diagnose(f"cannot touch the heartbeat file {self._heartbeat_file}: {exc}")
+            self._heartbeat_file = None
 
     def _watchdog(self) -> None:
         s = self.settings

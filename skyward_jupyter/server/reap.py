@@ -7,8 +7,10 @@ session of its own, so its whole process group goes (DataLoader workers too). SI
 SIGKILL after ``grace`` seconds.
 
 SSH ranks are not reached from here: they end when their SSH channel closes, which the owner's
-death did (and their heartbeat watchdog backs that up). Paid providers will terminate their
-instances here through the provider, from what their teardown record holds.
+death did (and their heartbeat watchdog backs that up). An AWS pool is torn down through the
+provider's own teardown (:func:`skyward_jupyter.providers.aws.teardown_from_record`): its
+instances terminated, its key pair, security group and placement group deleted, found by the
+pool's tag in the recorded region.
 """
 
 from __future__ import annotations
@@ -141,6 +143,19 @@ def reap(record: dict[str, Any], grace: float = 3.0) -> ReapReport:
             f"the ranks on {hosts or 'the SSH hosts'} end when their SSH channel closes, "
             "which the kernel's end did"
         )
+    elif provider == "aws":
+        from ..providers.aws import teardown_from_record
+        from ..providers.base import ProviderError
+
+        try:
+            removed = teardown_from_record(teardown)
+        except ProviderError as exc:
+            report.notes.append(str(exc))
+        else:
+            report.notes.append(
+                f"AWS pool {teardown.get('pool_tag')} in {teardown.get('region')}: removed "
+                + (", ".join(removed) or "nothing (already gone)")
+            )
     else:
         report.notes.append(f"nothing to reap for provider {provider!r} from this server")
     return report
