@@ -68,7 +68,10 @@ def watch(config: dict[str, object]) -> int:
         silent = now - (beat if beat is not None else started)
         _say(f"check: silent {silent:.1f} s, fires in {max(0.0, deadline - now):.1f} s")
         if now >= deadline:
-            _say(f"heartbeat silent for {silent:.1f} s (timeout {timeout:g} s): running {command}")
+            _say(
+                f"heartbeat silent for {silent:.1f} s (timeout {timeout:g} s), up "
+                f"{now - started:.1f} s (grace {grace:g} s): running {command}"
+            )
             try:
                 done = subprocess.run(command, check=False)
             except OSError as exc:
