@@ -6,7 +6,14 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 
-.PHONY: setup system-deps demo test lint bench clean
+# The lab's "Sky" side panel, built from labextension/ with npm into the package.
+LABEXT := skyward_jupyter/labextension/static/style.js
+LABSRC := $(wildcard labextension/src/*.ts labextension/style/*) \
+          labextension/package.json labextension/tsconfig.json
+NPMDEP := labextension/node_modules/.package-lock.json
+SHARE  := $(VENV)/share/jupyter
+
+.PHONY: setup system-deps demo test lint labextension bench clean
 
 # Debian packages the tests need, each installed only when missing: chromium for the browser
 # tests (Playwright drives Debian's chromium; it never downloads a browser), openssh-server for
@@ -21,10 +28,25 @@ $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q -U pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[dev]'
+	SKIP_JUPYTER_BUILDER=1 $(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-setup: $(STAMP)
+$(NPMDEP): labextension/package-lock.json
+	cd labextension && npm ci --no-audit --no-fund
+
+# An editable install carries no shared data, so the venv's Jupyter gets the side panel (a link
+# to the build) and the server extension's enabling config here, as a wheel install would.
+$(LABEXT): $(LABSRC) $(NPMDEP) $(STAMP)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" npm --prefix labextension run build
+	mkdir -p $(SHARE)/labextensions $(VENV)/etc/jupyter/jupyter_server_config.d
+	ln -sfn $(CURDIR)/skyward_jupyter/labextension $(SHARE)/labextensions/skyward-jupyter
+	cp jupyter-config/jupyter_server_config.d/skyward_jupyter.json \
+		$(VENV)/etc/jupyter/jupyter_server_config.d/
+	touch $@
+
+labextension: $(LABEXT)
+
+setup: $(STAMP) $(LABEXT)
 
 demo: setup
 	$(PY) scripts/run_notebook.py notebooks/01_quickstart.ipynb
@@ -35,6 +57,7 @@ lint: setup
 	$(PY) -m mypy
 
 test: lint system-deps
+	npm --prefix labextension test
 	$(PY) -m pytest
 
 bench: setup
@@ -44,4 +67,5 @@ bench: setup
 	$(PY) bench/bench_ssh.py --markdown-out BENCHMARKS.md
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache skyward_jupyter/labextension
+	rm -rf labextension/node_modules labextension/lib labextension/build-test

@@ -33,6 +33,11 @@ def _jupyter_server_extension_points() -> list[dict[str, str]]:
     return [{"module": "skyward_jupyter.server"}]
 
 
+def _jupyter_labextension_paths() -> list[dict[str, str]]:
+    """The prebuilt "Sky" side panel, for ``jupyter labextension develop`` (wheels ship it)."""
+    return [{"src": "labextension", "dest": "skyward-jupyter"}]
+
+
 def load_ipython_extension(ipython: object) -> None:
     """``%load_ext skyward_jupyter``: register ``%%sky``/``%sky`` and warm up the rank template."""
     from .extension import load

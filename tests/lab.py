@@ -12,17 +12,23 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from jupyter_client.blocking.client import BlockingKernelClient
 
 from .conftest import wait_for
 
@@ -146,3 +152,100 @@ def screenshot(page: object, name: str) -> Path:
     path = ARTIFACTS / f"{name}.png"
     page.screenshot(path=str(path), full_page=True)  # type: ignore[attr-defined]
     return path
+
+
+def api(
+    lab: Lab,
+    method: str,
+    path: str,
+    body: object = None,
+    *,
+    token: str | None = "",
+    headers: dict[str, str] | None = None,
+    opener: urllib.request.OpenerDirector | None = None,
+) -> tuple[int, Any]:
+    """``(status, JSON body or raw bytes)``; ``token=None`` sends no credentials."""
+    all_headers = dict(headers or {})
+    if token is not None:
+        all_headers["Authorization"] = f"token {token or lab.token}"
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(lab.url + path, data, all_headers, method=method)
+    try:
+        with (opener or urllib.request.build_opener()).open(request, timeout=120) as response:
+            raw = response.read()
+            status = response.status
+    except urllib.error.HTTPError as error:
+        raw, status = error.read(), error.code
+    try:
+        return status, json.loads(raw) if raw else None
+    except ValueError:
+        return status, raw
+
+
+class Kernel:
+    """A kernel started through the server's REST API, driven over its connection file.
+
+    With ``notebook``, the kernel is that notebook's (a session, as JupyterLab opens one).
+    """
+
+    def __init__(self, lab: Lab, notebook: str | None = None) -> None:
+        self.lab = lab
+        if notebook is None:
+            status, body = api(lab, "POST", "/api/kernels", {"name": "python3"})
+            assert status == 201, body
+            self.id: str = body["id"]
+        else:
+            session = {
+                "path": notebook,
+                "name": notebook,
+                "type": "notebook",
+                "kernel": {"name": "python3"},
+            }
+            status, body = api(lab, "POST", "/api/sessions", session)
+            assert status == 201, body
+            self.id = body["kernel"]["id"]
+        connection = lab.runtime_dir / f"kernel-{self.id}.json"
+        wait_for(connection.exists, 30, "the kernel's connection file")
+        self.client = BlockingKernelClient(connection_file=str(connection))
+        self.client.load_connection_file()
+        self.client.start_channels()
+        self.client.wait_for_ready(timeout=60)
+
+    def run(self, code: str, timeout: float = 120) -> str:
+        """Run ``code``; its stdout, stderr and error as text (an error fails the test)."""
+        reply, text = self.collect(self.client.execute(code), timeout)
+        assert reply["status"] == "ok", text
+        return text
+
+    def collect(self, msg_id: str, timeout: float, until: str | None = None) -> tuple[Any, str]:
+        """Outputs of request ``msg_id`` until it ends (or, with ``until``, that text shows)."""
+        deadline = time.monotonic() + timeout
+        text = ""
+        while True:
+            left = deadline - time.monotonic()
+            assert left > 0, f"timed out waiting for the kernel; output so far:\n{text}"
+            try:
+                msg = self.client.get_iopub_msg(timeout=left)
+            except queue.Empty:
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                text += content["text"]
+            elif kind == "error":
+                text += f"{content['ename']}: {content['evalue']}\n"
+            elif kind == "status" and content["execution_state"] == "idle":
+                break
+            if until is not None and until in text:
+                return None, text
+        reply = self.client.get_shell_msg(timeout=max(1.0, deadline - time.monotonic()))
+        assert reply["parent_header"]["msg_id"] == msg_id
+        return reply["content"], text
+
+    def pid(self) -> int:
+        return int(self.run("import os; print(os.getpid())").strip())
+
+    def close(self) -> None:
+        self.client.stop_channels()
+        api(self.lab, "DELETE", f"/api/kernels/{self.id}")

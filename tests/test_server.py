@@ -10,7 +10,6 @@ from __future__ import annotations
 import http.cookiejar
 import json
 import os
-import queue
 import signal
 import socket
 import stat
@@ -24,46 +23,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jupyter_client.blocking.client import BlockingKernelClient
 
 from skyward_jupyter import registry
 
 from .conftest import agent_pids, wait_for
-from .lab import Lab, jupyter_lab
+from .lab import Kernel, Lab, api, jupyter_lab
 
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     with jupyter_lab(tmp_path_factory.mktemp("server")) as server:
         yield server
-
-
-def api(
-    lab: Lab,
-    method: str,
-    path: str,
-    body: object = None,
-    *,
-    token: str | None = "",
-    headers: dict[str, str] | None = None,
-    opener: urllib.request.OpenerDirector | None = None,
-) -> tuple[int, Any]:
-    """``(status, JSON body or raw bytes)``; ``token=None`` sends no credentials."""
-    all_headers = dict(headers or {})
-    if token is not None:
-        all_headers["Authorization"] = f"token {token or lab.token}"
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(lab.url + path, data, all_headers, method=method)
-    try:
-        with (opener or urllib.request.build_opener()).open(request, timeout=120) as response:
-            raw = response.read()
-            status = response.status
-    except urllib.error.HTTPError as error:
-        raw, status = error.read(), error.code
-    try:
-        return status, json.loads(raw) if raw else None
-    except ValueError:
-        return status, raw
 
 
 def pools(lab: Lab) -> list[dict[str, Any]]:
@@ -78,61 +48,6 @@ def pools_of(lab: Lab, kernel: Kernel) -> list[dict[str, Any]]:
 
 def rank_pids(pool: dict[str, Any]) -> set[int]:
     return {r["pid"] for node in pool["nodes"] for r in node["ranks"]}
-
-
-class Kernel:
-    """A kernel started through the server's REST API, driven over its connection file."""
-
-    def __init__(self, lab: Lab) -> None:
-        self.lab = lab
-        status, body = api(lab, "POST", "/api/kernels", {"name": "python3"})
-        assert status == 201, body
-        self.id: str = body["id"]
-        connection = lab.runtime_dir / f"kernel-{self.id}.json"
-        wait_for(connection.exists, 30, "the kernel's connection file")
-        self.client = BlockingKernelClient(connection_file=str(connection))
-        self.client.load_connection_file()
-        self.client.start_channels()
-        self.client.wait_for_ready(timeout=60)
-
-    def run(self, code: str, timeout: float = 120) -> str:
-        """Run ``code``; its stdout, stderr and error as text (an error fails the test)."""
-        reply, text = self.collect(self.client.execute(code), timeout)
-        assert reply["status"] == "ok", text
-        return text
-
-    def collect(self, msg_id: str, timeout: float, until: str | None = None) -> tuple[Any, str]:
-        """Outputs of request ``msg_id`` until it ends (or, with ``until``, that text shows)."""
-        deadline = time.monotonic() + timeout
-        text = ""
-        while True:
-            left = deadline - time.monotonic()
-            assert left > 0, f"timed out waiting for the kernel; output so far:\n{text}"
-            try:
-                msg = self.client.get_iopub_msg(timeout=left)
-            except queue.Empty:
-                continue
-            if msg["parent_header"].get("msg_id") != msg_id:
-                continue
-            kind, content = msg["msg_type"], msg["content"]
-            if kind == "stream":
-                text += content["text"]
-            elif kind == "error":
-                text += f"{content['ename']}: {content['evalue']}\n"
-            elif kind == "status" and content["execution_state"] == "idle":
-                break
-            if until is not None and until in text:
-                return None, text
-        reply = self.client.get_shell_msg(timeout=max(1.0, deadline - time.monotonic()))
-        assert reply["parent_header"]["msg_id"] == msg_id
-        return reply["content"], text
-
-    def pid(self) -> int:
-        return int(self.run("import os; print(os.getpid())").strip())
-
-    def close(self) -> None:
-        self.client.stop_channels()
-        api(self.lab, "DELETE", f"/api/kernels/{self.id}")
 
 
 @pytest.fixture

@@ -1,0 +1,51 @@
+/**
+ * The server extension's REST routes (`skyward_jupyter/server/handlers.py`), through JupyterLab's
+ * own connection settings so that the server's token, XSRF cookie and base URL apply.
+ */
+
+import { URLExt } from '@jupyterlab/coreutils';
+import { ServerConnection } from '@jupyterlab/services';
+
+import { describeFailure, IListing, IShutdownReply } from './model';
+
+/** A request that failed, with a message for people and the HTTP status (0: unreachable). */
+export class RequestError extends Error {
+  constructor(
+    readonly status: number,
+    message: string
+  ) {
+    super(message);
+  }
+}
+
+async function request<T>(path: string, init: RequestInit, action: string): Promise<T> {
+  const settings = ServerConnection.makeSettings();
+  const url = URLExt.join(settings.baseUrl, 'skyward', 'pools', path);
+  let response: Response;
+  try {
+    response = await ServerConnection.makeRequest(url, init, settings);
+  } catch (error) {
+    console.warn('skyward: request failed', url, error);
+    throw new RequestError(0, describeFailure(0, '', action));
+  }
+  if (!response.ok) {
+    let detail = '';
+    try {
+      detail = ((await response.json()) as { message?: string }).message ?? '';
+    } catch {
+      // Not a JSON error body (a proxy's page): the status says enough.
+    }
+    throw new RequestError(response.status, describeFailure(response.status, detail, action));
+  }
+  return (await response.json()) as T;
+}
+
+export function listPools(): Promise<IListing> {
+  return request<IListing>('', { method: 'GET' }, 'list pools');
+}
+
+/** Ask the server to end a pool: its kernel does it, or the server reaps an orphan's ranks. */
+export function shutDownPool(id: string, name: string): Promise<IShutdownReply> {
+  const path = `${encodeURIComponent(id)}?wait=30`;
+  return request<IShutdownReply>(path, { method: 'DELETE' }, `shut down "${name}"`);
+}

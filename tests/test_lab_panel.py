@@ -1,0 +1,163 @@
+"""The lab's "Sky" side panel in a real JupyterLab, in headless Chromium, over real kernels' pools.
+
+Two notebooks' kernels (sessions, as JupyterLab opens them) start pools; the panel lists both,
+its button shuts the first down through its kernel, and the second, whose kernel is killed, turns
+orphan and is reaped from the panel. Screenshots go to ``test-artifacts/``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from .conftest import agent_pids, wait_for
+from .lab import Kernel, Lab, api, chromium_page, jupyter_lab, screenshot
+
+PANEL = "#skyward-pools"
+
+
+@pytest.fixture
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    root = tmp_path_factory.mktemp("lab-panel")
+    empty = {"cells": [], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+    for name in ("first.ipynb", "second.ipynb"):
+        (root / name).write_text(json.dumps(empty))
+    with jupyter_lab(root) as server:
+        yield server
+
+
+def pool_named(lab: Lab, name: str) -> dict[str, Any]:
+    status, body = api(lab, "GET", f"/skyward/pools/{name}")
+    assert status == 200, body
+    return dict(body)
+
+
+def rank_pids(pool: dict[str, Any]) -> set[int]:
+    return {r["pid"] for node in pool["nodes"] for r in node["ranks"]}
+
+
+def item(name: str) -> str:
+    return f'{PANEL} li.sky-lab-pool[data-pool-name="{name}"]'
+
+
+def confirm(page: Any) -> None:
+    page.locator(".jp-Dialog .jp-mod-accept").click()
+    page.wait_for_selector(".jp-Dialog", state="detached")
+
+
+def test_side_panel_lists_shuts_down_and_reaps(lab: Lab) -> None:
+    kernels: list[Kernel] = []
+    try:
+        with chromium_page() as page:
+            _scenario(lab, page, kernels)
+    finally:
+        for kernel in kernels:
+            kernel.close()
+        wait_for(lambda: not agent_pids(), 30, "every rank to end with its kernel")
+
+
+def _scenario(lab: Lab, page: Any, kernels: list[Kernel]) -> None:
+    requests: list[str] = []
+    page.on("request", lambda r: requests.append(r.url) if "/skyward/pools" in r.url else None)
+    page.goto(lab.page_url("lab"))
+    page.wait_for_selector("#jupyterlab-splash", state="detached", timeout=60_000)
+
+    # The panel is a tab of the left side bar; opened, with no pool yet, it says how to get one.
+    page.locator('.jp-SideBar li[data-id="skyward-pools"]').click()
+    page.wait_for_selector(f"{PANEL} .sky-lab-empty", timeout=30_000)
+
+    # A notebook starts a 2-node pool: the panel lists it, with its notebook, and 2 nodes.
+    first = Kernel(lab, "first.ipynb")
+    kernels.append(first)
+    first.run("%load_ext skyward_jupyter\n%sky up --nodes 2 --name first")
+    page.wait_for_selector(f'{item("first")}[data-state="ready"]', timeout=30_000)
+    page.locator(f"{item('first')} .sky-lab-toggle").click()
+    assert page.locator(f"{item('first')} tr.sky-lab-node").count() == 2
+    head = page.locator(f"{item('first')} .sky-lab-details").inner_text()
+    assert "local · 2 nodes · gloo" in head, head
+    owner = page.locator(f"{item('first')} .sky-lab-owner")
+    wait_for(lambda: owner.inner_text() == "first.ipynb", 30, "the pool's notebook to show")
+
+    # A second notebook's pool appears beside it.
+    second = Kernel(lab, "second.ipynb")
+    kernels.append(second)
+    second.run("%load_ext skyward_jupyter\n%sky up --nodes 2 --name second")
+    page.wait_for_selector(item("second"), timeout=30_000)
+    assert page.locator(f"{item('second')} .sky-lab-orphan").count() == 0
+    screenshot(page, "lab_panel_two_pools")
+
+    # The shut-down button ends the first pool through its kernel; %sky status says so.
+    first_ranks = rank_pids(pool_named(lab, "first"))
+    assert len(first_ranks) == 2 and first_ranks <= agent_pids()
+    page.locator(f"{item('first')} .sky-lab-shutdown").click()
+    confirm(page)
+    page.wait_for_selector(f"{PANEL} .sky-lab-message >> text=shut down by its kernel")
+    page.wait_for_selector(item("first"), state="detached")
+    assert not first_ranks & agent_pids()
+    assert first.run("%sky status").strip() == "no pools"
+
+    # The second kernel dies: its pool turns orphan in the panel, and reaping it leaves no rank.
+    second_ranks = rank_pids(pool_named(lab, "second"))
+    os.kill(int(second.run("import os; print(os.getpid())")), signal.SIGKILL)
+    page.wait_for_selector(f'{item("second")}[data-orphan="true"] .sky-lab-orphan', timeout=30_000)
+    screenshot(page, "lab_panel_orphan")
+    page.locator(f"{item('second')} .sky-lab-shutdown").click()
+    confirm(page)
+    page.wait_for_selector(f"{PANEL} .sky-lab-message >> text=reaped", timeout=60_000)
+    page.wait_for_selector(f"{PANEL} .sky-lab-empty")
+    assert not second_ranks & agent_pids()
+    assert not agent_pids()
+    screenshot(page, "lab_panel_reaped")
+
+    # Hidden (another side-bar tab), the panel's poll stands by: it ticks, but asks nothing.
+    page.locator('.jp-SideBar li[data-id="filebrowser"]').click()
+    wait_for(
+        lambda: page.get_attribute(PANEL, "data-poll") == "standby", 30, "the poll to stand by"
+    )
+    asked, ticks = len(requests), int(page.get_attribute(PANEL, "data-poll-ticks"))
+    wait_for(
+        lambda: int(page.get_attribute(PANEL, "data-poll-ticks")) >= ticks + 2,
+        30,
+        "two more ticks of the poll",
+    )
+    assert len(requests) == asked, requests[asked:]
+
+    # Shown again, it asks at once.
+    page.locator('.jp-SideBar li[data-id="skyward-pools"]').click()
+    wait_for(lambda: len(requests) > asked, 10, "a refresh when the panel is shown")
+
+
+def test_errors_show_in_the_panel_and_the_poll_backs_off(lab: Lab) -> None:
+    registry_dir = lab.runtime_dir / "skyward"
+    registry_dir.mkdir(mode=0o700, exist_ok=True)
+    with chromium_page() as browser_page:
+        page: Any = browser_page
+        page.goto(lab.page_url("lab"))
+        page.wait_for_selector("#jupyterlab-splash", state="detached", timeout=60_000)
+        page.locator('.jp-SideBar li[data-id="skyward-pools"]').click()
+        page.wait_for_selector(f"{PANEL} .sky-lab-empty", timeout=30_000)
+
+        # A registry others may write is refused by the server: the panel says why, and backs off.
+        registry_dir.chmod(0o777)
+        error = f"{PANEL} .sky-lab-message.sky-lab-error"
+        page.wait_for_selector(f"{error} >> text=not safe to use", timeout=30_000)
+        wait_for(
+            lambda: int(page.get_attribute(PANEL, "data-poll-interval")) > 3000,
+            60,
+            "the poll to back off",
+        )
+        screenshot(page, "lab_panel_error")
+
+        # Fixed, the next poll clears the error and the interval comes back.
+        registry_dir.chmod(0o700)
+        page.wait_for_selector(error, state="detached", timeout=90_000)
+        wait_for(
+            lambda: int(page.get_attribute(PANEL, "data-poll-interval")) == 3000,
+            30,
+            "the poll's interval to come back",
+        )

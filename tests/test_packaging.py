@@ -1,0 +1,54 @@
+"""The wheel ships the prebuilt side panel and the server extension's enabling config.
+
+The wheel is built from this checkout (the hook packs the panel built by ``make setup``; from a
+clean tree it would run npm itself) and installed into a scratch prefix, whose Jupyter then lists
+the panel as enabled: a user of the wheel needs no Node.js.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = "skyward_jupyter-0.1.0.data/data"
+
+
+def test_the_wheel_ships_the_panel_enabled(tmp_path: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         "-w", str(tmp_path / "dist"), str(ROOT)],
+        check=True,
+        env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"},
+    )  # fmt: skip
+    (wheel,) = (tmp_path / "dist").glob("skyward_jupyter-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    panel = f"{DATA}/share/jupyter/labextensions/skyward-jupyter"
+    assert {f"{panel}/package.json", f"{panel}/install.json", f"{panel}/static/style.js"} <= names
+    assert any(n.startswith(f"{panel}/static/remoteEntry.") for n in names)
+    config = f"{DATA}/etc/jupyter/jupyter_server_config.d/skyward_jupyter.json"
+    enabled = json.loads(zipfile.ZipFile(wheel).read(config))
+    assert enabled["ServerApp"]["jpserver_extensions"]["skyward_jupyter"] is True
+
+    prefix = tmp_path / "prefix"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--prefix", str(prefix),
+         str(wheel)],
+        check=True,
+    )  # fmt: skip
+    listing = subprocess.run(
+        [sys.executable, "-m", "jupyter", "labextension", "list"],
+        env={**os.environ, "JUPYTER_PATH": str(prefix / "share" / "jupyter"), "NO_COLOR": "1"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    text = listing.stdout + listing.stderr
+    section = text.split(str(prefix / "share" / "jupyter" / "labextensions"), 1)[1]
+    first = section.strip().splitlines()[0]
+    assert first.split()[:2] == ["skyward-jupyter", "v0.1.0"], text
+    assert "enabled" in first and "OK" in first, text
