@@ -318,7 +318,8 @@ BAD_OPTIONS = [
     ("--env FOO", "expected KEY=VALUE"),
     ("--provider ssh", "needs --hosts"),
     ("--hosts alice@gpu1:99999", "bad port"),
-    ("--provider aws", "not available"),
+    ("--provider aws --ssh-cidr 0.0.0.0/0", "refusing to open SSH to the whole internet"),
+    ("--provider aws --idle-timeout -1", "must be 0 (never) or more minutes"),
 ]
 
 
