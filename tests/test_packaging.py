@@ -36,8 +36,10 @@ def test_the_wheel_ships_the_panel_enabled(tmp_path: Path) -> None:
 
     prefix = tmp_path / "prefix"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--prefix", str(prefix),
-         str(wheel)],
+        # --ignore-installed: without it pip would first uninstall this checkout's editable
+        # install from the test's own environment.
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed",
+         "--prefix", str(prefix), str(wheel)],
         check=True,
     )  # fmt: skip
     listing = subprocess.run(
