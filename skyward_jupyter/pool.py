@@ -795,15 +795,10 @@ class Pool:
 
 
 def _consequence(outcome: p.CellDone | BaseException | None) -> bool:
-    """Whether a rank's failure looks caused by the pool stopping it (not its own error)."""
+    """Whether a stopped rank's failure came from the stop (its agent saw the interrupt first)."""
     if not isinstance(outcome, p.CellDone) or outcome.error is None:
         return True  # killed, or lost
-    error = outcome.error
-    return (
-        error.type_name == "KeyboardInterrupt"
-        or "DistBackendError" in error.type_name
-        or "Connection closed by peer" in error.message
-    )
+    return outcome.error.after_interrupt
 
 
 def _pickle_global(name: str, value: Any) -> p.Pickled:

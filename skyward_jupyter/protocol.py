@@ -154,6 +154,9 @@ class ErrorInfo:
     message: str
     traceback: str
     exception: Pickled | None = None
+    after_interrupt: bool = False
+    """Raised after the pool asked this rank to stop: a consequence of another failure (or of the
+    user's interrupt), not the rank's own error."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -220,9 +220,32 @@ def test_rank_raising_while_peer_waits_in_collective_ends_fast(pool2: Pool) -> N
     error = CellError(result.errors)
     assert error.primary.rank == 1 and error.primary.type_name == "ValueError"
     assert "bad batch on rank 1" in error.primary.traceback
+    assert [e.rank for e in result.errors if e.secondary] == [0]  # stopped, not at fault
     assert result.lost == (), (result.notes, [e.traceback for e in result.errors])
     again = pool2.run(ALL_REDUCE + "(t.item(), keep)")
     assert again.values == [(3.0, "rank 0"), (3.0, "rank 1")]
+
+
+def test_a_rank_failing_while_it_is_stopped_is_not_blamed(pool2: Pool) -> None:
+    """Whatever a stopped rank raises on its way out (here its own cleanup error) is secondary."""
+    result = pool2.run(
+        src(
+            """
+            import time
+            import torch.distributed as dist
+            if dist.get_rank() == 1:
+                raise ValueError("bad batch on rank 1")
+            try:
+                time.sleep(60)
+            except KeyboardInterrupt:
+                raise RuntimeError("cleanup failed while stopping") from None
+            """
+        )
+    )
+    by_rank = {e.rank: e for e in result.errors}
+    assert by_rank[1].type_name == "ValueError" and not by_rank[1].secondary
+    assert by_rank[0].type_name == "RuntimeError" and by_rank[0].secondary
+    assert CellError(result.errors).primary.rank == 1
 
 
 def test_rank_killed_mid_cell_is_reported_restarted_and_named() -> None:

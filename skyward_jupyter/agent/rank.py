@@ -90,6 +90,8 @@ class Agent:
         self.commands: queue.Queue[object] = queue.Queue()
         self.cell_id: int | None = None
         self._in_cell = False
+        self._interrupted = False
+        """An interrupt arrived during the current cell (its error is then a consequence)."""
         self._last_heard = time.monotonic()
         self._heartbeat_file = os.environ.get("SKYWARD_HEARTBEAT_FILE") or None
         self._heartbeat_touched = 0.0
@@ -150,6 +152,7 @@ class Agent:
                     self._touch_heartbeat_file()
                     continue
                 if isinstance(message, p.Interrupt):
+                    self._interrupted = self._in_cell
                     self._interrupt_main()
                     continue
                 if isinstance(message, p.Shutdown):
@@ -289,6 +292,7 @@ class Agent:
                         f"global {name!r} could not be unpickled on this rank: {exc}"
                     ) from exc
             before = dict(self.namespace.globals)  # holds the values, so ids cannot be reused
+            self._interrupted = False
             self._in_cell = True
             try:
                 value = self.namespace.run(command.source, command.filename)
@@ -296,6 +300,7 @@ class Agent:
                 self._in_cell = False
         except BaseException as exc:  # noqa: BLE001 - the cell's failure is its result
             error = exc
+        after_interrupt = self._interrupted
         seconds = time.perf_counter() - started
         bound = tuple(
             name
@@ -305,7 +310,7 @@ class Agent:
         before.clear()
         self._sync_output()
         self._flush_metrics()
-        done = _cell_done(command.cell_id, value, error, seconds)
+        done = _cell_done(command.cell_id, value, error, seconds, after_interrupt)
         self.channel.send(dataclasses.replace(done, bound=bound))
         self.cell_id = None
 
@@ -339,9 +344,12 @@ class UsageMeter:
         return p.Usage(percent, rss, gpu_memory, gpu_util)
 
 
-def _cell_done(cell_id: int, value: Any, error: BaseException | None, seconds: float) -> p.CellDone:
+def _cell_done(
+    cell_id: int, value: Any, error: BaseException | None, seconds: float, after_interrupt: bool
+) -> p.CellDone:
     if error is not None:
-        return p.CellDone(cell_id, None, None, _error_info(error), seconds)
+        info = dataclasses.replace(_error_info(error), after_interrupt=after_interrupt)
+        return p.CellDone(cell_id, None, None, info, seconds)
     if value is None:
         return p.CellDone(cell_id, None, None, None, seconds)
     try:
