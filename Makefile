@@ -31,8 +31,10 @@ $(STAMP): pyproject.toml
 	SKIP_JUPYTER_BUILDER=1 $(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+# `npm install` with the lock file rather than `npm ci`: the lock records only this platform's
+# optional rspack binaries (the registry here has not all of the others), which `npm ci` refuses.
 $(NPMDEP): labextension/package-lock.json
-	cd labextension && npm ci --no-audit --no-fund
+	cd labextension && npm install --no-audit --no-fund --no-save
 
 # An editable install carries no shared data, so the venv's Jupyter gets the side panel (a link
 # to the build) and the server extension's enabling config here, as a wheel install would.
