@@ -36,12 +36,14 @@ $(STAMP): pyproject.toml
 $(NPMDEP): labextension/package-lock.json
 	cd labextension && npm install --no-audit --no-fund --no-save
 
-# An editable install carries no shared data, so the venv's Jupyter gets the side panel (a link
-# to the build) and the server extension's enabling config here, as a wheel install would.
+# The venv's Jupyter gets the side panel as a link to the build (the editable install copied
+# only what existed then: install.json) and the server extension's enabling config, as a wheel
+# install would.
 $(LABEXT): $(LABSRC) $(NPMDEP) $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" npm --prefix labextension run build
 	mkdir -p $(SHARE)/labextensions $(VENV)/etc/jupyter/jupyter_server_config.d
-	ln -sfn $(CURDIR)/skyward_jupyter/labextension $(SHARE)/labextensions/skyward-jupyter
+	rm -rf $(SHARE)/labextensions/skyward-jupyter
+	ln -s $(CURDIR)/skyward_jupyter/labextension $(SHARE)/labextensions/skyward-jupyter
 	cp jupyter-config/jupyter_server_config.d/skyward_jupyter.json \
 		$(VENV)/etc/jupyter/jupyter_server_config.d/
 	touch $@

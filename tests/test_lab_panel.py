@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from .conftest import agent_pids, wait_for
 from .lab import Kernel, Lab, api, chromium_page, jupyter_lab, screenshot
@@ -45,6 +46,21 @@ def item(name: str) -> str:
     return f'{PANEL} li.sky-lab-pool[data-pool-name="{name}"]'
 
 
+def open_lab_with_panel(lab: Lab, page: Any) -> None:
+    """Load JupyterLab and open the Sky panel from its side-bar tab."""
+    page.goto(lab.page_url("lab"))
+    page.wait_for_selector("#jupyterlab-splash", state="detached", timeout=60_000)
+    tab = page.locator('.jp-SideBar li[data-id="skyward-pools"]')
+    try:
+        tab.wait_for(timeout=10_000)
+    except PlaywrightTimeout as exc:
+        raise AssertionError(
+            "JupyterLab has no Sky tab: the side panel is not installed in this environment "
+            "(make setup builds it and links it into .venv/share/jupyter/labextensions)"
+        ) from exc
+    tab.click()
+
+
 def confirm(page: Any) -> None:
     page.locator(".jp-Dialog .jp-mod-accept").click()
     page.wait_for_selector(".jp-Dialog", state="detached")
@@ -64,11 +80,9 @@ def test_side_panel_lists_shuts_down_and_reaps(lab: Lab) -> None:
 def _scenario(lab: Lab, page: Any, kernels: list[Kernel]) -> None:
     requests: list[str] = []
     page.on("request", lambda r: requests.append(r.url) if "/skyward/pools" in r.url else None)
-    page.goto(lab.page_url("lab"))
-    page.wait_for_selector("#jupyterlab-splash", state="detached", timeout=60_000)
 
     # The panel is a tab of the left side bar; opened, with no pool yet, it says how to get one.
-    page.locator('.jp-SideBar li[data-id="skyward-pools"]').click()
+    open_lab_with_panel(lab, page)
     page.wait_for_selector(f"{PANEL} .sky-lab-empty", timeout=30_000)
 
     # A notebook starts a 2-node pool: the panel lists it, with its notebook, and 2 nodes.
@@ -137,9 +151,7 @@ def test_errors_show_in_the_panel_and_the_poll_backs_off(lab: Lab) -> None:
     registry_dir.mkdir(mode=0o700, exist_ok=True)
     with chromium_page() as browser_page:
         page: Any = browser_page
-        page.goto(lab.page_url("lab"))
-        page.wait_for_selector("#jupyterlab-splash", state="detached", timeout=60_000)
-        page.locator('.jp-SideBar li[data-id="skyward-pools"]').click()
+        open_lab_with_panel(lab, page)
         page.wait_for_selector(f"{PANEL} .sky-lab-empty", timeout=30_000)
 
         # A registry others may write is refused by the server: the panel says why, and backs off.
