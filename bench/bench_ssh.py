@@ -84,7 +84,7 @@ sys.path.insert(0, str(REPO))  # for tests.hosts (bench/ is first on the path, n
 
 from skyward_jupyter import Pool
 from skyward_jupyter.providers import local
-from skyward_jupyter.providers.base import Node
+from skyward_jupyter.providers.base import Node, Progress, no_progress
 from skyward_jupyter.providers.ssh import (
     Host,
     SSHOptions,
@@ -102,9 +102,9 @@ class TimedSSHProvider(SSHProvider):
 
     provision_s: float | None = None
 
-    async def provision(self, nodes: int) -> list[Node]:
+    async def provision(self, nodes: int, progress: Progress = no_progress) -> list[Node]:
         t0 = time.perf_counter()
-        out = await super().provision(nodes)
+        out = await super().provision(nodes, progress)
         self.provision_s = time.perf_counter() - t0
         return out
 

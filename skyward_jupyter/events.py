@@ -77,6 +77,15 @@ class CellFinished:
 
 
 @dataclass(frozen=True, slots=True)
+class NodeStateChanged:
+    """A machine's progress before its ranks exist (provisioning, booting, connecting)."""
+
+    node: int
+    state: RankState
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class PoolMessage:
     """Something the user should read (torch setup skipped, namespaces lost, rank restarted)."""
 
@@ -85,6 +94,7 @@ class PoolMessage:
 
 PoolEvent = Union[  # noqa: UP007 - a runtime alias, usable in isinstance() on 3.10
     RankStateChanged,
+    NodeStateChanged,
     RankUsage,
     OutputReceived,
     MetricsLogged,

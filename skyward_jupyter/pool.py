@@ -39,6 +39,7 @@ from .events import (
     CellFinished,
     CellStarted,
     MetricsLogged,
+    NodeStateChanged,
     OutputReceived,
     PoolEvent,
     PoolMessage,
@@ -377,14 +378,18 @@ class Pool:
         self._op_lock = asyncio.Lock()
         self.started_at = time.time()
         self._start_task = asyncio.current_task()
-        if hasattr(self.provider, "progress"):  # a provider that boots machines says how it goes
-            loop = asyncio.get_running_loop()
-            setattr(  # noqa: B010 - an optional attribute, not part of the Provider protocol
-                self.provider,
-                "progress",
-                lambda text: loop.call_soon_threadsafe(self._emit, PoolMessage(text)),
+        loop = asyncio.get_running_loop()
+
+        def progress(text: str, node: int | None = None, state: RankState | None = None) -> None:
+            # Providers boot machines from worker threads: events reach views from this loop.
+            event = (
+                PoolMessage(text)
+                if node is None or state is None
+                else (NodeStateChanged(node, state, text))
             )
-        self.nodes = tuple(await self.provider.provision(self.requested_nodes))
+            loop.call_soon_threadsafe(self._emit, event)
+
+        self.nodes = tuple(await self.provider.provision(self.requested_nodes, progress))
         for node in self.nodes:
             per_node = self.procs_per_node or len(node.gpus) or 1
             for local in range(per_node):

@@ -23,6 +23,8 @@ import boto3
 import pytest
 
 from skyward_jupyter import Pool
+from skyward_jupyter.display.state import PanelState
+from skyward_jupyter.events import NodeStateChanged, RankState
 from skyward_jupyter.providers import aws, aws_catalog
 from skyward_jupyter.providers.aws import AWSOptions, AWSProvider, Reachable
 from skyward_jupyter.providers.base import ProviderError
@@ -221,8 +223,22 @@ def test_two_node_pool_every_call_and_nothing_left(
     before = len(stand.calls)
     provider = AWSProvider(_options(stand, address_url, gpu="T4", resolve=_resolver(stand, hosts)))
     tag = provider.pool_tag
-    with Pool(nodes=2, provider=provider, heartbeat_timeout=10) as pool:
+    pool = Pool(nodes=2, provider=provider, heartbeat_timeout=10)
+    boot = PanelState("default", "aws")  # the panel's fold of the pool's events
+    states: list[tuple[int, RankState]] = []
+    pool.subscribe(boot)
+    pool.subscribe(
+        lambda e: states.append((e.node, e.state)) if isinstance(e, NodeStateChanged) else None
+    )
+    with pool:
+        # While it booted, each node went provisioning, booting, connecting, in that order.
+        for node in (0, 1):
+            mine = [s for n, s in states if n == node]
+            firsts = list(dict.fromkeys(mine))  # each state where it first appeared
+            assert firsts == [RankState.PROVISIONING, RankState.BOOTING, RankState.CONNECTING]
         assert pool.run(ALL_REDUCE).values == [3.0, 3.0]
+        # Once the ranks are up, their states are the nodes' states in the panel.
+        assert {row.state for row in boot.snapshot().nodes} == {RankState.IDLE}
         # The pool's private key: a 0600 file in a 0700 directory of this machine only.
         key = Path(str(provider._ssh.options.identity))  # type: ignore[union-attr]
         assert stat.S_IMODE(key.stat().st_mode) == 0o600

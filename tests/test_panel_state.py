@@ -18,6 +18,7 @@ from skyward_jupyter.events import (
     CellFinished,
     CellStarted,
     MetricsLogged,
+    NodeStateChanged,
     OutputReceived,
     PoolMessage,
     RankState,
@@ -328,3 +329,21 @@ def test_a_real_pool_logs_are_aggregated_per_step(pool2: Any) -> None:
         )
     finally:
         unsubscribe()
+
+
+def test_nodes_show_the_providers_progress_until_their_ranks_take_over() -> None:
+    state = PanelState("p", "aws")
+    state.apply(NodeStateChanged(0, RankState.PROVISIONING, "requesting g4dn.xlarge"))
+    state.apply(NodeStateChanged(1, RankState.BOOTING, "i-1 pending"))
+    rows = state.snapshot().nodes
+    assert [(r.index, r.state, r.detail) for r in rows] == [
+        (0, RankState.PROVISIONING, "requesting g4dn.xlarge"),
+        (1, RankState.BOOTING, "i-1 pending"),
+    ]
+    state.apply(NodeStateChanged(0, RankState.CONNECTING, "i-0 running, waiting for SSH"))
+    state.apply(RankStateChanged(1, 1, RankState.READY))
+    rows = state.snapshot().nodes
+    assert [(r.state, r.detail) for r in rows] == [
+        (RankState.CONNECTING, "i-0 running, waiting for SSH"),
+        (RankState.READY, ""),  # node 1's rank speaks for it now
+    ]

@@ -31,6 +31,7 @@ from ..events import (
     CellFinished,
     CellStarted,
     MetricsLogged,
+    NodeStateChanged,
     OutputReceived,
     PoolEvent,
     PoolMessage,
@@ -346,6 +347,8 @@ class PanelState:
         self._ended_at: float | None = None
         self._price = price_per_hour
         self._ranks: dict[int, _RankState] = {}
+        self._booting: dict[int, tuple[RankState, str]] = {}
+        """Node states from the provider, shown until the node's ranks have states of their own."""
         self._stdout: dict[int, TextBuffer] = {}
         self._stderr: dict[int, TextBuffer] = {}
         self._metrics: dict[str, _Metric] = {}
@@ -436,6 +439,8 @@ class PanelState:
                     rank.lost_at, rank.lost_detail = self._clock(), event.detail
                 elif event.state not in _RESTARTING:
                     rank.lost_at = None
+            elif isinstance(event, NodeStateChanged):
+                self._booting[event.node] = (event.state, event.detail)
             elif isinstance(event, RankUsage):
                 self._rank(event.rank, event.node).usage = event
             elif isinstance(event, OutputReceived):
@@ -535,13 +540,16 @@ class PanelState:
         )
 
     def _node_rows(self, ranks: Sequence[RankRow]) -> tuple[NodeRow, ...]:
-        indexes = sorted(set(self._nodes) | {r.node for r in ranks})
+        indexes = sorted(set(self._nodes) | set(self._booting) | {r.node for r in ranks})
         rows = []
         for index in indexes:
             info = self._nodes.get(index, NodeInfo(index))
             mine = [r for r in ranks if r.node == index]
-            state = aggregate_state(r.state for r in mine)
-            detail = next((r.detail for r in mine if r.state is state and r.detail), "")
+            if mine:
+                state = aggregate_state(r.state for r in mine)
+                detail = next((r.detail for r in mine if r.state is state and r.detail), "")
+            else:
+                state, detail = self._booting.get(index, (RankState.PROVISIONING, ""))
             live = [r.usage for r in mine if r.usage is not None and r.state not in _GONE]
             heard = [r.usage.at for r in mine if r.usage is not None]
             gpu = [u.gpu_memory_bytes for u in live if u.gpu_memory_bytes is not None]

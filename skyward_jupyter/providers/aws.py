@@ -51,8 +51,9 @@ from typing import TYPE_CHECKING, Any, cast
 import asyncssh
 from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError
 
+from ..events import RankState
 from . import aws_catalog
-from .base import Node, ProviderError
+from .base import Node, Progress, ProviderError, no_progress
 from .ssh import Host, SSHOptions, SSHProvider, SSHRank
 
 if TYPE_CHECKING:
@@ -228,7 +229,7 @@ def teardown_pool(
     def attempt(what: str, call: Callable[[], object]) -> bool:
         try:
             call()
-        except Exception as exc:  # noqa: BLE001 - every failure is collected and raised below
+        except (ClientError, BotoCoreError) as exc:  # collected and raised below
             failures.append(f"{what}: {_message(exc)}")
             return False
         return True
@@ -261,7 +262,7 @@ def teardown_pool(
                 ec2.delete_security_group(GroupId=group_id)
                 removed.append(group_id)
                 break
-            except Exception as exc:  # noqa: BLE001 - a dependency clears; others are raised
+            except (ClientError, BotoCoreError) as exc:  # a dependency clears; others are raised
                 if _code(exc) != "DependencyViolation" or time.monotonic() > deadline:
                     failures.append(f"delete security group {group_id}: {_message(exc)}")
                     break
@@ -404,8 +405,7 @@ class AWSProvider:
         self.node_price: float | None = None
         self.price_per_hour: float | None = None
         self.warnings: list[str] = []
-        self.progress: Callable[[str], None] | None = None
-        """Set by the pool: one line per provisioning step (shown in the panel while it boots)."""
+        self._progress: Progress = no_progress
         self.release_timeout = options.delete_timeout + 60
         self._cancel = threading.Event()
         self._work: concurrent.futures.Future[list[Reachable]] | None = None
@@ -418,7 +418,8 @@ class AWSProvider:
 
     # ------------------------------------------------------------------ the pool's protocol
 
-    async def provision(self, nodes: int) -> list[Node]:
+    async def provision(self, nodes: int, progress: Progress = no_progress) -> list[Node]:
+        self._progress = progress
         self._work = concurrent.futures.Future()
         work = self._work
         threading.Thread(
@@ -465,9 +466,8 @@ class AWSProvider:
 
     # ---------------------------------------------------------------------- internals
 
-    def _say(self, text: str) -> None:
-        if self.progress is not None:
-            self.progress(text)
+    def _say(self, text: str, node: int | None = None, state: RankState | None = None) -> None:
+        self._progress(text, node, state)
 
     def _check(self) -> None:
         if self._cancel.is_set():
@@ -689,6 +689,8 @@ class AWSProvider:
         }
         if nodes > 1:
             params["Placement"] = {"GroupName": self.pool_tag}
+        for index in range(nodes):
+            self._say(f"requesting {self.choice.instance_type}", index, RankState.PROVISIONING)
         launched = None
         if o.spot:
             self._say(f"requesting {nodes} x {self.choice.instance_type} (spot)")
@@ -716,6 +718,8 @@ class AWSProvider:
             self._say(f"requesting {nodes} x {self.choice.instance_type} (on-demand)")
             launched = ec2.run_instances(**params)
         ids = [i["InstanceId"] for i in launched["Instances"]]
+        for index, iid in enumerate(ids):
+            self._say(f"{iid} {self.market}, starting", index, RankState.BOOTING)
         return self._wait_running(ec2, ids)
 
     def _wait_running(self, ec2: EC2Client, ids: list[str]) -> list[Instance]:
@@ -735,7 +739,12 @@ class AWSProvider:
             for index, (iid, state) in enumerate(states.items()):
                 if said.get(iid) != state:
                     said[iid] = state
-                    self._say(f"node {index}: {iid} {state}")
+                    booted = state == "running"
+                    self._say(
+                        f"{iid} {state}" + (", waiting for SSH" if booted else ""),
+                        index,
+                        RankState.CONNECTING if booted else RankState.BOOTING,
+                    )
             dead = [i for i, s in states.items() if s in ("shutting-down", "terminated", "stopped")]
             if dead:
                 reason = found[dead[0]].get("StateReason", {}).get("Message", "no reason given")
@@ -806,7 +815,7 @@ class AWSProvider:
                 connect_timeout=o.connect_timeout,
             ),
         )
-        nodes = await self._ssh.provision(len(reachable))
+        nodes = await self._ssh.provision(len(reachable), self._progress)
         self.warnings.extend(self._ssh.warnings)
         self.node_price = await asyncio.to_thread(self._price)
         self.price_per_hour = None if self.node_price is None else self.node_price * len(nodes)
@@ -830,7 +839,7 @@ class AWSProvider:
         if self.market == "spot" and self._ec2 is not None:
             try:
                 return aws_catalog.spot_price(self._ec2, self.choice.instance_type)
-            except Exception as exc:  # noqa: BLE001 - a price is a display; the pool works without
+            except (ClientError, BotoCoreError) as exc:  # a price is a display: the pool works
                 self.warnings.append(
                     f"no spot price for {self.choice.instance_type}: {_message(exc)}"
                 )

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from ..events import RankState
 from ..wire import AsyncByteReader, AsyncByteWriter
 
 
@@ -58,10 +59,23 @@ class RankProcess(Protocol):
         ...
 
 
+class Progress(Protocol):
+    """How provisioning goes, for the panel: a step of the pool (``node`` None) or of one node
+    (``state``: provisioning, booting, connecting). Callable from any thread."""
+
+    def __call__(
+        self, text: str, node: int | None = None, state: RankState | None = None
+    ) -> None: ...
+
+
+def no_progress(text: str, node: int | None = None, state: RankState | None = None) -> None:
+    """The :class:`Progress` of a caller that shows none."""
+
+
 class Provider(Protocol):
     name: str
 
-    async def provision(self, nodes: int) -> list[Node]: ...
+    async def provision(self, nodes: int, progress: Progress = no_progress) -> list[Node]: ...
 
     async def start_rank(self, node: Node, env: Mapping[str, str]) -> RankProcess: ...
 

@@ -32,7 +32,7 @@ import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from .base import Node, ProviderError
+from .base import Node, Progress, ProviderError, no_progress
 
 _DIAGNOSTIC_LINES = 40
 _PIPE_BYTES = 1 << 20
@@ -376,7 +376,7 @@ class LocalProvider:
         self._ranks: list[LocalRank] = []
         self._threads = 0
 
-    async def provision(self, nodes: int) -> list[Node]:
+    async def provision(self, nodes: int, progress: Progress = no_progress) -> list[Node]:
         gpus, name = (self._gpus, self._gpu_type) if self._gpus is not None else visible_gpus()
         return [
             Node(index=i, address="127.0.0.1", gpus=share, gpu_type=name if share else None)

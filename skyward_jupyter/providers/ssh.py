@@ -36,7 +36,8 @@ from typing import Any
 import asyncssh
 import cloudpickle
 
-from .base import Node, ProviderError
+from ..events import RankState
+from .base import Node, Progress, ProviderError, no_progress
 
 _PACKAGE = Path(__file__).resolve().parents[1]
 _DIAGNOSTIC_LINES = 40
@@ -225,9 +226,11 @@ class SSHProvider:
         self._remote_package: list[str] = []
         self._python: list[str] = []
 
-    async def provision(self, nodes: int) -> list[Node]:
+    async def provision(self, nodes: int, progress: Progress = no_progress) -> list[Node]:
         if nodes != len(self.hosts):
             raise ProviderError(f"{len(self.hosts)} hosts given for {nodes} nodes")
+        for index, host in enumerate(self.hosts):
+            progress(f"connecting to {host}", index, RankState.CONNECTING)
         results = await asyncio.gather(
             *(self._prepare(h) for h in self.hosts), return_exceptions=True
         )
