@@ -86,10 +86,16 @@ def jupyter_lab(root: Path) -> Iterator[Lab]:
     token = secrets.token_hex(16)
     port = _free_port()
     home = root / ".jupyter-home"
-    settings = home / "settings" / "@jupyterlab" / "apputils-extension"
-    settings.mkdir(parents=True)
-    (settings / "notification.jupyterlab-settings").write_text(
+    settings = home / "settings" / "@jupyterlab"
+    (settings / "apputils-extension").mkdir(parents=True)
+    (settings / "apputils-extension" / "notification.jupyterlab-settings").write_text(
         json.dumps({"fetchNews": "false", "checkForUpdates": False})
+    )
+    # A notebook opened while the lab is still loading may otherwise ask which kernel to start
+    # (a modal that blocks "Run All"), under load only.
+    (settings / "notebook-extension").mkdir()
+    (settings / "notebook-extension" / "tracker.jupyterlab-settings").write_text(
+        json.dumps({"autoStartDefaultKernel": True})
     )
     # The server extension, enabled as an install enables it (the editable dev install may not
     # have put the file under the environment's etc/jupyter).

@@ -46,8 +46,13 @@ def test_quickstart_panel_then_interrupt(lab: Lab) -> None:
             ".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000
         )
         try:
+            # The notebook must be the lab's current widget, or "Run All Cells" runs nothing.
+            page.locator(".jp-Notebook .jp-Cell").first.click()
             page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
-            page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+            run_all = page.locator(
+                ".lm-Menu-item:not(.lm-mod-disabled) .lm-Menu-itemLabel", has_text="Run All Cells"
+            ).first
+            run_all.click(timeout=60_000)
             page.wait_for_function(ALL_PROMPTS_NUMBERED, timeout=120_000)
 
             # The training cell's panel: both nodes ran the cell and are idle now.
