@@ -11,6 +11,7 @@ import base64
 import email
 import http.server
 import json
+import signal
 import stat
 import sys
 import threading
@@ -409,6 +410,30 @@ def test_instances_that_never_answer_ssh_are_torn_down(
         Pool(nodes=2, provider=provider).start()
     assert len(provider.instances) == 2
     assert leftovers(stand, provider.pool_tag) == NOTHING
+
+
+def test_ctrl_c_while_instances_boot_tears_down_what_was_created(
+    stand: Ec2Stand, dlami: str, address_url: str
+) -> None:
+    """Ctrl-C (SIGINT to the notebook's main thread) while the pool waits for SSH."""
+    provider = AWSProvider(_options(stand, address_url, reachable_timeout=120))
+    before = len(stand.calls)
+    main = threading.main_thread().ident or 0
+
+    def interrupt_once_booted() -> None:
+        wait_for(lambda: stand.calls_of("RunInstances", before), 30, "the instances requested")
+        wait_for(lambda: len(provider.instances) == 2, 30, "both instances running")
+        signal.pthread_kill(main, signal.SIGINT)
+
+    interrupter = threading.Thread(target=interrupt_once_booted)
+    interrupter.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            Pool(nodes=2, provider=provider).start()
+    finally:
+        interrupter.join()
+    assert leftovers(stand, provider.pool_tag) == NOTHING
+    assert stand.calls_of("TerminateInstances", before)
 
 
 def test_clear_errors_before_anything_is_created(

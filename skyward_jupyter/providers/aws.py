@@ -425,14 +425,16 @@ class AWSProvider:
         threading.Thread(
             target=self._run_work, args=(work, nodes), name="skyward-aws-provision", daemon=True
         ).start()
+        provisioned = asyncio.wrap_future(work)
         try:
-            reachable = await asyncio.shield(asyncio.wrap_future(work))
+            reachable = await asyncio.shield(provisioned)
             return await self._connect(reachable)
         except BaseException:
             # Interrupted while the thread still creates things: stop it, then remove them all.
+            # Its own outcome (cancelled, or failed) is superseded by what is re-raised here.
             self._cancel.set()
             with contextlib.suppress(BaseException):
-                await asyncio.wrap_future(work)
+                await provisioned
             await self._teardown()
             raise
 
