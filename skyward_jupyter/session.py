@@ -348,17 +348,25 @@ class Session:
                     self._idle_thread = None
                     return
                 now = time.monotonic()
-                for entry, limit in watched:
-                    if entry.busy == 0 and now - entry.last_active >= limit:
-                        self._announce(
-                            f"pool {entry.name!r}: no cell for {limit / 60:g} min, shutting "
-                            "down (--idle-timeout)"
-                        )
-                        try:
-                            self.down_pool(entry.name, entry.pool)
-                        except Exception as exc:  # noqa: BLE001 - said, and the loop goes on
-                            self._announce(f"pool {entry.name!r}: idle shutdown failed: {exc}")
+                idle = [
+                    (e, limit)
+                    for e, limit in watched
+                    if e.busy == 0 and now - e.last_active >= limit
+                ]
+                for entry, _ in idle:
+                    self._forget(entry.name)  # no cell can take it from here on
                 wait = min([self.idle_check, *(limit / 4 for _, limit in watched)])
+            # Outside the lock: a cloud pool's teardown waits minutes for its instances to go,
+            # and the notebook's cells must not wait for that.
+            for entry, limit in idle:
+                self._announce(
+                    f"pool {entry.name!r}: no cell for {limit / 60:g} min, shutting down "
+                    "(--idle-timeout)"
+                )
+                try:
+                    self._close(entry)
+                except Exception as exc:  # noqa: BLE001 - said, and the loop goes on
+                    self._announce(f"pool {entry.name!r}: idle shutdown failed: {exc}")
             time.sleep(max(wait, 0.05))
 
     def run_cell(
@@ -468,16 +476,23 @@ class Session:
             if quiet:
                 return []
             raise SessionError(f"no pool named {target!r}" if target else "no pool is running")
-        entry = self._pools.pop(target)
+        self._close(self._forget(target))
+        if not quiet:
+            self._announce(f"pool {target!r}: shut down")
+        return [target]
+
+    def _forget(self, name: str) -> PoolEntry:
+        """Take a pool out of the session (it is no longer current or reusable)."""
+        entry = self._pools.pop(name)
+        if self.current == name:
+            self.current = next(iter(self._pools), None)
+        return entry
+
+    def _close(self, entry: PoolEntry) -> None:
         try:
             entry.pool.close()
         finally:
             self._ended(entry)
-        if self.current == target:
-            self.current = next(iter(self._pools), None)
-        if not quiet:
-            self._announce(f"pool {target!r}: shut down")
-        return [target]
 
     def _ended(self, entry: PoolEntry) -> None:
         try:
