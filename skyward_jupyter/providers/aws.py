@@ -68,11 +68,13 @@ TAG_CREATED = "skyward:created"
 TAG_NAME = "skyward:name"
 DLAMI_PARAMETER = (
     "/aws/service/deeplearning/ami/x86_64/"
-    "oss-nvidia-driver-gpu-pytorch-2.7-ubuntu-22.04/latest/ami-id"
+    "oss-nvidia-driver-gpu-pytorch-2.11-ubuntu-24.04/latest/ami-id"
 )
-"""AWS's public parameter naming the newest Deep Learning AMI with PyTorch (GPU and CPU types)."""
+"""AWS's public parameter naming the newest build of the Deep Learning AMI "OSS Nvidia Driver AMI
+GPU PyTorch 2.11 (Ubuntu 24.04)" (GPU and CPU types). The name follows AWS's rule: the AMI's
+name without "deep", "learning" and "ami"; a newer PyTorch line needs this updated, or ``--ami``."""
 REMOTE_PYTHON = "/opt/pytorch/bin/python3"
-"""The PyTorch environment's interpreter on that AMI."""
+"""The PyTorch environment's interpreter on that AMI (release notes: /opt/pytorch/bin/python)."""
 ADDRESS_URL = "https://checkip.amazonaws.com"
 """Where this notebook learns its public address (the default ``--ssh-cidr``)."""
 HEARTBEAT_ENV = "SKYWARD_HEARTBEAT_FILE"
