@@ -262,14 +262,17 @@ class Pool:
         self._subscribers.append(callback)
         return lambda: self._subscribers.remove(callback) if callback in self._subscribers else None
 
-    def start(self) -> Pool:
-        """Start every rank and form the process group; blocks until the pool is ready."""
+    def start(self, on_wait: Callable[[], None] | None = None) -> Pool:
+        """Start every rank and form the process group; blocks until the pool is ready.
+
+        ``on_wait`` is called on the caller's thread while it waits (a view showing the boot).
+        """
         if self._io is not None:
             return self
         self._io = _IOThread(f"skyward-pool-{self.name}")
         _live_pools.add(self)
         try:
-            self._wait(self._io.submit(self._start()))
+            self._wait(self._io.submit(self._start()), on_wait)
         except BaseException:
             self.close()
             raise

@@ -47,6 +47,9 @@ class Views(Protocol):
     def pool_created(self, entry: PoolEntry) -> None:
         """The pool exists and is about to start."""
 
+    def pool_starting(self, entry: PoolEntry) -> None:
+        """Kernel thread, while the pool starts (about 20 times a second): show its progress."""
+
     def pool_started(self, entry: PoolEntry) -> None: ...
 
     def pool_ended(self, entry: PoolEntry) -> None: ...
@@ -82,6 +85,9 @@ class _NoCellView:
 
 class NoViews:
     def pool_created(self, entry: PoolEntry) -> None:
+        pass
+
+    def pool_starting(self, entry: PoolEntry) -> None:
         pass
 
     def pool_started(self, entry: PoolEntry) -> None:
@@ -301,7 +307,7 @@ class Session:
         for watcher in self.watchers:
             watcher.pool_created(entry)
         try:
-            pool.start()
+            pool.start(on_wait=lambda: self.views.pool_starting(entry))
         except BaseException:
             self._ended(entry)
             raise

@@ -13,6 +13,7 @@ from skyward_jupyter.events import (
     CellFinished,
     CellStarted,
     MetricsLogged,
+    NodeStateChanged,
     OutputReceived,
     PoolMessage,
     RankState,
@@ -58,6 +59,19 @@ def test_notable_state_changes_are_lines_and_routine_ones_are_not() -> None:
         "rank 1 (node 1): lost, killed by SIGKILL",
         "rank 1 (node 1): ready again",
         "rank 0 (node 0): failed",
+    ]
+
+
+def test_nodes_being_provisioned_are_a_line_per_step() -> None:
+    text, out, _ = report()
+    text.on_event(NodeStateChanged(0, S.PROVISIONING, "requesting g4dn.xlarge"))
+    text.on_event(NodeStateChanged(0, S.BOOTING, "i-0abc pending"))
+    text.on_event(NodeStateChanged(0, S.CONNECTING))
+    text.flush()
+    assert lines(out) == [
+        "node 0: provisioning, requesting g4dn.xlarge",
+        "node 0: booting, i-0abc pending",
+        "node 0: connecting",
     ]
 
 

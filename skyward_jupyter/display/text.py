@@ -4,6 +4,7 @@ Like :class:`~skyward_jupyter.display.output.CellOutput`, events are only queued
 IO thread; :meth:`TextReport.flush` writes on the kernel's thread while a cell waits (the pool's
 ``on_wait`` hook) and once more when it ends (``final=True``). What it says:
 
+- each node's progress while its machine is provisioned (``node 0: booting, i-0abc pending``);
 - rank state changes worth reading: ``rank 1 (node 1): lost, killed by SIGKILL``, ``... failed``,
   and ``rank 1 (node 1): ready again`` when a lost rank was restarted. Changes that happen
   between cells (a rank lost while idle) are written when the next cell starts. Starting,
@@ -32,6 +33,7 @@ from ..events import (
     CellFinished,
     CellStarted,
     MetricsLogged,
+    NodeStateChanged,
     PoolEvent,
     PoolMessage,
     RankState,
@@ -97,7 +99,13 @@ class TextReport:
     def on_event(self, event: PoolEvent) -> None:
         """Keep what this report may write about (called on the pool's IO thread)."""
         if isinstance(
-            event, RankStateChanged | MetricsLogged | CellStarted | CellFinished | PoolMessage
+            event,
+            RankStateChanged
+            | NodeStateChanged
+            | MetricsLogged
+            | CellStarted
+            | CellFinished
+            | PoolMessage,
         ):
             self._queue.append(event)
 
@@ -132,6 +140,9 @@ class TextReport:
             elif event.state is RankState.READY and event.rank in self._lost:
                 self._lost.discard(event.rank)
                 lines.append(plain(f"{where}: ready again"))
+        elif isinstance(event, NodeStateChanged):
+            detail = f", {event.detail}" if event.detail else ""
+            lines.append(plain(f"node {event.node}: {event.state.value}{detail}"))
         elif isinstance(event, PoolMessage):
             if self._cell is None and self._cells_seen:
                 lines.append(plain(event.text))

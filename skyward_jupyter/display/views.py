@@ -119,6 +119,11 @@ class PoolViews:
             view.text = TextReport()
             pool.subscribe(view.text.on_event)
 
+    def pool_starting(self, entry: PoolEntry) -> None:
+        view = self._views.get(entry.name)
+        if view is not None and view.pool is entry.pool and view.text is not None:
+            view.text.flush()  # the widget panel redraws by itself
+
     def pool_started(self, entry: PoolEntry) -> None:
         view = self._views.get(entry.name)
         if view is not None and view.pool is entry.pool:
