@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -49,8 +50,8 @@ def test_the_wheel_ships_the_panel_enabled(tmp_path: Path) -> None:
         text=True,
         check=True,
     )
-    text = listing.stdout + listing.stderr
+    text = re.sub(r"\x1b\[[0-9;]*m", "", listing.stdout + listing.stderr)  # colours
     section = text.split(str(prefix / "share" / "jupyter" / "labextensions"), 1)[1]
     first = section.strip().splitlines()[0]
-    assert first.split()[:2] == ["skyward-jupyter", "v0.1.0"], text
-    assert "enabled" in first and "OK" in first, text
+    # Exact words: "disabled" contains "enabled".
+    assert first.split()[:4] == ["skyward-jupyter", "v0.1.0", "enabled", "OK"], text
