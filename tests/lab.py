@@ -188,6 +188,11 @@ def api(
         return status, raw
 
 
+def rank_pids(pool: dict[str, Any]) -> set[int]:
+    """The pids of a pool's ranks, as the REST API lists them."""
+    return {r["pid"] for node in pool["nodes"] for r in node["ranks"]}
+
+
 class Kernel:
     """A kernel started through the server's REST API, driven over its connection file.
 

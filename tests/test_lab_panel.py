@@ -17,7 +17,7 @@ import pytest
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from .conftest import agent_pids, wait_for
-from .lab import Kernel, Lab, api, chromium_page, jupyter_lab, screenshot
+from .lab import Kernel, Lab, api, chromium_page, jupyter_lab, rank_pids, screenshot
 
 PANEL = "#skyward-pools"
 
@@ -36,10 +36,6 @@ def pool_named(lab: Lab, name: str) -> dict[str, Any]:
     status, body = api(lab, "GET", f"/skyward/pools/{name}")
     assert status == 200, body
     return dict(body)
-
-
-def rank_pids(pool: dict[str, Any]) -> set[int]:
-    return {r["pid"] for node in pool["nodes"] for r in node["ranks"]}
 
 
 def item(name: str) -> str:

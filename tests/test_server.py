@@ -27,7 +27,7 @@ import pytest
 from skyward_jupyter import registry
 
 from .conftest import agent_pids, wait_for
-from .lab import Kernel, Lab, api, jupyter_lab
+from .lab import Kernel, Lab, api, jupyter_lab, rank_pids
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +44,6 @@ def pools(lab: Lab) -> list[dict[str, Any]]:
 
 def pools_of(lab: Lab, kernel: Kernel) -> list[dict[str, Any]]:
     return [p for p in pools(lab) if p["kernel_id"] == kernel.id]
-
-
-def rank_pids(pool: dict[str, Any]) -> set[int]:
-    return {r["pid"] for node in pool["nodes"] for r in node["ranks"]}
 
 
 @pytest.fixture
