@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import re
+import threading
+import time
 
 import pytest
 
+from skyward_jupyter import Pool
 from skyward_jupyter.display.text import TextReport
 from skyward_jupyter.display.views import PoolViews
 from skyward_jupyter.events import (
@@ -19,6 +23,8 @@ from skyward_jupyter.events import (
     RankState,
     RankStateChanged,
 )
+from skyward_jupyter.providers.base import Node, Progress, no_progress
+from skyward_jupyter.providers.local import LocalProvider
 from skyward_jupyter.session import PoolSpec, Session
 
 S = RankState
@@ -188,3 +194,38 @@ def test_terminal_ipython_gets_lines_from_a_real_pool(capsys: pytest.CaptureFixt
         assert summary.startswith("pool 'default' (local): 2 nodes") and "VBox" not in summary
     finally:
         session.down_all()
+
+
+class BootingProvider(LocalProvider):
+    """Local ranks, after a boot step that lasts until the notebook's thread has shown it."""
+
+    def __init__(self, shown: threading.Event) -> None:
+        super().__init__()
+        self.shown = shown
+
+    async def provision(self, nodes: int, progress: Progress = no_progress) -> list[Node]:
+        progress("i-0abc pending", 0, RankState.BOOTING)
+        deadline = time.monotonic() + 30
+        while not self.shown.is_set():
+            assert time.monotonic() < deadline, "the boot step was not shown while starting"
+            await asyncio.sleep(0.01)
+        return await super().provision(nodes, progress)
+
+
+def test_boot_progress_is_written_while_the_pool_starts() -> None:
+    """Pool.start(on_wait) flushes the text report on the caller's thread during provisioning."""
+    text, out, _ = report()
+    shown = threading.Event()
+
+    def on_wait() -> None:
+        text.flush()
+        if "node 0: booting, i-0abc pending" in out.getvalue():
+            shown.set()
+
+    pool = Pool(nodes=1, provider=BootingProvider(shown))
+    pool.subscribe(text.on_event)
+    try:
+        pool.start(on_wait=on_wait)  # returns only once the line was written while it waited
+        assert lines(out) == ["node 0: booting, i-0abc pending"]
+    finally:
+        pool.close()
