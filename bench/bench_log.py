@@ -53,6 +53,7 @@ from dataclasses import asdict
 from typing import Any
 
 from common import (
+    REPO,
     BenchError,
     Script,
     Summary,
@@ -64,19 +65,22 @@ from common import (
     spread_row,
 )
 
+sys.path.insert(0, str(REPO / "scripts"))  # the quickstart's workload, as its notebook has it
+from make_quickstart import DATA_AND_MODEL, HYPERPARAMETERS
+
 SCRIPT = Script("log")
 NODES = 2
 GOAL_OVERHEAD_PCT = 2.0  # log() on every step slows training by at most this much
-SAMPLES = 4096  # the quickstart's hyper-parameters
-BATCH_SIZE = 64
-LR = 0.05
+HYPER = {k: v for k, v in HYPERPARAMETERS.items() if k != "EPOCHS"}  # epochs: ours to choose
+SAMPLES, BATCH_SIZE = HYPER["SAMPLES"], HYPER["BATCH_SIZE"]
 BOOTSTRAP_RESAMPLES = 2000
 
 LOG_LINE = "log(step=global_step, loss=loss.item(), accuracy=100.0 * correct / len(by))"
 
-# Runs once on every rank: the quickstart's data, model and optimiser, then the two variants.
-# A copy of the quickstart cell's setup in scripts/make_quickstart.py: keep the two in step.
-SETUP_CELL = """
+# Runs once on every rank: the quickstart's own data, model and optimiser (taken from the script
+# that writes the notebook), then the counters of the two variants.
+SETUP_CELL = (
+    """
 import time
 
 import torch
@@ -86,20 +90,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from skyward_jupyter import log
 
-torch.manual_seed(0)                       # the same data on every rank; the sampler splits it
-teacher = torch.randn(100, 10)
-x = torch.randn(SAMPLES, 100)
-y = (x @ teacher).argmax(dim=1)
-dataset = TensorDataset(x, y)
-sampler = DistributedSampler(dataset, shuffle=True)
-loader = DataLoader(dataset, batch_size=BATCH_SIZE, sampler=sampler)
-
-model = DDP(nn.Sequential(nn.Linear(100, 256), nn.ReLU(), nn.Linear(256, 10)))
-optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-loss_fn = nn.CrossEntropyLoss()
-bench_epoch = 0
+"""
+    + DATA_AND_MODEL
+    + """bench_epoch = 0
 bench_step = 0
 """
+)
 
 # The two variants differ only in {log_line}; the clock runs between two barriers on each rank.
 TRAIN_TEMPLATE = """
@@ -355,8 +351,7 @@ def run_benchmark(pairs: int, epochs: int, calls: int, chunk: int) -> dict[str, 
     try:
         with Pool(nodes=NODES) as pool:
             pool.subscribe(counter)
-            hyper = {"SAMPLES": SAMPLES, "BATCH_SIZE": BATCH_SIZE, "LR": LR}
-            pool.run(SETUP_CELL, hyper).raise_for_errors()
+            pool.run(SETUP_CELL, HYPER).raise_for_errors()
             for name, line in VARIANTS.items():
                 source = TRAIN_TEMPLATE.format(name=f"train_{name}", log_line=line)
                 pool.run(source).raise_for_errors()

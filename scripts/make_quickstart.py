@@ -10,6 +10,24 @@ from pathlib import Path
 
 import nbformat
 
+HYPERPARAMETERS = {"EPOCHS": 6, "BATCH_SIZE": 64, "LR": 0.05, "SAMPLES": 4096}
+
+# The training cell's data, model and optimiser (the ranks' namespace: torch, nn, DDP and the
+# data classes imported, the hyper-parameters above). bench/bench_log.py times this same setup.
+DATA_AND_MODEL = """\
+torch.manual_seed(0)                       # the same data on every rank; the sampler splits it
+teacher = torch.randn(100, 10)
+x = torch.randn(SAMPLES, 100)
+y = (x @ teacher).argmax(dim=1)
+dataset = TensorDataset(x, y)
+sampler = DistributedSampler(dataset, shuffle=True)
+loader = DataLoader(dataset, batch_size=BATCH_SIZE, sampler=sampler)
+
+model = DDP(nn.Sequential(nn.Linear(100, 256), nn.ReLU(), nn.Linear(256, 10)))
+optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+loss_fn = nn.CrossEntropyLoss()
+"""
+
 CELLS: list[tuple[str, str]] = [
     (
         "markdown",
@@ -24,7 +42,7 @@ CELLS: list[tuple[str, str]] = [
     (
         "code",
         "# Hyper-parameters live in the notebook; the cell below reads them, so they travel.\n"
-        "EPOCHS = 6\nBATCH_SIZE = 64\nLR = 0.05\nSAMPLES = 4096",
+        + "\n".join(f"{name} = {value}" for name, value in HYPERPARAMETERS.items()),
     ),
     (
         "code",
@@ -37,18 +55,9 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from skyward_jupyter import instance_info, log
 
 info = instance_info()
-torch.manual_seed(0)                       # the same data on every rank; the sampler splits it
-teacher = torch.randn(100, 10)
-x = torch.randn(SAMPLES, 100)
-y = (x @ teacher).argmax(dim=1)
-dataset = TensorDataset(x, y)
-sampler = DistributedSampler(dataset, shuffle=True)
-loader = DataLoader(dataset, batch_size=BATCH_SIZE, sampler=sampler)
-
-model = DDP(nn.Sequential(nn.Linear(100, 256), nn.ReLU(), nn.Linear(256, 10)))
-optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-loss_fn = nn.CrossEntropyLoss()
-
+"""
+        + DATA_AND_MODEL
+        + """
 for epoch in range(EPOCHS):
     sampler.set_epoch(epoch)
     stats = torch.zeros(3, dtype=torch.float64)   # loss sum, correct, seen
