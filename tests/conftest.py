@@ -10,12 +10,14 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import queue
 import shutil
 import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -104,3 +106,46 @@ def pool2() -> Iterator[object]:
         pool.close()
         _module_pool_pids.difference_update(pids)
         wait_for(lambda: not (pids & agent_pids()), 15, "the shared pool's ranks to end")
+
+
+def outputs_of(
+    client: Any,
+    msg_id: str,
+    deadline: float,
+    what: str,
+    seen: Callable[[dict[str, Any]], None] | None = None,
+) -> Iterator[dict[str, Any]]:
+    """The iopub messages of kernel request ``msg_id`` (not its status or echoed input), until
+    the kernel is idle for it; ``seen`` gets every iopub message, the other requests' too."""
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise AssertionError(f"{what}: the kernel did not finish in time")
+        try:
+            msg = client.get_iopub_msg(timeout=min(remaining, 1.0))
+        except queue.Empty:
+            continue
+        if seen is not None:
+            seen(msg)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "status":
+            if msg["content"]["execution_state"] == "idle":
+                return
+            continue
+        if msg["msg_type"] != "execute_input":
+            yield msg
+
+
+def reply_of(client: Any, msg_id: str, deadline: float, what: str) -> dict[str, Any]:
+    """The shell reply's content of kernel request ``msg_id``."""
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise AssertionError(f"{what}: no execute_reply in time")
+        try:
+            reply = client.get_shell_msg(timeout=min(remaining, 1.0))
+        except queue.Empty:
+            continue
+        if reply["parent_header"].get("msg_id") == msg_id:
+            return dict(reply["content"])

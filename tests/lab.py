@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import queue
 import secrets
 import shutil
 import signal
@@ -30,7 +29,7 @@ from typing import Any
 
 from jupyter_client.blocking.client import BlockingKernelClient
 
-from .conftest import wait_for
+from .conftest import outputs_of, reply_of, wait_for
 
 CHROMIUM = os.environ.get("SKYWARD_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
@@ -232,27 +231,15 @@ class Kernel:
         """Outputs of request ``msg_id`` until it ends (or, with ``until``, that text shows)."""
         deadline = time.monotonic() + timeout
         text = ""
-        while True:
-            left = deadline - time.monotonic()
-            assert left > 0, f"timed out waiting for the kernel; output so far:\n{text}"
-            try:
-                msg = self.client.get_iopub_msg(timeout=left)
-            except queue.Empty:
-                continue
-            if msg["parent_header"].get("msg_id") != msg_id:
-                continue
+        for msg in outputs_of(self.client, msg_id, deadline, f"request {msg_id}"):
             kind, content = msg["msg_type"], msg["content"]
             if kind == "stream":
                 text += content["text"]
             elif kind == "error":
                 text += f"{content['ename']}: {content['evalue']}\n"
-            elif kind == "status" and content["execution_state"] == "idle":
-                break
             if until is not None and until in text:
                 return None, text
-        reply = self.client.get_shell_msg(timeout=max(1.0, deadline - time.monotonic()))
-        assert reply["parent_header"]["msg_id"] == msg_id
-        return reply["content"], text
+        return reply_of(self.client, msg_id, deadline, f"request {msg_id}"), text
 
     def pid(self) -> int:
         return int(self.run("import os; print(os.getpid())").strip())

@@ -14,7 +14,6 @@ from __future__ import annotations
 import ast
 import contextlib
 import os
-import queue
 import re
 import signal
 import time
@@ -27,7 +26,7 @@ import pytest
 from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.manager import KernelManager
 
-from .conftest import TEMPLATE, _module_pool_pids, agent_pids, wait_for
+from .conftest import TEMPLATE, _module_pool_pids, agent_pids, outputs_of, reply_of, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 HEALTH = "%%sky --all\nimport torch.distributed as dist\ndist.is_initialized()"
@@ -134,37 +133,13 @@ class Kernel:
         """Run ``code``; collect its iopub messages until the kernel is idle for it."""
         msg_id = self.kc.execute(code, allow_stdin=False)
         deadline = time.monotonic() + timeout
+        what = f"cell {code!r}"
         mine: list[dict[str, Any]] = []
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise AssertionError(f"cell did not finish within {timeout} s: {code!r}")
-            try:
-                msg = self.kc.get_iopub_msg(timeout=min(remaining, 1.0))
-            except queue.Empty:
-                continue
-            self.iopub.append(msg)
-            if msg["parent_header"].get("msg_id") != msg_id:
-                continue
-            if msg["msg_type"] == "status":
-                if msg["content"]["execution_state"] == "idle":
-                    break
-                continue
-            if msg["msg_type"] == "execute_input":
-                continue
+        for msg in outputs_of(self.kc, msg_id, deadline, what, seen=self.iopub.append):
             mine.append(msg)
             if on_message is not None:
                 on_message(msg)
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise AssertionError(f"no execute_reply within {timeout} s: {code!r}")
-            try:
-                reply = self.kc.get_shell_msg(timeout=min(remaining, 1.0))
-            except queue.Empty:
-                continue
-            if reply["parent_header"].get("msg_id") == msg_id:
-                return Cell(code, msg_id, reply["content"], mine)
+        return Cell(code, msg_id, reply_of(self.kc, msg_id, deadline, what), mine)
 
     def interrupted(self, code: str, when: str, timeout: float = 40) -> tuple[Cell, float]:
         """Run ``code``, interrupt the kernel once its output shows ``when``; return the cell
