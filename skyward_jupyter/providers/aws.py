@@ -405,7 +405,6 @@ class AWSProvider:
         self.market = "spot" if options.spot else "on-demand"
         self.instances: list[Instance] = []
         self.node_price: float | None = None
-        self.price_per_hour: float | None = None
         self.warnings: list[str] = []
         self._progress: Progress = no_progress
         self.release_timeout = options.delete_timeout + 60
@@ -453,6 +452,11 @@ class AWSProvider:
         if self._ssh is not None:
             await self._ssh.release()
         await self._teardown()
+
+    @property
+    def price_per_hour(self) -> float | None:
+        """The pool's $/hour (what the panels show), where a price is known."""
+        return None if self.node_price is None else self.node_price * len(self.instances)
 
     @property
     def heartbeat_file(self) -> str:
@@ -822,7 +826,6 @@ class AWSProvider:
         nodes = await self._ssh.provision(len(reachable), self._progress)
         self.warnings.extend(self._ssh.warnings)
         self.node_price = await asyncio.to_thread(self._price)
-        self.price_per_hour = None if self.node_price is None else self.node_price * len(nodes)
         out = []
         for node, instance in zip(nodes, self.instances, strict=True):
             labels = {"instance_id": instance.instance_id, "market": self.market}
