@@ -213,6 +213,12 @@ def _line_parsers() -> dict[str, _Parser]:
     config.add_argument("--stdout", choices=("head", "all", "none"))
     restart = _Parser(prog="sky restart", add_help=False)
     restart.add_argument("name", nargs="?", type=_identifier)
+    run = _Parser(prog="sky run", add_help=False)
+    _add_pool_options(run)
+    run.add_argument("--stdout", choices=("head", "all", "none"))
+    run.add_argument("--timeout", type=_seconds)
+    run.add_argument("script", metavar="SCRIPT")
+    run.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS")
     status = _Parser(prog="sky status", add_help=False)
     panel = _Parser(prog="sky panel", add_help=False)
     panel.add_argument("name", nargs="?", type=_identifier)
@@ -224,6 +230,7 @@ def _line_parsers() -> dict[str, _Parser]:
     sweep.add_argument("--all-owners", action="store_true")
     return {
         "up": up,
+        "run": run,
         "down": down,
         "status": status,
         "restart": restart,
@@ -239,6 +246,9 @@ def _line_parsers() -> dict[str, _Parser]:
 _LINE_HELP = """
 Line magic:
   %sky up [pool options]          start a pool without running code
+  %sky run [pool options] [--stdout M] [--timeout S] SCRIPT [ARGS ...]
+                                  run a torchrun script on every rank as __main__, with
+                                  sys.argv = [SCRIPT, *ARGS], in its own directory
   %sky down [NAME | --all]        shut a pool down (the current one by default)
   %sky status                     list pools and their ranks
   %sky restart [NAME]             fresh rank processes and process group, same pool
@@ -313,6 +323,19 @@ class SkyMagics(Magics):
         if command == "up":
             pool_options = {k: getattr(args, k) for k in _POOL_OPTIONS}
             session.entry(args.name, session.spec_from(pool_options))
+        elif command == "run":
+            pool_options = {k: getattr(args, k) for k in _POOL_OPTIONS}
+            spec = None
+            if any(v is not None for v in pool_options.values()):
+                spec = session.spec_from(pool_options)
+            session.run_script(
+                args.script,
+                args.args,
+                name=args.name,
+                spec=spec,
+                stdout=args.stdout,
+                timeout=args.timeout,
+            ).raise_for_errors()
         elif command == "down":
             session.down_all() if args.all else session.down(args.name)
         elif command == "status":

@@ -63,7 +63,10 @@ class Beat:
 
 @dataclass(frozen=True, slots=True)
 class FormGroup:
-    """Initialise torch.distributed. ``port`` None: this rank hosts the rendezvous store."""
+    """Initialise torch.distributed. ``port`` None: this rank hosts the rendezvous store.
+
+    ``generation`` counts the formations of the pool's group (1 for the first); the rank's
+    ``TORCHELASTIC_RESTART_COUNT`` is ``generation - 1``, as torchrun counts restarts."""
 
     generation: int
     port: int | None
@@ -75,11 +78,20 @@ class LeaveGroup:
 
 
 @dataclass(frozen=True, slots=True)
+class Script:
+    """Run the source as a script (``%sky run``): its own ``__main__``, argv and directory."""
+
+    path: str
+    argv: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class RunCell:
     cell_id: int
     source: str
     filename: str
     globals: dict[str, Pickled] = field(default_factory=dict)
+    script: Script | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,3 +180,7 @@ class CellDone:
     seconds: float
     bound: tuple[str, ...] = ()
     """Global names the cell (re)bound on this rank, also when it failed part-way."""
+    group_destroyed: bool = False
+    """The cell's code destroyed the default process group: the pool must form it again."""
+    notes: tuple[str, ...] = ()
+    """What the rank has to tell the user once (e.g. that the pool's group was used)."""

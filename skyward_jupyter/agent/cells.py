@@ -9,6 +9,8 @@ classes and functions a cell defines pickle the way they would in a notebook.
 from __future__ import annotations
 
 import ast
+import builtins
+import contextlib
 import linecache
 import os
 import sys
@@ -65,6 +67,45 @@ class Namespace:
         if last is None:
             return None
         return eval(compile(ast.Expression(last), filename, "eval"), self.globals)
+
+
+class ScriptExit(Exception):
+    """A script ended with ``sys.exit`` and a failing status."""
+
+
+def run_script(source: str, path: str, argv: tuple[str, ...], main: types.ModuleType) -> None:
+    """Run ``source`` as ``python PATH ARGV...`` would, in this process.
+
+    The script gets a fresh ``__main__`` (the cells' namespace is untouched), ``sys.argv``, its
+    directory first on ``sys.path`` and as the working directory (when this machine has it);
+    all of it is put back afterwards and ``main`` is ``__main__`` again. ``sys.exit(0)`` is a
+    success, another status an error naming it.
+    """
+    module = types.ModuleType("__main__")
+    module.__dict__.update(__builtins__=builtins, __file__=path, __cached__=None)
+    directory = os.path.dirname(path)
+    saved_argv, saved_path, saved_cwd = sys.argv, list(sys.path), os.getcwd()
+    linecache.cache[path] = (len(source), None, source.splitlines(True), path)
+    sys.argv = [path, *argv]
+    sys.path.insert(0, directory)
+    sys.modules["__main__"] = module
+    try:
+        if os.path.isdir(directory):
+            os.chdir(directory)
+        exec(compile(source, path, "exec"), module.__dict__)
+    except SystemExit as exc:
+        if exc.code is None or exc.code == 0:
+            return
+        name = os.path.basename(path)
+        if isinstance(exc.code, int):
+            raise ScriptExit(f"{name} exited with status {exc.code}") from None
+        raise ScriptExit(f"{name} exited: {exc.code}") from None
+    finally:
+        sys.argv = saved_argv
+        sys.path[:] = saved_path
+        with contextlib.suppress(OSError):  # the directory may be gone; the rank goes on
+            os.chdir(saved_cwd)
+        sys.modules["__main__"] = main
 
 
 _AGENT_DIR = os.path.dirname(os.path.abspath(__file__))

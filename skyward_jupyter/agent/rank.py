@@ -27,6 +27,7 @@ import platform
 import queue
 import signal
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -37,10 +38,12 @@ import cloudpickle
 
 from .. import protocol as p
 from .. import runtime
+from ..launch_env import error_file
 from ..wire import SyncChannel
-from .cells import Namespace, format_remote_traceback
+from .cells import Namespace, format_remote_traceback, run_script
 from .output import FdCapture
 from .torch_setup import GroupSettings, ProcessGroup, cuda_device_count, torch_version
+from .user_group import UserGroupCalls
 
 _REPR_LIMIT = 20_000
 EXIT_CHANNEL_CLOSED = 0
@@ -99,6 +102,16 @@ class Agent:
         self._metrics_lock = threading.Lock()
         self._torch: str | None = None
         self._usage = UsageMeter()
+        self._notes: list[str] = []
+        self.user_calls = UserGroupCalls(self.group, self._notes.append)
+        os.environ.setdefault(
+            "TORCHELASTIC_ERROR_FILE",
+            error_file(
+                tempfile.gettempdir(),
+                os.environ.get("TORCHELASTIC_RUN_ID", "pool"),
+                self.group.settings.rank,
+            ),
+        )
 
         threading.excepthook = self._thread_died
         # Helper threads inherit a blocked SIGINT, so a process-wide SIGINT reaches the main thread.
@@ -209,11 +222,15 @@ class Agent:
 
     def serve(self) -> None:
         self._torch = torch_version()
-        threads = os.environ.get("SKYWARD_NUM_THREADS")
-        if self._torch and threads:
-            import torch
+        if self._torch:
+            self.user_calls.install()
+            # A rank forked from the warm template imported torch before this variable was
+            # set: apply it, as the OpenMP runtime of a freshly started process would.
+            threads = os.environ.get("OMP_NUM_THREADS", "")
+            if threads.isdigit() and int(threads) > 0:
+                import torch
 
-            torch.set_num_threads(int(threads))
+                torch.set_num_threads(int(threads))
         self.channel.send(
             p.Hello(
                 pid=os.getpid(),
@@ -254,6 +271,7 @@ class Agent:
                 )
             )
             return
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = str(command.generation - 1)
         try:
             self.group.leave()
             port = command.port
@@ -293,9 +311,14 @@ class Agent:
                     ) from exc
             before = dict(self.namespace.globals)  # holds the values, so ids cannot be reused
             self._interrupted = False
+            self.user_calls.reset()
             self._in_cell = True
             try:
-                value = self.namespace.run(command.source, command.filename)
+                if command.script is None:
+                    value = self.namespace.run(command.source, command.filename)
+                else:
+                    script = command.script
+                    run_script(command.source, script.path, script.argv, self.namespace.module)
             finally:
                 self._in_cell = False
         except BaseException as exc:  # noqa: BLE001 - the cell's failure is its result
@@ -311,7 +334,12 @@ class Agent:
         self._sync_output()
         self._flush_metrics()
         done = _cell_done(command.cell_id, value, error, seconds, after_interrupt)
-        self.channel.send(dataclasses.replace(done, bound=bound))
+        notes = tuple(self._notes)
+        self._notes.clear()
+        destroyed = self.user_calls.destroyed or self.group.gone()
+        self.channel.send(
+            dataclasses.replace(done, bound=bound, group_destroyed=destroyed, notes=notes)
+        )
         self.cell_id = None
 
 
@@ -372,10 +400,11 @@ def _error_info(exc: BaseException) -> p.ErrorInfo:
         pickled: p.Pickled | None = p.Pickled.dump(exc)
     except Exception:  # noqa: BLE001 - the text form below always travels
         pickled = None
+    module = type(exc).__module__
     return p.ErrorInfo(
         type_name=type(exc).__qualname__
-        if type(exc).__module__ == "builtins"
-        else f"{type(exc).__module__}.{type(exc).__qualname__}",
+        if module == "builtins" or module.startswith("skyward_jupyter.")
+        else f"{module}.{type(exc).__qualname__}",
         message=str(exc),
         traceback=format_remote_traceback(exc),
         exception=pickled,

@@ -69,6 +69,13 @@ class ProcessGroup:
         self.settings = settings
         self._store: Any = None
         self._sockets: dict[str, int] = {}
+        self.backend: str | None = None
+        """The backend of the group this rank last joined."""
+
+    @property
+    def store(self) -> Any:
+        """The pool's rendezvous store (None before the group forms and after it is left)."""
+        return self._store
 
     def host(self) -> int:
         """Start the rendezvous store on the head; return its port."""
@@ -92,9 +99,10 @@ class ProcessGroup:
         """Initialise the default process group via the store at ``port``; return the backend."""
         import torch
         import torch.distributed as dist
+        from torch.distributed import distributed_c10d
 
         s = self.settings
-        os.environ["MASTER_PORT"] = str(port)
+        os.environ["MASTER_PORT"] = str(port)  # as torchrun's workers find it
         timeout = datetime.timedelta(seconds=s.timeout)
         if self._store is None:
             self._store = dist.TCPStore(  # type: ignore[attr-defined]
@@ -105,28 +113,38 @@ class ProcessGroup:
         if cuda:
             torch.cuda.set_device(s.local_rank % torch.cuda.device_count())
         before = _socket_inodes() if os.path.isdir("/proc/self/fd") else {}
-        dist.init_process_group(
+        # distributed_c10d's own function: the one in torch.distributed is the user's entry
+        # point (see user_group).
+        distributed_c10d.init_process_group(
             backend, store=self._store, rank=s.rank, world_size=s.world_size, timeout=timeout
         )
+        self.backend = backend
         if before or os.path.isdir("/proc/self/fd"):
             after = _socket_inodes()
             self._sockets = {k: fd for k, fd in after.items() if k not in before}
         return backend
 
+    def gone(self) -> bool:
+        """Formed by the pool, but no longer initialised (something destroyed it)."""
+        if self._store is None:
+            return False
+        from torch.distributed import distributed_c10d as c10d
+
+        return not c10d.is_initialized()
+
     def leave(self) -> None:
         """Abort the group (its peers' pending collectives fail now) and destroy it."""
-        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
 
-        if not dist.is_initialized():
+        self._store = None  # also when the user's code destroyed the group: the next is new
+        if not c10d.is_initialized():
+            self._sockets = {}
             return
-        if dist.get_backend() == "nccl":
-            from torch.distributed.distributed_c10d import _abort_process_group
-
-            _abort_process_group()
+        if c10d.get_backend() == "nccl":
+            c10d._abort_process_group()
         else:
             self._shut_sockets()
-            dist.destroy_process_group()
-        self._store = None
+            c10d.destroy_process_group()
 
     def _shut_sockets(self) -> None:
         for inode, fd in self._sockets.items():

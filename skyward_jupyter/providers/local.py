@@ -9,8 +9,9 @@ own session, so the kernel's Ctrl-C reaches it only through the pool, which deci
 escalate.
 
 The machine's GPUs are split evenly across the simulated nodes; each node sees only its own
-through ``CUDA_VISIBLE_DEVICES``, as a real separate machine would. CPU threads are split across
-the ranks too (``torch.set_num_threads``), so two ranks on two cores do not fight over four.
+through ``CUDA_VISIBLE_DEVICES``, as a real separate machine would. All the ranks share this
+machine, so each gets one OpenMP thread unless the user chose (``OMP_NUM_THREADS``), as torchrun
+does for several workers on one machine.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ _DIAGNOSTIC_LINES = 40
 _PIPE_BYTES = 1 << 20
 _PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
 _IMPORT_TIME_PREFIXES = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "TORCH_", "PYTORCH_", "LD_")
-_RANK_KEYS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR"}
+# Variables the template's import of torch does not read: the agent applies the thread count
+# itself (torch.set_num_threads), and NCCL's error handling is read when a group forms.
+_SET_AFTER_START = {"OMP_NUM_THREADS", "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
 
 
 def visible_gpus() -> tuple[tuple[str, ...], str | None]:
@@ -387,9 +390,6 @@ class LocalProvider:
         full = {**_base_env(), **env}
         if node.gpus or os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
             full["CUDA_VISIBLE_DEVICES"] = ",".join(node.gpus)
-        world = int(env.get("WORLD_SIZE", "1"))
-        if "OMP_NUM_THREADS" not in full and world > 1:
-            full["SKYWARD_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
         return full
 
     def _template_can_serve(self, env: Mapping[str, str]) -> bool:
@@ -398,7 +398,7 @@ class LocalProvider:
         return self._use_template and not any(
             k.startswith(_IMPORT_TIME_PREFIXES) and base.get(k) != v
             for k, v in env.items()
-            if k not in _RANK_KEYS
+            if k not in _SET_AFTER_START
         )
 
     async def start_rank(self, node: Node, env: Mapping[str, str]) -> LocalRank:

@@ -1,0 +1,84 @@
+"""The environment a rank gets: what torchrun (and ``accelerate launch``) would give a worker.
+
+Libraries find out that they run in a launched world by reading the launcher's variables:
+Lightning looks for ``TORCHELASTIC_RUN_ID`` with ``GROUP_RANK``, Accelerate and the Hugging Face
+Trainer read ``LOCAL_RANK`` and ``ACCELERATE_USE_CPU``, torch's ``env://`` rendezvous reads the
+master address and ``TORCHELASTIC_USE_AGENT_STORE``. A pool gives every rank the same names with
+the same meanings as ``torchrun --nnodes NODES --nproc-per-node RANKS_PER_NODE`` would, so code
+written for torchrun runs as written. What the user sets with ``--env`` (or had in the notebook's
+environment, for the thread count) wins.
+
+Two values are only known later and set on the rank itself: ``MASTER_PORT`` (the store's port,
+fresh for each formation of the group) and ``TORCHELASTIC_RESTART_COUNT`` (how often the group
+was re-formed after a failure).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class RankPlace:
+    """Where one rank sits in the pool."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node: int
+    nodes: int
+    ranks_on_machine: int
+    """Ranks sharing this rank's machine (a local pool simulates nodes on one machine)."""
+    has_gpu: bool
+
+
+def launcher_env(
+    place: RankPlace,
+    *,
+    master_addr: str,
+    run_id: str,
+    user_env: Mapping[str, str],
+    notebook_env: Mapping[str, str],
+) -> dict[str, str]:
+    """torchrun's worker variables for ``place``, plus the pool's own ``NODE_RANK``."""
+    env = {
+        "RANK": str(place.rank),
+        "WORLD_SIZE": str(place.world_size),
+        "LOCAL_RANK": str(place.local_rank),
+        "LOCAL_WORLD_SIZE": str(place.local_world_size),
+        "GROUP_RANK": str(place.node),
+        "GROUP_WORLD_SIZE": str(place.nodes),
+        "ROLE_RANK": str(place.rank),
+        "ROLE_WORLD_SIZE": str(place.world_size),
+        "ROLE_NAME": "default",
+        "NODE_RANK": str(place.node),
+        "MASTER_ADDR": master_addr,
+        "TORCHELASTIC_RUN_ID": run_id,
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        # torchrun's default: it never restarts workers itself (the pool restarts lost ranks).
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        # The store at MASTER_ADDR:MASTER_PORT is hosted by the head's agent, not by each worker.
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": notebook_env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        # What `accelerate launch` says about the machine: Accelerate and the HF Trainer
+        # distribute over CPU processes only when told so.
+        "ACCELERATE_USE_CPU": str(not place.has_gpu),
+    }
+    # torchrun: one OpenMP thread per worker when several share a machine, unless the user chose.
+    threads = notebook_env.get("OMP_NUM_THREADS")
+    if threads is None and place.ranks_on_machine > 1:
+        threads = "1"
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = threads
+    return {**env, **user_env}
+
+
+def error_file(temp_dir: str, run_id: str, rank: int) -> str:
+    """Where torch's ``@record`` writes a worker's error (``TORCHELASTIC_ERROR_FILE``).
+
+    A file in the node's temporary directory, written only when a script's ``@record`` main
+    fails; no directory is made for it, so a pool leaves nothing behind when nothing failed.
+    """
+    return f"{temp_dir}/skyward-{run_id}-rank{rank}-error.json"
