@@ -15,7 +15,13 @@ Failure policy for a cell (the peers' main complaint is ranks that hang for minu
    re-formed on every rank with a fresh port, so the next cell finds the same world (ranks
    stopped part-way may disagree on how many collectives ran). The result says whose namespace
    was lost; objects holding the old group (a DDP-wrapped model) must be wrapped again. A cell
-   that simply raised on every rank leaves the group as it was.
+   that simply raised on every rank leaves the group as it was;
+4. the result marks the failures that followed from another as secondary. When a rank's process
+   ended on its own during the cell (not killed by the pool), the first such death the pool saw
+   is the cause and every other failure is secondary, even a peer's error that reached the pool
+   first: a dead rank breaks every collective. Otherwise the first rank that failed is the
+   cause, and ranks stopped by the pool whose agent saw the interrupt before failing are
+   secondary.
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ import concurrent.futures
 import itertools
 import json
 import logging
+import os
 import threading
 import time
+import uuid
 import weakref
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
@@ -47,6 +55,7 @@ from .events import (
     RankStateChanged,
     RankUsage,
 )
+from .launch_env import RankPlace, launcher_env
 from .providers.base import Node, Provider, ProviderError, RankProcess
 from .results import CellInterrupted, PoolError, RankResult, RemoteError, RunResult
 
@@ -153,9 +162,13 @@ class _Cell:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     outcomes: dict[_Rank, p.CellDone | BaseException] = field(default_factory=dict)
     first_failure: _Rank | None = None
+    first_death: _Rank | None = None
+    """The first rank whose process ended on its own: the cause, whatever reached the pool first."""
     stop_at: float | None = None
     kill_now: bool = False
     asked_to_stop: set[_Rank] = field(default_factory=set)
+    killed: set[_Rank] = field(default_factory=set)
+    """Ranks the pool killed itself: their deaths are its doing, never a cause."""
     left_group: set[_Rank] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
 
@@ -225,6 +238,9 @@ class Pool:
         self._monitor: asyncio.Task[None] | None = None
         self._start_task: asyncio.Task[Any] | None = None
         self._beat = wire.encode(p.Beat())
+        self._said_reformed = False
+        self.run_id = str(uuid.uuid4())
+        """The pool's ``TORCHELASTIC_RUN_ID``: one id for the pool's life, as for one torchrun."""
 
     # ------------------------------------------------------------------------- blocking API
 
@@ -285,11 +301,14 @@ class Pool:
         *,
         timeout: float | None = None,
         filename: str | None = None,
+        script: p.Script | None = None,
         observer: Subscriber | None = None,
         on_wait: Callable[[], None] | None = None,
     ) -> RunResult:
         """Run ``source`` on every rank with ``globals`` bound first; one result per rank.
 
+        With ``script``, the source runs as that script would under torchrun (its own
+        ``__main__``, argv and directory) and the ranks' namespaces are left as they were.
         A syntax error or a global that cannot be pickled fails here, before anything is sent.
         ``observer`` gets this cell's events only (on the IO thread); ``on_wait`` is called on
         the caller's thread about 20 times a second while it waits, so a view can draw output
@@ -301,7 +320,7 @@ class Pool:
         filename = filename or f"<sky-cell-{cell_id}>"
         compile(source, filename, "exec")
         shipped = {name: _pickle_global(name, value) for name, value in (globals or {}).items()}
-        command = p.RunCell(cell_id, source, filename, shipped)
+        command = p.RunCell(cell_id, source, filename, shipped, script)
         if observer is not None:
             self._observers[cell_id] = observer
         try:
@@ -422,14 +441,25 @@ class Pool:
             "backend": self.backend,
             "pg_timeout": self.pg_timeout,
         }
+        place = RankPlace(
+            rank=rank.index,
+            world_size=len(self._ranks),
+            local_rank=rank.local_rank,
+            local_world_size=rank.local_world,
+            node=rank.node.index,
+            nodes=len(self.nodes),
+            ranks_on_machine=sum(r.node.address == rank.node.address for r in self._ranks),
+            has_gpu=bool(rank.node.gpus),
+        )
+        env = launcher_env(
+            place,
+            master_addr=self.nodes[0].address,
+            run_id=self.run_id,
+            user_env=self.env,
+            notebook_env=os.environ,
+        )
         return {
-            **self.env,
-            "RANK": str(rank.index),
-            "WORLD_SIZE": str(len(self._ranks)),
-            "LOCAL_RANK": str(rank.local_rank),
-            "LOCAL_WORLD_SIZE": str(rank.local_world),
-            "NODE_RANK": str(rank.node.index),
-            "MASTER_ADDR": self.nodes[0].address,
+            **env,
             "SKYWARD_POOL": self._pool_description(),
             "SKYWARD_AGENT": json.dumps(settings),
         }
@@ -610,14 +640,26 @@ class Pool:
                 await self._drive(cell)
                 results = self._results(cell)
                 lost = [r.index for r in self._ranks if not r.alive]
-                if cell.asked_to_stop or cell.left_group or lost:
-                    # Ranks stopped part-way may disagree on how many collectives ran.
+                done = [o for o in cell.outcomes.values() if isinstance(o, p.CellDone)]
+                cell.notes.extend(dict.fromkeys(n for o in done for n in o.notes))
+                destroyed = any(o.group_destroyed for o in done)
+                if cell.asked_to_stop or cell.left_group or lost or destroyed:
+                    # Ranks stopped part-way may disagree on how many collectives ran; a group
+                    # the cell destroyed is formed again before the next cell needs it.
                     try:
                         cell.notes.extend(await self._recover())
                     except (PoolError, ProviderError) as exc:
                         # The cell's own result still matters most; the next cell says more.
                         cell.notes.append(f"the pool could not recover: {exc}")
                         self._emit(PoolMessage(cell.notes[-1]))
+                    else:
+                        if destroyed and not self._said_reformed:
+                            self._said_reformed = True
+                            cell.notes.append(
+                                "the code destroyed the process group; the pool formed it again "
+                                f"({self.group_backend}, port {self.master_port}) and does so "
+                                "after every cell that destroys it"
+                            )
             finally:
                 self._cell = None
             for r in self._ranks:
@@ -695,6 +737,12 @@ class Pool:
                     self._set_state(r, RankState.IDLE)
                     continue
                 self._set_state(r, RankState.FAILED if r.alive else RankState.LOST)
+                # A rank the pool killed (stuck after the interrupt, or at shutdown) is no cause.
+                ended_on_its_own = (
+                    isinstance(outcome, _RankEnded) and r not in cell.killed and not self._closing
+                )
+                if ended_on_its_own and cell.first_death is None:
+                    cell.first_death = r
                 if cell.first_failure is None and cell.stop_at is None:
                     cell.first_failure = r
                     self._stop(cell)
@@ -715,16 +763,23 @@ class Pool:
             f"ranks {[r.index for r in stuck]} did not stop within {self.interrupt_grace:.0f} s "
             "of the interrupt and were killed"
         )
-        for r in stuck:
-            cell.asked_to_stop.add(r)
+        cell.asked_to_stop.update(stuck)
+        cell.killed.update(stuck)
         await asyncio.gather(*(r.process.kill() for r in stuck if r.process is not None))
 
     def _results(self, cell: _Cell) -> tuple[RankResult, ...]:
+        """Every rank's result, the failures that followed from another's marked secondary.
+
+        A rank that died on its own is the cause even when a peer's error reached the pool
+        first: a dead rank breaks every collective its peers wait in, and their errors often
+        arrive before the pool learns of the death.
+        """
+        cause = cell.first_death or cell.first_failure
         out = []
         for r in self._ranks:
             outcome = cell.outcomes.get(r)
-            secondary = (
-                r in cell.asked_to_stop and r is not cell.first_failure and _consequence(outcome)
+            secondary = r is not cause and (
+                cell.first_death is not None or (r in cell.asked_to_stop and _consequence(outcome))
             )
             if isinstance(outcome, p.CellDone):
                 error = (

@@ -18,8 +18,9 @@ class PoolError(Exception):
 class RemoteError(Exception):
     """An exception raised on a rank (or the rank's death), with its remote traceback.
 
-    ``secondary`` marks a rank that failed only because the pool stopped it after another rank's
-    failure or an interrupt; the primary failure is the one to read.
+    ``secondary`` marks a rank whose failure followed from another's: the pool stopped it after
+    another rank's failure or an interrupt, or another rank's process died during the cell. The
+    primary failure, the cause, is the one to read.
     """
 
     def __init__(
@@ -60,7 +61,11 @@ class CellInterrupted(KeyboardInterrupt):
 
 
 class CellError(Exception):
-    """A cell failed on one or more ranks: the first failure in full, the others summarised."""
+    """A cell failed on one or more ranks: the cause in full, the others summarised.
+
+    The cause (``primary``) is the first error not marked secondary; when a rank died during the
+    cell, the pool marks every error but that rank's.
+    """
 
     def __init__(self, errors: Sequence[RemoteError]) -> None:
         primary = [e for e in errors if not e.secondary] or list(errors)
@@ -83,7 +88,7 @@ class CellError(Exception):
         parts = [self.primary.render()]
         for e in self.errors:
             if e is not self.primary:
-                suffix = " (stopped after the failure above)" if e.secondary else ""
+                suffix = " (after the failure above)" if e.secondary else ""
                 parts.append(f"rank {e.rank}: {_what(e)}{suffix}")
         return "\n".join(parts)
 

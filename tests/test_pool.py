@@ -484,3 +484,34 @@ def test_ranks_report_their_resource_use(pool2: Pool) -> None:
         assert usage.rss_bytes > 10 * 2**20  # a Python process with torch imported
         assert 0 <= usage.cpu_percent < 400
         assert usage.gpu_memory_bytes is None  # CUDA never initialised on a CPU machine
+
+
+def test_a_rank_that_dies_is_the_headline_not_the_peer_it_broke() -> None:
+    """Rank 1 SIGKILLs itself while rank 0 waits for it in a collective: rank 1 is the cause.
+
+    Rank 0's "connection closed by peer" often reaches the pool before rank 1's death does; the
+    headline must still be the death. The race goes either way, so the scenario is repeated.
+    """
+    with Pool(nodes=2, interrupt_grace=2.0) as pool:
+        for attempt in range(3):
+            result = pool.run(
+                src(
+                    """
+                    import os, signal, torch, torch.distributed as dist
+                    dist.barrier()
+                    if dist.get_rank() == 1:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    dist.all_reduce(torch.ones(1))  # rank 0 waits here for the dead rank 1
+                    """
+                )
+            )
+            error = CellError(result.errors)
+            by_rank = {e.rank: e for e in result.errors}
+            seen = (attempt, [str(e) for e in result.errors])
+            assert error.primary is by_rank[1] and error.primary.type_name == "RankLost", seen
+            headline = error.summary().splitlines()[0]
+            assert "rank 1" in headline and "SIGKILL" in headline, seen
+            assert error.render().startswith("--- rank 1"), seen
+            assert by_rank[0].secondary, seen
+            assert result.lost == (1,), seen
+            assert pool.run(ALL_REDUCE).values == [3.0, 3.0]
