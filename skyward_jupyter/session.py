@@ -14,11 +14,13 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Protocol
 
 from .capture import Shipment, Shipper
 from .display.output import CellOutput, StdoutMode
 from .pool import Pool
+from .protocol import Script
 from .providers.base import Provider
 from .results import CellError, CellInterrupted, RunResult
 
@@ -402,6 +404,39 @@ class Session:
             entry.busy -= 1
             entry.last_active = time.monotonic()
 
+    def run_script(
+        self,
+        path: str,
+        argv: Sequence[str] = (),
+        *,
+        name: str | None = None,
+        spec: PoolSpec | None = None,
+        stdout: StdoutMode | None = None,
+        timeout: float | None = None,
+    ) -> RunResult:
+        """Run a script on every rank as torchrun would (``%sky run``), on the warm pool.
+
+        The file is read here and its source travels with the command, so the ranks need not
+        see the notebook's files; a missing file or a syntax error fails before a pool starts.
+        """
+        script, source = _read_script(path)
+        try:
+            compile(source, script, "exec")
+        except SyntaxError as exc:
+            raise SessionError(
+                f"{path}, line {exc.lineno}: SyntaxError: {exc.msg}; nothing was run"
+            ) from None
+        with self._lock:
+            entry = self.entry(name, spec)
+            entry.busy += 1
+        try:
+            nothing = Shipment({}, (), (), 0, (), {})  # a script brings its own globals
+            run = Script(script, tuple(argv))
+            return self._run_on(entry, source, nothing, stdout, timeout, run)
+        finally:
+            entry.busy -= 1
+            entry.last_active = time.monotonic()
+
     def _run_on(
         self,
         entry: PoolEntry,
@@ -409,10 +444,11 @@ class Session:
         shipment: Shipment,
         stdout: StdoutMode | None,
         timeout: float | None,
+        script: Script | None = None,
     ) -> RunResult:
         for warning in shipment.warnings:
             self._announce(f"warning: {warning}")
-        view = CellOutput(stdout or self.stdout_mode)
+        view = CellOutput(stdout or self.stdout_mode, ranks=entry.pool.world_size)
         panel = self.views.cell(entry)
 
         def on_wait() -> None:
@@ -424,6 +460,8 @@ class Session:
                 source,
                 shipment.globals,
                 timeout=timeout,
+                filename=script.path if script else None,
+                script=script,
                 observer=view.on_event,
                 on_wait=on_wait,
             )
@@ -431,7 +469,7 @@ class Session:
             self._settle(entry, shipment, interrupted.result)
             raise
         finally:
-            view.flush()
+            view.finish()  # also writes the stderr lines still held for other ranks
             panel.finish()
         self._settle(entry, shipment, result)
         return result
@@ -598,3 +636,15 @@ class Session:
         if target is None or target not in self._pools:
             raise SessionError("no pool is running; run a %%sky cell or %sky up first")
         return self._pools[target]
+
+
+def _read_script(path: str) -> tuple[str, str]:
+    """The script's absolute path (its name in tracebacks) and its source."""
+    script = Path(path).expanduser()
+    if not script.is_file():
+        where = "" if script.is_absolute() else f" (looked in {Path.cwd()})"
+        raise SessionError(f"no such script: {path}{where}")
+    try:
+        return str(script.resolve()), script.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SessionError(f"cannot read {path}: {exc}") from None

@@ -507,7 +507,7 @@ def test_stdout_all_prefixes_every_ranks_lines(nb: Kernel) -> None:
     assert lines.index("[rank 1] one 1") < lines.index("[rank 1] two 1")
     cell = nb.ok("%%sky --stdout none\nimport sys\nprint('quiet')\nprint('loud', file=sys.stderr)")
     assert cell.stdout == "", str(cell)
-    assert sorted(cell.stderr.splitlines()) == ["[rank 0 stderr] loud", "[rank 1 stderr] loud"]
+    assert cell.stderr.splitlines() == ["[ranks 0-1 stderr] loud"], str(cell)
 
 
 def test_every_ranks_stderr_shows_labelled(nb: Kernel) -> None:
@@ -521,6 +521,22 @@ def test_every_ranks_stderr_shows_labelled(nb: Kernel) -> None:
         "[rank 1 stderr] careful 1",
     ], str(cell)
     assert cell.stdout == ""
+
+
+def test_a_line_every_rank_writes_to_stderr_shows_once(nb: Kernel) -> None:
+    nb.ok(POOL2)
+    cell = nb.ok("%%sky\nimport sys\nprint('same', file=sys.stderr)")
+    assert cell.stderr == "[ranks 0-1 stderr] same\n", str(cell)
+    cell = nb.ok("%%sky\nimport warnings\nwarnings.warn('careful, same')")
+    warned = [line for line in cell.stderr.splitlines() if "UserWarning: careful, same" in line]
+    assert len(warned) == 1 and warned[0].startswith("[ranks 0-1 stderr] "), str(cell)
+    assert "[rank 0 stderr]" not in cell.stderr and "[rank 1 stderr]" not in cell.stderr
+    # A line only the head writes, just before the cell ends: held for rank 1, written at the end.
+    cell = nb.ok(
+        "%%sky\nimport sys, torch.distributed as dist\n"
+        "if dist.get_rank() == 0:\n    print('head only', file=sys.stderr)"
+    )
+    assert cell.stderr == "[rank 0 stderr] head only\n", str(cell)
 
 
 def test_output_is_attributed_to_the_cell_that_printed_it(nb: Kernel) -> None:

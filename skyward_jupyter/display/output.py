@@ -2,36 +2,103 @@
 
 Events arrive on the pool's IO thread; they are only queued there. The text is written by
 :meth:`CellOutput.flush`, which the pool calls on the kernel's own thread while the cell waits
-(about 20 times a second) and once at the end. Writing from the thread that runs the cell is what
-keeps output in that cell (a background thread's print can land in whichever cell runs later),
-and batching per flush is what keeps a flood of output from freezing the browser.
+(about 20 times a second), and by :meth:`CellOutput.finish` once at the end. Writing from the
+thread that runs the cell is what keeps output in that cell (a background thread's print can land
+in whichever cell runs later), and batching per flush is what keeps a flood of output from
+freezing the browser.
+
+Every rank's stderr is shown, but a library warning printed by every rank would then appear once
+per rank. So a complete stderr line is held for a moment in a table keyed by its text; the ranks
+that write the same line share one entry, shown once as ``[ranks 0-1 stderr] ...``. An entry is
+written as soon as every rank has written it (the usual case: all ranks warn at once), else after
+:data:`STDERR_HOLD_SECONDS`, so rank 0's own stderr stays live; the cell's end writes what is left.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import re
 import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Literal, TextIO
 
 from ..events import OutputReceived, PoolEvent
 
 StdoutMode = Literal["head", "all", "none"]
 MAX_FLUSH_CHARS = 200_000
+# How long a stderr line waits for the other ranks to write the same line. Long enough for ranks
+# that run in step (their output arrives within a few flushes of each other), short enough that a
+# line only rank 0 writes still reads as live.
+STDERR_HOLD_SECONDS = 0.3
 _BREAKS = re.compile(r"([\r\n])")
+_LINES = re.compile(r"[^\n]*\n|[^\n]+")
+
+
+def rank_span(ranks: Iterable[int]) -> str:
+    """``0,2-3`` for ranks {0, 2, 3}: runs of consecutive ranks are written as ranges."""
+    runs: list[list[int]] = []
+    for rank in sorted(set(ranks)):
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def stderr_label(ranks: Iterable[int]) -> str:
+    """``[rank 1 stderr] `` for one rank, ``[ranks 0-1 stderr] `` for several."""
+    ranks = sorted(set(ranks))
+    word = "rank" if len(ranks) == 1 else "ranks"
+    return f"[{word} {rank_span(ranks)} stderr] "
+
+
+@dataclass
+class _Held:
+    """One held stderr line: who wrote it, and when it was first seen."""
+
+    seq: int
+    text: str
+    since: float
+    ranks: set[int] = field(default_factory=set)
+
+
+def _seq_of(entry: _Held) -> int:
+    return entry.seq
 
 
 class CellOutput:
     def __init__(
-        self, mode: StdoutMode = "head", stdout: TextIO | None = None, stderr: TextIO | None = None
+        self,
+        mode: StdoutMode = "head",
+        stdout: TextIO | None = None,
+        stderr: TextIO | None = None,
+        *,
+        ranks: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``ranks``: how many ranks run the cell, so a line all of them wrote needs no wait
+        (None: every held line waits :data:`STDERR_HOLD_SECONDS`). ``clock`` is for tests."""
         self.mode = mode
         self._stdout = stdout
         self._stderr = stderr
+        self._ranks = ranks
+        self._clock = clock
         self._queue: collections.deque[OutputReceived] = collections.deque()
         self._at_line_start: dict[tuple[int, str], bool] = {}
         # Per stream of the notebook: whose line is still open (no final newline yet).
         self._open_line: dict[str, tuple[int, str] | None] = {"stdout": None, "stderr": None}
+        # Held stderr lines, oldest first (by seq), and the same entries by text.
+        self._held: dict[int, _Held] = {}
+        self._held_by_text: dict[str, list[_Held]] = {}
+        self._seq = 0
+        # Per rank: the seq of the entry its last held line went to. A rank joins only a newer
+        # entry, so a rank's lines keep their order and a repeated line is not folded into one.
+        self._last_seq: dict[int, int] = {}
+        # Ranks whose own stderr line is unfinished: what follows continues it, so passes through.
+        self._stderr_open: set[int] = set()
         self.skipped_chars = 0
 
     def on_event(self, event: PoolEvent) -> None:
@@ -39,23 +106,42 @@ class CellOutput:
         if isinstance(event, OutputReceived):
             self._queue.append(event)
 
+    def flush(self) -> None:
+        """Kernel thread: write what arrived since the last flush, one write per stream.
+
+        Held stderr lines are written once every rank has written them or they have waited long
+        enough; the rest stay held for a later flush (or :meth:`finish`).
+        """
+        self._drain(everything=False)
+
+    def finish(self) -> None:
+        """Kernel thread, at the cell's end (also when it failed or was interrupted): write
+        everything, held stderr lines included, since no later flush will come for this cell."""
+        self._drain(everything=True)
+
+    @property
+    def held_lines(self) -> int:
+        """How many stderr lines are held, waiting for other ranks."""
+        return len(self._held)
+
+    # ------------------------------------------------------------------------------ internals
+
     def _label(self, event: OutputReceived) -> str | None:
         """The prefix for this event's lines; None when it is not shown in the cell."""
         if event.stream == "stderr":
-            return f"[rank {event.rank} stderr] "
+            return stderr_label([event.rank])
         if self.mode == "all":
             return f"[rank {event.rank}] "
         if self.mode == "head" and event.rank == 0:
             return ""
         return None
 
-    def _prefixed(self, event: OutputReceived, label: str) -> str:
+    def _prefixed(self, key: tuple[int, str], text: str, label: str) -> str:
         if not label:
-            return event.text
-        key = (event.rank, event.stream)
+            return text
         out = []
         at_start = self._at_line_start.get(key, True)
-        for piece in _BREAKS.split(event.text):
+        for piece in _BREAKS.split(text):
             if not piece:
                 continue
             if at_start and piece not in "\r\n":
@@ -65,23 +151,107 @@ class CellOutput:
         self._at_line_start[key] = at_start
         return "".join(out)
 
-    def flush(self) -> None:
-        """Kernel thread: write what arrived since the last flush, one write per stream."""
+    def _append(
+        self, parts: list[str], target: str, key: tuple[int, str], text: str, label: str
+    ) -> None:
+        """Add one rank's text to a notebook stream, ending another rank's unfinished line."""
+        other = self._open_line[target]
+        if other is not None and other != key:
+            # Another rank's line is unfinished: end it here rather than glue onto it.
+            parts.append("\n")
+            self._at_line_start[other] = True
+        parts.append(self._prefixed(key, text, label))
+        self._open_line[target] = None if text.endswith("\n") else key
+
+    def _drain(self, everything: bool) -> None:
+        now = self._clock()
         chunks: dict[str, list[str]] = {"stdout": [], "stderr": []}
         while self._queue:
             event = self._queue.popleft()
             label = self._label(event)
             if label is None or not event.text:
                 continue
+            if event.stream == "stderr":
+                self._take_stderr(event, chunks["stderr"], now)
+                continue
             target = event.stream if event.stream in chunks else "stderr"
-            key = (event.rank, event.stream)
-            other = self._open_line[target]
-            if other is not None and other != key:
-                # Another rank's line is unfinished: end it here rather than glue onto it.
-                chunks[target].append("\n")
+            self._append(chunks[target], target, (event.rank, event.stream), event.text, label)
+        self._release(chunks["stderr"], now, everything=everything)
+        self._write(chunks)
+
+    def _take_stderr(self, event: OutputReceived, parts: list[str], now: float) -> None:
+        """Hold a rank's complete stderr lines; pass anything else through at once.
+
+        A partial line or a ``\\r`` redraw (a progress bar on stderr) cannot be matched against
+        the other ranks' lines, and waiting would only make it stutter; the rank's held lines go
+        out first, so its own output keeps its order.
+        """
+        rank = event.rank
+        for piece in _LINES.findall(event.text):
+            if rank not in self._stderr_open and piece.endswith("\n") and "\r" not in piece:
+                self._hold(rank, piece, now)
+                continue
+            self._release(parts, now, forced={rank})
+            self._append(parts, "stderr", (rank, "stderr"), piece, stderr_label([rank]))
+            if piece.endswith("\n"):
+                self._stderr_open.discard(rank)
+            else:
+                self._stderr_open.add(rank)
+
+    def _hold(self, rank: int, line: str, now: float) -> None:
+        """Add ``rank`` to the oldest entry for ``line`` newer than its last one, or start one."""
+        last = self._last_seq.get(rank, -1)
+        same = self._held_by_text.setdefault(line, [])  # oldest first
+        at = bisect.bisect_right(same, last, key=_seq_of)
+        entry = same[at] if at < len(same) else None
+        if entry is None:
+            entry = _Held(self._seq, line, now)
+            self._seq += 1
+            self._held[entry.seq] = entry
+            same.append(entry)
+        entry.ranks.add(rank)
+        self._last_seq[rank] = entry.seq
+
+    def _ready(self, entry: _Held, now: float) -> bool:
+        complete = self._ranks is not None and len(entry.ranks) >= self._ranks
+        return complete or now >= entry.since + STDERR_HOLD_SECONDS
+
+    def _release(
+        self,
+        parts: list[str],
+        now: float,
+        *,
+        forced: set[int] | None = None,
+        everything: bool = False,
+    ) -> None:
+        """Write the held entries that are ready, and those of ``forced`` ranks.
+
+        An entry that is written takes every older entry sharing one of its ranks with it, so no
+        rank's line is shown before a line that rank wrote earlier.
+        """
+        if not self._held:
+            return
+        pulled = set(forced or ())
+        out: list[_Held] = []
+        for entry in reversed(self._held.values()):  # newest first, so pulled ranks reach back
+            if everything or self._ready(entry, now) or not pulled.isdisjoint(entry.ranks):
+                pulled |= entry.ranks
+                out.append(entry)
+        for entry in reversed(out):
+            del self._held[entry.seq]
+            same = self._held_by_text[entry.text]
+            same.remove(entry)
+            if not same:
+                del self._held_by_text[entry.text]
+            other = self._open_line["stderr"]
+            if other is not None:
+                # A rank's unfinished line is open in the cell: end it rather than glue onto it.
+                parts.append("\n")
                 self._at_line_start[other] = True
-            chunks[target].append(self._prefixed(event, label))
-            self._open_line[target] = None if event.text.endswith("\n") else key
+                self._open_line["stderr"] = None
+            parts.append(stderr_label(entry.ranks) + entry.text)
+
+    def _write(self, chunks: dict[str, list[str]]) -> None:
         for stream, parts in chunks.items():
             if not parts:
                 continue

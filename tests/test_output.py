@@ -1,0 +1,187 @@
+"""CellOutput: how rank output is written into the cell (no pool: events are fed in directly).
+
+The clock is injected, so the stderr hold window is crossed by moving time, not by sleeping.
+"""
+
+from __future__ import annotations
+
+import io
+
+from skyward_jupyter.display.output import STDERR_HOLD_SECONDS, CellOutput, rank_span
+from skyward_jupyter.events import OutputReceived
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(ranks: int | None = 2, mode: str = "head") -> tuple[CellOutput, io.StringIO, Clock]:
+    out, err, clock = io.StringIO(), io.StringIO(), Clock()
+    view = CellOutput(mode, out, err, ranks=ranks, clock=clock)  # type: ignore[arg-type]
+    return view, err, clock
+
+
+def send(view: CellOutput, rank: int, text: str, stream: str = "stderr") -> None:
+    view.on_event(OutputReceived(rank, 1, stream, text))
+
+
+def test_rank_span_names_runs_as_ranges() -> None:
+    assert rank_span([0, 1]) == "0-1"
+    assert rank_span([3, 0, 2]) == "0,2-3"
+    assert rank_span([1]) == "1"
+    assert rank_span([0, 2, 4, 5, 6]) == "0,2,4-6"
+
+
+def test_the_same_line_from_every_rank_is_written_once_at_once() -> None:
+    view, err, _ = make(ranks=2)
+    send(view, 0, "UserWarning: same\n")
+    send(view, 1, "UserWarning: same\n")
+    view.flush()  # no time passes: every rank wrote it, so nothing waits
+    assert err.getvalue() == "[ranks 0-1 stderr] UserWarning: same\n"
+    view.finish()
+    assert err.getvalue() == "[ranks 0-1 stderr] UserWarning: same\n"
+
+
+def test_the_same_line_arriving_in_later_flushes_is_still_joined() -> None:
+    view, err, clock = make(ranks=2)
+    send(view, 1, "same\n")
+    view.flush()
+    assert err.getvalue() == ""
+    clock.now += STDERR_HOLD_SECONDS / 2
+    send(view, 0, "same\n")
+    view.flush()
+    assert err.getvalue() == "[ranks 0-1 stderr] same\n"
+
+
+def test_distinct_lines_keep_their_own_rank() -> None:
+    view, err, _ = make(ranks=2)
+    send(view, 0, "careful 0\n")
+    send(view, 1, "careful 1\n")
+    view.finish()
+    assert err.getvalue().splitlines() == ["[rank 0 stderr] careful 0", "[rank 1 stderr] careful 1"]
+
+
+def test_a_line_only_rank_0_writes_is_held_no_longer_than_the_window() -> None:
+    view, err, clock = make(ranks=2)
+    send(view, 0, "only the head\n")
+    view.flush()
+    assert err.getvalue() == ""  # waiting a moment for rank 1's copy
+    clock.now += STDERR_HOLD_SECONDS
+    view.flush()
+    assert err.getvalue() == "[rank 0 stderr] only the head\n"
+
+
+def test_without_a_rank_count_only_the_window_applies() -> None:
+    view, err, clock = make(ranks=None)
+    send(view, 0, "same\n")
+    send(view, 1, "same\n")
+    view.flush()
+    assert err.getvalue() == ""
+    clock.now += STDERR_HOLD_SECONDS
+    view.flush()
+    assert err.getvalue() == "[ranks 0-1 stderr] same\n"
+
+
+def test_a_one_rank_pool_holds_nothing() -> None:
+    view, err, _ = make(ranks=1)
+    send(view, 0, "alone\n")
+    view.flush()
+    assert err.getvalue() == "[rank 0 stderr] alone\n"
+
+
+def test_a_partial_or_redrawn_chunk_is_written_at_once() -> None:
+    view, err, _ = make(ranks=2)
+    send(view, 0, "\r 10%|#   |")
+    view.flush()
+    assert err.getvalue() == "\r[rank 0 stderr]  10%|#   |"
+    send(view, 0, "\r100%|####|\n")
+    view.flush()
+    assert err.getvalue() == "\r[rank 0 stderr]  10%|#   |\r[rank 0 stderr] 100%|####|\n"
+    send(view, 1, "no newline yet")
+    view.flush()
+    assert err.getvalue().endswith("[rank 1 stderr] no newline yet")
+    send(view, 1, " and the rest\n")  # continues rank 1's line: passes through, not held
+    view.flush()
+    assert err.getvalue().endswith("[rank 1 stderr] no newline yet and the rest\n")
+
+
+def test_a_pass_through_chunk_writes_that_ranks_held_lines_first() -> None:
+    view, err, _ = make(ranks=2)
+    send(view, 0, "first\n")
+    send(view, 1, "other\n")
+    view.flush()
+    assert err.getvalue() == ""
+    send(view, 0, "\rbar")
+    view.flush()
+    assert err.getvalue() == "[rank 0 stderr] first\n\r[rank 0 stderr] bar"
+    view.finish()
+    assert err.getvalue().endswith("\n[rank 1 stderr] other\n")
+
+
+def test_finish_writes_every_held_line() -> None:
+    view, err, _ = make(ranks=4)
+    send(view, 0, "a\n")
+    send(view, 2, "a\n")
+    send(view, 3, "b\n")
+    view.flush()
+    assert err.getvalue() == "" and view.held_lines == 2
+    view.finish()
+    assert err.getvalue() == "[ranks 0,2 stderr] a\n[rank 3 stderr] b\n"
+    assert view.held_lines == 0
+
+
+def test_four_ranks_name_the_ranks_that_wrote_it() -> None:
+    view, err, clock = make(ranks=4)
+    for rank in (0, 2, 3):
+        send(view, rank, "UserWarning: three of four\n")
+    view.flush()
+    assert err.getvalue() == ""  # rank 1 may still write it
+    clock.now += STDERR_HOLD_SECONDS
+    view.flush()
+    assert err.getvalue() == "[ranks 0,2-3 stderr] UserWarning: three of four\n"
+
+
+def test_a_rank_repeating_a_line_is_not_collapsed() -> None:
+    view, err, _ = make(ranks=2)
+    send(view, 0, "tick\ntick\n")
+    view.finish()
+    assert err.getvalue() == "[rank 0 stderr] tick\n[rank 0 stderr] tick\n"
+
+    view, err, _ = make(ranks=2)
+    send(view, 0, "tick\ntick\n")
+    send(view, 1, "tick\n")
+    send(view, 1, "tick\n")
+    view.flush()
+    assert err.getvalue() == "[ranks 0-1 stderr] tick\n[ranks 0-1 stderr] tick\n"
+
+
+def test_each_ranks_order_is_kept() -> None:
+    view, err, _ = make(ranks=2)
+    send(view, 0, "A\nB\n")
+    send(view, 1, "B\nA\n")
+    view.finish()
+    lines = err.getvalue().splitlines()
+    for rank in (0, 1):
+        mine = [line.split("] ")[1] for line in lines if str(rank) in line.split("]")[0]]
+        assert mine == (["A", "B"] if rank == 0 else ["B", "A"]), lines
+
+
+def test_a_line_everyone_wrote_waits_for_that_ranks_older_lines() -> None:
+    view, err, _ = make(ranks=2)
+    send(view, 0, "A\nB\n")
+    send(view, 1, "B\n")
+    view.flush()  # B is complete, so rank 0's older A goes out first
+    assert err.getvalue() == "[rank 0 stderr] A\n[ranks 0-1 stderr] B\n"
+
+
+def test_stdout_is_not_held() -> None:
+    out, err, clock = io.StringIO(), io.StringIO(), Clock()
+    view = CellOutput("all", out, err, ranks=2, clock=clock)
+    send(view, 0, "same\n", "stdout")
+    send(view, 1, "same\n", "stdout")
+    view.flush()
+    assert sorted(out.getvalue().splitlines()) == ["[rank 0] same", "[rank 1] same"]
