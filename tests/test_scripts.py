@@ -1,0 +1,330 @@
+"""Training code people already have, run on the warm pool as written (``%sky run``, issue 11).
+
+The scripts in ``tests/byo/`` are written the way their community writes them: the PyTorch
+ddp-tutorial-series torchrun example (its own ``init_process_group`` and
+``destroy_process_group``, a data module beside it, argparse, a snapshot file in its directory),
+and a dump of what a worker sees of its launcher, run under real ``torchrun`` for comparison.
+Each test copies them into its own directory, as a user's project would hold them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from skyward_jupyter import Pool
+from skyward_jupyter.protocol import Script
+from skyward_jupyter.results import CellError, RunResult
+
+BYO = Path(__file__).resolve().parent / "byo"
+ALL_REDUCE = (
+    "import torch, torch.distributed as dist\n"
+    "t = torch.ones(1) * (dist.get_rank() + 1)\n"
+    "dist.all_reduce(t)\n"
+    "t.item()"
+)
+
+
+def run_script(pool: Pool, path: Path, *argv: str, timeout: float | None = None) -> RunResult:
+    return pool.run(
+        path.read_text(), filename=str(path), script=Script(str(path), argv), timeout=timeout
+    )
+
+
+def write(directory: Path, name: str, source: str) -> Path:
+    path = directory / name
+    path.write_text(textwrap.dedent(source))
+    return path
+
+
+@pytest.fixture()
+def project(tmp_path: Path) -> Path:
+    """A user's project directory holding the community scripts."""
+    for name in ("multigpu_torchrun.py", "datautils.py", "dump_env.py"):
+        shutil.copy(BYO / name, tmp_path / name)
+    return tmp_path
+
+
+# ---------------------------------------------------------------------- a torchrun script as is
+
+
+def test_the_ddp_tutorial_script_runs_twice_and_leaves_the_pool_whole(
+    pool2: Pool, project: Path
+) -> None:
+    pids = [r.hello.pid for r in pool2.ranks if r.hello]
+    script = project / "multigpu_torchrun.py"
+
+    first = run_script(pool2, script, "2", "1", "--batch_size", "32")
+    first.raise_for_errors()
+    # Its destroy_process_group() was honoured and the group formed again, said once.
+    assert any("destroyed the process group" in n for n in first.notes), first.notes
+    assert any("uses the pool's process group (gloo, 2 ranks)" in n for n in first.notes)
+    # Its working directory was its own: the snapshot sits beside it.
+    assert (project / "snapshot.pt").is_file()
+
+    second = run_script(pool2, script, "3", "1")
+    second.raise_for_errors()
+    # The same warm processes: no interpreter start, no torch import.
+    assert [r.hello.pid for r in pool2.ranks if r.hello] == pids
+    # A collective right after works at once (no timeout from a destroyed group).
+    assert pool2.run(ALL_REDUCE, timeout=20).raise_for_errors().values == [3.0, 3.0]
+    assert all(r.state.value == "idle" or r.state.value == "ready" for r in pool2.ranks)
+
+
+def test_a_script_sees_argv_main_its_directory_and_leaves_the_cells_alone(
+    pool2: Pool, tmp_path: Path
+) -> None:
+    pool2.run("kept = 41").raise_for_errors()
+    (tmp_path / "helper_mod.py").write_text("ANSWER = 42\n")
+    (tmp_path / "data.csv").write_text("a,b\n1,2\n")
+    script = write(
+        tmp_path,
+        "show.py",
+        """
+        import os, sys
+        import helper_mod
+        leaked = "from the script"
+        assert __name__ == "__main__", __name__
+        assert sys.argv == [__file__, "--lr", "0.1", "x y"], sys.argv
+        assert os.getcwd() == os.path.dirname(__file__), os.getcwd()
+        assert sys.path[0] == os.path.dirname(__file__), sys.path[:2]
+        assert "kept" not in globals()
+        assert open("data.csv").read().startswith("a,b")
+        assert helper_mod.ANSWER == 42
+        """,
+    )
+    cwd_before = pool2.run("import os, sys; (os.getcwd(), sys.argv, sys.path[0])").values
+    run_script(pool2, script, "--lr", "0.1", "x y").raise_for_errors()
+    after = pool2.run("(kept, 'leaked' in globals(), __name__)").raise_for_errors().values
+    assert after == [(41, False, "__main__")] * 2
+    assert pool2.run("import os, sys; (os.getcwd(), sys.argv, sys.path[0])").values == cwd_before
+
+
+def test_a_scripts_error_shows_its_own_file_and_line(pool2: Pool, tmp_path: Path) -> None:
+    script = write(
+        tmp_path,
+        "broken.py",
+        """
+        import torch.distributed as dist
+
+        def train():
+            raise ValueError(f"bad batch on rank {dist.get_rank()}")
+
+        train()
+        """,
+    )
+    result = run_script(pool2, script)
+    error = CellError(result.errors)
+    assert error.primary.type_name == "ValueError"
+    assert f'File "{script}", line 5, in train' in error.primary.traceback
+    assert 'raise ValueError(f"bad batch on rank {dist.get_rank()}")' in error.primary.traceback
+    assert pool2.run(ALL_REDUCE, timeout=20).raise_for_errors().values == [3.0, 3.0]
+
+
+def test_exit_statuses_of_a_script(pool2: Pool, tmp_path: Path) -> None:
+    fine = write(tmp_path, "fine.py", "import sys\nsys.exit(0)\n")
+    assert run_script(pool2, fine).ok
+    mixed = write(
+        tmp_path,
+        "mixed.py",
+        "import sys, torch.distributed as dist\nsys.exit(0 if dist.get_rank() == 0 else 3)\n",
+    )
+    result = run_script(pool2, mixed)
+    assert [e.rank for e in result.errors] == [1]
+    summary = CellError(result.errors).summary().splitlines()[0]
+    assert summary.startswith("cell failed on rank 1 ("), summary
+    assert summary.endswith("ScriptExit: mixed.py exited with status 3"), summary
+    assert pool2.run(ALL_REDUCE, timeout=20).raise_for_errors().values == [3.0, 3.0]
+
+
+def test_a_script_times_out_like_a_cell(pool2: Pool, tmp_path: Path) -> None:
+    sleeper = write(tmp_path, "sleeper.py", "import time\ntime.sleep(60)\n")
+    result = run_script(pool2, sleeper, timeout=1.0)
+    assert not result.ok
+    assert any("timed out after 1.0 s" in n for n in result.notes)
+    assert pool2.run(ALL_REDUCE, timeout=20).raise_for_errors().values == [3.0, 3.0]
+
+
+# ------------------------------------------------------- the script's own process-group calls
+
+
+def test_init_process_group_that_matches_the_pool_uses_its_group(pool2: Pool) -> None:
+    result = pool2.run(
+        "import os, torch.distributed as dist\n"
+        "dist.init_process_group('gloo', init_method='env://',\n"
+        "    rank=int(os.environ['RANK']), world_size=int(os.environ['WORLD_SIZE']))\n"
+        "dist.init_process_group(backend='cpu:gloo,cuda:nccl')\n"
+        "from torch.distributed import init_process_group\n"
+        "init_process_group()\n"
+        "dist.get_world_size()"
+    ).raise_for_errors()
+    assert result.values == [2, 2]
+
+
+@pytest.mark.parametrize(
+    ("call", "says"),
+    [
+        (
+            "dist.init_process_group('nccl')",
+            "init_process_group(backend='nccl'): this pool's process group uses 'gloo' "
+            "(the ranks have no GPU)",
+        ),
+        ("dist.init_process_group(rank=0)", "init_process_group(rank=0): this process is rank"),
+        (
+            "dist.init_process_group(world_size=4)",
+            "init_process_group(world_size=4): the pool's group has 2 ranks",
+        ),
+    ],
+)
+def test_init_process_group_that_differs_is_a_clear_error(
+    pool2: Pool, call: str, says: str
+) -> None:
+    result = pool2.run(f"import torch.distributed as dist\n{call}")
+    errors = result.errors
+    assert errors and all(e.type_name == "ValueError" for e in errors)
+    first = CellError(errors).summary().splitlines()[0]
+    assert says in first, first
+    assert pool2.run(ALL_REDUCE, timeout=20).raise_for_errors().values == [3.0, 3.0]
+
+
+def test_destroy_is_honoured_in_the_cell_and_the_next_cell_has_a_group(pool2: Pool) -> None:
+    result = pool2.run(
+        "import torch.distributed as dist\ndist.destroy_process_group()\ndist.is_initialized()"
+    ).raise_for_errors()
+    assert result.values == [False, False]
+    # The pool formed its group again before this returned: status shows ready ranks now.
+    assert {r.state.value for r in pool2.ranks} <= {"idle", "ready"}
+    assert pool2.run(ALL_REDUCE, timeout=20).raise_for_errors().values == [3.0, 3.0]
+
+
+def test_a_script_may_destroy_and_init_again_in_one_run(pool2: Pool, tmp_path: Path) -> None:
+    script = write(
+        tmp_path,
+        "twice.py",
+        """
+        import torch, torch.distributed as dist
+        for round in range(2):
+            dist.init_process_group("gloo")
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            assert t.item() == 2.0
+            dist.destroy_process_group()
+        """,
+    )
+    run_script(pool2, script).raise_for_errors()
+    assert pool2.run(ALL_REDUCE, timeout=20).raise_for_errors().values == [3.0, 3.0]
+
+
+# ------------------------------------------------------------------------ torchrun's environment
+
+LAUNCHER_ONLY = {"TORCHELASTIC_SIGNALS_TO_HANDLE", "_"}
+"""Set by torchrun for its own agent (the signals it forwards) or by the shell: no worker reads."""
+SAME_VALUE = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "OMP_NUM_THREADS",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+)
+
+
+def _dumps(directory: Path) -> list[dict[str, object]]:
+    return [json.loads((directory / f"rank{k}.json").read_text()) for k in (0, 1)]
+
+
+def test_a_rank_has_the_environment_torchrun_gives_a_worker(project: Path) -> None:
+    under_torchrun, on_pool = project / "torchrun", project / "pool"
+    under_torchrun.mkdir()
+    on_pool.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    torchrun = Path(sys.executable).with_name("torchrun")
+    subprocess.run(
+        [
+            str(torchrun),
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "dump_env.py",
+            str(under_torchrun),
+        ],
+        cwd=project,
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    with Pool(nodes=1, procs_per_node=2) as pool:
+        run_script(pool, project / "dump_env.py", str(on_pool)).raise_for_errors()
+
+    for theirs, ours in zip(_dumps(under_torchrun), _dumps(on_pool), strict=True):
+        their_env, our_env = theirs["env"], ours["env"]
+        assert isinstance(their_env, dict) and isinstance(our_env, dict)
+        launcher = set(their_env) - set(os.environ) - LAUNCHER_ONLY
+        assert launcher - set(our_env) == set(), "torchrun sets these, the pool does not"
+        assert {k: our_env[k] for k in SAME_VALUE} == {k: their_env[k] for k in SAME_VALUE}
+        # Same meaning, different value by nature: the address names this machine, the port is
+        # the port of the store the group was formed through, one run id for every rank, and an
+        # error file per rank in a directory that exists.
+        for dump in (theirs, ours):
+            d_env = dump["env"]
+            assert isinstance(d_env, dict)
+            assert dump["master_ip"] == socket.gethostbyname("localhost") or str(
+                dump["master_ip"]
+            ).startswith("127.")
+            assert int(d_env["MASTER_PORT"]) == dump["store_port"]
+            assert os.path.isdir(os.path.dirname(d_env["TORCHELASTIC_ERROR_FILE"]))
+            assert d_env["TORCHELASTIC_RUN_ID"]
+        assert (theirs["rank"], theirs["world"]) == (ours["rank"], ours["world"])
+    ours0, ours1 = (d["env"] for d in _dumps(on_pool))
+    assert isinstance(ours0, dict) and isinstance(ours1, dict)
+    assert ours0["TORCHELASTIC_RUN_ID"] == ours1["TORCHELASTIC_RUN_ID"]
+    assert ours0["TORCHELASTIC_ERROR_FILE"] != ours1["TORCHELASTIC_ERROR_FILE"]
+
+
+def test_the_users_env_wins_over_torchruns_choices() -> None:
+    with Pool(nodes=2, env={"OMP_NUM_THREADS": "2", "ACCELERATE_USE_CPU": "false"}) as pool:
+        values = (
+            pool.run(
+                "import os, torch\n"
+                "(os.environ['OMP_NUM_THREADS'], torch.get_num_threads(), "
+                "os.environ['ACCELERATE_USE_CPU'])"
+            )
+            .raise_for_errors()
+            .values
+        )
+    assert values == [("2", 2, "false")] * 2
+
+
+def test_ranks_sharing_a_machine_get_one_thread_each(pool2: Pool) -> None:
+    values = pool2.run(
+        "import os, torch\n(os.environ.get('OMP_NUM_THREADS'), torch.get_num_threads())"
+    ).values
+    expected = os.environ.get("OMP_NUM_THREADS", "1")
+    assert values == [(expected, int(expected))] * 2
+
+
+@pytest.fixture(autouse=True)
+def _pool_is_whole(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that left the shared pool unable to run a collective fails here, not the next."""
+    yield
+    if "pool2" in request.fixturenames:
+        pool = request.getfixturevalue("pool2")
+        assert pool.run(ALL_REDUCE, timeout=30).raise_for_errors().values == [3.0, 3.0]
