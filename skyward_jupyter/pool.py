@@ -223,6 +223,8 @@ class Pool:
         self.nodes: tuple[Node, ...] = ()
         self.started_at: float | None = None
         self.torch_note: str | None = None
+        self.group_problem: str | None = None
+        """Why the process group cannot run a collective now (None: it can); a restart mends it."""
         self.group_backend: str | None = None
         self.master_port: int | None = None
         self._ranks: list[_Rank] = []
@@ -544,6 +546,7 @@ class Pool:
                 f"rank {r.index} ({r.describe()}) could not join the process group: {s.message}"
             )
         self.group_backend = results[0].backend
+        self.group_problem = None
         self.master_port = port
         for r in self._ranks:
             self._set_state(r, RankState.READY, f"{self.group_backend}, port {port}")
@@ -627,6 +630,11 @@ class Pool:
                 raise PoolError(
                     f"pool {self.name!r} has lost ranks it could not restart; restart it"
                 )
+            if self.group_problem:
+                raise PoolError(
+                    f"pool {self.name!r} has no working process group ({self.group_problem}); "
+                    "restart it (%sky restart)"
+                )
             deadline = time.monotonic() + timeout if timeout else None
             cell = _Cell(command.cell_id, {r: r.expect("cell") for r in live}, deadline, timeout)
             self._cell = cell
@@ -651,6 +659,7 @@ class Pool:
                     except (PoolError, ProviderError) as exc:
                         # The cell's own result still matters most; the next cell says more.
                         cell.notes.append(f"the pool could not recover: {exc}")
+                        self.group_problem = str(exc)
                         self._emit(PoolMessage(cell.notes[-1]))
                     else:
                         if destroyed and not self._said_reformed:
@@ -833,6 +842,7 @@ class Pool:
                 await self._recover()
             except PoolError as exc:
                 self._emit(PoolMessage(f"could not recover rank {rank.index}: {exc}"))
+                self.group_problem = str(exc)
                 return
             self._lost_while_idle.append(rank.index)
 

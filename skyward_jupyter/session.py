@@ -620,9 +620,12 @@ class Session:
             mark = "*" if name == self.current else " "
             uptime = time.time() - (pool.started_at or time.time())
             state = "running" if pool.running else "ended"
+            group = pool.group_backend or "no process group"
+            if pool.running and pool.group_problem:
+                state = "broken"
+                group = f"process group down ({pool.group_problem}): run %sky restart"
             lines.append(
-                f"{mark} {name}: {entry.spec.describe()}, {state}, up {uptime:.0f} s, "
-                f"{pool.group_backend or 'no process group'}"
+                f"{mark} {name}: {entry.spec.describe()}, {state}, up {uptime:.0f} s, {group}"
             )
             for rank in pool.ranks:
                 lines.append(
