@@ -23,7 +23,10 @@ import pytest
 
 from skyward_jupyter import Pool
 from skyward_jupyter.protocol import Script
-from skyward_jupyter.results import CellError, RunResult
+from skyward_jupyter.results import CellError, PoolError, RunResult
+from skyward_jupyter.session import PoolSpec, Session
+
+from .test_magics import Kernel
 
 BYO = Path(__file__).resolve().parent / "byo"
 ALL_REDUCE = (
@@ -328,3 +331,85 @@ def _pool_is_whole(request: pytest.FixtureRequest) -> Iterator[None]:
     if "pool2" in request.fixturenames:
         pool = request.getfixturevalue("pool2")
         assert pool.run(ALL_REDUCE, timeout=30).raise_for_errors().values == [3.0, 3.0]
+
+
+# ------------------------------------------------------------------ the group's state is told
+
+
+def test_status_says_broken_when_the_group_cannot_form_again() -> None:
+    said: list[str] = []
+    session = Session(announce=said.append)
+    breaker = (
+        "import torch.distributed as dist\n"
+        "from skyward_jupyter.agent import torch_setup\n"
+        "def refuse(self, port):\n"
+        "    raise RuntimeError('no route to the store')\n"
+        "torch_setup.ProcessGroup.join = refuse\n"
+        "dist.destroy_process_group()\n"
+    )
+    try:
+        session.run_cell(breaker, {}, spec=PoolSpec(nodes=2)).raise_for_errors()
+        assert any("could not recover" in s and "no route to the store" in s for s in said)
+        status = session.status()
+        assert ", broken, " in status and "run %sky restart" in status, status
+        with pytest.raises(PoolError, match=r"no working process group .* restart it"):
+            session.run_cell(ALL_REDUCE, {})
+        session.restart()
+        assert ", running, " in session.status()
+        assert session.run_cell(ALL_REDUCE, {}).raise_for_errors().values == [3.0, 3.0]
+    finally:
+        session.down_all()
+
+
+# --------------------------------------------------------------- %sky run in a real kernel
+
+
+@pytest.fixture(scope="module")
+def kernel() -> Iterator[Kernel]:
+    nb = Kernel()
+    try:
+        nb.ok("%load_ext skyward_jupyter")
+        yield nb
+    finally:
+        nb.close()
+
+
+def test_sky_run_in_a_kernel(kernel: Kernel, project: Path) -> None:
+    script = project / "multigpu_torchrun.py"
+    first = kernel.ok(f"%sky run --nodes 2 {script} 2 1 --batch_size 32")
+    assert "[GPU0] Epoch 0 | Batchsize: 32 | Steps: 4" in first.stdout, str(first)
+    assert "[GPU1]" not in first.stdout  # the head's output only, as for a cell
+    assert "uses the pool's process group (gloo, 2 ranks)" in first.stderr, str(first)
+    second = kernel.ok(f"%sky run {script} 3 1")
+    assert "Resuming training from snapshot at Epoch 2" in second.stdout, str(second)
+    assert "starting" not in second.stderr  # the warm pool, not a new one
+    cell = kernel.ok(f"%%sky --all\n{ALL_REDUCE}")
+    assert cell.per_rank == {0: "3.0", 1: "3.0"}, str(cell)
+    assert ", running, " in kernel.status()
+    kernel.register_pool_pids()
+
+
+@pytest.mark.parametrize(
+    ("line", "says"),
+    [
+        ("%sky run no_such_script.py", "no such script: no_such_script.py (looked in "),
+        ("%sky run {bad}", "bad.py, line 2: SyntaxError: "),
+    ],
+)
+def test_sky_run_bad_input_is_one_line(kernel: Kernel, project: Path, line: str, says: str) -> None:
+    (project / "bad.py").write_text("print('fine')\ndef broken(:\n")
+    cell = kernel.fails(line.format(bad=project / "bad.py"))
+    assert cell.reply["ename"] == "UsageError", str(cell)
+    assert says in cell.reply["evalue"] and "\n" not in cell.reply["evalue"], str(cell)
+    kernel.register_pool_pids()
+
+
+def test_sky_run_interrupt(kernel: Kernel, tmp_path: Path) -> None:
+    script = write(
+        tmp_path, "long.py", "import time\nprint('started', flush=True)\ntime.sleep(60)\n"
+    )
+    cell, _ = kernel.interrupted(f"%sky run --nodes 2 {script}", when="started")
+    assert cell.reply["ename"] == "KeyboardInterrupt", str(cell)
+    cell = kernel.ok(f"%%sky --all\n{ALL_REDUCE}")
+    assert cell.per_rank == {0: "3.0", 1: "3.0"}, str(cell)
+    kernel.register_pool_pids()

@@ -71,6 +71,7 @@ class ProcessGroup:
         self._sockets: dict[str, int] = {}
         self.backend: str | None = None
         """The backend of the group this rank last joined."""
+        self._retired: list[Any] = []
 
     @property
     def store(self) -> Any:
@@ -124,6 +125,17 @@ class ProcessGroup:
             self._sockets = {k: fd for k, fd in after.items() if k not in before}
         return backend
 
+    def retire(self, group: Any) -> None:
+        """Keep a group the user's code destroyed alive until the next formation.
+
+        Otherwise its last reference may be a DDP model's, dropped when the script's ``main()``
+        returns: gloo's destructor then runs on this thread holding the GIL and can deadlock
+        with gloo's worker thread, which needs the GIL to free the last collective's work
+        (seen: a rank silent until the heartbeat timeout). By the next formation that work is
+        long done.
+        """
+        self._retired.append(group)
+
     def gone(self) -> bool:
         """Formed by the pool, but no longer initialised (something destroyed it)."""
         if self._store is None:
@@ -137,6 +149,7 @@ class ProcessGroup:
         from torch.distributed import distributed_c10d as c10d
 
         self._store = None  # also when the user's code destroyed the group: the next is new
+        self._retired.clear()
         if not c10d.is_initialized():
             self._sockets = {}
             return

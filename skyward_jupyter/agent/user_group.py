@@ -11,7 +11,8 @@ second would leave the warm pool without a group. The public functions of
   group. A difference is an error naming it. After the script destroyed the group in the same
   cell, the call forms a new group over the pool's store, as the script expects.
 - ``destroy_process_group`` is honoured; the cell reports it, and the pool re-forms its group
-  before the next cell.
+  before the next cell. The destroyed group object is kept alive until then (see
+  :meth:`ProcessGroup.retire`).
 
 Only the names in ``torch.distributed`` are replaced (what scripts and libraries call);
 ``torch.distributed.distributed_c10d`` keeps the originals, which the agent itself uses.
@@ -113,6 +114,9 @@ class UserGroupCalls:
         """Honoured; the pool re-forms its group before the next cell."""
         from torch.distributed import distributed_c10d as c10d
 
-        if group is None or group is c10d.GroupMember.WORLD:
+        world = c10d.GroupMember.WORLD
+        if group is None or group is world:
             self.destroyed = True
+            if world is not None:
+                self._group.retire(world)
         c10d.destroy_process_group(group)
