@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from skyward_jupyter import Pool
+from skyward_jupyter.events import MetricsLogged
 from skyward_jupyter.protocol import Script
 from skyward_jupyter.results import CellError, PoolError, RunResult
 from skyward_jupyter.session import PoolSpec, Session
@@ -131,6 +132,28 @@ def test_a_scripts_error_shows_its_own_file_and_line(pool2: Pool, tmp_path: Path
     assert f'File "{script}", line 5, in train' in error.primary.traceback
     assert 'raise ValueError(f"bad batch on rank {dist.get_rank()}")' in error.primary.traceback
     assert pool2.run(ALL_REDUCE, timeout=20).raise_for_errors().values == [3.0, 3.0]
+
+
+def test_a_scripts_log_reaches_the_views(pool2: Pool, tmp_path: Path) -> None:
+    events: list[MetricsLogged] = []
+    unsubscribe = pool2.subscribe(
+        lambda e: events.append(e) if isinstance(e, MetricsLogged) else None
+    )
+    script = write(
+        tmp_path,
+        "logs.py",
+        """
+        from skyward_jupyter import log
+        for step in range(3):
+            log(step=step, loss=1.0 / (step + 1))
+        """,
+    )
+    try:
+        run_script(pool2, script).raise_for_errors()
+    finally:
+        unsubscribe()
+    rows = sorted((e.rank, step, values["loss"]) for e in events for step, values in e.rows)
+    assert rows == [(r, s, 1.0 / (s + 1)) for r in (0, 1) for s in range(3)]
 
 
 def test_exit_statuses_of_a_script(pool2: Pool, tmp_path: Path) -> None:
