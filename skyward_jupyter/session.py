@@ -17,22 +17,37 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from .capture import Shipment, Shipper
+from .capture import CaptureError, Shipment, Shipper
 from .display.output import CellOutput, StdoutMode
+from .options import implied_provider
 from .pool import Pool
 from .protocol import Script
-from .providers.base import Provider
-from .results import CellError, CellInterrupted, RunResult
+from .providers import UnknownProvider, provider_class
+from .providers import names as provider_names
+from .providers.base import Provider, ProviderError
+from .results import CellError, CellInterrupted, PoolError, RunResult
+from .spec import KNOWN_GPUS, PoolSpec, SpecError, check_gpu_name
 
-KNOWN_GPUS = ("T4", "A10G", "L4", "L40S", "V100", "A100", "H100")
-PROVIDERS = ("local", "ssh", "aws")
-DEFAULT_IDLE_MINUTES = {"aws": 30.0}
-"""Paid providers stop an idle pool by default (``--idle-timeout 0`` keeps it)."""
+__all__ = [
+    "KNOWN_GPUS",
+    "USER_ERRORS",
+    "CellInterrupted",
+    "PoolSpec",
+    "RunResult",
+    "Session",
+    "SessionError",
+    "check_gpu_name",
+]
+
 Announce = Callable[[str], None]
 
 
 class SessionError(Exception):
     """Bad input or a state the user must change; shown as one line, nothing else changes."""
+
+
+USER_ERRORS = (SessionError, CaptureError, PoolError, ProviderError, SpecError)
+"""What the magics show as a one-line usage error (nothing else changed)."""
 
 
 class CellView(Protocol):
@@ -108,123 +123,15 @@ class NoViews:
         raise LookupError("this session keeps no metrics")
 
 
-@dataclass(frozen=True, slots=True)
-class PoolSpec:
-    """What a pool is: two cells asking for equal specs share a pool."""
-
-    provider: str = "local"
-    nodes: int = 1
-    procs_per_node: int | None = None
-    gpu: str | None = None
-    backend: str | None = None
-    env: tuple[tuple[str, str], ...] = ()
-    hosts: tuple[str, ...] = ()
-    """SSH hosts (``user@host[:port]``); given, they decide the provider and the node count."""
-    identity: str | None = None
-    known_hosts: str | None = None
-    accept_new_host_keys: bool | None = None
-    python: str | None = None
-    head_addr: str | None = None
-    instance_type: str | None = None
-    region: str | None = None
-    spot: bool | None = None
-    ssh_cidr: str | None = None
-    ami: str | None = None
-    idle_timeout: float | None = None
-    """Minutes without a cell after which the pool stops; 0: never; None: the provider's default."""
-
-    def __post_init__(self) -> None:
-        if self.hosts:
-            object.__setattr__(self, "provider", "ssh")
-            object.__setattr__(self, "nodes", len(self.hosts))
-
-    def describe(self) -> str:
-        ranks = f"{self.procs_per_node} ranks" if self.procs_per_node else "1 rank per GPU or CPU"
-        gpu = f", {self.gpu}" if self.gpu else ""
-        where = f"ssh to {', '.join(self.hosts)}" if self.hosts else self.provider
-        if self.provider == "aws":
-            parts = [self.instance_type, self.region, "spot" if self.spot else None]
-            where += "".join(f" {p}" for p in parts if p)
-        return f"{self.nodes} node{'s' * (self.nodes != 1)} x {ranks}, {where}{gpu}"
-
-    def idle_minutes(self) -> float | None:
-        """The idle stop that applies to this pool (None: it never stops for being idle)."""
-        minutes = self.idle_timeout
-        if minutes is None:
-            minutes = DEFAULT_IDLE_MINUTES.get(self.provider)
-        return minutes or None
-
-
-def check_gpu_name(name: str) -> str:
-    match = next((g for g in KNOWN_GPUS if g.lower() == name.lower()), None)
-    if match is None:
-        raise SessionError(f"unknown GPU {name!r}; known: {', '.join(KNOWN_GPUS)}")
-    return match
-
-
 def make_provider(
     spec: PoolSpec, name: str = "default", extra: Mapping[str, Any] | None = None
 ) -> Provider:
     """The provider for ``spec``; ``extra`` overrides provider options (tests: an endpoint)."""
-    if spec.provider == "ssh":
-        return _ssh_provider(spec)
-    if spec.provider == "aws":
-        return _aws_provider(spec, name, extra or {})
-    if spec.provider != "local":
-        raise SessionError(
-            f"--provider {spec.provider} is not available in this version yet; "
-            "use --provider local (the default)"
-        )
-    from .providers.local import LocalProvider, visible_gpus
-
-    if spec.gpu:
-        ids, model = visible_gpus()
-        if not ids:
-            raise SessionError(
-                f"--gpu {spec.gpu}: this machine has no GPU, and the local provider runs on "
-                "this machine; leave out --gpu to train on CPUs"
-            )
-        if model and spec.gpu.lower() not in model.lower():
-            raise SessionError(f"--gpu {spec.gpu}: this machine's GPUs are {model}")
-    return LocalProvider()
-
-
-def _ssh_provider(spec: PoolSpec) -> Provider:
-    from .providers.ssh import Host, SSHOptions, SSHProvider
-
-    if not spec.hosts:
-        raise SessionError("--provider ssh needs --hosts user@host[:port],...")
     try:
-        hosts = [Host.parse(h) for h in spec.hosts]
-    except ValueError as exc:
-        raise SessionError(f"--hosts: {exc}") from None
-    options = SSHOptions(
-        identity=spec.identity,
-        known_hosts=spec.known_hosts,
-        accept_new_host_keys=bool(spec.accept_new_host_keys),
-        python=spec.python or "python3",
-        head_addr=spec.head_addr,
-    )
-    return SSHProvider(hosts, options)
-
-
-def _aws_provider(spec: PoolSpec, name: str, extra: Mapping[str, Any]) -> Provider:
-    from .providers.aws import AWSOptions, AWSProvider
-
-    if spec.hosts:
-        raise SessionError("--hosts is for --provider ssh; --provider aws makes its own hosts")
-    options = AWSOptions(
-        pool_name=name,
-        gpu=spec.gpu,
-        instance_type=spec.instance_type,
-        region=spec.region,
-        spot=bool(spec.spot),
-        ssh_cidr=spec.ssh_cidr,
-        ami=spec.ami,
-    )
-    if spec.python:
-        options = replace(options, python=spec.python)
-    return AWSProvider(replace(options, **extra))
+        cls = provider_class(spec.provider)
+    except UnknownProvider as exc:
+        raise SessionError(str(exc.args[0])) from None
+    return cls.from_spec(spec, name, extra or {})
 
 
 @dataclass
@@ -262,11 +169,17 @@ class Session:
         return dict(self._pools)
 
     def spec_from(self, options: Mapping[str, Any], base: PoolSpec | None = None) -> PoolSpec:
-        """A spec from the defaults (or ``base``) overlaid with the options given."""
+        """A spec from the defaults (or ``base``) overlaid with the options given; options
+        that belong to one provider choose it when ``--provider`` is not given."""
         changes = {k: v for k, v in options.items() if v is not None}
         if "env" in changes:
             changes["env"] = tuple(sorted(changes["env"]))
-        return replace(base or self.defaults, **changes)
+        if "provider" not in changes and (implied := implied_provider(changes)):
+            changes["provider"] = implied
+        try:
+            return replace(base or self.defaults, **changes).settled()
+        except UnknownProvider as exc:
+            raise SessionError(str(exc.args[0])) from None
 
     def _reusable(self, name: str | None, spec: PoolSpec | None) -> tuple[str, PoolEntry | None]:
         name = name or self.current or "default"
@@ -320,7 +233,7 @@ class Session:
             f"pool {name!r}: {pool.world_size} ranks ready in "
             f"{time.perf_counter() - started:.1f} s ({group})"
         )
-        for warning in getattr(provider, "warnings", ()):
+        for warning in provider.warnings:
             self._announce(f"warning: {warning}")
         entry.last_active = time.monotonic()
         self._pools[name] = entry
@@ -573,43 +486,33 @@ class Session:
     def sweep(
         self, *, yes: bool = False, region: str | None = None, all_owners: bool = False
     ) -> str:
-        """EC2 instances this product tagged that no live pool owns: listed, or with ``yes``
-        terminated with the rest of their pools (key pairs, security and placement groups).
+        """What each provider made that no live pool owns (EC2 instances and their pools' key
+        pairs and groups): listed, or with ``yes`` ended.
 
         Live pools are this session's and those of the registry whose owner process is alive;
-        only instances tagged with this user@host as owner are considered unless ``all_owners``.
+        only this user@host's resources are considered unless ``all_owners``.
         """
-        from .providers import aws
-        from .registry import process_alive, read_records, registry_dir
+        from .registry import live_teardowns
 
-        extra = self.provider_options.get("aws", {})
-        ec2, _, region = aws.clients(region or self.defaults.region, extra.get("endpoint_url"))
-        live = {
-            str(getattr(e.pool.provider, "pool_tag", ""))
-            for e in self._pools.values()
-            if e.pool.provider.name == "aws"
-        }
-        for record in read_records(registry_dir()):
-            owner = record.get("owner") or {}
-            if process_alive(int(owner.get("pid") or 0), owner.get("start")):
-                live.add(str((record.get("teardown") or {}).get("pool_tag", "")))
-        owner_tag = None if all_owners else extra.get("owner") or aws.default_owner()
-        orphans = aws.find_orphans(ec2, live, owner_tag)
-        whose = "anyone's" if owner_tag is None else owner_tag
-        if not orphans:
-            return f"no orphaned instances in {region} ({whose})"
-        lines = [f"orphaned instances in {region} ({whose}):"]
-        lines += [f"  {o.describe()}" for o in orphans]
-        if not yes:
-            lines.append(
-                "run %sky sweep --yes to terminate them and delete their pools' key pairs, "
-                "security groups and placement groups"
+        reports = []
+        for name in provider_names():
+            cls = provider_class(name)
+            live = [
+                e.pool.provider.record({})
+                for e in self._pools.values()
+                if isinstance(e.pool.provider, cls)
+            ]
+            live += [t for t in live_teardowns() if t.get("provider") == name]
+            report = cls.sweep(
+                live=live,
+                yes=yes,
+                region=region or self.defaults.region,
+                all_owners=all_owners,
+                extra=self.provider_options.get(name, {}),
             )
-            return "\n".join(lines)
-        for pool_tag in sorted({o.pool_tag for o in orphans}):
-            removed = aws.teardown_pool(ec2, pool_tag)
-            lines.append(f"pool {pool_tag}: removed {', '.join(removed)}")
-        return "\n".join(lines)
+            if report is not None:
+                reports.append(report)
+        return "\n".join(reports) or "no provider has anything to sweep"
 
     def status(self) -> str:
         if not self._pools:

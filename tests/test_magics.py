@@ -288,7 +288,7 @@ POOL2 = "%%sky --nodes 2\npass"  # the shared 2-rank pool: reused when it is alr
 BAD_OPTIONS = [
     ("--nodes 0", "must be at least 1"),
     ("--nodes x", "expected a whole number"),
-    ("--provider nope", "invalid choice"),
+    ("--provider nope", "unknown provider 'nope'; known: local, ssh, aws"),
     ("--gpu NOPE", "unknown GPU 'NOPE'"),
     ("--env FOO", "expected KEY=VALUE"),
     ("--provider ssh", "needs --hosts"),

@@ -7,13 +7,10 @@ from typing import Any
 
 import pytest
 
-from skyward_jupyter.display.state import (
-    NodeInfo,
-    PanelState,
-    TextBuffer,
-    aggregate_state,
-    summary_text,
-)
+from skyward_jupyter.display.buffers import TextBuffer
+from skyward_jupyter.display.snapshot import NodeInfo
+from skyward_jupyter.display.state import PanelState
+from skyward_jupyter.display.summary import summary_text
 from skyward_jupyter.events import (
     CellFinished,
     CellStarted,
@@ -25,6 +22,7 @@ from skyward_jupyter.events import (
     RankStateChanged,
     RankUsage,
 )
+from skyward_jupyter.model import aggregate_state
 
 from .conftest import wait_for
 

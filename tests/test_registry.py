@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from skyward_jupyter import registry
-from skyward_jupyter.registry import Registry
+from skyward_jupyter import procs, registry
+from skyward_jupyter.registry import Registry, writer
 from skyward_jupyter.server import pools as served
 from skyward_jupyter.session import PoolSpec, Session
 
@@ -120,13 +120,13 @@ def test_readers_skip_what_is_not_a_record(tmp_path: Path) -> None:
 
 
 def test_process_start_tells_a_process_from_its_reused_pid() -> None:
-    me = registry.process_start(os.getpid())
-    assert me is not None and registry.process_alive(os.getpid(), me)
-    assert not registry.process_alive(os.getpid(), "proc:1")
+    me = procs.process_start(os.getpid())
+    assert me is not None and procs.process_alive(os.getpid(), me)
+    assert not procs.process_alive(os.getpid(), "proc:1")
     child = subprocess.Popen(["true"])
-    wait_for(lambda: registry.process_start(child.pid) is None, 10, "the child to end")
+    wait_for(lambda: procs.process_start(child.pid) is None, 10, "the child to end")
     child.wait()  # it was a zombie until now; both count as ended
-    assert not registry.process_alive(child.pid, None)
+    assert not procs.process_alive(child.pid, None)
 
 
 # ------------------------------------------------------------------- the server's view
@@ -135,7 +135,7 @@ def test_process_start_tells_a_process_from_its_reused_pid() -> None:
 def test_orphans_as_the_server_sees_them(tmp_path: Path) -> None:
     directory = registry.ensure_dir(tmp_path / "skyward")
     child = subprocess.Popen(["sleep", "60"])
-    child_start = registry.process_start(child.pid)
+    child_start = procs.process_start(child.pid)
     child.kill()
     child.wait()
     me = registry.Owner.current()
@@ -201,7 +201,7 @@ def test_a_pool_is_registered_while_it_lives(session: tuple[Session, Registry]) 
     assert pids == {r.hello.pid for r in entry.pool.ranks if r.hello} and pids <= agent_pids()
     teardown = record["teardown"]
     assert {(r["pid"], r["start"]) for r in teardown["ranks"]} == {
-        (pid, registry.process_start(pid)) for pid in pids
+        (pid, procs.process_start(pid)) for pid in pids
     }
     assert {t["pid"] for t in teardown["templates"]} == agent_pids(TEMPLATE)
 
@@ -225,13 +225,13 @@ def test_records_are_rewritten_a_few_times_a_second_at_most(
     session_, reg = session
     entry = session_.entry(None, PoolSpec(nodes=2))
     writes: list[float] = []
-    real_write = registry.write_record
+    real_write = writer.write_record
 
     def counted(directory: Path, record: dict[str, Any]) -> Path:
         writes.append(record["updated_at"])
         return real_write(directory, record)
 
-    monkeypatch.setattr(registry, "write_record", counted)
+    monkeypatch.setattr(writer, "write_record", counted)
     started = time.monotonic()
     cells = 0
     while time.monotonic() - started < 1.0:  # every cell: two state changes on every rank

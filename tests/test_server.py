@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from skyward_jupyter import registry
+from skyward_jupyter import procs, registry
 
 from .conftest import agent_pids, wait_for
 from .lab import Kernel, Lab, api, jupyter_lab, rank_pids
@@ -212,7 +212,7 @@ def test_reap_kills_the_pools_processes_and_nothing_else(lab: Lab) -> None:
     rank0, rank1 = _fake_rank(0), _fake_rank(1)
     stranger = subprocess.Popen(["sleep", "300"], start_new_session=True)
     dead = subprocess.Popen(["sleep", "300"])
-    dead_start = registry.process_start(dead.pid)
+    dead_start = procs.process_start(dead.pid)
     dead.kill()
     dead.wait()
     try:
@@ -230,9 +230,9 @@ def test_reap_kills_the_pools_processes_and_nothing_else(lab: Lab) -> None:
                 "provider": "local",
                 "host": socket.gethostname(),
                 "ranks": [
-                    {"pid": rank0.pid, "start": registry.process_start(rank0.pid)},
+                    {"pid": rank0.pid, "start": procs.process_start(rank0.pid)},
                     {"pid": rank1.pid, "start": "proc:1"},  # the pid of a process reused
-                    {"pid": stranger.pid, "start": registry.process_start(stranger.pid)},
+                    {"pid": stranger.pid, "start": procs.process_start(stranger.pid)},
                     {"pid": dead.pid, "start": dead_start},
                 ],
                 "templates": [],

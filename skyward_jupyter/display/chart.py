@@ -14,7 +14,8 @@ import html
 import math
 from collections.abc import Mapping, Sequence
 
-from .state import MetricRow, format_number
+from .format import format_number
+from .metrics import MetricRow
 
 WIDTH = 320
 HEIGHT = 170

@@ -29,254 +29,28 @@ DOM classes, for styling and for browser tests:
 
 from __future__ import annotations
 
-import concurrent.futures
-import html
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import ipywidgets as widgets  # type: ignore[import-untyped]
 
-from ..events import RankState
+from ..model import GONE, PoolFacts
 from .chart import small_multiples
-from .state import (
-    Header,
-    NodeRow,
-    PanelSnapshot,
-    PanelState,
-    RankRow,
-    format_bytes,
-    format_number,
-    format_seconds,
-    summary_text,
-)
+from .clicks import route_clicks
+from .panel_html import header_html, messages_html, metrics_html, nodes_html, output_html, tab_title
+from .snapshot import PanelSnapshot
+from .state import PanelState
+from .summary import summary_text
 
 log = logging.getLogger(__name__)
 
 INTERVAL = 0.25
 """Seconds between redraws at most (about 4 a second)."""
-SHOWN_OUTPUT = 20_000
-"""Characters of a rank's output the panel sends (the state keeps more)."""
 SETTLE = 30.0
 """After the pool ended, how long to keep drawing while its ranks report how they ended."""
-
-STATE_COLOURS = {
-    RankState.PROVISIONING: "#9a6700",
-    RankState.BOOTING: "#9a6700",
-    RankState.CONNECTING: "#9a6700",
-    RankState.READY: "#1a7f37",
-    RankState.RUNNING: "#0969da",
-    RankState.IDLE: "#1a7f37",
-    RankState.FAILED: "#cf222e",
-    RankState.LOST: "#cf222e",
-    RankState.TERMINATED: "#6e7781",
-}
-_GONE = (RankState.LOST, RankState.TERMINATED)
-_CELL = "padding: 2px 10px 2px 0; text-align: left; white-space: nowrap"
-_TABLE = "border-collapse: collapse; font-size: 12px; font-family: sans-serif"
-
-
-# ------------------------------------------------------------------------------- drawing
-
-
-def state_label(state: RankState, detail: str = "") -> str:
-    title = f' title="{html.escape(detail)}"' if detail else ""
-    return (
-        f'<span class="sky-state sky-state-{state.value}" data-state="{state.value}"{title} '
-        f'style="color: {STATE_COLOURS[state]}; font-weight: bold">{state.value}</span>'
-    )
-
-
-def header_html(header: Header, now: float) -> str:
-    h = header
-    parts = [
-        f"<b>pool {html.escape(repr(h.name))}</b>",
-        html.escape(h.provider or "?"),
-        f"{h.nodes} node{'s' * (h.nodes != 1)}"
-        + (f" &times; {h.ranks_per_node} rank{'s' * (h.ranks_per_node != '1')}" if h.ranks else ""),
-        state_label(h.state),
-        f"up {format_seconds(h.uptime(now))}",
-    ]
-    cost = h.cost(now)
-    if h.price_per_hour is not None and cost is not None:
-        parts.append(f"${h.price_per_hour:.2f}/hour, ${cost:.2f} so far")
-    if h.cell is not None:
-        parts.append(f"cell {h.cell} running")
-    return (
-        '<div class="sky-header" style="font-family: sans-serif; font-size: 13px">'
-        + " &middot; ".join(parts)
-        + "</div>"
-    )
-
-
-def nodes_html(nodes: Sequence[NodeRow], now: float) -> str:
-    heads = ("node", "address", "type", "state", "ranks", "CPU", "memory", "GPU memory", "heard")
-    rows = []
-    for n in nodes:
-        age = n.heartbeat_age(now)
-        heard = "-" if age is None or n.state in _GONE else f"{age:.1f} s ago"
-        note = (
-            f' <span class="sky-detail" style="color: #6e7781">{html.escape(n.detail)}</span>'
-            if n.detail and n.state in (RankState.FAILED, RankState.LOST)
-            else ""
-        )
-        cells = (
-            str(n.index),
-            html.escape(n.address or "-"),
-            html.escape(n.kind or "-"),
-            state_label(n.state, n.detail) + note,
-            ", ".join(map(str, n.ranks)) or "-",
-            "-" if n.cpu_percent is None else f"{n.cpu_percent:.0f}%",
-            format_bytes(n.rss_bytes),
-            format_bytes(n.gpu_memory_bytes),
-            heard,
-        )
-        rows.append((f'class="sky-node" data-node="{n.index}" data-state="{n.state.value}"', cells))
-    return _table("sky-nodes", heads, rows)
-
-
-def _table(css_class: str, heads: Sequence[str], rows: Sequence[tuple[str, Sequence[str]]]) -> str:
-    """An HTML table; each row is (attributes of its ``tr``, its cells' HTML)."""
-    head = "".join(f'<th style="{_CELL}">{h}</th>' for h in heads)
-    body = "".join(
-        f"<tr {attrs}>" + "".join(f'<td style="{_CELL}">{c}</td>' for c in cells) + "</tr>"
-        for attrs, cells in rows
-    )
-    return (
-        f'<table class="{css_class}" style="{_TABLE}"><thead><tr>{head}</tr></thead>'
-        f"<tbody>{body}</tbody></table>"
-    )
-
-
-def _tail(text: str, limit: int) -> tuple[str, int]:
-    if len(text) <= limit:
-        return text, 0
-    cut = text.find("\n", len(text) - limit)
-    cut = len(text) - limit if cut < 0 else cut + 1
-    return text[cut:], cut
-
-
-def output_html(rank: RankRow, limit: int = SHOWN_OUTPUT) -> str:
-    """A rank's stdout (and stderr, when there is any), newest at the bottom, in view."""
-    stdout, cut_out = _tail(rank.stdout, limit)
-    stderr, cut_err = _tail(rank.stderr, limit // 4)
-    dropped = rank.dropped + cut_out + cut_err
-    pre = "margin: 0; white-space: pre-wrap; font-size: 12px"
-    parts = [
-        f'<div class="sky-rank-state" style="font-family: sans-serif; font-size: 12px">'
-        f"rank {rank.rank} on node {rank.node}: {state_label(rank.state, rank.detail)}</div>"
-    ]
-    if dropped:
-        parts.append(
-            f'<div class="sky-dropped" style="color: #6e7781; font-size: 11px">'
-            f"[{dropped} earlier characters not shown]</div>"
-        )
-    parts.append(
-        f'<pre class="sky-stdout" data-rank="{rank.rank}" style="{pre}">{html.escape(stdout)}</pre>'
-    )
-    if stderr:
-        parts.append(
-            f'<pre class="sky-stderr" data-rank="{rank.rank}" style="{pre}; color: #cf222e">'
-            f"{html.escape(stderr)}</pre>"
-        )
-    # column-reverse keeps the scroll position at the bottom when the content is replaced.
-    return (
-        '<div style="max-height: 320px; overflow-y: auto; display: flex; '
-        'flex-direction: column-reverse"><div>' + "".join(parts) + "</div></div>"
-    )
-
-
-def metrics_html(snap: PanelSnapshot) -> str:
-    if not snap.latest:
-        return (
-            '<div class="sky-metrics sky-metrics-empty" style="font-family: sans-serif; '
-            'font-size: 12px; color: #6e7781">no metrics yet: call '
-            "<code>log(step=..., loss=...)</code> in a %%sky cell</div>"
-        )
-    heads = ("metric", "step", "mean", "min", "max", "ranks")
-    rows = []
-    for r in snap.latest:
-        cells = (
-            html.escape(r.name),
-            str(r.step),
-            format_number(r.mean),
-            format_number(r.min),
-            format_number(r.max),
-            str(r.ranks),
-        )
-        rows.append((f'class="sky-metric" data-metric="{html.escape(r.name)}"', cells))
-    return _table("sky-metrics", heads, rows)
-
-
-def messages_html(messages: Sequence[str]) -> str:
-    items = "".join(f"<li>{html.escape(m)}</li>" for m in messages[-3:])
-    style = "font-family: sans-serif; font-size: 12px; color: #6e7781; margin: 0"
-    return f'<ul class="sky-messages" style="{style}">{items}</ul>' if items else ""
-
-
-def tab_title(rank: int) -> str:
-    return "rank 0 (head)" if rank == 0 else f"rank {rank}"
-
-
-# ------------------------------------------------------------ clicks while a cell runs
-
-_subshell: str | None = None
-_subshell_lock = threading.Lock()
-
-
-def _click_subshell() -> str | None:
-    """A kernel subshell for the buttons' messages, so a click is handled while a cell runs.
-
-    A running cell blocks the kernel's main thread, and with it every message the frontend sends
-    on the shell channel, widget clicks included. ipykernel 7 (kernel subshells) can route a
-    comm's messages to another thread; without it (older kernels, terminal IPython) the buttons
-    act when the kernel is next idle.
-    """
-    global _subshell
-    with _subshell_lock:
-        if _subshell is not None:
-            return _subshell
-        try:
-            from ipykernel.kernelbase import Kernel
-
-            if not Kernel.initialized():
-                return None
-            channel = Kernel.instance().shell_channel_thread
-            create = channel.manager._create_subshell
-            loop = channel.io_loop
-        except (ImportError, AttributeError):
-            return None
-        made: concurrent.futures.Future[str] = concurrent.futures.Future()
-
-        def make() -> None:
-            try:
-                made.set_result(create())
-            except Exception as exc:  # noqa: BLE001 - handed to the waiting thread
-                made.set_exception(exc)
-
-        try:
-            loop.add_callback(make)
-            _subshell = made.result(timeout=10)
-        except Exception:  # the buttons still work when the kernel is idle
-            log.debug("no kernel subshell for the panel's buttons", exc_info=True)
-            return None
-        return _subshell
-
-
-def _route_clicks(buttons: Sequence[widgets.Button]) -> bool:
-    subshell = _click_subshell()
-    if subshell is None:
-        return False
-    for button in buttons:
-        comm = button.comm
-        if comm is not None and hasattr(comm, "_reply_subshell_for"):
-            comm._reply_subshell_for = lambda data, default, _s=subshell: _s
-    return True
-
-
-# ----------------------------------------------------------------------------- the panel
 
 
 class SkyPanel:
@@ -290,7 +64,7 @@ class SkyPanel:
 
     def __init__(
         self,
-        pool: Any,
+        pool: PoolFacts,
         state: PanelState | None = None,
         *,
         on_interrupt: Callable[[], None] | None = None,
@@ -344,7 +118,7 @@ class SkyPanel:
                 self.messages,
             ]
         ).add_class("sky-panel")
-        self.routed_clicks = _route_clicks([self.interrupt_button, self.shutdown_button])
+        self.routed_clicks = route_clicks([self.interrupt_button, self.shutdown_button])
 
         self._draw_lock = threading.Lock()
         self._drawn_version = -1
@@ -398,7 +172,7 @@ class SkyPanel:
             unsubscribe()
 
     def _pool_ended(self) -> bool:
-        return getattr(self.pool, "started_at", None) is not None and not self.pool.running
+        return self.pool.started_at is not None and not self.pool.running
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -421,7 +195,7 @@ class SkyPanel:
         if self._ended_at is None:
             self._ended_at = now
         ranks = self.state.snapshot().ranks
-        return all(r.state in _GONE for r in ranks) or now - self._ended_at > SETTLE
+        return all(r.state in GONE for r in ranks) or now - self._ended_at > SETTLE
 
     def _click(self, action: Callable[[], None]) -> None:
         try:

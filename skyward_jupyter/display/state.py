@@ -1,31 +1,27 @@
 """The panel's state: a thread-safe fold of pool events, read as immutable snapshots.
 
 Events are applied on the pool's IO thread (:meth:`PanelState.apply`); views read a
-:class:`PanelSnapshot` from their own thread (:meth:`PanelState.snapshot`) and redraw only when
-:attr:`PanelState.version` moved. Nothing here knows about widgets or text: the widget panel
-(:mod:`.panel`), the text fallback (:mod:`.text`) and ``%sky metrics`` all read from it.
+:class:`~.snapshot.PanelSnapshot` from their own thread (:meth:`PanelState.snapshot`) and redraw
+only when :attr:`PanelState.version` moved. Nothing here knows about widgets or text: the widget
+panel (:mod:`.panel`), the text fallback (:mod:`.summary`) and ``%sky metrics`` all read from it.
 
 What is kept, and how much of it:
 
 - per rank: its state (with the detail of the last change), its last :class:`RankUsage`, and its
-  stdout and stderr in :class:`TextBuffer` (a cap in characters, oldest lines dropped first; a
-  lone ``\\r`` rewinds the line, so a progress bar keeps one line);
+  stdout and stderr in :class:`~.buffers.TextBuffer` (a cap in characters, oldest lines dropped
+  first; a lone ``\\r`` rewinds the line, so a progress bar keeps one line);
 - per node (from the pool: address, GPU or instance type): a row aggregated from its ranks; a
   rank the pool lost shows as lost for ``LOST_HOLD`` seconds while the pool restarts it;
 - per metric name: the values of each rank for each step (the last ``max_steps`` steps), reduced
-  to mean, min and max across the ranks that logged that step. A step logged again by a later
-  cell replaces what the earlier cell logged for it. ``log()`` without a step numbers that
-  rank's values of that metric 0, 1, 2, ... (after the last step the rank logged for it).
+  to mean, min and max across the ranks that logged that step (:mod:`.metrics`).
 """
 
 from __future__ import annotations
 
-import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from ..events import (
     CellFinished,
@@ -39,270 +35,16 @@ from ..events import (
     RankStateChanged,
     RankUsage,
 )
+from ..model import GONE, PoolFacts, aggregate_state, price_of
+from .buffers import OUTPUT_CAP, TextBuffer
+from .metrics import MAX_STEPS, MetricRow, MetricSteps, StepNumbers
+from .snapshot import Header, NodeInfo, NodeRow, PanelSnapshot, RankRow
 
-OUTPUT_CAP = 50_000
-"""Characters of stdout (and, separately, stderr) kept per rank."""
-MAX_STEPS = 2000
-"""Steps kept per metric (the highest ones)."""
 MAX_MESSAGES = 20
 LOST_HOLD = 5.0
 """Seconds a lost rank shows as lost while the pool restarts it (a restart takes milliseconds
 with a warm template: without the hold nobody would see that a rank was lost)."""
-
-# Which state a group of ranks (a node, the pool) shows: the first of these any rank is in.
-# Trouble first, then the slowest stage of starting, then activity.
-_PRECEDENCE = (
-    RankState.LOST,
-    RankState.FAILED,
-    RankState.PROVISIONING,
-    RankState.BOOTING,
-    RankState.CONNECTING,
-    RankState.RUNNING,
-    RankState.IDLE,
-    RankState.READY,
-    RankState.TERMINATED,
-)
-_GONE = (RankState.LOST, RankState.TERMINATED)
 _RESTARTING = (RankState.BOOTING, RankState.CONNECTING, RankState.READY)
-_BREAKS = re.compile(r"(\r\n|\r|\n)")
-
-
-def aggregate_state(states: Iterable[RankState]) -> RankState:
-    """The state a node (or pool) shows for its ranks' states.
-
-    Terminated only when every rank is; otherwise the first of lost, failed, provisioning,
-    booting, connecting, running, idle, ready that any rank is in. No ranks yet: provisioning.
-    """
-    present = set(states)
-    if not present:
-        return RankState.PROVISIONING
-    for state in _PRECEDENCE:
-        if state in present:
-            return state
-    return RankState.TERMINATED  # pragma: no cover - every state is in _PRECEDENCE
-
-
-# ------------------------------------------------------------------------------------ output
-
-
-class TextBuffer:
-    """A rank's output as a terminal would keep it, bounded to ``cap`` characters.
-
-    ``\\n`` and ``\\r\\n`` end a line; a lone ``\\r`` makes the next text replace the current line
-    (``\\r`` then ``\\n`` keeps it), so a progress bar redrawn a thousand times is one line. When
-    the text grows past ``cap``, whole lines are dropped from the start (``dropped`` counts the
-    characters); a single line longer than ``cap`` keeps its end.
-    """
-
-    def __init__(self, cap: int = OUTPUT_CAP) -> None:
-        self.cap = cap
-        self._lines: list[str] = []  # finished lines, each ending in "\n"
-        self._start = 0  # index of the first kept line (dropping is O(1); compacted in bulk)
-        self._chars = 0  # characters in the kept finished lines
-        self._line = ""
-        self._rewind = False
-        self.dropped = 0
-
-    def write(self, text: str) -> None:
-        for piece in _BREAKS.split(text):
-            if not piece:
-                continue
-            if piece == "\r":
-                self._rewind = True
-            elif piece in ("\n", "\r\n"):
-                self._lines.append(self._line + "\n")
-                self._chars += len(self._line) + 1
-                self._line, self._rewind = "", False
-            else:
-                if self._rewind:
-                    self._line, self._rewind = piece, False
-                else:
-                    self._line += piece
-                if len(self._line) > self.cap:
-                    self.dropped += len(self._line) - self.cap
-                    self._line = self._line[-self.cap :]
-        self._trim()
-
-    def _trim(self) -> None:
-        while self._chars + len(self._line) > self.cap and self._start < len(self._lines):
-            line = self._lines[self._start]
-            self._start += 1
-            self._chars -= len(line)
-            self.dropped += len(line)
-        if self._start > 1024 and self._start * 2 > len(self._lines):
-            del self._lines[: self._start]
-            self._start = 0
-
-    @property
-    def text(self) -> str:
-        return "".join(self._lines[self._start :]) + self._line
-
-    def __len__(self) -> int:
-        return self._chars + len(self._line)
-
-
-# ----------------------------------------------------------------------------------- metrics
-
-
-@dataclass(frozen=True, slots=True)
-class MetricRow:
-    """One metric at one step, reduced across the ranks that logged it."""
-
-    step: int
-    name: str
-    mean: float
-    min: float
-    max: float
-    ranks: int
-
-    @classmethod
-    def of(cls, step: int, name: str, values: Iterable[float]) -> MetricRow:
-        seq = list(values)
-        return cls(step, name, sum(seq) / len(seq), min(seq), max(seq), len(seq))
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "name": self.name,
-            "mean": self.mean,
-            "min": self.min,
-            "max": self.max,
-            "ranks": self.ranks,
-        }
-
-
-class StepNumbers:
-    """Steps for ``log()`` calls that gave none: per rank and metric, one after the last."""
-
-    def __init__(self) -> None:
-        self._last: dict[tuple[int, str], int] = {}
-
-    def resolve(self, rank: int, name: str, step: int | None) -> int:
-        if step is None:
-            step = self._last.get((rank, name), -1) + 1
-        self._last[(rank, name)] = step
-        return step
-
-
-@dataclass(slots=True)
-class _Step:
-    cell_id: int | None
-    values: dict[int, float]  # rank -> value
-    first_at: float  # monotonic time of the first value
-
-
-class _Metric:
-    def __init__(self, max_steps: int) -> None:
-        self.max_steps = max_steps
-        self.steps: dict[int, _Step] = {}
-        self.last_cell: int | None = None  # the cell that logged most recently
-
-    def put(self, step: int, rank: int, value: float, cell_id: int | None, now: float) -> None:
-        record = self.steps.get(step)
-        if record is None or record.cell_id != cell_id:
-            record = self.steps[step] = _Step(cell_id, {}, now)
-        record.values[rank] = value
-        self.last_cell = cell_id
-        if len(self.steps) > self.max_steps + max(16, self.max_steps // 10):
-            for old in sorted(self.steps)[: len(self.steps) - self.max_steps]:
-                del self.steps[old]
-
-    def rows(self, name: str) -> list[MetricRow]:
-        return [MetricRow.of(s, name, self.steps[s].values.values()) for s in sorted(self.steps)][
-            -self.max_steps :
-        ]
-
-    def latest(self, name: str) -> MetricRow | None:
-        """The highest step the most recent cell logged (what a latest-values table shows)."""
-        steps = [s for s, r in self.steps.items() if r.cell_id == self.last_cell] or self.steps
-        if not steps:
-            return None
-        step = max(steps)
-        return MetricRow.of(step, name, self.steps[step].values.values())
-
-
-# ------------------------------------------------------------------------------- snapshots
-
-
-@dataclass(frozen=True, slots=True)
-class NodeInfo:
-    """What the provider said about a node."""
-
-    index: int
-    address: str = ""
-    kind: str = ""  # GPU or instance type, "cpu" when it has no GPU
-    gpus: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class RankRow:
-    rank: int
-    node: int
-    state: RankState
-    detail: str
-    stdout: str
-    stderr: str
-    dropped: int  # characters of output dropped from the start of the buffers
-    usage: RankUsage | None
-
-
-@dataclass(frozen=True, slots=True)
-class NodeRow:
-    index: int
-    address: str
-    kind: str
-    state: RankState
-    detail: str  # the detail of the rank whose state the node shows
-    ranks: tuple[int, ...]
-    cpu_percent: float | None  # summed over the node's live ranks
-    rss_bytes: int | None
-    gpu_memory_bytes: int | None  # None when no rank reports GPU memory
-    last_heartbeat: float | None  # epoch seconds of the newest usage report
-
-    def heartbeat_age(self, now: float) -> float | None:
-        return None if self.last_heartbeat is None else max(0.0, now - self.last_heartbeat)
-
-
-@dataclass(frozen=True, slots=True)
-class Header:
-    name: str
-    provider: str
-    nodes: int
-    ranks: int
-    state: RankState
-    started_at: float | None
-    ended_at: float | None
-    price_per_hour: float | None
-    cell: int | None  # the cell running now
-    cells: int  # cells run so far
-
-    def uptime(self, now: float) -> float:
-        if self.started_at is None:
-            return 0.0
-        return max(0.0, (self.ended_at or now) - self.started_at)
-
-    def cost(self, now: float) -> float | None:
-        if self.price_per_hour is None:
-            return None
-        return self.price_per_hour * self.uptime(now) / 3600
-
-    @property
-    def ranks_per_node(self) -> str:
-        if not self.nodes or not self.ranks:
-            return "?"
-        per = self.ranks / self.nodes
-        return str(int(per)) if per == int(per) else f"{per:.1f}"
-
-
-@dataclass(frozen=True, slots=True)
-class PanelSnapshot:
-    version: int
-    header: Header
-    nodes: tuple[NodeRow, ...]
-    ranks: tuple[RankRow, ...]
-    latest: tuple[MetricRow, ...]  # one per metric name, in the order names first appeared
-    series: Mapping[str, tuple[MetricRow, ...]]  # per metric name, by step
-    messages: tuple[str, ...]
 
 
 @dataclass(slots=True)
@@ -313,9 +55,6 @@ class _RankState:
     usage: RankUsage | None = None
     lost_at: float | None = None  # monotonic time of the last loss, while it is held
     lost_detail: str = ""
-
-
-# ------------------------------------------------------------------------------------ state
 
 
 class PanelState:
@@ -351,7 +90,7 @@ class PanelState:
         """Node states from the provider, shown until the node's ranks have states of their own."""
         self._stdout: dict[int, TextBuffer] = {}
         self._stderr: dict[int, TextBuffer] = {}
-        self._metrics: dict[str, _Metric] = {}
+        self._metrics: dict[str, MetricSteps] = {}
         self._steps = StepNumbers()
         self._messages: list[str] = []
         self._cell: int | None = None
@@ -403,9 +142,8 @@ class PanelState:
             if changed:
                 self._version += 1
 
-    def sync(self, pool: Any) -> None:
+    def sync(self, pool: PoolFacts) -> None:
         """Read the facts of a :class:`~skyward_jupyter.pool.Pool` (any thread, cheap)."""
-        provider = getattr(pool, "provider", None)
         nodes = [
             NodeInfo(
                 n.index,
@@ -413,18 +151,18 @@ class PanelState:
                 n.gpu_type or n.instance_type or ("gpu" if n.gpus else "cpu"),
                 len(n.gpus),
             )
-            for n in getattr(pool, "nodes", ())
+            for n in pool.nodes
         ]
-        ranks = {r.rank: r.node for r in getattr(pool, "ranks", ())}
-        started_at = getattr(pool, "started_at", None)
+        ranks = {r.rank: r.node for r in pool.ranks}
+        started_at = pool.started_at
         self.describe_pool(
             nodes=nodes or None,
             ranks=ranks,
             started_at=started_at,
-            ended=started_at is not None and not getattr(pool, "running", True),
+            ended=started_at is not None and not pool.running,
             price_per_hour=price_of(pool),
-            provider=getattr(provider, "name", None),
-            expected_nodes=getattr(pool, "requested_nodes", None),
+            provider=pool.provider.name,
+            expected_nodes=pool.requested_nodes,
         )
 
     # ------------------------------------------------------------------------ events
@@ -475,7 +213,7 @@ class PanelState:
             for name, value in values.items():
                 metric = self._metrics.get(name)
                 if metric is None:
-                    metric = self._metrics[name] = _Metric(self.max_steps)
+                    metric = self._metrics[name] = MetricSteps(self.max_steps)
                 resolved = self._steps.resolve(event.rank, name, step)
                 metric.put(resolved, event.rank, value, event.cell_id, now)
 
@@ -550,7 +288,7 @@ class PanelState:
                 detail = next((r.detail for r in mine if r.state is state and r.detail), "")
             else:
                 state, detail = self._booting.get(index, (RankState.PROVISIONING, ""))
-            live = [r.usage for r in mine if r.usage is not None and r.state not in _GONE]
+            live = [r.usage for r in mine if r.usage is not None and r.state not in GONE]
             heard = [r.usage.at for r in mine if r.usage is not None]
             gpu = [u.gpu_memory_bytes for u in live if u.gpu_memory_bytes is not None]
             rows.append(
@@ -568,92 +306,3 @@ class PanelState:
                 )
             )
         return tuple(rows)
-
-
-def price_of(pool: Any) -> float | None:
-    """$/hour of a pool where its provider knows prices (``price_per_hour``); local has none."""
-    price = getattr(getattr(pool, "provider", None), "price_per_hour", None)
-    if isinstance(price, int | float) and not isinstance(price, bool):
-        return float(price)
-    return None
-
-
-# ---------------------------------------------------------------------------- formatting
-
-
-def format_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit in ("B", "KiB") else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} TiB"  # pragma: no cover
-
-
-def format_seconds(seconds: float) -> str:
-    s = int(seconds)
-    if s < 60:
-        return f"{s} s"
-    if s < 3600:
-        return f"{s // 60} min {s % 60:02d} s"
-    return f"{s // 3600} h {s % 3600 // 60:02d} min"
-
-
-def format_number(x: float) -> str:
-    if x != x:  # NaN
-        return "nan"
-    if x == int(x) and abs(x) < 1e12:
-        return str(int(x))
-    return f"{x:.4g}"
-
-
-def summary_text(snap: PanelSnapshot, now: float | None = None) -> str:
-    """The panel as plain text: what a frontend without widgets, or nbconvert to text, shows."""
-    now = time.time() if now is None else now
-    h = snap.header
-    size = f"{h.nodes} node{'s' * (h.nodes != 1)}"
-    if h.ranks:
-        size += (
-            f" x {h.ranks_per_node} rank{'s' * (h.ranks_per_node != '1')} per node "
-            f"({h.ranks} rank{'s' * (h.ranks != 1)})"
-        )
-    line = (
-        f"pool {h.name!r} ({h.provider or '?'}): {size}, {h.state.value}, "
-        f"up {format_seconds(h.uptime(now))}"
-    )
-    cost = h.cost(now)
-    if h.price_per_hour is not None and cost is not None:
-        line += f", ${h.price_per_hour:.2f}/hour, ${cost:.2f} so far"
-    lines = [line]
-    for node in snap.nodes:
-        parts = [f"  node {node.index}", node.address or "-", node.kind or "-", node.state.value]
-        if node.cpu_percent is not None:
-            parts.append(f"cpu {node.cpu_percent:.0f}%")
-        if node.rss_bytes is not None:
-            parts.append(f"mem {format_bytes(node.rss_bytes)}")
-        if node.gpu_memory_bytes is not None:
-            parts.append(f"gpu mem {format_bytes(node.gpu_memory_bytes)}")
-        age = node.heartbeat_age(now)
-        if age is not None and node.state not in _GONE:
-            parts.append(f"heartbeat {age:.1f} s ago")
-        if node.detail and node.state in (RankState.FAILED, RankState.LOST):
-            parts.append(node.detail)
-        lines.append(", ".join(parts[:1]) + ": " + ", ".join(parts[1:]))
-    if snap.latest:
-        lines.append("  metrics (mean, min-max across ranks):")
-        width = max(len(r.name) for r in snap.latest)
-        for row in snap.latest:
-            spread = (
-                ""
-                if row.min == row.max
-                else f" ({format_number(row.min)} - {format_number(row.max)})"
-            )
-            lines.append(
-                f"    {row.name:<{width}}  step {row.step}: {format_number(row.mean)}{spread}, "
-                f"{row.ranks} rank{'s' * (row.ranks != 1)}"
-            )
-    for message in snap.messages[-3:]:
-        lines.append(f"  note: {message}")
-    return "\n".join(lines)

@@ -39,7 +39,8 @@ from ..events import (
     RankState,
     RankStateChanged,
 )
-from .state import MetricRow, StepNumbers, format_number
+from .format import format_number
+from .metrics import MetricRow, StepNumbers
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _QUEUE_LIMIT = 100_000

@@ -24,11 +24,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from .state import MetricRow, PanelState, format_number, price_of, summary_text
+from ..model import EntryFacts, PoolFacts, price_of
+from .format import format_number
+from .metrics import MetricRow
+from .state import PanelState
+from .summary import summary_text
 from .text import TextReport
 
 if TYPE_CHECKING:
-    from ..session import PoolEntry
     from .panel import SkyPanel
 
 log = logging.getLogger(__name__)
@@ -44,7 +47,7 @@ def has_widget_frontend(shell: Any) -> bool:
 @dataclass
 class _View:
     name: str
-    pool: Any
+    pool: PoolFacts
     state: PanelState
     panel: SkyPanel | None = None
     text: TextReport | None = None
@@ -94,7 +97,7 @@ class PoolViews:
 
     # ------------------------------------------------------------ session hooks
 
-    def pool_created(self, entry: PoolEntry) -> None:
+    def pool_created(self, entry: EntryFacts) -> None:
         """A pool was made and is about to start: fold its events from the first one."""
         pool = entry.pool
         state = PanelState(entry.name, pool.provider.name, price_per_hour=price_of(pool))
@@ -119,17 +122,17 @@ class PoolViews:
             view.text = TextReport()
             pool.subscribe(view.text.on_event)
 
-    def pool_starting(self, entry: PoolEntry) -> None:
+    def pool_starting(self, entry: EntryFacts) -> None:
         view = self._views.get(entry.name)
         if view is not None and view.pool is entry.pool and view.text is not None:
             view.text.flush()  # the widget panel redraws by itself
 
-    def pool_started(self, entry: PoolEntry) -> None:
+    def pool_started(self, entry: EntryFacts) -> None:
         view = self._views.get(entry.name)
         if view is not None and view.pool is entry.pool:
             self._update(view)
 
-    def pool_ended(self, entry: PoolEntry) -> None:
+    def pool_ended(self, entry: EntryFacts) -> None:
         view = self._views.get(entry.name)
         if view is None or view.pool is not entry.pool:
             return
@@ -138,7 +141,7 @@ class PoolViews:
             view.panel.stop()
             self._update(view)
 
-    def cell(self, entry: PoolEntry) -> _CellView:
+    def cell(self, entry: EntryFacts) -> _CellView:
         """A cell is about to run on ``entry``'s pool (kernel thread)."""
         view = self._views.get(entry.name)
         if view is None or view.pool is not entry.pool:

@@ -53,7 +53,7 @@ from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionEr
 
 from ..events import RankState
 from . import aws_catalog
-from .base import Node, Progress, ProviderError, no_progress
+from .base import Node, Progress, Provider, ProviderError, ReapReport, no_progress
 from .ssh import Host, SSHOptions, SSHProvider, SSHRank
 
 if TYPE_CHECKING:
@@ -61,6 +61,8 @@ if TYPE_CHECKING:
     from mypy_boto3_ec2 import EC2Client
     from mypy_boto3_ec2.type_defs import InstanceTypeDef, TagSpecificationTypeDef
     from mypy_boto3_ssm import SSMClient
+
+    from ..spec import PoolSpec
 
 TAG_POOL = "skyward:pool"
 TAG_OWNER = "skyward:owner"
@@ -387,10 +389,83 @@ def check_cidr(text: str) -> str:
 # ------------------------------------------------------------------------------ provider
 
 
-class AWSProvider:
+class AWSProvider(Provider):
     name = "aws"
+    default_idle_minutes = 30.0
+
+    @classmethod
+    def from_spec(cls, spec: PoolSpec, pool_name: str, extra: Mapping[str, Any]) -> AWSProvider:
+        if spec.hosts:
+            raise ProviderError("--hosts is for --provider ssh; --provider aws makes its own hosts")
+        options = AWSOptions(
+            pool_name=pool_name,
+            gpu=spec.gpu,
+            instance_type=spec.instance_type,
+            region=spec.region,
+            spot=bool(spec.spot),
+            ssh_cidr=spec.ssh_cidr,
+            ami=spec.ami,
+        )
+        if spec.python:
+            options = replace(options, python=spec.python)
+        return cls(replace(options, **extra))
+
+    @classmethod
+    def where(cls, spec: PoolSpec) -> str:
+        parts = [spec.instance_type, spec.region, "spot" if spec.spot else None]
+        return cls.name + "".join(f" {p}" for p in parts if p)
+
+    def record(self, pids: Mapping[int, Sequence[int]]) -> dict[str, Any]:
+        return self.teardown_record()
+
+    @classmethod
+    def reap(cls, record: Mapping[str, Any], grace: float) -> ReapReport:
+        """Terminate the instances and delete the pool's key pair and groups, by its tag."""
+        try:
+            removed = teardown_from_record(record)
+        except ProviderError as exc:
+            return ReapReport(notes=[str(exc)])
+        return ReapReport(
+            notes=[
+                f"AWS pool {record.get('pool_tag')} in {record.get('region')}: removed "
+                + (", ".join(removed) or "nothing (already gone)")
+            ]
+        )
+
+    @classmethod
+    def sweep(
+        cls,
+        *,
+        live: Sequence[Mapping[str, Any]],
+        yes: bool,
+        region: str | None,
+        all_owners: bool,
+        extra: Mapping[str, Any],
+    ) -> str:
+        """Instances tagged by this product that no live pool owns: listed, or with ``yes``
+        terminated with the rest of their pools (key pairs, security and placement groups)."""
+        ec2, _, region = clients(region, extra.get("endpoint_url"))
+        tags = {str(r.get("pool_tag", "")) for r in live}
+        owner_tag = None if all_owners else extra.get("owner") or default_owner()
+        orphans = find_orphans(ec2, tags, owner_tag)
+        whose = "anyone's" if owner_tag is None else owner_tag
+        if not orphans:
+            return f"no orphaned instances in {region} ({whose})"
+        lines = [f"orphaned instances in {region} ({whose}):"]
+        lines += [f"  {o.describe()}" for o in orphans]
+        if not yes:
+            lines.append(
+                "run %sky sweep --yes to terminate them and delete their pools' key pairs, "
+                "security groups and placement groups"
+            )
+            return "\n".join(lines)
+        for pool_tag in sorted({o.pool_tag for o in orphans}):
+            removed = teardown_pool(ec2, pool_tag)
+            lines.append(f"pool {pool_tag}: removed {', '.join(removed)}")
+        return "\n".join(lines)
 
     def __init__(self, options: AWSOptions) -> None:
+        super().__init__()
         try:
             self.choice = aws_catalog.choose_type(options.gpu, options.instance_type)
         except ValueError as exc:
@@ -405,7 +480,6 @@ class AWSProvider:
         self.market = "spot" if options.spot else "on-demand"
         self.instances: list[Instance] = []
         self.node_price: float | None = None
-        self.warnings: list[str] = []
         self._progress: Progress = no_progress
         self.release_timeout = options.delete_timeout + 60
         self._cancel = threading.Event()

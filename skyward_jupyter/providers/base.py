@@ -1,18 +1,24 @@
-"""What the pool needs from a provider: hosts, and a rank process started on one of them.
+"""The provider interface: everything the rest of the package knows of where nodes come from.
 
 A provider knows how to get machines (this one, SSH hosts, EC2 instances) and how to start the
-agent there with a byte stream back to the notebook. It knows nothing of cells, torch or
-failure policy: that is the pool's job.
+agent there with a byte stream back to the notebook, what they cost, and how to end them after
+the notebook died. It knows nothing of cells, torch or failure policy: that is the pool's job.
+A new provider is one module with one :class:`Provider` subclass, named in
+:mod:`skyward_jupyter.providers` (or registered there by a plugin).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import abc
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from ..events import RankState
 from ..wire import AsyncByteReader, AsyncByteWriter
+
+if TYPE_CHECKING:
+    from ..spec import PoolSpec
 
 
 class ProviderError(Exception):
@@ -72,11 +78,109 @@ def no_progress(text: str, node: int | None = None, state: RankState | None = No
     """The :class:`Progress` of a caller that shows none."""
 
 
-class Provider(Protocol):
-    name: str
+@dataclass
+class ReapReport:
+    """What reaping an orphaned pool did (the server's answer to the side panel's Reap)."""
 
+    killed: list[int] = field(default_factory=list)
+    """Processes of the pool that were running and were ended."""
+    gone: list[int] = field(default_factory=list)
+    """Processes of the pool that had already ended (their pid may be another process's now)."""
+    spared: list[int] = field(default_factory=list)
+    """Recorded processes still running that are not provably agents: not touched."""
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "killed": sorted(self.killed),
+            "gone": sorted(self.gone),
+            "spared": sorted(self.spared),
+            "notes": self.notes,
+        }
+
+
+class Provider(abc.ABC):
+    """Everything a pool, the session, the registry and the server need from a provider.
+
+    A subclass is one provider: it says how a spec becomes machines (:meth:`from_spec`,
+    :meth:`provision`), how a rank starts there (:meth:`start_rank`), what the machines cost,
+    what the registry must keep to end them after the notebook died (:meth:`record`, then
+    :meth:`reap` in the server), and how stray resources are found (:meth:`sweep`). The
+    defaults are right for a provider that owns nothing outside its rank processes.
+    """
+
+    name: ClassVar[str]
+    """``--provider NAME``; the key of :func:`skyward_jupyter.providers.register`."""
+    default_idle_minutes: ClassVar[float | None] = None
+    """Minutes without a cell before the pool stops itself (paid providers set one)."""
+    release_timeout: float = 0.0
+    """Seconds :meth:`release` may take beyond the pool's own shutdown (instances to go)."""
+
+    def __init__(self) -> None:
+        self.warnings: list[str] = []
+        """Said once when the pool is ready (a version mismatch, a spot fallback)."""
+
+    # ----------------------------------------------------------------- from options to a pool
+
+    @classmethod
+    @abc.abstractmethod
+    def from_spec(cls, spec: PoolSpec, pool_name: str, extra: Mapping[str, Any]) -> Provider:
+        """The provider for ``spec``, or :class:`ProviderError` naming the bad option.
+
+        ``extra`` holds settings users never give (tests: an endpoint URL)."""
+
+    @classmethod
+    def settle(cls, spec: PoolSpec) -> PoolSpec:
+        """Complete a spec from what it implies (the SSH provider: one node per host)."""
+        return spec
+
+    @classmethod
+    def where(cls, spec: PoolSpec) -> str:
+        """Where the pool runs, for its one-line description."""
+        return cls.name
+
+    @property
+    def price_per_hour(self) -> float | None:
+        """What the pool's machines cost per hour, where the provider knows it."""
+        return None
+
+    # ------------------------------------------------------------------------- the pool's life
+
+    @abc.abstractmethod
     async def provision(self, nodes: int, progress: Progress = no_progress) -> list[Node]: ...
 
+    @abc.abstractmethod
     async def start_rank(self, node: Node, env: Mapping[str, str]) -> RankProcess: ...
 
-    async def release(self) -> None: ...
+    @abc.abstractmethod
+    async def release(self) -> None:
+        """End everything the provider made for the pool; raise what could not be ended."""
+
+    # ------------------------------------------------------------- after the notebook is gone
+
+    def record(self, pids: Mapping[int, Sequence[int]]) -> dict[str, Any]:
+        """What the registry keeps so that :meth:`reap` can end the pool without its kernel.
+
+        ``pids``: node index -> the pids of its ranks. No secrets: the record is a file."""
+        return {}
+
+    @classmethod
+    def reap(cls, record: Mapping[str, Any], grace: float) -> ReapReport:
+        """End what an orphaned pool left running, from its :meth:`record` alone."""
+        return ReapReport(notes=[f"nothing to reap for a {cls.name} pool"])
+
+    @classmethod
+    def sweep(
+        cls,
+        *,
+        live: Sequence[Mapping[str, Any]],
+        yes: bool,
+        region: str | None,
+        all_owners: bool,
+        extra: Mapping[str, Any],
+    ) -> str | None:
+        """Find (and with ``yes`` end) what this provider made that no live pool owns.
+
+        ``live``: the :meth:`record` of every live pool of this provider. None when the
+        provider leaves nothing behind to sweep."""
+        return None

@@ -17,11 +17,9 @@ does for several workers on one machine.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import collections
 import contextlib
 import fcntl
-import json
 import os
 import queue
 import shutil
@@ -30,15 +28,28 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Mapping
-from pathlib import Path
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
-from .base import Node, Progress, ProviderError, no_progress
+from ..procs import end, is_agent, process_alive, process_start
+from .base import Node, Progress, Provider, ProviderError, ReapReport, no_progress
+from .local_template import (
+    IMPORT_TIME_PREFIXES,
+    base_env,
+    prewarm,
+    shutdown_template,
+    template,
+    template_pids,
+)
+
+if TYPE_CHECKING:
+    from ..spec import PoolSpec
+
+__all__ = ["LocalProvider", "prewarm", "shutdown_template", "split_gpus", "template_pids"]
 
 _DIAGNOSTIC_LINES = 40
 _PIPE_BYTES = 1 << 20
-_PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
-_IMPORT_TIME_PREFIXES = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "TORCH_", "PYTORCH_", "LD_")
 # Variables the template's import of torch does not read: the agent applies the thread count
 # itself (torch.set_num_threads), and NCCL's error handling is read when a group forms.
 _SET_AFTER_START = {"OMP_NUM_THREADS", "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
@@ -83,156 +94,6 @@ def split_gpus(gpus: tuple[str, ...], nodes: int) -> list[tuple[str, ...]]:
 
 
 # ------------------------------------------------------------------------------ the template
-
-
-class Template:
-    """The notebook's handle on its template process; one per notebook process, shared by pools.
-
-    Blocking calls, made from a pool's IO thread through ``asyncio.to_thread``; a reader thread
-    routes the template's replies and its reports of ranks that ended.
-    """
-
-    def __init__(self, env: Mapping[str, str]) -> None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.env = dict(env)
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "skyward_jupyter.agent.template", str(theirs.fileno())],
-            pass_fds=[theirs.fileno()],
-            stdin=subprocess.DEVNULL,
-            env=self.env,
-            start_new_session=True,
-        )
-        theirs.close()
-        self._sock = ours
-        self._request_lock = threading.Lock()
-        self._replies: queue.Queue[dict[str, object]] = queue.Queue()
-        self._ready = threading.Event()
-        self._alive = True
-        self._exit_lock = threading.Lock()
-        self._exits: dict[int, int] = {}
-        self._watchers: dict[int, Callable[[int], None]] = {}
-        threading.Thread(target=self._read, name="skyward-template", daemon=True).start()
-
-    @property
-    def alive(self) -> bool:
-        return self._alive
-
-    def _read(self) -> None:
-        while True:
-            try:
-                data = self._sock.recv(1 << 16)
-            except OSError:
-                break
-            if not data:
-                break
-            message = json.loads(data)
-            if "exited" in message:
-                self._ended(int(message["exited"]), int(message["status"]))
-            elif "ready" in message:
-                self._ready.set()
-            else:
-                self._replies.put(message)
-        self._alive = False
-        self._ready.set()
-        self._replies.put({"error": "the template process ended"})
-
-    def _ended(self, pid: int, status: int) -> None:
-        with self._exit_lock:
-            watcher = self._watchers.pop(pid, None)
-            if watcher is None:
-                self._exits[pid] = status
-        if watcher is not None:
-            watcher(status)
-
-    def watch(self, pid: int, on_exit: Callable[[int], None]) -> None:
-        """Call ``on_exit(status)`` (from the reader thread) when rank ``pid`` ends."""
-        with self._exit_lock:
-            status = self._exits.pop(pid, None)
-            if status is None:
-                self._watchers[pid] = on_exit
-        if status is not None:
-            on_exit(status)
-
-    def spawn(self, env: Mapping[str, str], fds: tuple[int, int, int], timeout: float) -> int:
-        """Fork a rank with ``env`` and descriptors (stdin, stdout, stderr); return its pid."""
-        if not self._ready.wait(timeout) or not self._alive:
-            raise ProviderError("the rank template process is not running")
-        with self._request_lock:
-            socket.send_fds(self._sock, [json.dumps({"env": dict(env)}).encode()], list(fds))
-            reply = self._replies.get(timeout=timeout)
-        if "pid" not in reply:
-            raise ProviderError(f"the rank template could not start a rank: {reply.get('error')}")
-        return int(str(reply["pid"]))
-
-    def close(self) -> None:
-        self._sock.close()
-        try:
-            self.process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-
-_template: Template | None = None
-_retired: list[Template] = []  # replaced templates whose ranks may still be running
-_template_lock = threading.Lock()
-
-
-def _base_env() -> dict[str, str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (_PACKAGE_PARENT, os.environ.get("PYTHONPATH", "")) if p
-    )
-    return env
-
-
-def _import_signature(env: Mapping[str, str]) -> dict[str, str]:
-    """The part of an environment that a process reads at start-up or when torch is imported."""
-    return {
-        k: v
-        for k, v in env.items()
-        if k.startswith(_IMPORT_TIME_PREFIXES) or k in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
-    }
-
-
-def template() -> Template:
-    """The warm template, started on first use (or again if it died or the environment moved)."""
-    global _template
-    with _template_lock:
-        base = _base_env()
-        if (
-            _template is None
-            or not _template.alive
-            or _import_signature(_template.env) != _import_signature(base)
-        ):
-            if _template is not None:
-                # Its ranks may still run, and it reports how they end: close it at shutdown.
-                _retired.append(_template)
-            _template = Template(base)
-        return _template
-
-
-def template_pids() -> list[int]:
-    """This process's live rank templates (the current one and replaced ones still serving)."""
-    with _template_lock:
-        templates = [*_retired, *([_template] if _template else [])]
-    return [t.process.pid for t in templates if t.alive]
-
-
-def prewarm() -> None:
-    """Start the template now, so the first pool does not wait for torch's import."""
-    template()
-
-
-@atexit.register
-def shutdown_template() -> None:
-    """End the template (and replaced ones); their ranks then see their channel close."""
-    global _template
-    with _template_lock:
-        for old in [*_retired, *([_template] if _template else [])]:
-            old.close()
-        _retired.clear()
-        _template = None
 
 
 # ----------------------------------------------------------------------------------- ranks
@@ -364,7 +225,7 @@ class LocalRank:
         return f"exited with status {code}"
 
 
-class LocalProvider:
+class LocalProvider(Provider):
     name = "local"
 
     def __init__(
@@ -373,11 +234,75 @@ class LocalProvider:
         gpu_type: str | None = None,
         use_template: bool = True,
     ) -> None:
+        super().__init__()
+        self._starts: dict[int, str | None] = {}
         self._gpus = gpus
         self._gpu_type = gpu_type
         self._use_template = use_template
         self._ranks: list[LocalRank] = []
         self._threads = 0
+
+    @classmethod
+    def from_spec(cls, spec: PoolSpec, pool_name: str, extra: Mapping[str, Any]) -> LocalProvider:
+        """This machine; ``--gpu`` must name the GPUs it has (the nodes split them)."""
+        if spec.gpu:
+            ids, model = visible_gpus()
+            if not ids:
+                raise ProviderError(
+                    f"--gpu {spec.gpu}: this machine has no GPU, and the local provider runs "
+                    "on this machine; leave out --gpu to train on CPUs"
+                )
+            if model and spec.gpu.lower() not in model.lower():
+                raise ProviderError(f"--gpu {spec.gpu}: this machine's GPUs are {model}")
+        return cls(**extra)
+
+    def record(self, pids: Mapping[int, Sequence[int]]) -> dict[str, Any]:
+        """The ranks' and templates' pids with their start tokens, on this machine."""
+        ranks = [pid for node in sorted(pids) for pid in pids[node]]
+        return {
+            "host": socket.gethostname(),
+            "ranks": [{"pid": pid, "start": self._start(pid)} for pid in ranks],
+            "templates": [{"pid": pid, "start": self._start(pid)} for pid in template_pids()],
+        }
+
+    def _start(self, pid: int) -> str | None:
+        """A process's start token, read once (the registry asks again every few seconds)."""
+        if pid not in self._starts:
+            self._starts[pid] = process_start(pid)
+        return self._starts[pid]
+
+    @classmethod
+    def reap(cls, record: Mapping[str, Any], grace: float) -> ReapReport:
+        """End the recorded ranks and templates that are provably still this pool's."""
+        report = ReapReport()
+        if record.get("host") not in (None, socket.gethostname()):
+            report.notes.append(f"the pool ran on {record.get('host')}, not on this machine")
+            return report
+        for group, names in (("ranks", (b"sky-rank-",)), ("templates", (b"sky-template",))):
+            targets: dict[int, str | None] = {}
+            unsure: dict[int, str | None] = {}
+            for item in record.get(group) or ():
+                pid, start = int(item.get("pid") or 0), item.get("start")
+                if not process_alive(pid, start):
+                    report.gone.append(pid)  # ended, or the pid is another process's now
+                elif is_agent(pid, start, names):
+                    targets[pid] = start
+                else:
+                    unsure[pid] = start
+            report.killed.extend(end(targets, grace) if targets else ())
+            # A process on its way out reads as no program at all: give those a moment.
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline and any(
+                process_alive(pid, start) for pid, start in unsure.items()
+            ):
+                time.sleep(0.05)
+            for pid, start in unsure.items():
+                (report.spared if process_alive(pid, start) else report.gone).append(pid)
+        if report.spared:
+            report.notes.append(
+                f"pids {sorted(report.spared)} are no longer this pool's processes; left alone"
+            )
+        return report
 
     async def provision(self, nodes: int, progress: Progress = no_progress) -> list[Node]:
         gpus, name = (self._gpus, self._gpu_type) if self._gpus is not None else visible_gpus()
@@ -387,16 +312,16 @@ class LocalProvider:
         ]
 
     def _rank_env(self, node: Node, env: Mapping[str, str]) -> dict[str, str]:
-        full = {**_base_env(), **env}
+        full = {**base_env(), **env}
         if node.gpus or os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
             full["CUDA_VISIBLE_DEVICES"] = ",".join(node.gpus)
         return full
 
     def _template_can_serve(self, env: Mapping[str, str]) -> bool:
         """False when the rank's environment changes what torch reads when it is imported."""
-        base = _base_env()
+        base = base_env()
         return self._use_template and not any(
-            k.startswith(_IMPORT_TIME_PREFIXES) and base.get(k) != v
+            k.startswith(IMPORT_TIME_PREFIXES) and base.get(k) != v
             for k, v in env.items()
             if k not in _SET_AFTER_START
         )

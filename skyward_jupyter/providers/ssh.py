@@ -29,15 +29,18 @@ import secrets
 import shlex
 import tarfile
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import asyncssh
 import cloudpickle
 
 from ..events import RankState
-from .base import Node, Progress, ProviderError, no_progress
+from .base import Node, Progress, Provider, ProviderError, ReapReport, no_progress
+
+if TYPE_CHECKING:
+    from ..spec import PoolSpec
 
 _PACKAGE = Path(__file__).resolve().parents[1]
 _DIAGNOSTIC_LINES = 40
@@ -212,15 +215,61 @@ class SSHRank:
         return f"exited with status {self._process.exit_status} on {self._host}"
 
 
-class SSHProvider:
+class SSHProvider(Provider):
     name = "ssh"
 
+    @classmethod
+    def from_spec(cls, spec: PoolSpec, pool_name: str, extra: Mapping[str, Any]) -> SSHProvider:
+        if not spec.hosts:
+            raise ProviderError("--provider ssh needs --hosts user@host[:port],...")
+        try:
+            hosts = [Host.parse(h) for h in spec.hosts]
+        except ValueError as exc:
+            raise ProviderError(f"--hosts: {exc}") from None
+        options = SSHOptions(
+            identity=spec.identity,
+            known_hosts=spec.known_hosts,
+            accept_new_host_keys=bool(spec.accept_new_host_keys),
+            python=spec.python or "python3",
+            head_addr=spec.head_addr,
+        )
+        return cls(hosts, options)
+
+    @classmethod
+    def settle(cls, spec: PoolSpec) -> PoolSpec:
+        """One node per host."""
+        return replace(spec, nodes=len(spec.hosts)) if spec.hosts else spec
+
+    @classmethod
+    def where(cls, spec: PoolSpec) -> str:
+        return f"ssh to {', '.join(spec.hosts)}"
+
+    def record(self, pids: Mapping[int, Sequence[int]]) -> dict[str, Any]:
+        return {
+            "hosts": [
+                {"node": i, "host": str(host), "pids": list(pids.get(i, ()))}
+                for i, host in enumerate(self.hosts)
+            ]
+        }
+
+    @classmethod
+    def reap(cls, record: Mapping[str, Any], grace: float) -> ReapReport:
+        """Nothing to do from here: the ranks ended when their SSH channel closed, which the
+        kernel's end did (and their heartbeat watchdog backs that up)."""
+        hosts = ", ".join(str(h.get("host")) for h in record.get("hosts") or ())
+        return ReapReport(
+            notes=[
+                f"the ranks on {hosts or 'the SSH hosts'} end when their SSH channel closes, "
+                "which the kernel's end did"
+            ]
+        )
+
     def __init__(self, hosts: Sequence[Host], options: SSHOptions | None = None) -> None:
+        super().__init__()
         if not hosts:
             raise ProviderError("--hosts needs at least one user@host")
         self.hosts = tuple(hosts)
         self.options = options or SSHOptions()
-        self.warnings: list[str] = []
         self.shipped: list[str] = []
         self._conns: list[asyncssh.SSHClientConnection] = []
         self._remote_package: list[str] = []

@@ -13,7 +13,8 @@ from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import Any
 
-from ..registry import process_alive, read_records, shutdown_requested
+from ..procs import process_alive
+from ..registry import read_records, shutdown_requested
 
 HOST = socket.gethostname()
 

@@ -1,0 +1,95 @@
+"""``log()`` metrics per step, reduced across the ranks that logged the step (mean, min, max).
+
+Shared by the panel's state (every kept step, for the table, the chart and ``%sky metrics``) and
+the text fallback (one line per completed step). A step logged again by a later cell replaces
+what the earlier cell logged for it. ``log()`` without a step numbers that rank's values of that
+metric 0, 1, 2, ... (after the last step the rank logged for it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+MAX_STEPS = 2000
+"""Steps kept per metric (the highest ones)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MetricRow:
+    """One metric at one step, reduced across the ranks that logged it."""
+
+    step: int
+    name: str
+    mean: float
+    min: float
+    max: float
+    ranks: int
+
+    @classmethod
+    def of(cls, step: int, name: str, values: Iterable[float]) -> MetricRow:
+        seq = list(values)
+        return cls(step, name, sum(seq) / len(seq), min(seq), max(seq), len(seq))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "name": self.name,
+            "mean": self.mean,
+            "min": self.min,
+            "max": self.max,
+            "ranks": self.ranks,
+        }
+
+
+class StepNumbers:
+    """Steps for ``log()`` calls that gave none: per rank and metric, one after the last."""
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[int, str], int] = {}
+
+    def resolve(self, rank: int, name: str, step: int | None) -> int:
+        if step is None:
+            step = self._last.get((rank, name), -1) + 1
+        self._last[(rank, name)] = step
+        return step
+
+
+@dataclass(slots=True)
+class _Step:
+    cell_id: int | None
+    values: dict[int, float]  # rank -> value
+    first_at: float  # monotonic time of the first value
+
+
+class MetricSteps:
+    """One metric's values per step and rank, the highest ``max_steps`` steps kept."""
+
+    def __init__(self, max_steps: int = MAX_STEPS) -> None:
+        self.max_steps = max_steps
+        self.steps: dict[int, _Step] = {}
+        self.last_cell: int | None = None  # the cell that logged most recently
+
+    def put(self, step: int, rank: int, value: float, cell_id: int | None, now: float) -> None:
+        record = self.steps.get(step)
+        if record is None or record.cell_id != cell_id:
+            record = self.steps[step] = _Step(cell_id, {}, now)
+        record.values[rank] = value
+        self.last_cell = cell_id
+        if len(self.steps) > self.max_steps + max(16, self.max_steps // 10):
+            for old in sorted(self.steps)[: len(self.steps) - self.max_steps]:
+                del self.steps[old]
+
+    def rows(self, name: str) -> list[MetricRow]:
+        return [MetricRow.of(s, name, self.steps[s].values.values()) for s in sorted(self.steps)][
+            -self.max_steps :
+        ]
+
+    def latest(self, name: str) -> MetricRow | None:
+        """The highest step the most recent cell logged (what a latest-values table shows)."""
+        steps = [s for s, r in self.steps.items() if r.cell_id == self.last_cell] or self.steps
+        if not steps:
+            return None
+        step = max(steps)
+        return MetricRow.of(step, name, self.steps[step].values.values())

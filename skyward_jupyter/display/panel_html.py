@@ -1,0 +1,172 @@
+"""The panel's parts as HTML: the pool line, the node table, a rank's output, the metrics table.
+
+Pure functions of a :class:`~.snapshot.PanelSnapshot`'s rows and the time they are drawn at; the
+widget panel (:mod:`.panel`) puts their HTML in its widgets. The DOM classes they use are listed
+in :mod:`.panel`.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Sequence
+
+from ..events import RankState
+from ..model import GONE
+from .format import format_bytes, format_number, format_seconds
+from .snapshot import Header, NodeRow, PanelSnapshot, RankRow
+
+SHOWN_OUTPUT = 20_000
+"""Characters of a rank's output the panel sends (the state keeps more)."""
+
+STATE_COLOURS = {
+    RankState.PROVISIONING: "#9a6700",
+    RankState.BOOTING: "#9a6700",
+    RankState.CONNECTING: "#9a6700",
+    RankState.READY: "#1a7f37",
+    RankState.RUNNING: "#0969da",
+    RankState.IDLE: "#1a7f37",
+    RankState.FAILED: "#cf222e",
+    RankState.LOST: "#cf222e",
+    RankState.TERMINATED: "#6e7781",
+}
+_CELL = "padding: 2px 10px 2px 0; text-align: left; white-space: nowrap"
+_TABLE = "border-collapse: collapse; font-size: 12px; font-family: sans-serif"
+
+
+def state_label(state: RankState, detail: str = "") -> str:
+    title = f' title="{html.escape(detail)}"' if detail else ""
+    return (
+        f'<span class="sky-state sky-state-{state.value}" data-state="{state.value}"{title} '
+        f'style="color: {STATE_COLOURS[state]}; font-weight: bold">{state.value}</span>'
+    )
+
+
+def header_html(header: Header, now: float) -> str:
+    h = header
+    parts = [
+        f"<b>pool {html.escape(repr(h.name))}</b>",
+        html.escape(h.provider or "?"),
+        f"{h.nodes} node{'s' * (h.nodes != 1)}"
+        + (f" &times; {h.ranks_per_node} rank{'s' * (h.ranks_per_node != '1')}" if h.ranks else ""),
+        state_label(h.state),
+        f"up {format_seconds(h.uptime(now))}",
+    ]
+    cost = h.cost(now)
+    if h.price_per_hour is not None and cost is not None:
+        parts.append(f"${h.price_per_hour:.2f}/hour, ${cost:.2f} so far")
+    if h.cell is not None:
+        parts.append(f"cell {h.cell} running")
+    return (
+        '<div class="sky-header" style="font-family: sans-serif; font-size: 13px">'
+        + " &middot; ".join(parts)
+        + "</div>"
+    )
+
+
+def nodes_html(nodes: Sequence[NodeRow], now: float) -> str:
+    heads = ("node", "address", "type", "state", "ranks", "CPU", "memory", "GPU memory", "heard")
+    rows = []
+    for n in nodes:
+        age = n.heartbeat_age(now)
+        heard = "-" if age is None or n.state in GONE else f"{age:.1f} s ago"
+        note = (
+            f' <span class="sky-detail" style="color: #6e7781">{html.escape(n.detail)}</span>'
+            if n.detail and n.state in (RankState.FAILED, RankState.LOST)
+            else ""
+        )
+        cells = (
+            str(n.index),
+            html.escape(n.address or "-"),
+            html.escape(n.kind or "-"),
+            state_label(n.state, n.detail) + note,
+            ", ".join(map(str, n.ranks)) or "-",
+            "-" if n.cpu_percent is None else f"{n.cpu_percent:.0f}%",
+            format_bytes(n.rss_bytes),
+            format_bytes(n.gpu_memory_bytes),
+            heard,
+        )
+        rows.append((f'class="sky-node" data-node="{n.index}" data-state="{n.state.value}"', cells))
+    return _table("sky-nodes", heads, rows)
+
+
+def _table(css_class: str, heads: Sequence[str], rows: Sequence[tuple[str, Sequence[str]]]) -> str:
+    """An HTML table; each row is (attributes of its ``tr``, its cells' HTML)."""
+    head = "".join(f'<th style="{_CELL}">{h}</th>' for h in heads)
+    body = "".join(
+        f"<tr {attrs}>" + "".join(f'<td style="{_CELL}">{c}</td>' for c in cells) + "</tr>"
+        for attrs, cells in rows
+    )
+    return (
+        f'<table class="{css_class}" style="{_TABLE}"><thead><tr>{head}</tr></thead>'
+        f"<tbody>{body}</tbody></table>"
+    )
+
+
+def _tail(text: str, limit: int) -> tuple[str, int]:
+    if len(text) <= limit:
+        return text, 0
+    cut = text.find("\n", len(text) - limit)
+    cut = len(text) - limit if cut < 0 else cut + 1
+    return text[cut:], cut
+
+
+def output_html(rank: RankRow, limit: int = SHOWN_OUTPUT) -> str:
+    """A rank's stdout (and stderr, when there is any), newest at the bottom, in view."""
+    stdout, cut_out = _tail(rank.stdout, limit)
+    stderr, cut_err = _tail(rank.stderr, limit // 4)
+    dropped = rank.dropped + cut_out + cut_err
+    pre = "margin: 0; white-space: pre-wrap; font-size: 12px"
+    parts = [
+        f'<div class="sky-rank-state" style="font-family: sans-serif; font-size: 12px">'
+        f"rank {rank.rank} on node {rank.node}: {state_label(rank.state, rank.detail)}</div>"
+    ]
+    if dropped:
+        parts.append(
+            f'<div class="sky-dropped" style="color: #6e7781; font-size: 11px">'
+            f"[{dropped} earlier characters not shown]</div>"
+        )
+    parts.append(
+        f'<pre class="sky-stdout" data-rank="{rank.rank}" style="{pre}">{html.escape(stdout)}</pre>'
+    )
+    if stderr:
+        parts.append(
+            f'<pre class="sky-stderr" data-rank="{rank.rank}" style="{pre}; color: #cf222e">'
+            f"{html.escape(stderr)}</pre>"
+        )
+    # column-reverse keeps the scroll position at the bottom when the content is replaced.
+    return (
+        '<div style="max-height: 320px; overflow-y: auto; display: flex; '
+        'flex-direction: column-reverse"><div>' + "".join(parts) + "</div></div>"
+    )
+
+
+def metrics_html(snap: PanelSnapshot) -> str:
+    if not snap.latest:
+        return (
+            '<div class="sky-metrics sky-metrics-empty" style="font-family: sans-serif; '
+            'font-size: 12px; color: #6e7781">no metrics yet: call '
+            "<code>log(step=..., loss=...)</code> in a %%sky cell</div>"
+        )
+    heads = ("metric", "step", "mean", "min", "max", "ranks")
+    rows = []
+    for r in snap.latest:
+        cells = (
+            html.escape(r.name),
+            str(r.step),
+            format_number(r.mean),
+            format_number(r.min),
+            format_number(r.max),
+            str(r.ranks),
+        )
+        rows.append((f'class="sky-metric" data-metric="{html.escape(r.name)}"', cells))
+    return _table("sky-metrics", heads, rows)
+
+
+def messages_html(messages: Sequence[str]) -> str:
+    items = "".join(f"<li>{html.escape(m)}</li>" for m in messages[-3:])
+    style = "font-family: sans-serif; font-size: 12px; color: #6e7781; margin: 0"
+    return f'<ul class="sky-messages" style="{style}">{items}</ul>' if items else ""
+
+
+def tab_title(rank: int) -> str:
+    return "rank 0 (head)" if rank == 0 else f"rank {rank}"

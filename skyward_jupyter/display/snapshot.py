@@ -1,0 +1,95 @@
+"""What a view draws: the panel's state at one moment, as immutable rows.
+
+:meth:`~.state.PanelState.snapshot` makes one under the state's lock; views read it from their
+own thread without locking, and compute what moves with the clock (uptime, cost, heartbeat ages)
+from the ``now`` they draw at.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ..events import RankState, RankUsage
+from .metrics import MetricRow
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """What the provider said about a node."""
+
+    index: int
+    address: str = ""
+    kind: str = ""  # GPU or instance type, "cpu" when it has no GPU
+    gpus: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RankRow:
+    rank: int
+    node: int
+    state: RankState
+    detail: str
+    stdout: str
+    stderr: str
+    dropped: int  # characters of output dropped from the start of the buffers
+    usage: RankUsage | None
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRow:
+    index: int
+    address: str
+    kind: str
+    state: RankState
+    detail: str  # the detail of the rank whose state the node shows
+    ranks: tuple[int, ...]
+    cpu_percent: float | None  # summed over the node's live ranks
+    rss_bytes: int | None
+    gpu_memory_bytes: int | None  # None when no rank reports GPU memory
+    last_heartbeat: float | None  # epoch seconds of the newest usage report
+
+    def heartbeat_age(self, now: float) -> float | None:
+        return None if self.last_heartbeat is None else max(0.0, now - self.last_heartbeat)
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    name: str
+    provider: str
+    nodes: int
+    ranks: int
+    state: RankState
+    started_at: float | None
+    ended_at: float | None
+    price_per_hour: float | None
+    cell: int | None  # the cell running now
+    cells: int  # cells run so far
+
+    def uptime(self, now: float) -> float:
+        if self.started_at is None:
+            return 0.0
+        return max(0.0, (self.ended_at or now) - self.started_at)
+
+    def cost(self, now: float) -> float | None:
+        if self.price_per_hour is None:
+            return None
+        return self.price_per_hour * self.uptime(now) / 3600
+
+    @property
+    def ranks_per_node(self) -> str:
+        if not self.nodes or not self.ranks:
+            return "?"
+        per = self.ranks / self.nodes
+        return str(int(per)) if per == int(per) else f"{per:.1f}"
+
+
+@dataclass(frozen=True, slots=True)
+class PanelSnapshot:
+    version: int
+    header: Header
+    nodes: tuple[NodeRow, ...]
+    ranks: tuple[RankRow, ...]
+    latest: tuple[MetricRow, ...]  # one per metric name, in the order names first appeared
+    series: Mapping[str, tuple[MetricRow, ...]]  # per metric name, by step
+    messages: tuple[str, ...]

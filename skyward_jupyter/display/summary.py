@@ -1,0 +1,61 @@
+"""The panel as one block of plain text: what a frontend without widgets, nbconvert to text and
+``%sky panel`` in a terminal show instead of the widgets."""
+
+from __future__ import annotations
+
+import time
+
+from ..events import RankState
+from ..model import GONE
+from .format import format_bytes, format_number, format_seconds
+from .snapshot import PanelSnapshot
+
+
+def summary_text(snap: PanelSnapshot, now: float | None = None) -> str:
+    """The pool line, a line per node, the latest metrics and the last notes."""
+    now = time.time() if now is None else now
+    h = snap.header
+    size = f"{h.nodes} node{'s' * (h.nodes != 1)}"
+    if h.ranks:
+        size += (
+            f" x {h.ranks_per_node} rank{'s' * (h.ranks_per_node != '1')} per node "
+            f"({h.ranks} rank{'s' * (h.ranks != 1)})"
+        )
+    line = (
+        f"pool {h.name!r} ({h.provider or '?'}): {size}, {h.state.value}, "
+        f"up {format_seconds(h.uptime(now))}"
+    )
+    cost = h.cost(now)
+    if h.price_per_hour is not None and cost is not None:
+        line += f", ${h.price_per_hour:.2f}/hour, ${cost:.2f} so far"
+    lines = [line]
+    for node in snap.nodes:
+        parts = [f"  node {node.index}", node.address or "-", node.kind or "-", node.state.value]
+        if node.cpu_percent is not None:
+            parts.append(f"cpu {node.cpu_percent:.0f}%")
+        if node.rss_bytes is not None:
+            parts.append(f"mem {format_bytes(node.rss_bytes)}")
+        if node.gpu_memory_bytes is not None:
+            parts.append(f"gpu mem {format_bytes(node.gpu_memory_bytes)}")
+        age = node.heartbeat_age(now)
+        if age is not None and node.state not in GONE:
+            parts.append(f"heartbeat {age:.1f} s ago")
+        if node.detail and node.state in (RankState.FAILED, RankState.LOST):
+            parts.append(node.detail)
+        lines.append(", ".join(parts[:1]) + ": " + ", ".join(parts[1:]))
+    if snap.latest:
+        lines.append("  metrics (mean, min-max across ranks):")
+        width = max(len(r.name) for r in snap.latest)
+        for row in snap.latest:
+            spread = (
+                ""
+                if row.min == row.max
+                else f" ({format_number(row.min)} - {format_number(row.max)})"
+            )
+            lines.append(
+                f"    {row.name:<{width}}  step {row.step}: {format_number(row.mean)}{spread}, "
+                f"{row.ranks} rank{'s' * (row.ranks != 1)}"
+            )
+    for message in snap.messages[-3:]:
+        lines.append(f"  note: {message}")
+    return "\n".join(lines)

@@ -1,0 +1,166 @@
+"""What the views of a pool share: the shape they read it in, its state, its price.
+
+The widget panel, the text fallback (:mod:`.display`) and the lab panel's registry
+(:mod:`.registry`, served by :mod:`.server`) all show one state per node and per pool, folded
+from the ranks' states by :func:`aggregate_state`, and a price where the provider has one
+(:func:`price_of`). The protocols say what those views read of a pool and of the session's
+entry for it, so that they depend on neither :mod:`.pool` nor :mod:`.session`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol
+
+from .events import PoolEvent, RankState
+
+# Which state a group of ranks (a node, the pool) shows: the first of these any rank is in.
+# Trouble first, then the slowest stage of starting, then activity.
+_PRECEDENCE = (
+    RankState.LOST,
+    RankState.FAILED,
+    RankState.PROVISIONING,
+    RankState.BOOTING,
+    RankState.CONNECTING,
+    RankState.RUNNING,
+    RankState.IDLE,
+    RankState.READY,
+    RankState.TERMINATED,
+)
+GONE = (RankState.LOST, RankState.TERMINATED)
+"""States of a rank whose process is no more: its usage and heartbeat are history."""
+
+
+def aggregate_state(states: Iterable[RankState]) -> RankState:
+    """The state a node (or pool) shows for its ranks' states.
+
+    Terminated only when every rank is; otherwise the first of lost, failed, provisioning,
+    booting, connecting, running, idle, ready that any rank is in. No ranks yet: provisioning.
+    """
+    present = set(states)
+    if not present:
+        return RankState.PROVISIONING
+    for state in _PRECEDENCE:
+        if state in present:
+            return state
+    return RankState.TERMINATED  # pragma: no cover - every state is in _PRECEDENCE
+
+
+def price_of(pool: PoolFacts) -> float | None:
+    """$/hour of a pool where its provider knows prices; local has none."""
+    return pool.provider.price_per_hour
+
+
+# ------------------------------------------------------------- what the views read of a pool
+
+
+class ProviderFacts(Protocol):
+    """What views and the registry read of a provider (see ``providers.base.Provider``)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def price_per_hour(self) -> float | None: ...
+
+    def record(self, pids: Mapping[int, Sequence[int]]) -> dict[str, Any]: ...
+
+
+class NodeFacts(Protocol):
+    """A machine of the pool, as its provider found it."""
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def address(self) -> str: ...
+
+    @property
+    def gpus(self) -> Sequence[str]: ...
+
+    @property
+    def gpu_type(self) -> str | None: ...
+
+    @property
+    def instance_type(self) -> str | None: ...
+
+
+class HelloFacts(Protocol):
+    """What a rank said of itself when it connected."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def hostname(self) -> str: ...
+
+
+class RankFacts(Protocol):
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def node(self) -> int: ...
+
+    @property
+    def local_rank(self) -> int: ...
+
+    @property
+    def state(self) -> RankState: ...
+
+    @property
+    def process(self) -> str: ...
+
+    @property
+    def hello(self) -> HelloFacts | None: ...
+
+
+class PoolFacts(Protocol):
+    """A pool as its views see it (:class:`skyward_jupyter.pool.Pool` is one)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def provider(self) -> ProviderFacts: ...
+
+    @property
+    def requested_nodes(self) -> int: ...
+
+    @property
+    def nodes(self) -> Sequence[NodeFacts]: ...
+
+    @property
+    def ranks(self) -> Sequence[RankFacts]: ...
+
+    @property
+    def started_at(self) -> float | None: ...
+
+    @property
+    def running(self) -> bool: ...
+
+    @property
+    def group_backend(self) -> str | None: ...
+
+    def subscribe(self, callback: Callable[[PoolEvent], None]) -> Callable[[], None]: ...
+
+    def interrupt(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class SpecFacts(Protocol):
+    def describe(self) -> str: ...
+
+
+class EntryFacts(Protocol):
+    """A pool as the session hands it to its views (:class:`skyward_jupyter.session.PoolEntry`)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def spec(self) -> SpecFacts: ...
+
+    @property
+    def pool(self) -> PoolFacts: ...

@@ -1,0 +1,287 @@
+"""Every option of ``%%sky`` and ``%sky``, declared once.
+
+The magics build their parsers, ``%%sky?``/``%sky?`` and their one-line errors from these
+tables; the session reads which provider an option belongs to (``--hosts`` alone means SSH).
+An option's parser checks its form only (a whole number, KEY=VALUE); what it means for a
+provider is that provider's to check when the pool is made.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .providers import names
+from .spec import SpecError, check_gpu_name
+
+
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
+    return value
+
+
+def _minutes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected minutes, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (never) or more minutes, got {text}")
+    return value
+
+
+def _env(text: str) -> tuple[str, str]:
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", text, re.S):
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    key, value = text.split("=", 1)
+    return key, value
+
+
+def _hosts(text: str) -> tuple[str, ...]:
+    hosts = tuple(h.strip() for h in text.split(",") if h.strip())
+    if not hosts:
+        raise argparse.ArgumentTypeError("expected user@host[:port],...")
+    return hosts
+
+
+def _gpu(text: str) -> str:
+    try:
+        return check_gpu_name(text)
+    except SpecError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _provider(text: str) -> str:
+    if text not in names():
+        raise argparse.ArgumentTypeError(f"unknown provider {text!r}; known: {', '.join(names())}")
+    return text
+
+
+def identifier(text: str) -> str:
+    if not text.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected a variable name, got {text!r}")
+    return text
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One ``--flag``: argparse's keywords, and the provider it belongs to (if any)."""
+
+    flag: str
+    help: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    provider: str | None = None
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+    def add_to(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(self.flag, help=self.help, **self.kwargs)
+
+
+def _flag(**kwargs: Any) -> dict[str, Any]:
+    """A boolean option that is None (not given) rather than False, so defaults can fill it."""
+    return {"action": "store_true", "default": None, **kwargs}
+
+
+POOL_OPTIONS: tuple[Option, ...] = (
+    Option("--nodes", "nodes in the pool (default 1)", {"type": _int_at_least(1)}),
+    Option(
+        "--procs-per-node",
+        "ranks per node (default: one per GPU, or 1)",
+        {"type": _int_at_least(1)},
+    ),
+    Option(
+        "--provider",
+        "where the nodes come from: local (default), ssh, aws, or a registered provider",
+        {"type": _provider},
+    ),
+    Option("--gpu", "GPU model, e.g. T4, A10G, L4, A100, H100", {"type": _gpu}),
+    Option("--name", "pool name (several pools per kernel)", {"type": identifier}),
+    Option("--backend", "torch.distributed backend (auto)", {"choices": ("gloo", "nccl")}),
+    Option(
+        "--env",
+        "environment variable for every rank, set before torch starts (repeatable)",
+        {"type": _env, "action": "append", "metavar": "KEY=VALUE"},
+    ),
+    Option(
+        "--idle-timeout",
+        "stop the pool after MIN minutes without a cell (0: never; aws: 30 by default)",
+        {"type": _minutes, "metavar": "MIN"},
+    ),
+    Option(
+        "--hosts",
+        "machines to use over SSH, one node each (implies --provider ssh)",
+        {"type": _hosts, "metavar": "USER@HOST[:PORT],..."},
+        provider="ssh",
+    ),
+    Option("--identity", "SSH private key file", {"metavar": "KEY"}, provider="ssh"),
+    Option("--known-hosts", "known_hosts file for host keys", {"metavar": "FILE"}, provider="ssh"),
+    Option(
+        "--accept-new-host-keys",
+        "accept host keys not in known_hosts (an explicit choice; default: refuse)",
+        _flag(),
+        provider="ssh",
+    ),
+    Option("--python", "Python on the hosts (python3)", {"metavar": "PATH"}),
+    Option(
+        "--head-addr",
+        "the head's address as the other hosts reach it",
+        {"metavar": "ADDR"},
+        provider="ssh",
+    ),
+    Option(
+        "--instance-type",
+        "EC2 instance type (default: from --gpu)",
+        {"metavar": "TYPE"},
+        provider="aws",
+    ),
+    Option("--region", "AWS region (default: boto3's)", {"metavar": "REGION"}, provider="aws"),
+    Option(
+        "--spot", "spot instances, on-demand when spot has no capacity", _flag(), provider="aws"
+    ),
+    Option(
+        "--ssh-cidr",
+        "where SSH to the instances may come from (default: this notebook's address/32)",
+        {"metavar": "CIDR"},
+        provider="aws",
+    ),
+    Option("--ami", "image (default: the Deep Learning AMI)", {"metavar": "ID"}, provider="aws"),
+)
+"""What a pool is (:class:`~skyward_jupyter.spec.PoolSpec`, ``--name`` aside)."""
+
+STDOUT = Option(
+    "--stdout",
+    "whose stdout the cell shows: the head's (default), every rank's, or none",
+    {"choices": ("head", "all", "none")},
+)
+TIMEOUT = Option("--timeout", "stop the cell (or script) after SECONDS", {"type": _seconds})
+CELL_OPTIONS: tuple[Option, ...] = (
+    STDOUT,
+    Option("--all", "display every rank's last value", {"action": "store_true"}),
+    Option("--out", "store the per-rank result in NAME", {"type": identifier}),
+    TIMEOUT,
+)
+
+
+def pool_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The pool options given in ``args`` (None where not given), ``--name`` aside."""
+    return {o.dest: getattr(args, o.dest) for o in POOL_OPTIONS if o.dest != "name"}
+
+
+def implied_provider(given: dict[str, Any]) -> str | None:
+    """The provider that the options given choose by themselves (``--hosts``: ssh)."""
+    owners = {o.provider for o in POOL_OPTIONS if o.provider and given.get(o.dest) is not None}
+    return owners.pop() if len(owners) == 1 else None
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """A ``%sky`` line command: its arguments beyond the shared option groups, and its help."""
+
+    name: str
+    usage: str
+    help: str
+    pool: bool = False
+    extra: Sequence[Option] = ()
+    positionals: Sequence[tuple[str, dict[str, Any]]] = ()
+
+
+COMMANDS: tuple[Command, ...] = (
+    Command("up", "[pool options]", "start a pool without running code", pool=True),
+    Command(
+        "run",
+        "[pool options] [--stdout M] [--timeout S] SCRIPT [ARGS ...]",
+        "run a torchrun script on every rank as __main__, with sys.argv = [SCRIPT, *ARGS], "
+        "in its own directory",
+        pool=True,
+        extra=(STDOUT, TIMEOUT),
+        positionals=(
+            ("script", {"metavar": "SCRIPT"}),
+            ("args", {"nargs": argparse.REMAINDER, "metavar": "ARGS"}),
+        ),
+    ),
+    Command(
+        "down",
+        "[NAME | --all]",
+        "shut a pool down (the current one by default)",
+        extra=(Option("--all", "every pool of this kernel", {"action": "store_true"}),),
+        positionals=(("name", {"nargs": "?", "type": identifier}),),
+    ),
+    Command("status", "", "list pools and their ranks"),
+    Command(
+        "restart",
+        "[NAME]",
+        "fresh rank processes and process group, same pool",
+        positionals=(("name", {"nargs": "?", "type": identifier}),),
+    ),
+    Command(
+        "pull",
+        "NAME [--rank K | --all]",
+        "bring a rank's variable into the notebook",
+        extra=(
+            Option("--rank", "the rank to read (0)", {"type": _int_at_least(0), "default": 0}),
+            Option("--all", "every rank's value, as a list", {"action": "store_true"}),
+        ),
+        positionals=(("name", {"type": identifier}),),
+    ),
+    Command(
+        "push",
+        "NAME [NAME ...]",
+        "send notebook variables to every rank now",
+        positionals=(("names", {"nargs": "+", "type": identifier}),),
+    ),
+    Command(
+        "config",
+        "[pool options] [--stdout M]",
+        "defaults for later cells (pool options, --stdout)",
+        pool=True,
+        extra=(STDOUT,),
+    ),
+    Command(
+        "panel",
+        "[NAME]",
+        "show the pool's live panel (text without widgets)",
+        positionals=(("name", {"nargs": "?", "type": identifier}),),
+    ),
+    Command(
+        "metrics",
+        "[NAME]",
+        "what log() recorded: step, name, mean, min, max, ranks across ranks "
+        "(a DataFrame with pandas, else a list)",
+        positionals=(("name", {"nargs": "?", "type": identifier}),),
+    ),
+    Command(
+        "sweep",
+        "[--yes] [--region R] [--all-owners]",
+        "list what providers made that no live pool owns (EC2 instances and their key pairs, "
+        "security and placement groups); --yes ends them",
+        extra=(
+            Option("--yes", "end what is found", {"action": "store_true"}),
+            Option("--region", "where to look (default: the provider's)", {}),
+            Option("--all-owners", "not only this user@host's", {"action": "store_true"}),
+        ),
+    ),
+)

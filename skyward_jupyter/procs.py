@@ -1,0 +1,124 @@
+"""Which process is which: start tokens that tell a pid's process from a later one, and ending
+a process provably ours (used by the registry for owners' liveness and by providers that reap).
+
+Only processes that are provably the pool's are signalled: the pid must still be the process
+recorded (same start time), run ``skyward_jupyter.agent`` and, where the OS names processes
+(Linux), carry one of the expected names (``sky-rank-*``, ``sky-template``). A rank leads a
+session of its own, so its whole process group goes (DataLoader workers too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+
+_AGENT = b"skyward_jupyter.agent"
+
+
+def process_start(pid: int) -> str | None:
+    """An opaque token for when process ``pid`` started; None when there is no live such process.
+
+    Two tokens are equal only for the same process, so a pid reused by another process does not
+    pass for the one recorded. ``"?"``: the process exists, its start time is unknown.
+    """
+    if pid <= 0:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return _psutil_start(pid)
+    if fields[0] in (b"Z", b"X"):
+        return None  # ended; only its exit status is left for its parent to read
+    return f"proc:{int(fields[19])}"  # field 22, starttime, in clock ticks since boot
+
+
+def _psutil_start(pid: int) -> str | None:
+    try:
+        import psutil
+    except ImportError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            return "?"
+        return "?"
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return f"psutil:{proc.create_time():.2f}"
+    except psutil.NoSuchProcess:
+        return None
+    except psutil.Error:
+        return "?"
+
+
+def process_alive(pid: int, start: str | None) -> bool:
+    """Whether ``pid`` is still the process that had start token ``start`` (None: any)."""
+    now = process_start(pid)
+    if now is None:
+        return False
+    return start is None or now == "?" or start == "?" or now == start
+
+
+def _read(pid: int, name: str) -> bytes | None:
+    try:
+        with open(f"/proc/{pid}/{name}", "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def is_agent(pid: int, start: str | None, names: tuple[bytes, ...]) -> bool:
+    """Whether ``pid`` is still the recorded agent process (see the module's rules)."""
+    if start is None or not process_alive(pid, start) or process_start(pid) == "?":
+        return False  # without a start time a reused pid cannot be told apart: never guess
+    cmdline = _read(pid, "cmdline")
+    comm = _read(pid, "comm")
+    if cmdline is None:
+        try:
+            import psutil
+
+            proc = psutil.Process(pid)
+            return _AGENT in " ".join(proc.cmdline()).encode()
+        except Exception:  # noqa: BLE001 - no way to tell (no /proc, no psutil): leave it
+            return False
+    return _AGENT in cmdline and (comm is None or comm.startswith(names))
+
+
+def signal_group(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        try:
+            group = os.getpgid(pid)
+        except ProcessLookupError:
+            return
+        if group == pid:
+            os.killpg(pid, sig)  # the rank and whatever it started (DataLoader workers)
+        else:
+            os.kill(pid, sig)
+
+
+def end(targets: dict[int, str | None], grace: float) -> list[int]:
+    """SIGTERM, then SIGKILL after ``grace``; the pids that had to be ended."""
+    for pid in targets:
+        signal_group(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if not any(process_alive(pid, start) for pid, start in targets.items()):
+            break
+        time.sleep(0.05)
+    for pid, start in targets.items():
+        if process_alive(pid, start):
+            signal_group(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(
+        process_alive(pid, start) for pid, start in targets.items()
+    ):
+        time.sleep(0.05)
+    return list(targets)

@@ -1,0 +1,76 @@
+"""What a pool is: the options a cell or ``%sky up`` gives, as one frozen value.
+
+Two cells asking for equal specs share a pool; a different spec replaces it. The spec is plain
+data below the session and the providers: each provider reads the fields that concern it
+(:meth:`~skyward_jupyter.providers.base.Provider.from_spec`) and says how it is described and
+what it implies, so nothing here knows a provider by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .providers import provider_class
+
+KNOWN_GPUS = ("T4", "A10G", "L4", "L40S", "V100", "A100", "H100")
+
+
+class SpecError(ValueError):
+    """An option that cannot describe a pool (an unknown GPU, a provider that does not exist)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    provider: str = "local"
+    nodes: int = 1
+    procs_per_node: int | None = None
+    gpu: str | None = None
+    backend: str | None = None
+    env: tuple[tuple[str, str], ...] = ()
+    hosts: tuple[str, ...] = ()
+    """SSH hosts (``user@host[:port]``), one node each."""
+    identity: str | None = None
+    known_hosts: str | None = None
+    accept_new_host_keys: bool | None = None
+    python: str | None = None
+    head_addr: str | None = None
+    instance_type: str | None = None
+    region: str | None = None
+    spot: bool | None = None
+    ssh_cidr: str | None = None
+    ami: str | None = None
+    idle_timeout: float | None = None
+    """Minutes without a cell after which the pool stops; 0: never; None: the provider's default."""
+
+    def describe(self) -> str:
+        ranks = f"{self.procs_per_node} ranks" if self.procs_per_node else "1 rank per GPU or CPU"
+        gpu = f", {self.gpu}" if self.gpu else ""
+        where = provider_class(self.provider).where(self)
+        return f"{self.nodes} node{'s' * (self.nodes != 1)} x {ranks}, {where}{gpu}"
+
+    def differences(self, other: PoolSpec) -> str:
+        """What ``other`` changes, as option names and values (for "replacing ..." messages)."""
+        changed = [
+            f"{name.replace('_', '-')} {getattr(self, name)!r} -> {getattr(other, name)!r}"
+            for name in self.__dataclass_fields__
+            if getattr(self, name) != getattr(other, name)
+        ]
+        return ", ".join(changed) or "nothing"
+
+    def idle_minutes(self) -> float | None:
+        """The idle stop that applies to this pool (None: it never stops for being idle)."""
+        minutes = self.idle_timeout
+        if minutes is None:
+            minutes = provider_class(self.provider).default_idle_minutes
+        return minutes or None
+
+    def settled(self) -> PoolSpec:
+        """The spec as its provider completes it (SSH: one node per host)."""
+        return provider_class(self.provider).settle(self)
+
+
+def check_gpu_name(name: str) -> str:
+    match = next((g for g in KNOWN_GPUS if g.lower() == name.lower()), None)
+    if match is None:
+        raise SpecError(f"unknown GPU {name!r}; known: {', '.join(KNOWN_GPUS)}")
+    return match
