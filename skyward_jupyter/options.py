@@ -12,7 +12,7 @@ import argparse
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from .providers import names
 from .spec import SpecError, check_gpu_name
@@ -172,6 +172,7 @@ POOL_OPTIONS: tuple[Option, ...] = (
 )
 """What a pool is (:class:`~skyward_jupyter.spec.PoolSpec`, ``--name`` aside)."""
 
+StdoutMode = Literal["head", "all", "none"]
 STDOUT = Option(
     "--stdout",
     "whose stdout the cell shows: the head's (default), every rank's, or none",

@@ -15,11 +15,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from .capture import CaptureError, Shipment, Shipper
-from .display.output import CellOutput, StdoutMode
-from .options import implied_provider
+from .observers import NoViews, PoolWatcher, Views
+from .options import StdoutMode, implied_provider
 from .pool import Pool
 from .protocol import Script
 from .providers import UnknownProvider, provider_class
@@ -48,79 +48,6 @@ class SessionError(Exception):
 
 USER_ERRORS = (SessionError, CaptureError, PoolError, ProviderError, SpecError)
 """What the magics show as a one-line usage error (nothing else changed)."""
-
-
-class CellView(Protocol):
-    def flush(self) -> None:
-        """Kernel thread, while the cell waits (about 20 times a second)."""
-
-    def finish(self) -> None:
-        """Kernel thread, once the cell ended (also when it failed)."""
-
-
-class Views(Protocol):
-    """The display layer's part in a pool's life (``display/views.py``); no widgets here."""
-
-    def pool_created(self, entry: PoolEntry) -> None:
-        """The pool exists and is about to start."""
-
-    def pool_starting(self, entry: PoolEntry) -> None:
-        """Kernel thread, while the pool starts (about 20 times a second): show its progress."""
-
-    def pool_started(self, entry: PoolEntry) -> None: ...
-
-    def pool_ended(self, entry: PoolEntry) -> None: ...
-
-    def cell(self, entry: PoolEntry) -> CellView:
-        """A cell is about to run on the pool."""
-        ...
-
-    def show(self, name: str | None, current: str | None) -> None:
-        """Show a pool's panel (``%sky panel``); LookupError when there is no such pool."""
-
-    def metrics(self, name: str | None, current: str | None) -> Any:
-        """A pool's metrics as rows (``%sky metrics``); LookupError when there is no such pool."""
-
-
-class PoolWatcher(Protocol):
-    """Another view of a pool's life beside the display (the lab panel's registry)."""
-
-    def pool_created(self, entry: PoolEntry) -> None: ...
-
-    def pool_started(self, entry: PoolEntry) -> None: ...
-
-    def pool_ended(self, entry: PoolEntry) -> None: ...
-
-
-class _NoCellView:
-    def flush(self) -> None:
-        pass
-
-    def finish(self) -> None:
-        pass
-
-
-class NoViews:
-    def pool_created(self, entry: PoolEntry) -> None:
-        pass
-
-    def pool_starting(self, entry: PoolEntry) -> None:
-        pass
-
-    def pool_started(self, entry: PoolEntry) -> None:
-        pass
-
-    def pool_ended(self, entry: PoolEntry) -> None:
-        pass
-
-    def cell(self, entry: PoolEntry) -> CellView:
-        return _NoCellView()
-
-    def show(self, name: str | None, current: str | None) -> None:
-        raise LookupError("this session has no panel")
-
-    def metrics(self, name: str | None, current: str | None) -> Any:
-        raise LookupError("this session keeps no metrics")
 
 
 def make_provider(
@@ -204,7 +131,8 @@ class Session:
         provider = make_provider(wanted, name, self.provider_options.get(wanted.provider))
         if entry is not None:
             self._announce(
-                f"pool {name!r}: replacing {entry.spec.describe()} with {wanted.describe()}"
+                f"pool {name!r}: replacing {entry.spec.describe()} "
+                f"({entry.spec.differences(wanted)})"
             )
             self.down(name, quiet=True)
         self._announce(f"pool {name!r}: starting {wanted.describe()} ...")
@@ -361,13 +289,7 @@ class Session:
     ) -> RunResult:
         for warning in shipment.warnings:
             self._announce(f"warning: {warning}")
-        view = CellOutput(stdout or self.stdout_mode, ranks=entry.pool.world_size)
-        panel = self.views.cell(entry)
-
-        def on_wait() -> None:
-            view.flush()
-            panel.flush()
-
+        view = self.views.cell(entry, stdout or self.stdout_mode)
         try:
             result = entry.pool.run(
                 source,
@@ -376,14 +298,13 @@ class Session:
                 filename=script.path if script else None,
                 script=script,
                 observer=view.on_event,
-                on_wait=on_wait,
+                on_wait=view.flush,
             )
         except CellInterrupted as interrupted:
             self._settle(entry, shipment, interrupted.result)
             raise
         finally:
-            view.finish()  # also writes the stderr lines still held for other ranks
-            panel.finish()
+            view.finish()
         self._settle(entry, shipment, result)
         return result
 

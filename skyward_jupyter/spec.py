@@ -49,9 +49,10 @@ class PoolSpec:
         return f"{self.nodes} node{'s' * (self.nodes != 1)} x {ranks}, {where}{gpu}"
 
     def differences(self, other: PoolSpec) -> str:
-        """What ``other`` changes, as option names and values (for "replacing ..." messages)."""
+        """What ``other`` changes, as options (``--env A=1 -> A=2``), for "replacing" messages."""
         changed = [
-            f"{name.replace('_', '-')} {getattr(self, name)!r} -> {getattr(other, name)!r}"
+            f"--{name.replace('_', '-')} {_shown(getattr(self, name))} -> "
+            f"{_shown(getattr(other, name))}"
             for name in self.__dataclass_fields__
             if getattr(self, name) != getattr(other, name)
         ]
@@ -74,3 +75,11 @@ def check_gpu_name(name: str) -> str:
     if match is None:
         raise SpecError(f"unknown GPU {name!r}; known: {', '.join(KNOWN_GPUS)}")
     return match
+
+
+def _shown(value: object) -> str:
+    if value is None or value == ():
+        return "(default)"
+    if isinstance(value, tuple):
+        return ",".join("=".join(v) if isinstance(v, tuple) else str(v) for v in value)
+    return str(value)

@@ -23,11 +23,11 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Literal, TextIO
+from typing import TextIO
 
 from ..events import OutputReceived, PoolEvent
+from ..options import StdoutMode
 
-StdoutMode = Literal["head", "all", "none"]
 MAX_FLUSH_CHARS = 200_000
 # How long a stderr line waits for the other ranks to write the same line. Long enough for ranks
 # that run in step (their output arrives within a few flushes of each other), short enough that a

@@ -25,8 +25,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..model import EntryFacts, PoolFacts, price_of
+from ..options import StdoutMode
 from .format import format_number
 from .metrics import MetricRow
+from .output import CellOutput
 from .state import PanelState
 from .summary import summary_text
 from .text import TextReport
@@ -59,18 +61,23 @@ class _View:
 
 
 class _CellView:
-    """What the session calls around one cell (all on the kernel's thread)."""
+    """What the session calls around one cell: the ranks' output written into the cell, and
+    the pool's panel (or text report) kept current, both from the kernel's thread."""
 
-    def __init__(self, views: PoolViews, view: _View | None) -> None:
+    def __init__(self, views: PoolViews, view: _View | None, output: CellOutput) -> None:
         self._views = views
         self._view = view
+        self._output = output
+        self.on_event = output.on_event
 
     def flush(self) -> None:
+        self._output.flush()
         view = self._view
         if view is not None and view.text is not None:
             view.text.flush()
 
     def finish(self) -> None:
+        self._output.finish()  # also writes the stderr lines still held for other ranks
         view = self._view
         if view is not None:
             self._views._cell_finished(view)
@@ -141,11 +148,12 @@ class PoolViews:
             view.panel.stop()
             self._update(view)
 
-    def cell(self, entry: EntryFacts) -> _CellView:
+    def cell(self, entry: EntryFacts, stdout: StdoutMode) -> _CellView:
         """A cell is about to run on ``entry``'s pool (kernel thread)."""
+        output = CellOutput(stdout, ranks=len(entry.pool.ranks))
         view = self._views.get(entry.name)
         if view is None or view.pool is not entry.pool:
-            return _CellView(self, None)
+            return _CellView(self, None, output)
         with view.lock:
             view.in_cell = True
         if view.panel is not None:
@@ -154,7 +162,7 @@ class PoolViews:
             self._show(view)
         if view.text is not None:
             view.text.flush()
-        return _CellView(self, view)
+        return _CellView(self, view, output)
 
     def _cell_finished(self, view: _View) -> None:
         with view.lock:

@@ -1,0 +1,20 @@
+"""A pool's description: what a replacement message says changed, and the provider's part."""
+
+from __future__ import annotations
+
+from skyward_jupyter.spec import PoolSpec
+
+
+def test_a_replacement_names_only_what_changed() -> None:
+    two = PoolSpec(nodes=2)
+    assert two.differences(PoolSpec(nodes=2, env=(("A", "1"),))) == "--env (default) -> A=1"
+    assert two.differences(PoolSpec(nodes=3, gpu="T4")) == "--nodes 2 -> 3, --gpu (default) -> T4"
+    assert two.differences(PoolSpec(nodes=2)) == "nothing"
+
+
+def test_each_provider_describes_its_own_pools() -> None:
+    assert PoolSpec(nodes=2).describe() == "2 nodes x 1 rank per GPU or CPU, local"
+    ssh = PoolSpec(provider="ssh", hosts=("a@h1", "a@h2")).settled()
+    assert ssh.nodes == 2 and ssh.describe().endswith("ssh to a@h1, a@h2")
+    aws = PoolSpec(provider="aws", region="us-east-1", spot=True)
+    assert aws.describe().endswith("aws us-east-1 spot") and aws.idle_minutes() == 30
