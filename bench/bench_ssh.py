@@ -85,12 +85,8 @@ sys.path.insert(0, str(REPO))  # for tests.hosts (bench/ is first on the path, n
 from skyward_jupyter import Pool
 from skyward_jupyter.providers import local
 from skyward_jupyter.providers.base import Node, Progress, no_progress
-from skyward_jupyter.providers.ssh import (
-    Host,
-    SSHOptions,
-    SSHProvider,
-    _package_tarball,
-)
+from skyward_jupyter.providers.ssh import Host, SSHOptions, SSHProvider
+from skyward_jupyter.providers.ssh_prepare import package_tarball
 from tests.hosts import Hosts, available, ssh_hosts
 
 SCRIPT = Script("ssh")
@@ -242,7 +238,7 @@ async def _time_ship(hosts: Hosts, tmp: Path, runs: int, warmup: int) -> dict[st
         "command_ms": asdict(Summary.of(samples["command_ms"])),
         "ratio_fresh_over_present": fresh_ms.median / present_ms.median,
         "fresh_minus_present_ms": fresh_ms.median - present_ms.median,
-        "tarball_bytes": len(_package_tarball()),
+        "tarball_bytes": len(package_tarball()),
         "package_files": sum(1 for _ in (REPO / "skyward_jupyter").rglob("*.py")),
         "samples": samples,
         "runs": runs,

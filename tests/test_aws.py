@@ -26,7 +26,7 @@ import pytest
 from skyward_jupyter import Pool
 from skyward_jupyter.display.state import PanelState
 from skyward_jupyter.events import NodeStateChanged, RankState
-from skyward_jupyter.providers import aws, aws_catalog
+from skyward_jupyter.providers import aws, aws_catalog, aws_checks, aws_teardown
 from skyward_jupyter.providers.aws import AWSOptions, AWSProvider, Reachable
 from skyward_jupyter.providers.base import ProviderError
 from skyward_jupyter.providers.ssh import Host
@@ -73,7 +73,7 @@ def aws_env(monkeypatch: pytest.MonkeyPatch, stand: Ec2Stand) -> None:
 def dlami(stand: Ec2Stand) -> str:
     """AWS's public DLAMI parameter, published in moto's SSM, naming an image moto has."""
     image = _ec2(stand).describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
-    stand.publish_parameter(REGION, aws.DLAMI_PARAMETER, image)
+    stand.publish_parameter(REGION, aws_checks.DLAMI_PARAMETER, image)
     return image
 
 
@@ -167,15 +167,17 @@ def _options(stand: Ec2Stand, address_url: str, **changes: Any) -> AWSOptions:
 def leftovers(stand: Ec2Stand, pool_tag: str) -> dict[str, list[str]]:
     """Everything of the pool that still exists in EC2."""
     ec2 = _ec2(stand)
-    tag = [{"Name": f"tag:{aws.TAG_POOL}", "Values": [pool_tag]}]
+    tag = [{"Name": f"tag:{aws_teardown.TAG_POOL}", "Values": [pool_tag]}]
     return {
-        "instances": [i["InstanceId"] for i in aws.live_instances(ec2, tag)],
+        "instances": [i["InstanceId"] for i in aws_teardown.live_instances(ec2, tag)],
         "key_pairs": [k["KeyName"] for k in ec2.describe_key_pairs(Filters=tag)["KeyPairs"]],
         "security_groups": [
             g["GroupId"] for g in ec2.describe_security_groups(Filters=tag)["SecurityGroups"]
         ],
         "placement_groups": [
-            g.name for g in stand.placement_groups.values() if g.tags.get(aws.TAG_POOL) == pool_tag
+            g.name
+            for g in stand.placement_groups.values()
+            if g.tags.get(aws_teardown.TAG_POOL) == pool_tag
         ],
     }
 
@@ -205,7 +207,7 @@ def test_every_gpu_name_maps_to_a_type_that_ec2_says_carries_it(
             assert aws_catalog.on_demand_price(REGION, choice.instance_type) is not None
         provider = AWSProvider(_options(stand, address_url, gpu=gpu))
         assert provider.choice == choices[0] and choices[0].gpus >= 1
-        provider._check_type(ec2, REGION)  # the provider's own check passes
+        aws_checks.check_type(ec2, REGION, provider.choice.instance_type, gpu)  # it passes
     cpu = AWSProvider(_options(stand, address_url))
     assert cpu.choice.instance_type == aws_catalog.CPU_TYPE
     assert not ec2.describe_instance_types(InstanceTypes=[aws_catalog.CPU_TYPE])["InstanceTypes"][
@@ -260,13 +262,13 @@ def test_two_node_pool_every_call_and_nothing_left(
     actions = [c.action for c in calls]
     # The AMI: AWS's public DLAMI parameter, then the image checked.
     (lookup,) = [c for c in calls if c.action == "GetParameter"]
-    assert json.loads(lookup.params["Name"]) == aws.DLAMI_PARAMETER
+    assert json.loads(lookup.params["Name"]) == aws_checks.DLAMI_PARAMETER
     # The key pair: imported (made here), tagged.
     (imported,) = [c for c in calls if c.action == "ImportKeyPair"]
     assert imported.params["KeyName"] == tag
     material = base64.b64decode(imported.params["PublicKeyMaterial"]).decode()
     assert material.startswith("ssh-ed25519 ")
-    owner = {aws.TAG_POOL: tag, aws.TAG_OWNER: "tester@test"}
+    owner = {aws_teardown.TAG_POOL: tag, aws_teardown.TAG_OWNER: "tester@test"}
     assert owner.items() <= imported.tags("key-pair").items()
     # The security group: SSH from this notebook's address only, all traffic inside the group.
     (created,) = [c for c in calls if c.action == "CreateSecurityGroup"]
@@ -297,7 +299,10 @@ def test_two_node_pool_every_call_and_nothing_left(
     assert p["MetadataOptions.HttpTokens"] == "required"
     assert "InstanceMarketOptions.MarketType" not in p
     assert owner.items() <= run.tags("instance").items()
-    assert aws.TAG_CREATED in run.tags("instance") and owner.items() <= run.tags("volume").items()
+    assert (
+        aws_teardown.TAG_CREATED in run.tags("instance")
+        and owner.items() <= run.tags("volume").items()
+    )
     parts = _user_data(p["UserData"])
     config = parts["text/cloud-config"]
     watchdog = json.loads(config["write_files"][0]["content"])
@@ -469,7 +474,10 @@ def test_clear_errors_before_anything_is_created(
 def _orphan(stand: Ec2Stand, dlami: str, pool_tag: str, owner: str) -> str:
     """What a pool whose notebook died leaves: tagged instance, key pair and security group."""
     ec2 = _ec2(stand)
-    tags = [{"Key": aws.TAG_POOL, "Value": pool_tag}, {"Key": aws.TAG_OWNER, "Value": owner}]
+    tags = [
+        {"Key": aws_teardown.TAG_POOL, "Value": pool_tag},
+        {"Key": aws_teardown.TAG_OWNER, "Value": owner},
+    ]
     ec2.import_key_pair(
         KeyName=pool_tag,
         PublicKeyMaterial=asyncssh.generate_private_key("ssh-ed25519").export_public_key(),
@@ -518,14 +526,14 @@ def test_sweep_shows_then_terminates_orphans_of_this_owner_only(
     shown = session.sweep(region=REGION)
     assert orphan in shown and live not in shown and theirs not in shown
     assert "run %sky sweep --yes" in shown
-    assert len(aws.live_instances(_ec2(stand), [])) >= 3  # showing terminates nothing
+    assert len(aws_teardown.live_instances(_ec2(stand), [])) >= 3  # showing terminates nothing
     done = session.sweep(yes=True, region=REGION)
     assert f"pool sky-orphan00001: removed {orphan}" in done
     assert leftovers(stand, "sky-orphan00001") == NOTHING
     assert leftovers(stand, "sky-livepool001")["instances"] == [live]
     assert leftovers(stand, "sky-theirs00001")["instances"] == [theirs]
     for tag in ("sky-livepool001", "sky-theirs00001"):
-        aws.teardown_pool(_ec2(stand), tag, poll=0.1)
+        aws_teardown.teardown_pool(_ec2(stand), tag, poll=0.1)
 
 
 def test_the_server_reaps_an_orphaned_aws_pool_from_its_record(stand: Ec2Stand, dlami: str) -> None:

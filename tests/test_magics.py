@@ -784,8 +784,8 @@ def test_other_options_replace_the_pool_and_names_add_pools(nb: Kernel) -> None:
     two = nb.eval("two_nodes.values")
 
     cell = nb.ok("%%sky --nodes 1 --out one_node\nimport os\nos.getpid()")
-    assert "replacing 2 nodes x 1 rank per GPU or CPU, local (--nodes 2 -> 1)" in cell.stderr, (
-        str(cell)
+    assert "replacing 2 nodes x 1 rank per GPU or CPU, local (--nodes 2 -> 1)" in cell.stderr, str(
+        cell
     )
     one = nb.eval("one_node.values")
     assert len(one) == 1 and one[0] not in two

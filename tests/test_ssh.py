@@ -14,7 +14,8 @@ import pytest
 
 from skyward_jupyter import Pool
 from skyward_jupyter.providers.base import ProviderError
-from skyward_jupyter.providers.ssh import Host, SSHOptions, SSHProvider, package_digest
+from skyward_jupyter.providers.ssh import Host, SSHOptions, SSHProvider
+from skyward_jupyter.providers.ssh_prepare import package_digest
 
 from .conftest import wait_for
 from .hosts import Hosts, available, ssh_hosts
@@ -231,7 +232,7 @@ def test_versions_are_checked() -> None:
 
     import cloudpickle
 
-    from skyward_jupyter.providers.ssh import check_versions
+    from skyward_jupyter.providers.ssh_prepare import check_versions
 
     host = Host("gpu1", "alice")
     same = {

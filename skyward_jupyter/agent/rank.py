@@ -10,6 +10,9 @@ Threads and their jobs:
   has been silent too long (its machine may be gone without closing the channel);
 - two capture threads (see :mod:`.output`).
 
+What a finished cell sends back is built in :mod:`.cell_result`; the process's name, C stdio and
+usage sampling are in :mod:`.process`.
+
 The exits use ``os._exit`` because user code may be blocked in C (a collective, a sleep) and
 would never return to let a normal exit happen.
 """
@@ -18,9 +21,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import dataclasses
-import functools
 import json
 import os
 import platform
@@ -40,12 +41,13 @@ from .. import protocol as p
 from .. import runtime
 from ..launch_env import error_file
 from ..wire import SyncChannel
-from .cells import Namespace, format_remote_traceback, run_script
+from .cell_result import cell_done
+from .cells import Namespace, run_script
 from .output import FdCapture
+from .process import UsageMeter, flush_c_stdio, set_process_name
 from .torch_setup import GroupSettings, ProcessGroup, cuda_device_count, torch_version
 from .user_group import UserGroupCalls
 
-_REPR_LIMIT = 20_000
 EXIT_CHANNEL_CLOSED = 0
 EXIT_HEARTBEAT_LOST = 75
 EXIT_AGENT_FAILED = 70
@@ -291,7 +293,7 @@ class Agent:
             # a cell may have closed or replaced the stream; then nothing buffered is left
             with contextlib.suppress(OSError, ValueError):
                 stream.flush()
-        _flush_c_stdio()
+        flush_c_stdio()
         for capture in self.captures:
             capture.sync()
 
@@ -333,7 +335,7 @@ class Agent:
         before.clear()
         self._sync_output()
         self._flush_metrics()
-        done = _cell_done(command.cell_id, value, error, seconds, after_interrupt)
+        done = cell_done(command.cell_id, value, error, seconds, after_interrupt)
         notes = tuple(self._notes)
         self._notes.clear()
         destroyed = self.user_calls.destroyed or self.group.gone()
@@ -341,95 +343,6 @@ class Agent:
             dataclasses.replace(done, bound=bound, group_destroyed=destroyed, notes=notes)
         )
         self.cell_id = None
-
-
-class UsageMeter:
-    """CPU share since the last sample, resident memory, and GPU memory once CUDA is in use.
-
-    It never initialises CUDA itself (that would take GPU memory on a rank that uses none).
-    """
-
-    def __init__(self) -> None:
-        self._cpu = time.process_time()
-        self._wall = time.monotonic()
-        self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-    def sample(self, torch_ready: bool) -> p.Usage:
-        cpu, wall = time.process_time(), time.monotonic()
-        percent = 100.0 * (cpu - self._cpu) / max(wall - self._wall, 1e-6)
-        self._cpu, self._wall = cpu, wall
-        try:
-            with open("/proc/self/statm") as statm:
-                rss = int(statm.read().split()[1]) * self._page
-        except OSError:
-            rss = 0
-        gpu_memory, gpu_util = None, None
-        torch = sys.modules.get("torch") if torch_ready else None
-        if torch is not None and torch.cuda.is_initialized():
-            gpu_memory = int(torch.cuda.memory_reserved())
-            with contextlib.suppress(ImportError, RuntimeError):  # needs NVML, maybe absent
-                gpu_util = float(torch.cuda.utilization())
-        return p.Usage(percent, rss, gpu_memory, gpu_util)
-
-
-def _cell_done(
-    cell_id: int, value: Any, error: BaseException | None, seconds: float, after_interrupt: bool
-) -> p.CellDone:
-    if error is not None:
-        info = dataclasses.replace(_error_info(error), after_interrupt=after_interrupt)
-        return p.CellDone(cell_id, None, None, info, seconds)
-    if value is None:
-        return p.CellDone(cell_id, None, None, None, seconds)
-    try:
-        pickled: p.Pickled | None = p.Pickled.dump(value)
-    except Exception:  # noqa: BLE001 - an unpicklable value still shows as its repr
-        pickled = None
-    return p.CellDone(cell_id, pickled, _safe_repr(value), None, seconds)
-
-
-def _safe_repr(value: Any) -> str:
-    try:
-        text = repr(value)
-    except Exception as exc:  # noqa: BLE001 - a broken __repr__ must not fail the cell
-        return f"<{type(value).__name__} (repr failed: {exc!r})>"
-    return text if len(text) <= _REPR_LIMIT else text[:_REPR_LIMIT] + " ...[truncated]"
-
-
-def _error_info(exc: BaseException) -> p.ErrorInfo:
-    try:
-        pickled: p.Pickled | None = p.Pickled.dump(exc)
-    except Exception:  # noqa: BLE001 - the text form below always travels
-        pickled = None
-    module = type(exc).__module__
-    return p.ErrorInfo(
-        type_name=type(exc).__qualname__
-        if module == "builtins" or module.startswith("skyward_jupyter.")
-        else f"{module}.{type(exc).__qualname__}",
-        message=str(exc),
-        traceback=format_remote_traceback(exc),
-        exception=pickled,
-    )
-
-
-def set_process_name(name: str) -> None:
-    """Name the process as ``ps``/``top`` show it, so a user can tell ranks from other Pythons."""
-    libc = _libc()
-    if libc is not None and sys.platform.startswith("linux"):
-        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    try:
-        return ctypes.CDLL(None)
-    except OSError:
-        return None  # no C library to flush (not Linux/macOS); Python's own streams still are
-
-
-def _flush_c_stdio() -> None:
-    libc = _libc()
-    if libc is not None:
-        libc.fflush(None)
 
 
 def _env_from_stdin() -> None:

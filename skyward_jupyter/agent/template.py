@@ -47,10 +47,11 @@ def _child(env: dict[str, str], fds: list[int]) -> None:
 def serve(sock: socket.socket) -> None:
     import cloudpickle  # noqa: F401 - imported here so that forked ranks start with it
 
-    from . import rank
+    from . import rank  # imported here so that forked ranks start with the agent loaded
+    from .process import set_process_name
     from .torch_setup import torch_version
 
-    rank.set_process_name("sky-template")
+    set_process_name("sky-template")
 
     torch_version()  # the point of the template; without torch, ranks report it themselves
     del rank

@@ -4,10 +4,8 @@ This is also the path the cloud providers take once their instances are up. What
 
 - connects with host keys verified against ``known_hosts`` (accepting an unknown key is an
   explicit option), with errors that name the host and say what to do;
-- checks the host's Python, torch and cloudpickle against the notebook's: a mismatch that
-  breaks pickling is an error naming both versions, a harmless one a warning;
-- ships this package (pure Python) once per content hash to ``~/.cache/skyward_jupyter/<hash>``
-  instead of needing it installed there;
+- checks the host's Python, torch and cloudpickle against the notebook's, and ships this
+  package there once per content hash (both in :mod:`.ssh_prepare`);
 - starts each rank as ``python -m skyward_jupyter.agent --env-from-stdin``: its environment (which
   may hold tokens) travels over the encrypted channel, not on a command line other users can read.
 
@@ -21,49 +19,22 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import hashlib
-import io
 import json
-import platform
-import secrets
 import shlex
-import tarfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import asyncssh
-import cloudpickle
 
 from ..events import RankState
 from .base import Node, Progress, Provider, ProviderError, ReapReport, no_progress
+from .ssh_prepare import check_versions, probe, ship
 
 if TYPE_CHECKING:
     from ..spec import PoolSpec
 
-_PACKAGE = Path(__file__).resolve().parents[1]
 _DIAGNOSTIC_LINES = 40
-# Versions come from the installed metadata: importing torch only to read its version would
-# cost the host a second or more on every pool start.
-_PROBE = """
-import importlib.metadata as md, json, os, platform, shutil, subprocess, sys
-out = {"python": platform.python_version(), "executable": sys.executable,
-       "home": os.path.expanduser("~")}
-for name in ("torch", "cloudpickle"):
-    try:
-        out[name] = md.version(name)
-    except md.PackageNotFoundError:
-        out[name] = None
-gpus, model = 0, None
-if shutil.which("nvidia-smi"):
-    rows = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                          capture_output=True, text=True).stdout.split("\\n")
-    rows = [r.strip() for r in rows if r.strip()]
-    gpus, model = len(rows), (rows[0] if rows else None)
-out["gpus"], out["gpu_model"] = gpus, model
-print(json.dumps(out))
-"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,68 +74,6 @@ class SSHOptions:
     keepalive_interval: float = 5.0
     cache_dir: str = ".cache/skyward_jupyter"
     """Where the package goes on the hosts, relative to the login's home unless absolute."""
-
-
-def package_digest() -> str:
-    """A hash of this package's files: a host holds one copy per distinct content."""
-    h = hashlib.sha256()
-    for path in sorted(_PACKAGE.rglob("*.py")):
-        h.update(str(path.relative_to(_PACKAGE)).encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()[:16]
-
-
-def _package_tarball() -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-        for path in sorted(_PACKAGE.rglob("*.py")):
-            tar.add(path, arcname=str(Path("skyward_jupyter") / path.relative_to(_PACKAGE)))
-    return buffer.getvalue()
-
-
-def check_versions(host: Host, found: Mapping[str, Any]) -> list[str]:
-    """Errors raise; harmless differences come back as warnings."""
-    local_py = platform.python_version_tuple()[:2]
-    remote_py = str(found["python"]).split(".")[:2]
-    if list(local_py) != remote_py:
-        raise ProviderError(
-            f"{host}: Python {found['python']} there, {platform.python_version()} in the "
-            "notebook: code shipped by value cannot load across Python versions; use --python "
-            "with a matching interpreter on the host"
-        )
-    if found.get("torch") is None:
-        raise ProviderError(
-            f"{host}: torch is not installed for {found['executable']}; install it there "
-            f"(pip install torch=={_local_torch() or '<version>'}) or pass --python"
-        )
-    if found.get("cloudpickle") is None:
-        raise ProviderError(
-            f"{host}: cloudpickle is not installed for {found['executable']}; "
-            f"pip install cloudpickle=={cloudpickle.__version__} there"
-        )
-    warnings = []
-    if str(found["cloudpickle"]).split(".")[0] != cloudpickle.__version__.split(".")[0]:
-        raise ProviderError(
-            f"{host}: cloudpickle {found['cloudpickle']} there, {cloudpickle.__version__} in the "
-            "notebook: its pickles do not load across major versions"
-        )
-    if found["cloudpickle"] != cloudpickle.__version__:
-        warnings.append(
-            f"{host}: cloudpickle {found['cloudpickle']} there, {cloudpickle.__version__} here"
-        )
-    local_torch = _local_torch()
-    if local_torch and found["torch"] != local_torch:
-        warnings.append(f"{host}: torch {found['torch']} there, {local_torch} in the notebook")
-    return warnings
-
-
-def _local_torch() -> str | None:
-    try:
-        import importlib.metadata
-
-        return importlib.metadata.version("torch")
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 class SSHRank:
@@ -348,16 +257,7 @@ class SSHProvider(Provider):
     ) -> tuple[asyncssh.SSHClientConnection, dict[str, Any], str]:
         conn = await self._connect(host)
         try:
-            probe = await asyncio.wait_for(
-                conn.run(shlex.join([self.options.python, "-c", _PROBE]), check=False), 60
-            )
-            if probe.exit_status == 127:
-                raise ProviderError(
-                    f"{host}: no Python at {self.options.python!r}; pass --python PATH"
-                )
-            if probe.exit_status != 0:
-                raise ProviderError(f"{host}: probing Python failed: {probe.stderr!s:.500}")
-            found = json.loads(str(probe.stdout).strip().splitlines()[-1])
+            found = await probe(host, conn, self.options.python)
             self.warnings.extend(check_versions(host, found))
             package_dir = await self._ship(host, conn, str(found["home"]))
         except BaseException:
@@ -366,32 +266,9 @@ class SSHProvider(Provider):
         return conn, found, package_dir
 
     async def _ship(self, host: Host, conn: asyncssh.SSHClientConnection, home: str) -> str:
-        """Make sure the host has this package's content; ship it when it does not.
-
-        The copy is unpacked in a fresh directory and renamed into place, so two pools (or two
-        hosts sharing a home) never see a half-written package.
-        """
-        base = self.options.cache_dir
-        base = base if base.startswith("/") else f"{home}/{base}"
-        target = f"{base}/{package_digest()}"
-        present = await conn.run(shlex.join(["test", "-d", target]), check=False)
-        if present.exit_status == 0:
-            return target
-        staging = f"{target}.{secrets.token_hex(4)}"
-        unpack = " && ".join(
-            [
-                shlex.join(["mkdir", "-p", staging]),
-                shlex.join(["tar", "-xzf", "-", "-C", staging]),
-                shlex.join(["mv", "-T", staging, target]),
-            ]
-        )
-        result = await conn.run(unpack, input=_package_tarball(), encoding=None, check=False)
-        if result.exit_status != 0:
-            await conn.run(shlex.join(["rm", "-rf", staging]), check=False)
-            lost_race = await conn.run(shlex.join(["test", "-d", target]), check=False)
-            if lost_race.exit_status != 0:
-                raise ProviderError(f"{host}: could not unpack the package into {target}")
-        else:
+        """The package's directory on the host, shipped there when it was missing."""
+        target, shipped = await ship(host, conn, self.options.cache_dir, home)
+        if shipped:
             self.shipped.append(str(host))
         return target
 
