@@ -96,7 +96,10 @@ class RunCell:
 
 @dataclass(frozen=True, slots=True)
 class Interrupt:
-    """Raise KeyboardInterrupt in the running cell (SIGINT to the rank's main thread)."""
+    """Raise KeyboardInterrupt in cell ``cell_id`` (SIGINT to the rank's main thread); when it
+    arrives before that cell started on the rank, the cell stops as it starts."""
+
+    cell_id: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -105,3 +105,28 @@ def test_agent_answers_with_hello_and_runs_a_cell(
     assert len(hellos) == 1 and hellos[0].pid > 0 and hellos[0].torch
     assert message.cell_id == 7 and message.error is None
     assert message.value is not None and message.value.load() == 42
+
+
+def _until_done(channel: SyncChannel, cell_id: int) -> p.CellDone:
+    with _beating(channel):
+        while True:
+            message = channel.recv()
+            if isinstance(message, p.CellDone) and message.cell_id == cell_id:
+                return message
+
+
+def test_an_interrupt_that_overtakes_its_cell_stops_it_as_it_starts(
+    agent: tuple[subprocess.Popen[bytes], SyncChannel],
+) -> None:
+    """The pool may interrupt a cell before a busy rank has started it: the interrupt must
+    neither be lost (the rank would run the cell in full and wait in its collectives until it
+    is killed) nor stop the cell still running before it."""
+    _, channel = agent
+    channel.send(p.RunCell(1, "import time\ntime.sleep(1.0)\n'first done'", "<sky-cell-1>"))
+    channel.send(p.RunCell(2, "import time\ntime.sleep(60)", "<sky-cell-2>"))
+    channel.send(p.Interrupt(2))
+    first = _until_done(channel, 1)
+    assert first.error is None and first.value_repr == "'first done'"
+    second = _until_done(channel, 2)
+    assert second.error is not None and second.error.type_name == "KeyboardInterrupt"
+    assert second.error.after_interrupt and second.seconds < 5

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
+
+from skyward_jupyter.results import PoolError, RunResult
 from skyward_jupyter.session import PoolSpec, Session
 
 from .conftest import wait_for
@@ -20,9 +24,26 @@ def test_an_idle_pool_stops_but_a_long_cell_is_not_stopped() -> None:
     session = Session(announce=said.append)
     session.idle_check = 0.1
     spec = PoolSpec(nodes=1, idle_timeout=0.02)  # 1.2 s
+    cell: concurrent.futures.Future[RunResult] = concurrent.futures.Future()
+
+    def run_cell() -> None:
+        try:
+            cell.set_result(session.run_cell("import time\ntime.sleep(4)\n'done'", {}, spec=spec))
+        except BaseException as exc:  # noqa: BLE001 - handed to the test through the future
+            cell.set_exception(exc)
+
+    # The cell runs well past the idle timeout: it is not idle, so it finishes. It runs on a
+    # thread so that a cell the idle stop wrongly ends, or leaves waiting, fails the test in time.
+    threading.Thread(target=run_cell, name="idle-test-cell", daemon=True).start()
     try:
-        # The cell runs well past the idle timeout: it is not idle, so it finishes.
-        result = session.run_cell("import time\ntime.sleep(4)\n'done'", {}, spec=spec)
+        try:
+            result = cell.result(timeout=45)
+        except concurrent.futures.TimeoutError:
+            raise AssertionError(f"the 4 s cell did not end within 45 s; said: {said}") from None
+        except PoolError as exc:
+            raise AssertionError(f"the idle stop ended the running cell ({exc}): {said}") from None
+        stopped = [s for s in said if "--idle-timeout" in s]
+        assert not stopped, f"the idle stop ran while a cell was running: {stopped}"
         assert result.values == ["done"]
         assert "default" in session.pools
         wait_for(lambda: "default" not in session.pools, 20, "the idle pool to stop")

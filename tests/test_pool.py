@@ -233,9 +233,10 @@ def test_a_rank_failing_while_it_is_stopped_is_not_blamed(pool2: Pool) -> None:
             """
             import time
             import torch.distributed as dist
-            if dist.get_rank() == 1:
-                raise ValueError("bad batch on rank 1")
             try:
+                dist.barrier()  # both ranks are inside the try before rank 1 fails
+                if dist.get_rank() == 1:
+                    raise ValueError("bad batch on rank 1")
                 time.sleep(60)
             except KeyboardInterrupt:
                 raise RuntimeError("cleanup failed while stopping") from None
@@ -272,6 +273,42 @@ def test_rank_killed_mid_cell_is_reported_restarted_and_named() -> None:
         assert victim.pid not in agent_pids()
         after = pool.run(ALL_REDUCE + "(t.item(), 'keep' in globals())")
         assert after.values == [(3.0, True), (3.0, False)]
+
+
+def test_a_failed_rank_leaves_the_group_so_its_peer_is_not_left_waiting() -> None:
+    """Rank 1 raises while rank 0 waits for it in an all_reduce.
+
+    SIGINT does not free a rank blocked in gloo's wait; here rank 0 ignores it altogether, so
+    that an interrupt landing before it enters the collective cannot free it either. With a long
+    grace before the kill, rank 0 is freed at once only because the failed rank 1 leaves the group.
+    """
+    with Pool(nodes=2, interrupt_grace=30.0) as pool:
+        pool.run(
+            "import signal, torch, torch.distributed as dist\nkeep = dist.get_rank()\n"
+            "agent_sigint = signal.signal(signal.SIGINT, lambda *_: None)"
+        )
+        started = time.monotonic()
+        result = pool.run(
+            src(
+                """
+                if dist.get_rank() == 1:
+                    raise ValueError("bad batch on rank 1")
+                dist.all_reduce(torch.ones(1))
+                """
+            )
+        )
+        took = time.monotonic() - started
+        assert result.lost == () and not [n for n in result.notes if "killed" in n], (
+            f"rank 0 stayed in the collective until it was killed ({took:.0f} s): {result.notes}"
+        )
+        assert took < 15, f"the cell took {took:.0f} s to end"
+        by_rank = {e.rank: e for e in result.errors}
+        assert by_rank[1].type_name == "ValueError" and not by_rank[1].secondary
+        assert 0 in by_rank  # its collective failed: the group it waited in is gone
+        again = pool.run(
+            "signal.signal(signal.SIGINT, agent_sigint)\n" + ALL_REDUCE + "(t.item(), keep)"
+        )
+        assert again.values == [(3.0, 0), (3.0, 1)]
 
 
 def test_stuck_rank_is_killed_after_the_grace_period() -> None:
@@ -371,6 +408,40 @@ def test_closing_the_pool_ends_every_rank() -> None:
     wait_for(lambda: not (pids & agent_pids()), 10, "ranks to end after close")
     with pytest.raises(PoolError, match="not running"):
         pool.run("1")
+
+
+def test_closing_the_pool_during_a_cell_ends_the_cell_with_a_clear_error() -> None:
+    """``close()`` from another thread (the panel's shut-down, an idle stop) while a cell runs."""
+    pool = Pool(nodes=2).start()
+    pids = {r.hello.pid for r in pool.ranks if r.hello}
+    asleep: set[int] = set()
+    pool.subscribe(
+        lambda e: (
+            asleep.add(e.rank) if isinstance(e, OutputReceived) and "sleeping" in e.text else None
+        )
+    )
+    outcome: list[object] = []
+
+    def run_cell() -> None:
+        try:
+            outcome.append(pool.run("import time\nprint('sleeping', flush=True)\ntime.sleep(120)"))
+        except BaseException as exc:  # noqa: BLE001 - the outcome is what the test checks
+            outcome.append(exc)
+
+    runner = threading.Thread(target=run_cell, daemon=True)  # daemon: a hang fails, not blocks
+    runner.start()
+    try:
+        wait_for(lambda: asleep == {0, 1}, 30, "both ranks to sleep in the cell")
+    except AssertionError:
+        pool.close()
+        raise
+    pool.close()  # raises TimeoutError past its own deadline
+    runner.join(timeout=10)
+    assert not runner.is_alive(), f"run() still waits 10 s after close() returned: {outcome}"
+    assert len(outcome) == 1 and isinstance(outcome[0], PoolError), outcome
+    assert str(outcome[0]) == "pool 'default' was closed while the cell ran"
+    wait_for(lambda: not (pids & agent_pids()), 10, "the cell's ranks to end after close")
+    assert not pool.running
 
 
 def test_sigkill_of_the_notebook_process_leaves_no_rank(tmp_path: Path) -> None:

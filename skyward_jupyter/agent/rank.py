@@ -96,6 +96,9 @@ class Agent:
         self.cell_id: int | None = None
         self._in_cell = False
         self._interrupted = False
+        self._stop_cell: int | None = None
+        """A cell the pool stopped before it started here (its interrupt came first)."""
+        self._cell_lock = threading.Lock()
         """An interrupt arrived during the current cell (its error is then a consequence)."""
         self._last_heard = time.monotonic()
         self._heartbeat_file = os.environ.get("SKYWARD_HEARTBEAT_FILE") or None
@@ -167,8 +170,7 @@ class Agent:
                     self._touch_heartbeat_file()
                     continue
                 if isinstance(message, p.Interrupt):
-                    self._interrupted = self._in_cell
-                    self._interrupt_main()
+                    self._interrupt_cell(message.cell_id)
                     continue
                 if isinstance(message, p.Shutdown):
                     self._interrupt_main()
@@ -210,6 +212,16 @@ class Agent:
                 # half-imported by another thread has no attributes yet.
                 self.channel.send(self._usage.sample(torch_ready=self._torch is not None))
                 last_beat = now
+
+    def _interrupt_cell(self, cell_id: int | None) -> None:
+        """Stop the running cell; an interrupt that overtook its cell stops it as it starts
+        (the rank would otherwise run it in full, and wait in its collectives until killed)."""
+        with self._cell_lock:
+            if self._in_cell and cell_id in (None, self.cell_id):
+                self._interrupted = True
+                self._interrupt_main()
+            elif cell_id is not None:
+                self._stop_cell = cell_id  # ids only grow: a stale one never matches again
 
     def _interrupt_main(self) -> None:
         if self._in_cell:
@@ -312,10 +324,13 @@ class Agent:
                         f"global {name!r} could not be unpickled on this rank: {exc}"
                     ) from exc
             before = dict(self.namespace.globals)  # holds the values, so ids cannot be reused
-            self._interrupted = False
             self.user_calls.reset()
-            self._in_cell = True
+            with self._cell_lock:
+                self._interrupted = self._stop_cell == command.cell_id
+                self._in_cell = True
             try:
+                if self._interrupted:
+                    raise KeyboardInterrupt
                 if command.script is None:
                     value = self.namespace.run(command.source, command.filename)
                 else:

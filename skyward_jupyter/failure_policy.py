@@ -1,0 +1,267 @@
+"""How a running cell ends when ranks fail: the pool's failure policy.
+
+The peers' main complaint is ranks that hang for minutes. So, for a cell:
+
+1. the first rank that fails (raises, or dies) makes the pool interrupt the ranks still running
+   (SIGINT to their main thread) and tell the failed ranks to leave the process group, which
+   makes a peer blocked in a collective with them fail at once instead of at the timeout;
+2. ranks still running after ``interrupt_grace`` seconds are killed;
+3. when ranks had to be stopped or died, dead ranks are restarted and the process group is
+   re-formed on every rank with a fresh port, so the next cell finds the same world (ranks
+   stopped part-way may disagree on how many collectives ran). The result says whose namespace
+   was lost; objects holding the old group (a DDP-wrapped model) must be wrapped again. A cell
+   that simply raised on every rank leaves the group as it was;
+4. the result marks the failures that followed from another as secondary. When a rank's process
+   ended on its own during the cell (not killed by the pool), the first such death the pool saw
+   is the cause and every other failure is secondary, even a peer's error that reached the pool
+   first: a dead rank breaks every collective. Otherwise the first rank that failed is the
+   cause, and ranks stopped by the pool whose agent saw the interrupt before failing are
+   secondary.
+
+:class:`Cell` takes steps 1 and 2 while the cell runs (:meth:`Cell.drive`), step 4 in its
+results (:meth:`Cell.results`) and step 3 after them (:meth:`Cell.recover`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from . import protocol as p
+from . import wire
+from .events import PoolMessage, RankState
+from .providers.base import ProviderError
+from .ranks import Rank, RankEnded, Ranks
+from .results import PoolError, RankResult, RemoteError
+
+
+class Cell:
+    """One running cell: what each rank answered, and the stopping of the rest."""
+
+    def __init__(
+        self, cell_id: int, ranks: Ranks, live: list[Rank], timeout: float | None, grace: float
+    ) -> None:
+        self.cell_id = cell_id
+        self.ranks = ranks
+        self.futures: dict[Rank, asyncio.Future[p.CellDone]] = {r: r.expect("cell") for r in live}
+        self.timeout = timeout
+        self.deadline = time.monotonic() + timeout if timeout else None
+        self.grace = grace
+        self.wake = asyncio.Event()
+        self.outcomes: dict[Rank, p.CellDone | BaseException] = {}
+        self.first_failure: Rank | None = None
+        self.first_death: Rank | None = None
+        """The first rank whose process ended on its own: the cause, whatever reached the pool
+        first."""
+        self.stop_at: float | None = None
+        self.kill_now = False
+        self.closing = False
+        """The pool is closing: deaths are its doing, and what still runs is killed now."""
+        self.asked_to_stop: set[Rank] = set()
+        self.killed: set[Rank] = set()
+        """Ranks the pool killed itself: their deaths are its doing, never a cause."""
+        self.left_group: set[Rank] = set()
+        self.notes: list[str] = []
+
+    # ------------------------------------------------------------ commands from the pool
+
+    def interrupt(self) -> None:
+        """Ctrl-C (or the panel's button): stop the cell; a second call kills what still runs."""
+        if self.stop_at is None:
+            self.notes.append("interrupted")
+            self._stop()
+        else:
+            self.kill_now = True
+        self.wake.set()
+
+    def close(self) -> None:
+        """The pool is closing: kill the ranks still running the cell, now."""
+        self.closing = self.kill_now = True
+        self.wake.set()
+
+    async def drive(self) -> None:
+        """Wait for every rank's answer, applying the policy as answers and deadlines come."""
+        pending = dict(self.futures)
+        while pending:
+            now = time.monotonic()
+            limits = [t - now for t in (self.stop_at, self.deadline) if t is not None]
+            waker: asyncio.Future[Any] = asyncio.ensure_future(self.wake.wait())
+            await asyncio.wait(
+                [*pending.values(), waker],
+                timeout=max(0.0, min(limits)) if limits else None,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            waker.cancel()
+            self.wake.clear()
+            for r, future in list(pending.items()):
+                if not future.done():
+                    continue
+                del pending[r]
+                self._answered(r, future.exception() or future.result())
+            now = time.monotonic()
+            if self.deadline is not None and now >= self.deadline and self.stop_at is None:
+                self.notes.append(f"timed out after {self.timeout} s")
+                self._stop()
+            if pending and (self.kill_now or (self.stop_at is not None and now >= self.stop_at)):
+                await self._kill_stuck(pending)
+
+    # ------------------------------------------------------------------ the policy
+
+    def _answered(self, r: Rank, outcome: p.CellDone | BaseException) -> None:
+        self.outcomes[r] = outcome
+        failed = isinstance(outcome, BaseException) or outcome.error is not None
+        if not failed:
+            self.ranks.set_state(r, RankState.IDLE)
+            return
+        self.ranks.set_state(r, RankState.FAILED if r.alive else RankState.LOST)
+        # A rank the pool killed (stuck after the interrupt, or at shutdown) is no cause.
+        ended_on_its_own = (
+            isinstance(outcome, RankEnded) and r not in self.killed and not self.closing
+        )
+        if ended_on_its_own and self.first_death is None:
+            self.first_death = r
+        if self.first_failure is None and self.stop_at is None:
+            self.first_failure = r
+            self._stop()
+        elif isinstance(outcome, p.CellDone):
+            self._leave(r)
+
+    def _stop(self) -> None:
+        """Interrupt the ranks still running; make failed ranks leave the group to free peers."""
+        self.stop_at = time.monotonic() + self.grace
+        interrupt = wire.encode(p.Interrupt(self.cell_id))
+        for r, future in self.futures.items():
+            if not future.done():
+                self.asked_to_stop.add(r)
+                self.ranks.send(r, interrupt)
+        for r, outcome in self.outcomes.items():
+            if isinstance(outcome, p.CellDone) and outcome.error is not None:
+                self._leave(r)
+
+    def _leave(self, rank: Rank) -> None:
+        """Make a failed rank leave the group while peers may still wait in a collective with it.
+
+        A peer blocked in a gloo collective does not see SIGINT: only the failed rank's sockets
+        closing free it before the group's timeout (or the kill after ``interrupt_grace``).
+        """
+        if any(not f.done() for f in self.futures.values()):
+            self.left_group.add(rank)
+            self.ranks.send(rank, wire.encode(p.LeaveGroup()))
+
+    async def _kill_stuck(self, pending: dict[Rank, asyncio.Future[p.CellDone]]) -> None:
+        stuck = [r for r in pending if r.process is not None]
+        self.notes.append(
+            f"ranks {[r.index for r in stuck]} did not stop within {self.grace:.0f} s "
+            "of the interrupt and were killed"
+        )
+        self.asked_to_stop.update(stuck)
+        self.killed.update(stuck)
+        await asyncio.gather(*(r.process.kill() for r in stuck if r.process is not None))
+
+    def results(self) -> tuple[RankResult, ...]:
+        """Every rank's result, the failures that followed from another's marked secondary.
+
+        A rank that died on its own is the cause even when a peer's error reached the pool
+        first: a dead rank breaks every collective its peers wait in, and their errors often
+        arrive before the pool learns of the death. Otherwise the first failure the pool saw is
+        the cause, and every other failure follows from it: the pool stopped those ranks and
+        broke the group under them (a peer's "Connection closed" can even reach its rank before
+        the interrupt does). Only a stop without a cause (the user's interrupt, a timeout)
+        asks each rank whether its error came after the interrupt.
+        """
+        cause = self.first_death or self.first_failure
+        out = []
+        for r in self.ranks.all:
+            outcome = self.outcomes.get(r)
+            if cause is not None:
+                secondary = r is not cause
+            else:
+                secondary = r in self.asked_to_stop and _consequence(outcome)
+            if isinstance(outcome, p.CellDone):
+                error = (
+                    _remote_error(r, outcome.error, secondary)
+                    if outcome.error is not None
+                    else None
+                )
+                value = _load_value(outcome) if error is None else None
+                out.append(
+                    RankResult(
+                        r.index, r.node.index, value, outcome.value_repr, error, outcome.seconds
+                    )
+                )
+            else:
+                how = outcome.how if isinstance(outcome, RankEnded) else repr(outcome)
+                diag = outcome.diagnostics if isinstance(outcome, RankEnded) else ""
+                error = RemoteError(
+                    r.index,
+                    r.describe(),
+                    "RankLost",
+                    f"the rank's process {how}",
+                    f"RankLost: the rank's process {how}\n{diag}".rstrip() + "\n",
+                    secondary,
+                )
+                out.append(RankResult(r.index, r.node.index, None, None, error, 0.0))
+        return tuple(out)
+
+    def bound(self) -> frozenset[str]:
+        """Global names the cell (re)bound on any rank: they are the ranks' now."""
+        done = (o for o in self.outcomes.values() if isinstance(o, p.CellDone))
+        return frozenset(name for o in done for name in o.bound)
+
+    async def recover(self) -> bool:
+        """Restart dead ranks and re-form the group when the cell left it out of step.
+
+        Returns whether the group was formed again after the cell's own code destroyed it.
+        """
+        done = [o for o in self.outcomes.values() if isinstance(o, p.CellDone)]
+        self.notes.extend(dict.fromkeys(n for o in done for n in o.notes))
+        destroyed = any(o.group_destroyed for o in done)
+        lost = any(not r.alive for r in self.ranks.all)
+        if not (self.asked_to_stop or self.left_group or lost or destroyed):
+            return False
+        # Ranks stopped part-way may disagree on how many collectives ran; a group the cell
+        # destroyed is formed again before the next cell needs it.
+        try:
+            self.notes.extend(await self.ranks.restart_dead())
+        except (PoolError, ProviderError) as exc:
+            # The cell's own result still matters most; the next cell says more.
+            self.notes.append(f"the pool could not recover: {exc}")
+            self.ranks.group_problem = str(exc)
+            self.ranks.emit(PoolMessage(self.notes[-1]))
+            return False
+        return destroyed
+
+
+def _consequence(outcome: p.CellDone | BaseException | None) -> bool:
+    """Whether a stopped rank's failure came from the stop (its agent saw the interrupt first)."""
+    if not isinstance(outcome, p.CellDone) or outcome.error is None:
+        return True  # killed, or lost
+    return outcome.error.after_interrupt
+
+
+def _remote_error(rank: Rank, info: p.ErrorInfo, secondary: bool) -> RemoteError:
+    exception: BaseException | None = None
+    if info.exception is not None:
+        try:
+            exception = info.exception.load()
+        except Exception:  # noqa: BLE001 - its type may not exist here; the text form is kept
+            exception = None
+    return RemoteError(
+        rank.index,
+        rank.describe(),
+        info.type_name,
+        info.message,
+        info.traceback,
+        secondary,
+        exception,
+    )
+
+
+def _load_value(done: p.CellDone) -> Any:
+    if done.value is None:
+        return None
+    try:
+        return done.value.load()
+    except Exception:  # noqa: BLE001 - a value that cannot be loaded here is shown by its repr
+        return None

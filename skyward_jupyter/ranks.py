@@ -1,0 +1,379 @@
+"""The ranks of a pool: their processes, the wire to each, heartbeats and the process group.
+
+Commands come down from the pool (spawn, form the group, send a frame); what the ranks say goes
+up as events (the pool's ``emit``), as answers the pool waits for (:meth:`Rank.expect`), and, when
+a rank's process ends, through ``on_ended``: the pool decides what a lost rank means.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from . import protocol as p
+from . import wire
+from .events import (
+    MetricsLogged,
+    NodeStateChanged,
+    OutputReceived,
+    PoolEvent,
+    PoolMessage,
+    RankState,
+    RankStateChanged,
+    RankUsage,
+)
+from .launch_env import RankPlace, launcher_env
+from .providers.base import Node, Provider, RankProcess
+from .results import PoolError
+
+log = logging.getLogger(__name__)
+
+
+class RankEnded(Exception):
+    """A rank's process ended (or stopped answering) while the pool waited for it."""
+
+    def __init__(self, how: str, diagnostics: str) -> None:
+        super().__init__(how)
+        self.how = how
+        self.diagnostics = diagnostics
+
+
+@dataclass(frozen=True, slots=True)
+class RankInfo:
+    """A read-only view of one rank, for status displays."""
+
+    rank: int
+    node: int
+    local_rank: int
+    address: str
+    state: RankState
+    process: str
+    hello: p.Hello | None
+
+
+class Rank:
+    """One rank: its process, its state, and the answers the pool waits for from it."""
+
+    def __init__(self, index: int, node: Node, local_rank: int, local_world: int) -> None:
+        self.index = index
+        self.node = node
+        self.local_rank = local_rank
+        self.local_world = local_world
+        self.process: RankProcess | None = None
+        self.state = RankState.PROVISIONING
+        self.hello: p.Hello | None = None
+        self.alive = False
+        self.last_heard = 0.0
+        self.waiters: dict[str, asyncio.Future[Any]] = {}
+        self.reader: asyncio.Task[None] | None = None
+
+    def describe(self) -> str:
+        where = self.process.describe() if self.process else "not started"
+        return f"node {self.node.index}, {where}"
+
+    def info(self) -> RankInfo:
+        where = self.process.describe() if self.process else ""
+        return RankInfo(
+            self.index,
+            self.node.index,
+            self.local_rank,
+            self.node.address,
+            self.state,
+            where,
+            self.hello,
+        )
+
+    def expect(self, key: str) -> asyncio.Future[Any]:
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.waiters[key] = future
+        return future
+
+    def resolve(self, key: str, value: object) -> None:
+        future = self.waiters.pop(key, None)
+        if future is not None and not future.done():
+            future.set_result(value)
+
+    def fail_all(self, exc: BaseException) -> None:
+        for future in self.waiters.values():
+            if not future.done():
+                future.set_exception(exc)
+        self.waiters.clear()
+
+
+@dataclass(frozen=True, slots=True)
+class RankSettings:
+    """What every rank of a pool is started with (the pool's constructor arguments)."""
+
+    pool_name: str
+    procs_per_node: int | None
+    backend: str | None
+    env: Mapping[str, str]
+    pg_timeout: float
+    heartbeat_interval: float
+    heartbeat_timeout: float
+    start_timeout: float
+    run_id: str
+
+
+class Ranks:
+    """Every rank of one pool; runs on the pool's IO thread."""
+
+    def __init__(
+        self,
+        provider: Provider,
+        settings: RankSettings,
+        emit: Callable[[PoolEvent], None],
+        on_ended: Callable[[Rank, str], None],
+    ) -> None:
+        self.provider = provider
+        self.settings = settings
+        self.emit = emit
+        self.on_ended = on_ended
+        self.all: list[Rank] = []
+        self.nodes: tuple[Node, ...] = ()
+        self.torch_note: str | None = None
+        self.group_problem: str | None = None
+        """Why the process group cannot run a collective now (None: it can); a restart mends it."""
+        self.group_backend: str | None = None
+        self.master_port: int | None = None
+        self._generation = 0
+        self._beat = wire.encode(p.Beat())
+
+    def set_state(self, rank: Rank, state: RankState, detail: str = "") -> None:
+        rank.state = state
+        self.emit(RankStateChanged(rank.index, rank.node.index, state, detail))
+
+    async def provision(self, nodes: int) -> None:
+        """Get the machines and lay out one rank per GPU (or ``procs_per_node``) on each."""
+        loop = asyncio.get_running_loop()
+
+        def progress(text: str, node: int | None = None, state: RankState | None = None) -> None:
+            # Providers boot machines from worker threads: events reach views from this loop.
+            event = (
+                PoolMessage(text)
+                if node is None or state is None
+                else (NodeStateChanged(node, state, text))
+            )
+            loop.call_soon_threadsafe(self.emit, event)
+
+        self.nodes = tuple(await self.provider.provision(nodes, progress))
+        for node in self.nodes:
+            per_node = self.settings.procs_per_node or len(node.gpus) or 1
+            for local in range(per_node):
+                self.all.append(Rank(len(self.all), node, local, per_node))
+
+    # ------------------------------------------------------------------ processes
+
+    def _pool_description(self) -> str:
+        nodes = [
+            {
+                "node": n.index,
+                "addr": n.address,
+                "ranks": [r.index for r in self.all if r.node is n],
+                "accelerators": len(n.gpus),
+            }
+            for n in self.nodes
+        ]
+        return json.dumps(
+            {"name": self.settings.pool_name, "provider": self.provider.name, "nodes": nodes}
+        )
+
+    def _rank_env(self, rank: Rank) -> dict[str, str]:
+        s = self.settings
+        agent = {
+            "heartbeat_interval": s.heartbeat_interval,
+            "heartbeat_timeout": s.heartbeat_timeout,
+            "backend": s.backend,
+            "pg_timeout": s.pg_timeout,
+        }
+        place = RankPlace(
+            rank=rank.index,
+            world_size=len(self.all),
+            local_rank=rank.local_rank,
+            local_world_size=rank.local_world,
+            node=rank.node.index,
+            nodes=len(self.nodes),
+            ranks_on_machine=sum(r.node.address == rank.node.address for r in self.all),
+            has_gpu=bool(rank.node.gpus),
+        )
+        env = launcher_env(
+            place,
+            master_addr=self.nodes[0].address,
+            run_id=s.run_id,
+            user_env=s.env,
+            notebook_env=os.environ,
+        )
+        return {
+            **env,
+            "SKYWARD_POOL": self._pool_description(),
+            "SKYWARD_AGENT": json.dumps(agent),
+        }
+
+    async def spawn(self, rank: Rank) -> None:
+        self.set_state(rank, RankState.BOOTING)
+        process = await self.provider.start_rank(rank.node, self._rank_env(rank))
+        rank.process, rank.alive, rank.hello = process, True, None
+        rank.last_heard = time.monotonic()
+        rank.expect("hello")
+        rank.reader = asyncio.get_running_loop().create_task(self._read(rank, process))
+
+    async def await_hellos(self, ranks: list[Rank]) -> None:
+        futures = [r.waiters["hello"] for r in ranks if "hello" in r.waiters]
+        try:
+            await asyncio.wait_for(asyncio.gather(*futures), self.settings.start_timeout)
+        except RankEnded:
+            failed = next(r for r in ranks if not r.alive)
+            raise PoolError(self._start_failure(failed)) from None
+        except asyncio.TimeoutError:
+            slow = [r.index for r in ranks if r.hello is None]
+            raise PoolError(
+                f"ranks {slow} did not start within {self.settings.start_timeout:.0f} s "
+                "(importing torch on a slow disk? raise start_timeout)"
+            ) from None
+        missing = [r for r in ranks if r.hello is not None and r.hello.torch is None]
+        if missing and len(missing) < len(self.all):
+            where = ", ".join(f"rank {r.index} ({r.describe()})" for r in missing)
+            have = next(r.hello.torch for r in self.all if r.hello and r.hello.torch)
+            raise PoolError(
+                f"torch is missing on {where}; the other ranks have torch {have}: install it there"
+            )
+
+    def _start_failure(self, rank: Rank) -> str:
+        diagnostics = rank.process.diagnostics() if rank.process else ""
+        text = f"rank {rank.index} ({rank.describe()}) failed to start"
+        return f"{text}:\n{diagnostics}" if diagnostics else text
+
+    async def restart_dead(self) -> list[str]:
+        """Restart dead ranks and re-form the process group everywhere; say what was lost."""
+        dead = [r for r in self.all if not r.alive]
+        notes = []
+        if dead:
+            await asyncio.gather(*(self.spawn(r) for r in dead))
+            await self.await_hellos(dead)
+            notes.append(
+                f"ranks {[r.index for r in dead]} were restarted: their namespaces were lost"
+            )
+            self.emit(PoolMessage(notes[-1]))
+        await self.form_group()
+        return notes
+
+    # -------------------------------------------------------------- process group
+
+    async def form_group(self) -> None:
+        """(Re-)form torch.distributed everywhere: the head hosts the store, then the rest join."""
+        if all(r.hello is not None and r.hello.torch is None for r in self.all):
+            self.torch_note = "torch is not installed on the ranks: torch.distributed setup skipped"
+            self.emit(PoolMessage(self.torch_note))
+            for r in self.all:
+                self.set_state(r, RankState.READY, self.torch_note)
+            return
+        timeout = self.settings.pg_timeout
+        self._generation += 1
+        generation = self._generation
+        head, others = self.all[0], self.all[1:]
+        for r in self.all:
+            self.set_state(r, RankState.CONNECTING)
+        states = {r: r.expect("group") for r in self.all}
+        port_future = head.expect("port")
+        self.send(head, wire.encode(p.FormGroup(generation, None)))
+        try:
+            await asyncio.wait(
+                [port_future, states[head]], timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+            if not port_future.done():
+                state = states[head].result() if states[head].done() else None
+                reason = state.message if state else "no answer"
+                raise PoolError(
+                    f"rank 0 ({head.describe()}) could not host the rendezvous: {reason}"
+                )
+            port = port_future.result()
+            frame = wire.encode(p.FormGroup(generation, port))
+            for r in others:
+                self.send(r, frame)
+            results = await asyncio.wait_for(asyncio.gather(*states.values()), timeout + 10)
+        except RankEnded as exc:
+            raise PoolError(f"a rank ended while the process group formed: {exc.how}") from None
+        except asyncio.TimeoutError:
+            raise PoolError(f"the process group did not form within {timeout:.0f} s") from None
+        failed = [(r, s) for r, s in zip(self.all, results, strict=True) if not s.ok]
+        if failed:
+            r, s = failed[0]
+            raise PoolError(
+                f"rank {r.index} ({r.describe()}) could not join the process group: {s.message}"
+            )
+        self.group_backend = results[0].backend
+        self.group_problem = None
+        self.master_port = port
+        for r in self.all:
+            self.set_state(r, RankState.READY, f"{self.group_backend}, port {port}")
+
+    # ------------------------------------------------------------------- the wire
+
+    def send(self, rank: Rank, frame: list[wire.Segment]) -> None:
+        if rank.alive and rank.process is not None:
+            wire.write_segments(rank.process.writer, frame)
+
+    async def _read(self, rank: Rank, process: RankProcess) -> None:
+        try:
+            while True:
+                message = await wire.read_message(process.reader)
+                rank.last_heard = time.monotonic()
+                self._dispatch(rank, message)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the process ended; how it ended is read below
+        except Exception as exc:  # noqa: BLE001 - an unreadable rank is reported, then killed
+            log.error("rank %d sent an unreadable message (%r); killing it", rank.index, exc)
+            await process.kill()
+        how = await process.wait()
+        if rank.process is not process:
+            return
+        rank.alive = False
+        rank.fail_all(RankEnded(how, process.diagnostics()))
+        self.on_ended(rank, how)
+
+    def _dispatch(self, rank: Rank, message: object) -> None:
+        if isinstance(message, p.Output):
+            self.emit(OutputReceived(rank.index, message.cell_id, message.stream, message.text))
+        elif isinstance(message, p.Metrics):
+            self.emit(MetricsLogged(rank.index, message.cell_id, message.rows))
+        elif isinstance(message, p.CellDone):
+            rank.resolve("cell", message)
+        elif isinstance(message, p.Usage):
+            self.emit(
+                RankUsage(
+                    rank.index,
+                    rank.node.index,
+                    message.cpu_percent,
+                    message.rss_bytes,
+                    message.gpu_memory_bytes,
+                    message.gpu_utilization,
+                    time.time(),
+                )
+            )
+        elif isinstance(message, p.Hello):
+            rank.hello = message
+            rank.resolve("hello", message)
+        elif isinstance(message, p.GroupPort) and message.generation == self._generation:
+            rank.resolve("port", message.port)
+        elif isinstance(message, p.GroupState) and message.generation == self._generation:
+            rank.resolve("group", message)
+
+    async def heartbeats(self) -> None:
+        """Beat every live rank; kill one silent past the timeout (its reader reports the loss)."""
+        interval, timeout = self.settings.heartbeat_interval, self.settings.heartbeat_timeout
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            for r in self.all:
+                if not r.alive or r.process is None:
+                    continue
+                self.send(r, self._beat)
+                if now - r.last_heard > timeout:
+                    self.set_state(r, RankState.LOST, f"silent for {timeout:.0f} s")
+                    await r.process.kill()
