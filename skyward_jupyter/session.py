@@ -18,27 +18,19 @@ from pathlib import Path
 from typing import Any
 
 from .capture import CaptureError, Shipment, Shipper
+from .idle import IdleStop
 from .observers import NoViews, PoolWatcher, Views
 from .options import StdoutMode, implied_provider
 from .pool import Pool
 from .protocol import Script
-from .providers import UnknownProvider, provider_class
-from .providers import names as provider_names
-from .providers.base import Provider, ProviderError
+from .providers import UnknownProvider, provider_class, sweep_all
+from .providers.base import ProviderError
 from .results import CellError, CellInterrupted, PoolError, RunResult
-from .spec import KNOWN_GPUS, PoolSpec, SpecError, check_gpu_name
+from .spec import PoolSpec, SpecError
+from .status import pool_status
 
-__all__ = [
-    "KNOWN_GPUS",
-    "USER_ERRORS",
-    "CellInterrupted",
-    "PoolSpec",
-    "RunResult",
-    "Session",
-    "SessionError",
-    "check_gpu_name",
-]
-
+# What the magics use of the layers below, through the session alone.
+__all__ = ["USER_ERRORS", "CellInterrupted", "PoolSpec", "RunResult", "Session", "SessionError"]
 Announce = Callable[[str], None]
 
 
@@ -46,19 +38,8 @@ class SessionError(Exception):
     """Bad input or a state the user must change; shown as one line, nothing else changes."""
 
 
-USER_ERRORS = (SessionError, CaptureError, PoolError, ProviderError, SpecError)
+USER_ERRORS = (SessionError, CaptureError, PoolError, ProviderError, SpecError, UnknownProvider)
 """What the magics show as a one-line usage error (nothing else changed)."""
-
-
-def make_provider(
-    spec: PoolSpec, name: str = "default", extra: Mapping[str, Any] | None = None
-) -> Provider:
-    """The provider for ``spec``; ``extra`` overrides provider options (tests: an endpoint)."""
-    try:
-        cls = provider_class(spec.provider)
-    except UnknownProvider as exc:
-        raise SessionError(str(exc.args[0])) from None
-    return cls.from_spec(spec, name, extra or {})
 
 
 @dataclass
@@ -89,7 +70,13 @@ class Session:
         """Per provider, options users never need (tests: ``{"aws": {"endpoint_url": ...}}``)."""
         self._announce = announce or (lambda text: print(text, file=sys.stderr))
         self._lock = threading.RLock()
-        self._idle_thread: threading.Thread | None = None
+        self.idle = IdleStop(
+            self._lock,
+            lambda: list(self._pools.values()),
+            self._forget,
+            lambda entry: self._close(entry),  # type: ignore[arg-type]
+            self._announce,
+        )
 
     @property
     def pools(self) -> dict[str, PoolEntry]:
@@ -103,10 +90,7 @@ class Session:
             changes["env"] = tuple(sorted(changes["env"]))
         if "provider" not in changes and (implied := implied_provider(changes)):
             changes["provider"] = implied
-        try:
-            return replace(base or self.defaults, **changes).settled()
-        except UnknownProvider as exc:
-            raise SessionError(str(exc.args[0])) from None
+        return replace(base or self.defaults, **changes).settled()
 
     def _reusable(self, name: str | None, spec: PoolSpec | None) -> tuple[str, PoolEntry | None]:
         name = name or self.current or "default"
@@ -128,7 +112,8 @@ class Session:
             return reusable
         entry = self._pools.get(name)
         wanted = spec or (entry.spec if entry else self.defaults)
-        provider = make_provider(wanted, name, self.provider_options.get(wanted.provider))
+        extra = self.provider_options.get(wanted.provider, {})
+        provider = provider_class(wanted.provider).from_spec(wanted, name, extra)
         if entry is not None:
             self._announce(
                 f"pool {name!r}: replacing {entry.spec.describe()} "
@@ -170,53 +155,8 @@ class Session:
         for watcher in self.watchers:
             watcher.pool_started(entry)
         if wanted.idle_minutes():
-            self._watch_idle()
+            self.idle.watch()
         return entry
-
-    # ----------------------------------------------------------------------- idle stop
-
-    idle_check = 15.0
-    """Seconds between the idle watcher's rounds (at most; shorter for short idle timeouts)."""
-
-    def _watch_idle(self) -> None:
-        with self._lock:
-            if self._idle_thread is None:
-                self._idle_thread = threading.Thread(
-                    target=self._idle_loop, name="skyward-idle", daemon=True
-                )
-                self._idle_thread.start()
-
-    def _idle_loop(self) -> None:
-        """Stop pools idle past their ``--idle-timeout``; a running cell is never stopped."""
-        while True:
-            with self._lock:
-                watched = [
-                    (e, m * 60) for e in self._pools.values() if (m := e.spec.idle_minutes())
-                ]
-                if not watched:
-                    self._idle_thread = None
-                    return
-                now = time.monotonic()
-                idle = [
-                    (e, limit)
-                    for e, limit in watched
-                    if e.busy == 0 and now - e.last_active >= limit
-                ]
-                for entry, _ in idle:
-                    self._forget(entry.name)  # no cell can take it from here on
-                wait = min([self.idle_check, *(limit / 4 for _, limit in watched)])
-            # Outside the lock: a cloud pool's teardown waits minutes for its instances to go,
-            # and the notebook's cells must not wait for that.
-            for entry, limit in idle:
-                self._announce(
-                    f"pool {entry.name!r}: no cell for {limit / 60:g} min, shutting down "
-                    "(--idle-timeout)"
-                )
-                try:
-                    self._close(entry)
-                except Exception as exc:  # noqa: BLE001 - said, and the loop goes on
-                    self._announce(f"pool {entry.name!r}: idle shutdown failed: {exc}")
-            time.sleep(max(wait, 0.05))
 
     def run_cell(
         self,
@@ -408,55 +348,31 @@ class Session:
         self, *, yes: bool = False, region: str | None = None, all_owners: bool = False
     ) -> str:
         """What each provider made that no live pool owns (EC2 instances and their pools' key
-        pairs and groups): listed, or with ``yes`` ended.
-
-        Live pools are this session's and those of the registry whose owner process is alive;
-        only this user@host's resources are considered unless ``all_owners``.
-        """
+        pairs and groups): listed, or with ``yes`` ended. Live pools are this session's and
+        the registry's whose owner process is alive (:func:`providers.sweep_all`)."""
         from .registry import live_teardowns
 
-        reports = []
-        for name in provider_names():
-            cls = provider_class(name)
-            live = [
-                e.pool.provider.record({})
-                for e in self._pools.values()
-                if isinstance(e.pool.provider, cls)
-            ]
-            live += [t for t in live_teardowns() if t.get("provider") == name]
-            report = cls.sweep(
-                live=live,
-                yes=yes,
-                region=region or self.defaults.region,
-                all_owners=all_owners,
-                extra=self.provider_options.get(name, {}),
-            )
-            if report is not None:
-                reports.append(report)
-        return "\n".join(reports) or "no provider has anything to sweep"
+        return sweep_all(
+            [e.pool.provider for e in self._pools.values()],
+            live_teardowns(),
+            yes=yes,
+            region=region or self.defaults.region,
+            all_owners=all_owners,
+            extra=self.provider_options,
+        )
 
     def status(self) -> str:
-        if not self._pools:
-            return "no pools"
-        lines = []
-        for name, entry in self._pools.items():
-            pool = entry.pool
-            mark = "*" if name == self.current else " "
-            uptime = time.time() - (pool.started_at or time.time())
-            state = "running" if pool.running else "ended"
-            group = pool.group_backend or "no process group"
-            if pool.running and pool.group_problem:
-                state = "broken"
-                group = f"process group down ({pool.group_problem}): run %sky restart"
-            lines.append(
-                f"{mark} {name}: {entry.spec.describe()}, {state}, up {uptime:.0f} s, {group}"
-            )
-            for rank in pool.ranks:
-                lines.append(
-                    f"    rank {rank.rank} (node {rank.node}, {rank.address}, {rank.process}): "
-                    f"{rank.state.value}"
+        """``%sky status``: every pool (``*`` the current one), its state and its ranks."""
+        return (
+            "\n".join(
+                line
+                for name, entry in self._pools.items()
+                for line in pool_status(
+                    name, entry.spec.describe(), entry.pool, name == self.current
                 )
-        return "\n".join(lines)
+            )
+            or "no pools"
+        )
 
     def _require(self, name: str | None = None) -> PoolEntry:
         target = name or self.current

@@ -30,7 +30,7 @@ from skyward_jupyter.providers import aws, aws_catalog, aws_checks, aws_teardown
 from skyward_jupyter.providers.aws import AWSOptions, AWSProvider, Reachable
 from skyward_jupyter.providers.base import ProviderError
 from skyward_jupyter.providers.ssh import Host
-from skyward_jupyter.session import KNOWN_GPUS
+from skyward_jupyter.spec import KNOWN_GPUS
 
 from .aws_server import Ec2Stand, NamespaceResolver, running
 from .conftest import wait_for

@@ -22,7 +22,7 @@ def test_defaults_on_for_aws_only_and_zero_disables() -> None:
 def test_an_idle_pool_stops_but_a_long_cell_is_not_stopped() -> None:
     said: list[str] = []
     session = Session(announce=said.append)
-    session.idle_check = 0.1
+    session.idle.check = 0.1
     spec = PoolSpec(nodes=1, idle_timeout=0.02)  # 1.2 s
     cell: concurrent.futures.Future[RunResult] = concurrent.futures.Future()
 

@@ -9,7 +9,8 @@ goes through :class:`~skyward_jupyter.providers.base.Provider`, never through it
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .base import Provider
@@ -50,3 +51,30 @@ def provider_class(name: str, module: str | None = None) -> type[Provider]:
     cls: type[Provider] = getattr(importlib.import_module(module_name), attr)
     _registered[name] = cls
     return cls
+
+
+def sweep_all(
+    providers: Iterable[Provider],
+    records: Iterable[Mapping[str, Any]],
+    *,
+    yes: bool,
+    region: str | None,
+    all_owners: bool,
+    extra: Mapping[str, Mapping[str, Any]],
+) -> str:
+    """``%sky sweep`` across every provider: what each made that no live pool owns.
+
+    ``providers``: this kernel's live pools' providers; ``records``: the registry teardowns of
+    every live pool on this machine. Each provider is told the records of its own pools."""
+    providers, records = list(providers), list(records)
+    reports = []
+    for name in names():
+        cls = provider_class(name)
+        live: list[Mapping[str, Any]] = [p.record({}) for p in providers if isinstance(p, cls)]
+        live += [r for r in records if r.get("provider") == name]
+        report = cls.sweep(
+            live=live, yes=yes, region=region, all_owners=all_owners, extra=extra.get(name, {})
+        )
+        if report is not None:
+            reports.append(report)
+    return "\n".join(reports) or "no provider has anything to sweep"

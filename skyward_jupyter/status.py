@@ -1,0 +1,29 @@
+"""The text of ``%sky status``: a pool's state and its ranks, one line each.
+
+A pool whose process group cannot run a collective is shown ``broken`` with the reason, never
+``running``.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .pool import Pool
+
+
+def pool_status(name: str, description: str, pool: Pool, current: bool) -> list[str]:
+    """A pool's lines in ``%sky status``: its state (``broken`` when its group cannot run a
+    collective), then one line per rank."""
+    uptime = time.time() - (pool.started_at or time.time())
+    state = "running" if pool.running else "ended"
+    group = pool.group_backend or "no process group"
+    if pool.running and pool.group_problem:
+        state = "broken"
+        group = f"process group down ({pool.group_problem}): run %sky restart"
+    mark = "*" if current else " "
+    lines = [f"{mark} {name}: {description}, {state}, up {uptime:.0f} s, {group}"]
+    lines += [
+        f"    rank {r.rank} (node {r.node}, {r.address}, {r.process}): {r.state.value}"
+        for r in pool.ranks
+    ]
+    return lines
