@@ -69,6 +69,7 @@ bench: setup
 	$(PY) bench/bench_magics.py --markdown-out BENCHMARKS.md
 	$(PY) bench/bench_log.py --markdown-out BENCHMARKS.md
 	$(PY) bench/bench_ssh.py --markdown-out BENCHMARKS.md
+	$(PY) bench/bench_byo.py --markdown-out BENCHMARKS.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache skyward_jupyter/labextension

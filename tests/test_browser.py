@@ -8,6 +8,7 @@ from typing import Any
 
 import nbformat
 import pytest
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from .conftest import agent_pids, wait_for
 from .lab import Lab, chromium_page, jupyter_lab, screenshot
@@ -16,6 +17,11 @@ QUICKSTART = Path(__file__).resolve().parents[1] / "notebooks" / "01_quickstart.
 ALL_PROMPTS_NUMBERED = (
     "() => { const p = [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')];"
     " return p.length > 0 && p.every(e => /\\[\\d+\\]/.test(e.textContent)); }"
+)
+
+RUN_STARTED = (
+    "() => [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')]"
+    ".some(e => /\\[(\\*|\\d+)\\]/.test(e.textContent))"
 )
 
 
@@ -37,6 +43,26 @@ def _epochs() -> int:
     return int(source.split("EPOCHS =")[1].split()[0])
 
 
+def _run_all_cells(page: Any) -> None:
+    """Run > Run All Cells, until the run has visibly started.
+
+    The notebook must be the lab's current widget, or "Run All Cells" runs nothing, and on a
+    loaded machine nothing on the page says when the lab has made it current: a click that
+    came too early shows no running prompt, and is made again (3 tries)."""
+    for _ in range(3):
+        page.locator(".jp-Notebook .jp-Cell").first.click()
+        page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+        page.locator(
+            ".lm-Menu-item:not(.lm-mod-disabled) .lm-Menu-itemLabel", has_text="Run All Cells"
+        ).first.click(timeout=60_000)
+        try:
+            page.wait_for_function(RUN_STARTED, timeout=20_000)
+            return
+        except PlaywrightTimeout:
+            page.keyboard.press("Escape")  # close the menu if it is still open
+    raise AssertionError("Run All Cells did not start the notebook in 3 tries")
+
+
 def test_quickstart_panel_then_interrupt(lab: Lab) -> None:
     with chromium_page() as page_:
         page: Any = page_
@@ -46,13 +72,7 @@ def test_quickstart_panel_then_interrupt(lab: Lab) -> None:
             ".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000
         )
         try:
-            # The notebook must be the lab's current widget, or "Run All Cells" runs nothing.
-            page.locator(".jp-Notebook .jp-Cell").first.click()
-            page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
-            run_all = page.locator(
-                ".lm-Menu-item:not(.lm-mod-disabled) .lm-Menu-itemLabel", has_text="Run All Cells"
-            ).first
-            run_all.click(timeout=60_000)
+            _run_all_cells(page)
             page.wait_for_function(ALL_PROMPTS_NUMBERED, timeout=120_000)
 
             # The training cell's panel: both nodes ran the cell and are idle now.
