@@ -1,0 +1,102 @@
+"""The shape of the code (DESIGN.md, issue 12): layers only downward, no import cycles, each
+module under about 400 lines. Read from the source, so a change that breaks it fails here."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "skyward_jupyter"
+MAX_LINES = 400
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports at run time (not under TYPE_CHECKING)."""
+    graph: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = _module(path)
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        tree = ast.parse(path.read_text())
+        typing_only = {
+            id(n)
+            for block in ast.walk(tree)
+            if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+            for n in ast.walk(block)
+        }
+        found = set()
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.ImportFrom):
+                base = package.split(".")
+                if node.level:
+                    base = base[: len(base) - node.level + 1]
+                    target = ".".join([*base, *([node.module] if node.module else [])])
+                else:
+                    target = node.module or ""
+                if target.startswith("skyward_jupyter"):
+                    # ``from . import x`` loads the submodule x, not the (already loading) package
+                    if node.module:
+                        found.add(target)
+                    found.update(f"{target}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names if a.name.startswith("skyward_jupyter"))
+        graph[name] = found
+    known = set(graph)
+    return {m: {t for t in targets if t in known and t != m} for m, targets in graph.items()}
+
+
+def test_no_module_is_over_400_lines() -> None:
+    long = {
+        _module(p): n
+        for p in PACKAGE.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_the_package_has_no_import_cycle() -> None:
+    graph = _imports()
+    edges = graph
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            raise AssertionError(
+                "import cycle: " + " -> ".join([*path[path.index(module) :], module])
+            )
+        if module in done:
+            return
+        for target in sorted(edges[module]):
+            visit(target, [*path, module])
+        done.add(module)
+
+    for module in sorted(edges):
+        visit(module, [])
+
+
+def _reaches(module: str, prefix: str) -> bool:
+    return any(t == prefix or t.startswith(prefix + ".") for t in _imports()[module])
+
+
+def test_layers_only_downward() -> None:
+    graph = _imports()
+    assert graph["skyward_jupyter.magics"] <= {
+        "skyward_jupyter.session",
+        "skyward_jupyter.options",
+    }, "magics talks to the session (and reads its own option table) alone"
+    for module in ("skyward_jupyter.session", "skyward_jupyter.registry.record"):
+        assert not _reaches(module, "skyward_jupyter.display"), f"{module} imports the display"
+    assert not any(
+        t.startswith("skyward_jupyter.providers.") and t != "skyward_jupyter.providers.base"
+        for t in graph["skyward_jupyter.session"]
+    ), "the session knows providers only through their interface and the registry of names"
+    for module in graph:
+        if module.startswith("skyward_jupyter.registry"):
+            assert not _reaches(module, "skyward_jupyter.display"), module
+            assert not _reaches(module, "skyward_jupyter.session"), module
