@@ -81,6 +81,11 @@ class Shipment:
     warnings: tuple[str, ...]
     digests: dict[str, bytes] = field(repr=False)
 
+    @classmethod
+    def nothing(cls) -> Shipment:
+        """What a run that ships no globals sends (``%sky run``: a script brings its own)."""
+        return cls({}, (), (), 0, (), {})
+
 
 class Shipper:
     """Per pool: the globals already on the ranks (by hash) and the names the ranks own."""

@@ -222,8 +222,9 @@ class Cell:
             return False
         # Ranks stopped part-way may disagree on how many collectives ran; a group the cell
         # destroyed is formed again before the next cell needs it.
+        failed = bool(self.asked_to_stop or self.left_group or lost)
         try:
-            self.notes.extend(await self.ranks.restart_dead())
+            self.notes.extend(await self.ranks.restart_dead(after_failure=failed))
         except (PoolError, ProviderError) as exc:
             # The cell's own result still matters most; the next cell says more.
             self.notes.append(f"the pool could not recover: {exc}")

@@ -8,9 +8,10 @@ the same meanings as ``torchrun --nnodes NODES --nproc-per-node RANKS_PER_NODE``
 written for torchrun runs as written. What the user sets with ``--env`` (or had in the notebook's
 environment, for the thread count) wins.
 
-Two values are only known later and set on the rank itself: ``MASTER_PORT`` (the store's port,
-fresh for each formation of the group) and ``TORCHELASTIC_RESTART_COUNT`` (how often the group
-was re-formed after a failure).
+Three values are set on the rank itself: ``MASTER_PORT`` (the store's port, fresh for each
+formation of the group), ``TORCHELASTIC_RESTART_COUNT`` (how often the group was formed again
+after a failure; not after a script's own ``destroy_process_group``) and
+``TORCHELASTIC_ERROR_FILE`` (a path in the node's temporary directory, for torch's ``@record``).
 """
 
 from __future__ import annotations

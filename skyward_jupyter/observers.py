@@ -71,6 +71,9 @@ class _NoCellView:
 
 
 class NoViews:
+    """No display: pools run, and their ranks' output is not shown (the extension's views
+    write it into the cell)."""
+
     def pool_created(self, entry: EntryFacts) -> None:
         pass
 

@@ -65,11 +65,12 @@ class Beat:
 class FormGroup:
     """Initialise torch.distributed. ``port`` None: this rank hosts the rendezvous store.
 
-    ``generation`` counts the formations of the pool's group (1 for the first); the rank's
-    ``TORCHELASTIC_RESTART_COUNT`` is ``generation - 1``, as torchrun counts restarts."""
+    ``generation`` counts the formations of the pool's group; ``restarts`` those that followed
+    a failure, the rank's ``TORCHELASTIC_RESTART_COUNT`` (as torchrun counts restarts)."""
 
     generation: int
     port: int | None
+    restarts: int = 0
 
 
 @dataclass(frozen=True, slots=True)

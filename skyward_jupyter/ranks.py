@@ -143,6 +143,8 @@ class Ranks:
         self.group_backend: str | None = None
         self.master_port: int | None = None
         self._generation = 0
+        self.restarts = 0
+        """Formations after a failure: the ranks' ``TORCHELASTIC_RESTART_COUNT``."""
         self._beat = wire.encode(p.Beat())
 
     def set_state(self, rank: Rank, state: RankState, detail: str = "") -> None:
@@ -249,8 +251,13 @@ class Ranks:
         text = f"rank {rank.index} ({rank.describe()}) failed to start"
         return f"{text}:\n{diagnostics}" if diagnostics else text
 
-    async def restart_dead(self) -> list[str]:
-        """Restart dead ranks and re-form the process group everywhere; say what was lost."""
+    async def restart_dead(self, after_failure: bool = True) -> list[str]:
+        """Restart dead ranks and re-form the process group everywhere; say what was lost.
+
+        ``after_failure``: the group is formed again because a cell failed (torchrun would have
+        restarted its workers: ``TORCHELASTIC_RESTART_COUNT`` counts it), not because the
+        cell's own code destroyed it."""
+        self.restarts += after_failure
         dead = [r for r in self.all if not r.alive]
         notes = []
         if dead:
@@ -281,7 +288,7 @@ class Ranks:
             self.set_state(r, RankState.CONNECTING)
         states = {r: r.expect("group") for r in self.all}
         port_future = head.expect("port")
-        self.send(head, wire.encode(p.FormGroup(generation, None)))
+        self.send(head, wire.encode(p.FormGroup(generation, None, self.restarts)))
         try:
             await asyncio.wait(
                 [port_future, states[head]], timeout=timeout, return_when=asyncio.FIRST_COMPLETED
@@ -293,7 +300,7 @@ class Ranks:
                     f"rank 0 ({head.describe()}) could not host the rendezvous: {reason}"
                 )
             port = port_future.result()
-            frame = wire.encode(p.FormGroup(generation, port))
+            frame = wire.encode(p.FormGroup(generation, port, self.restarts))
             for r in others:
                 self.send(r, frame)
             results = await asyncio.wait_for(asyncio.gather(*states.values()), timeout + 10)

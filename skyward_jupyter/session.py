@@ -139,6 +139,7 @@ class Session:
         except BaseException:
             self._ended(entry)
             raise
+        self._pools[name] = entry  # from here on the session owns it (and ends it with itself)
         group = (
             pool.torch_note or f"torch.distributed {pool.group_backend}, port {pool.master_port}"
         )
@@ -149,7 +150,6 @@ class Session:
         for warning in provider.warnings:
             self._announce(f"warning: {warning}")
         entry.last_active = time.monotonic()
-        self._pools[name] = entry
         self.current = name
         self.views.pool_started(entry)
         for watcher in self.watchers:
@@ -211,9 +211,8 @@ class Session:
             entry = self.entry(name, spec)
             entry.busy += 1
         try:
-            nothing = Shipment({}, (), (), 0, (), {})  # a script brings its own globals
-            run = Script(script, tuple(argv))
-            return self._run_on(entry, source, nothing, stdout, timeout, run)
+            run = Script(script, tuple(argv))  # a script brings its own globals
+            return self._run_on(entry, source, Shipment.nothing(), stdout, timeout, run)
         finally:
             entry.busy -= 1
             entry.last_active = time.monotonic()

@@ -113,6 +113,42 @@ def test_a_script_sees_argv_main_its_directory_and_leaves_the_cells_alone(
     assert pool2.run("import os, sys; (os.getcwd(), sys.argv, sys.path[0])").values == cwd_before
 
 
+def test_an_edited_module_beside_the_script_is_imported_afresh(pool2: Pool, tmp_path: Path) -> None:
+    (tmp_path / "helper_mod.py").write_text("ANSWER = 42\n")
+    script = write(
+        tmp_path,
+        "answer.py",
+        """
+        import json, sys
+        import helper_mod
+        json.dump(helper_mod.ANSWER, open(sys.argv[1], "w"))
+        """,
+    )
+    out = tmp_path / "answer.json"
+    run_script(pool2, script, str(out)).raise_for_errors()
+    assert json.loads(out.read_text()) == 42
+    (tmp_path / "helper_mod.py").write_text("ANSWER = 43\n")
+    run_script(pool2, script, str(out)).raise_for_errors()
+    assert json.loads(out.read_text()) == 43
+    # Neither the module nor its directory stays with the ranks after the run.
+    assert pool2.run("import sys\n'helper_mod' in sys.modules").values == [False, False]
+
+
+def test_restart_count_counts_failures_not_a_scripts_destroy(pool2: Pool) -> None:
+    count = "import os\nos.environ['TORCHELASTIC_RESTART_COUNT']"
+    before = int(pool2.run(count).raise_for_errors().values[0])
+    pool2.run("import torch.distributed as dist\ndist.destroy_process_group()").raise_for_errors()
+    assert pool2.run(count).values == [str(before)] * 2
+    failing = (
+        "import torch, torch.distributed as dist\n"
+        "if dist.get_rank() == 1:\n"
+        "    raise ValueError('bad')\n"
+        "dist.all_reduce(torch.ones(1))"
+    )
+    assert not pool2.run(failing, timeout=30).ok
+    assert pool2.run(count).values == [str(before + 1)] * 2
+
+
 def test_a_scripts_error_shows_its_own_file_and_line(pool2: Pool, tmp_path: Path) -> None:
     script = write(
         tmp_path,

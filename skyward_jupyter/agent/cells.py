@@ -78,13 +78,15 @@ def run_script(source: str, path: str, argv: tuple[str, ...], main: types.Module
 
     The script gets a fresh ``__main__`` (the cells' namespace is untouched), ``sys.argv``, its
     directory first on ``sys.path`` and as the working directory (when this machine has it);
-    all of it is put back afterwards and ``main`` is ``__main__`` again. ``sys.exit(0)`` is a
+    all of it is put back afterwards, ``main`` is ``__main__`` again and the modules it imported
+    from its directory are unloaded. ``sys.exit(0)`` is a
     success, another status an error naming it.
     """
     module = types.ModuleType("__main__")
     module.__dict__.update(__builtins__=builtins, __file__=path, __cached__=None)
     directory = os.path.dirname(path)
     saved_argv, saved_path, saved_cwd = sys.argv, list(sys.path), os.getcwd()
+    loaded = set(sys.modules)
     linecache.cache[path] = (len(source), None, source.splitlines(True), path)
     sys.argv = [path, *argv]
     sys.path.insert(0, directory)
@@ -106,6 +108,17 @@ def run_script(source: str, path: str, argv: tuple[str, ...], main: types.Module
         with contextlib.suppress(OSError):  # the directory may be gone; the rank goes on
             os.chdir(saved_cwd)
         sys.modules["__main__"] = main
+        _forget_modules_from(directory, set(sys.modules) - loaded)
+
+
+def _forget_modules_from(directory: str, names: set[str]) -> None:
+    """Unload the modules a run imported from the script's directory: the next run imports them
+    afresh (edited, or another project's module of the same name), as a new process would."""
+    inside = os.path.join(os.path.abspath(directory), "")
+    for name in names:
+        origin = getattr(sys.modules.get(name), "__file__", None)
+        if origin and os.path.abspath(origin).startswith(inside):
+            del sys.modules[name]
 
 
 _AGENT_DIR = os.path.dirname(os.path.abspath(__file__))

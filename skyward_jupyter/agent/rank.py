@@ -96,10 +96,11 @@ class Agent:
         self.cell_id: int | None = None
         self._in_cell = False
         self._interrupted = False
+        """An interrupt arrived during the current cell (its error is then a consequence)."""
         self._stop_cell: int | None = None
         """A cell the pool stopped before it started here (its interrupt came first)."""
         self._cell_lock = threading.Lock()
-        """An interrupt arrived during the current cell (its error is then a consequence)."""
+        """Orders an interrupt against the start of a cell (reader thread against main)."""
         self._last_heard = time.monotonic()
         self._heartbeat_file = os.environ.get("SKYWARD_HEARTBEAT_FILE") or None
         self._heartbeat_touched = 0.0
@@ -285,7 +286,7 @@ class Agent:
                 )
             )
             return
-        os.environ["TORCHELASTIC_RESTART_COUNT"] = str(command.generation - 1)
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = str(command.restarts)
         try:
             self.group.leave()
             port = command.port

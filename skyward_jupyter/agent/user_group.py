@@ -67,11 +67,15 @@ class UserGroupCalls:
         if backend is not None:
             asked = {part.split(":")[-1].strip().lower() for part in str(backend).split(",")}
             if pool_backend not in asked:
-                hint = " (the ranks have no GPU)" if pool_backend == "gloo" else ""
+                import torch
+
+                hint = "" if torch.cuda.is_available() else " (the ranks have no GPU)"
+                other = {"gloo", "nccl"} & asked
+                start = f", or start the pool with --backend {min(other)}" if other else ""
                 raise ValueError(
                     f"init_process_group(backend={str(backend)!r}): this pool's process group "
-                    f"uses {pool_backend!r}{hint}; call init_process_group() without a backend, "
-                    f"or start the pool with --backend {sorted(asked)[0]}"
+                    f"uses {pool_backend!r}{hint}; call init_process_group() without a backend"
+                    + start
                 )
         if rank not in (-1, s.rank):
             raise ValueError(

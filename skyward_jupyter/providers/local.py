@@ -10,8 +10,7 @@ escalate.
 
 The machine's GPUs are split evenly across the simulated nodes; each node sees only its own
 through ``CUDA_VISIBLE_DEVICES``, as a real separate machine would. All the ranks share this
-machine, so each gets one OpenMP thread unless the user chose (``OMP_NUM_THREADS``), as torchrun
-does for several workers on one machine.
+machine (the pool's torchrun environment then gives each one OpenMP thread, see ``launch_env``).
 """
 
 from __future__ import annotations
@@ -91,9 +90,6 @@ def split_gpus(gpus: tuple[str, ...], nodes: int) -> list[tuple[str, ...]]:
         )
     per = len(gpus) // nodes
     return [gpus[i * per : (i + 1) * per] for i in range(nodes)]
-
-
-# ------------------------------------------------------------------------------ the template
 
 
 # ----------------------------------------------------------------------------------- ranks
@@ -240,7 +236,6 @@ class LocalProvider(Provider):
         self._gpu_type = gpu_type
         self._use_template = use_template
         self._ranks: list[LocalRank] = []
-        self._threads = 0
 
     @classmethod
     def from_spec(cls, spec: PoolSpec, pool_name: str, extra: Mapping[str, Any]) -> LocalProvider:
