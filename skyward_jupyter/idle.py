@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 
 class _Spec(Protocol):
@@ -29,13 +29,16 @@ class IdleEntry(Protocol):
     def spec(self) -> _Spec: ...
 
 
-class IdleStop:
+E = TypeVar("E", bound=IdleEntry)
+
+
+class IdleStop(Generic[E]):
     def __init__(
         self,
         lock: threading.RLock,
-        pools: Callable[[], Iterable[IdleEntry]],
+        pools: Callable[[], Iterable[E]],
         forget: Callable[[str], object],
-        close: Callable[[IdleEntry], None],
+        close: Callable[[E], None],
         announce: Callable[[str], None],
     ) -> None:
         """``forget`` takes a pool out of the session (under ``lock``, so no cell can take it

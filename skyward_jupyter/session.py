@@ -70,11 +70,11 @@ class Session:
         """Per provider, options users never need (tests: ``{"aws": {"endpoint_url": ...}}``)."""
         self._announce = announce or (lambda text: print(text, file=sys.stderr))
         self._lock = threading.RLock()
-        self.idle = IdleStop(
+        self.idle: IdleStop[PoolEntry] = IdleStop(
             self._lock,
             lambda: list(self._pools.values()),
             self._forget,
-            lambda entry: self._close(entry),  # type: ignore[arg-type]
+            self._close,
             self._announce,
         )
 

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -472,3 +473,43 @@ def test_sky_run_interrupt(kernel: Kernel, tmp_path: Path) -> None:
     cell = kernel.ok(f"%%sky --all\n{ALL_REDUCE}")
     assert cell.per_rank == {0: "3.0", 1: "3.0"}, str(cell)
     kernel.register_pool_pids()
+
+
+def test_a_group_the_code_formed_again_is_left_as_fast_as_the_pools() -> None:
+    """A script destroys the pool's group and forms its own, then rank 1 fails while rank 0
+    waits in that group's all_reduce (ignoring SIGINT, with a long grace before the kill). A
+    DDP model holds the group, so destroying it closes nothing: only shutting down the sockets
+    of *that* group on the failed rank frees rank 0 at once."""
+    with Pool(nodes=2, interrupt_grace=30.0) as pool:
+        pool.run(
+            "import signal\nagent_sigint = signal.signal(signal.SIGINT, lambda *_: None)"
+        ).raise_for_errors()
+        started = time.monotonic()
+        result = pool.run(
+            "import torch, torch.distributed as dist\n"
+            "dist.destroy_process_group()\n"
+            "dist.init_process_group('gloo')\n"
+            "held = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))\n"
+            "if dist.get_rank() == 1:\n"
+            "    raise ValueError('bad batch on rank 1')\n"
+            "dist.all_reduce(torch.ones(1))\n"
+        )
+        took = time.monotonic() - started
+        assert not [n for n in result.notes if "killed" in n], (
+            f"rank 0 stayed in the collective until it was killed ({took:.0f} s): {result.notes}"
+        )
+        assert took < 15, f"the cell took {took:.0f} s to end"
+        assert CellError(result.errors).primary.rank == 1
+        pool.run("signal.signal(signal.SIGINT, agent_sigint)").raise_for_errors()
+        assert pool.run(ALL_REDUCE, timeout=20).raise_for_errors().values == [3.0, 3.0]
+
+
+def test_ranks_sharing_a_machine_get_one_thread_each_whatever_the_notebook_has(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    with Pool(nodes=2) as pool:
+        values = pool.run(
+            "import os, torch\n(os.environ.get('OMP_NUM_THREADS'), torch.get_num_threads())"
+        ).values
+    assert values == [("1", 1)] * 2

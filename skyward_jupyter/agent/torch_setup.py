@@ -100,7 +100,6 @@ class ProcessGroup:
         """Initialise the default process group via the store at ``port``; return the backend."""
         import torch
         import torch.distributed as dist
-        from torch.distributed import distributed_c10d
 
         s = self.settings
         os.environ["MASTER_PORT"] = str(port)  # as torchrun's workers find it
@@ -113,17 +112,33 @@ class ProcessGroup:
         backend = s.backend or ("nccl" if cuda else "gloo")
         if cuda:
             torch.cuda.set_device(s.local_rank % torch.cuda.device_count())
+        self._init(backend, self._store, timeout)
+        self.backend = backend
+        return backend
+
+    def rejoin(self, prefix: str, backend: str, timeout: datetime.timedelta, **extra: Any) -> None:
+        """Form a new default group over the pool's store, under ``prefix`` (the user's code
+        asked for one after destroying the pool's); its sockets are recorded as ``join``'s are,
+        so that leaving it frees peers at once too."""
+        import torch.distributed as dist
+
+        store = dist.PrefixStore(prefix, self._store)  # type: ignore[attr-defined]
+        self._init(backend, store, timeout, **extra)
+
+    def _init(self, backend: str, store: Any, timeout: datetime.timedelta, **extra: Any) -> None:
+        """Initialise the default group, recording the sockets it opened (see :meth:`leave`)."""
+        from torch.distributed import distributed_c10d
+
+        s = self.settings
         before = _socket_inodes() if os.path.isdir("/proc/self/fd") else {}
         # distributed_c10d's own function: the one in torch.distributed is the user's entry
         # point (see user_group).
         distributed_c10d.init_process_group(
-            backend, store=self._store, rank=s.rank, world_size=s.world_size, timeout=timeout
+            backend, store=store, rank=s.rank, world_size=s.world_size, timeout=timeout, **extra
         )
-        self.backend = backend
         if before or os.path.isdir("/proc/self/fd"):
             after = _socket_inodes()
             self._sockets = {k: fd for k, fd in after.items() if k not in before}
-        return backend
 
     def retire(self, group: Any) -> None:
         """Keep a group the user's code destroyed alive until the next formation.

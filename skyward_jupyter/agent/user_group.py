@@ -100,17 +100,11 @@ class UserGroupCalls:
             raise RuntimeError("the pool's process group is not up on this rank; run %sky restart")
         # The script destroyed the group earlier in this cell and asks for a new one: form it
         # over the pool's store, under a prefix of its own, as every rank does in step.
-        import torch.distributed as dist
-
         self._reinits += 1
-        c10d.init_process_group(
-            backend or pool_backend,
-            store=dist.PrefixStore(  # type: ignore[attr-defined]
-                f"user-{self._reinits}", self._group.store
-            ),
-            rank=s.rank,
-            world_size=s.world_size,
-            timeout=timeout or datetime.timedelta(seconds=s.timeout),
+        self._group.rejoin(
+            f"user-{self._reinits}",
+            str(backend or pool_backend),
+            timeout or datetime.timedelta(seconds=s.timeout),
             device_id=device_id,
         )
 
