@@ -34,7 +34,7 @@ from .events import (
 )
 from .failure_policy import Cell
 from .io_thread import IOThread, wait
-from .providers.base import Node, Provider
+from .providers.base import Node, Provider, ProviderError
 from .ranks import Rank, RankInfo, Ranks, RankSettings
 from .results import PoolError, RunResult
 
@@ -124,6 +124,7 @@ class Pool:
         self._closing = False
         self._lost_while_idle: list[int] = []
         self._monitor: asyncio.Task[None] | None = None
+        self._recovery: asyncio.Task[None] | None = None
         self._start_task: asyncio.Task[Any] | None = None
         self._said_reformed = False
 
@@ -204,8 +205,7 @@ class Pool:
         """Run ``source`` on every rank with ``globals`` bound first; one result per rank.
 
         With ``script``, the source runs as that script would under torchrun (its own
-        ``__main__``, argv and directory) and the ranks' namespaces are left as they were.
-        A syntax error or a global that cannot be pickled fails here, before anything is sent.
+        ``__main__``, argv and directory). A syntax error or an unpicklable global fails here.
         ``observer`` gets this cell's events only (on the IO thread); ``on_wait`` is called on
         the caller's thread about 20 times a second while it waits, so a view can draw output
         from the thread that owns the notebook cell. Closing the pool meanwhile (from another
@@ -263,13 +263,14 @@ class Pool:
                 log.exception("a pool event subscriber failed on %r", event)
 
     def _rank_ended(self, rank: Rank, how: str) -> None:
-        """A rank's process ended: the running cell hears of it; an idle rank is restarted."""
+        """A rank's process ended: the running cell hears of it; an idle rank is restarted
+        (while starting, the start itself fails, naming the rank)."""
         if self._closing:
             self._ranks.set_state(rank, RankState.TERMINATED, how)
             return
         self._ranks.set_state(rank, RankState.LOST, how)
-        if self._cell is None:
-            asyncio.get_running_loop().create_task(self._recover_idle(rank, how))
+        if self._cell is None and self._start_task is not None and self._start_task.done():
+            self._recovery = asyncio.get_running_loop().create_task(self._recover_idle(rank, how))
 
     # ---------------------------------------------------------------------- IO thread: start
 
@@ -279,11 +280,12 @@ class Pool:
         self._start_task = asyncio.current_task()
         await self._ranks.provision(self.requested_nodes)
         everyone = self._ranks.all
+        # Beats from the first rank on: starting may take longer than a rank waits for one.
+        self._monitor = asyncio.get_running_loop().create_task(self._ranks.heartbeats())
         async with self._op_lock:
             await asyncio.gather(*(self._ranks.spawn(r) for r in everyone))
             await self._ranks.await_hellos(everyone)
             await self._ranks.form_group()
-        self._monitor = asyncio.get_running_loop().create_task(self._ranks.heartbeats())
 
     # ---------------------------------------------------------------------- IO thread: cells
 
@@ -357,7 +359,7 @@ class Pool:
             self._emit(PoolMessage(f"rank {rank.index} ({rank.describe()}) {how} while idle"))
             try:
                 await self._ranks.restart_dead()
-            except PoolError as exc:
+            except (PoolError, ProviderError) as exc:
                 self._emit(PoolMessage(f"could not recover rank {rank.index}: {exc}"))
                 self._ranks.group_problem = str(exc)
                 return

@@ -2,11 +2,25 @@
 
 ``ssh_hosts(n, tmp)`` builds n namespaces, each with ``lo`` and an ``eth0`` (a veth whose peer is
 on a bridge in the root namespace), a /24 that collides with no address or route of this machine,
-an ``/etc/netns/<ns>/hosts`` (so the machine's hostname resolves to the namespace's own address,
-as on a real host, and the other hosts resolve by namespace name), and an ``sshd -D -e`` started
-by ``ip netns exec`` as a child of the test process. The filesystem is shared, so a command run
-over SSH sees the project's venv. The namespaces have no default route: nothing leaves them except
-to the bridge, where the root namespace answers at ``Hosts.bridge_address``.
+and an ``sshd -D -e`` started by ``ip netns exec`` as a child of the test process. The namespaces
+have no default route: nothing leaves them except to the bridge, where the root namespace answers
+at ``Hosts.bridge_address``.
+
+By default the hosts are as ordinary machines are (``private=True``), which is what hid real
+problems when they were friendlier:
+
+- each has its own hostname (a UTS namespace), which its ``/etc/hosts`` resolves to 127.0.1.1, as
+  Debian and Ubuntu write it, and the other hosts' names do not resolve at all;
+- each has its own filesystem view (set up by ``tests/host_view.py`` in the sshd's mount
+  namespace): a private ``/tmp``, a private ``/home`` with the login's home, and the notebook's
+  home, the project's checkout and this test's files hidden. Only the Python the ranks need
+  (the project's venv and its base interpreter, read-only paths) stays visible, at the same path;
+- the login is the unprivileged ``skyuser`` (made once on this machine if missing);
+- ``max_sessions`` is each sshd's ``MaxSessions`` (OpenSSH's default 10), per host if a list.
+
+``private=False`` gives the old, friendlier hosts: root login, this machine's filesystem, the
+machine's hostname resolving to the host's own address. ``Hosts.inside_argv`` runs a command in a
+host's own namespaces (its filesystem view), as root, without SSH.
 
 Needs root, ``ip`` (iproute2) and ``/usr/sbin/sshd`` (``make system-deps``).
 
@@ -22,14 +36,16 @@ import fcntl
 import ipaddress
 import json
 import os
+import pwd
 import random
 import secrets
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,6 +91,9 @@ class Hosts:
     subnet: str
     interface: str = "eth0"  # the hosts' interface (e.g. for GLOO_SOCKET_IFNAME)
     user: str = "root"
+    hostnames: tuple[str, ...] = ()
+    private: bool = False
+    python: str = sys.executable  # visible at this path on every host
     _sshd: tuple[subprocess.Popen[bytes], ...] = field(default=(), repr=False, compare=False)
 
     def __len__(self) -> int:
@@ -118,8 +137,14 @@ class Hosts:
         ]  # fmt: skip
 
     def netns_argv(self, i: int, *command: str) -> list[str]:
-        """``command`` run directly inside host i's namespace (no SSH)."""
+        """``command`` run in host i's network namespace (no SSH), on this machine's files."""
         return ["ip", "netns", "exec", self.hosts[i].namespace, *command]
+
+    def inside_argv(self, i: int, *command: str) -> list[str]:
+        """``command`` run as root in all of host i's namespaces: its network, its hostname,
+        its own filesystem view (what its sessions see)."""
+        pid = str(self.hosts[i].sshd_pid)
+        return ["nsenter", "-t", pid, "-n", "-m", "-u", "--", *command]
 
     def pids(self, i: int) -> set[int]:
         """Live (non-zombie) processes in host i's network namespace."""
@@ -364,7 +389,7 @@ AllowTcpForwarding yes
 X11Forwarding no
 AcceptEnv LANG LC_*
 MaxStartups 100:30:200
-MaxSessions 64
+MaxSessions {max_sessions}
 Subsystem sftp internal-sftp
 """
 
@@ -386,12 +411,59 @@ def _wait(condition: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.02)
 
 
+# -- private hosts -------------------------------------------------------------------------------
+
+USER = "skyuser"
+HOST_VIEW = Path(__file__).with_name("host_view.py")
+_PROJECT = Path(__file__).resolve().parents[1]
+
+
+def ensure_user() -> str:
+    """The unprivileged login of private hosts, made on this machine the first time (it stays:
+    an account, not a process). Its password field is ``*``: no password, yet not locked, which
+    sshd would refuse."""
+    try:
+        pwd.getpwnam(USER)
+    except KeyError:
+        with _registry_lock():
+            if subprocess.run(["id", USER], capture_output=True).returncode != 0:
+                subprocess.run(
+                    ["useradd", "--system", "--no-create-home", "--home-dir", f"/home/{USER}",
+                     "--shell", "/bin/bash", "--password", "*", USER],
+                    check=True, capture_output=True,
+                )  # fmt: skip
+    return USER
+
+
+def _hidden_paths(tmp: Path) -> list[str]:
+    """What a private host must not see: this machine's /tmp (the test's files and notebooks),
+    the notebook's home, and the project's checkout (the notebook's directory)."""
+    return sorted({"/tmp", "/root", str(Path.home()), str(_PROJECT), str(tmp.resolve())} - {"/"})
+
+
+def _python_paths() -> list[str]:
+    """The paths the ranks' Python needs: the venv and the interpreter it was made from."""
+    paths = {str(Path(sys.prefix).resolve()), str(Path(sys.base_prefix).resolve())}
+    return sorted(paths)
+
+
 # -- the context manager -------------------------------------------------------------------------
 
 
 @contextlib.contextmanager
-def ssh_hosts(n: int, tmp: Path, port: int = 2222, timeout: float = 15.0) -> Iterator[Hosts]:
+def ssh_hosts(
+    n: int,
+    tmp: Path,
+    port: int = 2222,
+    timeout: float = 15.0,
+    *,
+    private: bool = True,
+    max_sessions: int | Sequence[int] = 10,
+) -> Iterator[Hosts]:
     """n SSH hosts, each in its own network namespace; torn down (and checked) on exit."""
+    sessions = [max_sessions] * n if isinstance(max_sessions, int) else list(max_sessions)
+    if len(sessions) != n:
+        raise ValueError("max_sessions: one value, or one per host")
     if not 1 <= n <= MAX_HOSTS:
         raise ValueError(f"1 <= n <= {MAX_HOSTS}")
     if (why := available()) is not None:
@@ -427,8 +499,10 @@ def ssh_hosts(n: int, tmp: Path, port: int = 2222, timeout: float = 15.0) -> Ite
         _ip("link", "add", bridge, "type", "bridge")
         _ip("addr", "add", f"{gateway}/{subnet.prefixlen}", "dev", bridge)
         _ip("link", "set", bridge, "up")
-        hostname = socket.gethostname()
-        for ns, veth, address in zip(namespaces, veths, addresses, strict=True):
+        hostnames = [f"{ns}-host" if private else socket.gethostname() for ns in namespaces]
+        for ns, veth, address, hostname in zip(
+            namespaces, veths, addresses, hostnames, strict=True
+        ):
             _ip("netns", "add", ns)
             _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
             _ip("link", "set", veth, "master", bridge)
@@ -439,26 +513,38 @@ def ssh_hosts(n: int, tmp: Path, port: int = 2222, timeout: float = 15.0) -> Ite
             # The machine's hostname is this host's own address (gloo binds to what the hostname
             # resolves to); every address, also in its IPv4-mapped form (how a dual-stack listener
             # such as torch's TCPStore sees a peer), resolves back to a name, or c10d warns.
-            lines = ["127.0.0.1 localhost", f"{address} {hostname} {ns}"]
-            lines += [f"{a} {o}" for o, a in zip(namespaces, addresses, strict=True) if o != ns]
-            lines += [f"{gateway} {bridge}"]
-            lines += [f"::ffff:{a} {o}" for o, a in zip(namespaces, addresses, strict=True)]
-            lines += [f"::ffff:{gateway} {bridge}"]
+            if private:  # Debian's default, and nothing about the other hosts
+                lines = ["127.0.0.1 localhost", f"127.0.1.1 {hostname}"]
+            else:
+                lines = ["127.0.0.1 localhost", f"{address} {hostname} {ns}"]
+                lines += [f"{a} {o}" for o, a in zip(namespaces, addresses, strict=True) if o != ns]
+                lines += [f"{gateway} {bridge}"]
+                lines += [f"::ffff:{a} {o}" for o, a in zip(namespaces, addresses, strict=True)]
+                lines += [f"::ffff:{gateway} {bridge}"]
             (NETNS_ETC / ns).mkdir(parents=True, exist_ok=True)
             (NETNS_ETC / ns / "hosts").write_text("\n".join(lines) + "\n")
 
+        user = ensure_user() if private else "root"
         client_key = work / "client_ed25519"
-        (work / "authorized_keys").write_text(_write_key(client_key) + "\n")
+        authorized = work / "authorized_keys"  # one file, linked into each host's directory
+        authorized.write_text(_write_key(client_key) + "\n")
+        authorized.chmod(0o644)
         known = []
         for i, address in enumerate(addresses):
-            host_key = work / f"host{i}_ed25519"
-            public = _write_key(host_key).split()
+            # A private host reads its sshd files from its own copy (tests/host_view.py).
+            files = work / f"sshd{i}"
+            files.mkdir()
+            seen = Path("/mnt/sshd") if private else files
+            public = _write_key(files / "host_ed25519").split()
             name = address if port == 22 else f"[{address}]:{port}"
             known.append(f"{name} {public[0]} {public[1]}")
-            conf = work / f"sshd{i}.conf"
-            conf.write_text(
+            os.link(authorized, files / "authorized_keys")
+            (files / "sshd.conf").write_text(
                 SSHD_CONFIG.format(
-                    port=port, host_key=host_key, authorized_keys=work / "authorized_keys"
+                    port=port,
+                    host_key=seen / "host_ed25519",
+                    authorized_keys=seen / "authorized_keys",
+                    max_sessions=sessions[i],
                 )
             )
         known_hosts = work / "known_hosts"
@@ -467,12 +553,23 @@ def ssh_hosts(n: int, tmp: Path, port: int = 2222, timeout: float = 15.0) -> Ite
         for i, ns in enumerate(namespaces):
             log = work / f"sshd{i}.log"
             logs.append(log)
+            files = work / f"sshd{i}"
+            if private:
+                view = {
+                    "hostname": hostnames[i],
+                    "sshd_files": str(files),
+                    "user": user,
+                    "hide": _hidden_paths(tmp),
+                    "keep": _python_paths(),
+                }
+                argv = ["unshare", "--uts", sys.executable, str(HOST_VIEW), json.dumps(view)]
+            else:
+                argv = [str(SSHD), "-D", "-e", "-f", str(files / "sshd.conf")]
             with open(log, "wb") as out:
-                # `ip netns exec` execs sshd in place, so the child's pid is sshd's.
+                # `ip netns exec`, `unshare` and host_view.py exec in place: the pid is sshd's.
                 procs.append(
                     subprocess.Popen(
-                        ["ip", "netns", "exec", ns, str(SSHD), "-D", "-e", "-f",
-                         str(work / f"sshd{i}.conf")],
+                        ["ip", "netns", "exec", ns, *argv],
                         stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                         start_new_session=True,
                     )
@@ -502,6 +599,10 @@ def ssh_hosts(n: int, tmp: Path, port: int = 2222, timeout: float = 15.0) -> Ite
             bridge=bridge,
             bridge_address=gateway,
             subnet=str(subnet),
+            interface="eth0",
+            user=user,
+            hostnames=tuple(hostnames),
+            private=private,
             _sshd=tuple(procs),
         )
     finally:

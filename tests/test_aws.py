@@ -13,6 +13,7 @@ import http.server
 import json
 import signal
 import stat
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -246,8 +247,10 @@ def test_two_node_pool_every_call_and_nothing_left(
         key = Path(str(provider._ssh.options.identity))  # type: ignore[union-attr]
         assert stat.S_IMODE(key.stat().st_mode) == 0o600
         assert stat.S_IMODE(key.parent.stat().st_mode) == 0o700
-        # The ranks touch the watchdog's heartbeat file on their host (a shared filesystem here).
-        wait_for(lambda: Path(provider.heartbeat_file).exists(), 10, "the heartbeat file")
+        # The ranks touch the watchdog's heartbeat file on each host (its own filesystem).
+        for i in range(2):
+            seen = hosts.inside_argv(i, "test", "-f", provider.heartbeat_file)
+            wait_for(lambda seen=seen: subprocess.run(seen).returncode == 0, 10, "heartbeat file")
         assert [n.instance_type for n in pool.nodes] == ["g4dn.xlarge"] * 2
         assert pool.nodes[0].labels["usd_per_hour"] == "0.5260"
         assert provider.price_per_hour == pytest.approx(2 * 0.526)

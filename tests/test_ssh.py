@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
+import logging
+import re
 import subprocess
 import sys
 import threading
@@ -12,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from skyward_jupyter import Pool
+from skyward_jupyter import Pool, PoolError
 from skyward_jupyter.providers.base import ProviderError
 from skyward_jupyter.providers.ssh import Host, SSHOptions, SSHProvider
 from skyward_jupyter.providers.ssh_prepare import package_digest
@@ -36,7 +39,11 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
         yield made
 
 
-def _provider(hosts: Hosts, count: int, tmp: Path, **changes: object) -> SSHProvider:
+def _provider(
+    hosts: Hosts, count: int, tmp: Path, which: tuple[int, ...] = (), **changes: object
+) -> SSHProvider:
+    """An SSH provider on the first ``count`` hosts (or those in ``which``: a test that killed
+    host 1 leaves it dead for the rest of the module)."""
     options = SSHOptions(
         identity=str(hosts.client_key),
         known_hosts=str(hosts.known_hosts),
@@ -45,7 +52,7 @@ def _provider(hosts: Hosts, count: int, tmp: Path, **changes: object) -> SSHProv
         cache_dir=str(tmp / "cache"),
     )
     return SSHProvider(
-        [Host(hosts[i].address, hosts.user, hosts[i].port) for i in range(count)],
+        [Host(hosts[i].address, hosts.user, hosts[i].port) for i in which or range(count)],
         dataclasses.replace(options, **changes),  # type: ignore[arg-type]
     )
 
@@ -81,10 +88,15 @@ def test_ddp_across_three_hosts_and_the_package_ships_once(hosts: Hosts, tmp_pat
         )
         assert step.ok, step.errors
         assert step.values[0] == step.values[1] == step.values[2]
-    # The hosts share a filesystem here: whichever host renames its copy into place first ships
-    # it, the others find it or lose the rename; one copy, no staging directory left behind.
-    assert len(provider.shipped) == 1
-    assert [p.name for p in (tmp_path / "cache").iterdir()] == [package_digest()]
+    # Each host has its own disk: the package went to each once, with no staging directory left.
+    assert sorted(provider.shipped) == sorted(
+        f"{hosts.user}@{a}:{hosts[0].port}" for a in hosts.addresses
+    )
+    for i in range(3):
+        listing = subprocess.run(
+            hosts.inside_argv(i, "ls", str(tmp_path / "cache")), capture_output=True, text=True
+        )
+        assert listing.stdout.split() == [package_digest()], listing
     again = _provider(hosts, 2, tmp_path)
     with Pool(nodes=2, provider=again) as pool:
         assert pool.run("1").values == [1, 1]
@@ -281,3 +293,58 @@ def test_a_network_drop_mid_cell_ends_the_cell_in_bounded_time(
         lost = {e.rank: e for e in result.errors}
         assert 1 in lost and hosts[2].address in (lost[1].where + lost[1].message)
     wait_for(lambda: not _remote_agents(hosts), 30, "remote ranks to end")
+
+
+def test_hosts_whose_hostname_is_loopback_form_a_group_on_the_route_to_the_head(
+    hosts: Hosts, tmp_path: Path
+) -> None:
+    """The hosts resolve their own hostname to 127.0.1.1 (Debian's default): without choosing
+    the interface that routes to the head, gloo would advertise that and never connect."""
+    probe = hosts.inside_argv(2, "getent", "hosts", hosts.hostnames[2])
+    assert subprocess.run(probe, capture_output=True, text=True).stdout.startswith("127.0.1.1")
+    with Pool(nodes=2, provider=_provider(hosts, 2, tmp_path, which=(0, 2))) as pool:
+        result = pool.run(ALL_REDUCE + ", __import__('os').environ.get('GLOO_SOCKET_IFNAME')")
+        assert result.ok, result.errors
+        assert [v[0][0] for v in result.values] == [3.0, 3.0]
+        assert [v[0][2] for v in result.values] == [hosts.hostnames[0], hosts.hostnames[2]]
+        assert [v[1] for v in result.values] == [hosts.interface] * 2
+
+
+def test_a_group_that_cannot_connect_fails_in_seconds_naming_who_and_what_to_set(
+    hosts: Hosts, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The user's own GLOO_SOCKET_IFNAME wins; a wrong one fails at once with the address,
+    the port and the variable to set, never a bare exit status or an unretrieved task."""
+    caplog.set_level(logging.ERROR)
+    started = time.monotonic()
+    provider = _provider(hosts, 2, tmp_path, which=(0, 2))
+    pool = Pool(nodes=2, provider=provider, env={"GLOO_SOCKET_IFNAME": "lo"})
+    with pytest.raises(PoolError) as raised:
+        pool.start()
+    message = str(raised.value)
+    assert time.monotonic() - started < 30  # the group's own timeout is 60 s
+    assert re.search(r"rank \d cannot reach rank \d at 127\.0\.0\.1:\d+", message), message
+    assert "GLOO_SOCKET_IFNAME=lo" in message and "set --env GLOO_SOCKET_IFNAME" in message
+    assert "exited with status" not in message
+    del pool
+    gc.collect()
+    assert "never retrieved" not in caplog.text
+    wait_for(lambda: not _remote_agents(hosts), 10, "remote ranks to end")
+
+
+def test_a_host_allowing_few_sessions_gets_more_connections(tmp_path: Path) -> None:
+    """sshd's MaxSessions 2, three ranks on the host: each rank's session (and the kill of a
+    stuck one) still opens, on a further connection."""
+    with ssh_hosts(1, tmp_path, max_sessions=2) as few:
+        provider = _provider(few, 1, tmp_path)
+        with Pool(nodes=1, procs_per_node=3, provider=provider) as pool:
+            result = pool.run(ALL_REDUCE)
+            assert result.ok, result.errors
+            assert [v[:2] for v in result.values] == [(6.0, 3)] * 3
+            assert len(provider._sessions[0].conns) >= 2
+            # a stuck rank is killed over a session too
+            stuck = pool.run("import time\nif dist.get_rank() == 2: time.sleep(600)", timeout=3)
+            assert not stuck.ok
+            again = pool.run("dist.get_world_size()")
+            assert again.values == [3, 3, 3], again.errors
+        wait_for(lambda: not _remote_agents(few), 10, "remote ranks to end")

@@ -45,7 +45,13 @@ from .cell_result import cell_done
 from .cells import Namespace, run_script
 from .output import FdCapture
 from .process import UsageMeter, flush_c_stdio, set_process_name
-from .torch_setup import GroupSettings, ProcessGroup, cuda_device_count, torch_version
+from .torch_setup import (
+    GroupError,
+    GroupSettings,
+    ProcessGroup,
+    cuda_device_count,
+    torch_version,
+)
 from .user_group import UserGroupCalls
 
 EXIT_CHANNEL_CLOSED = 0
@@ -294,6 +300,9 @@ class Agent:
                 port = self.group.host()
                 self.channel.send(p.GroupPort(command.generation, port))
             backend = self.group.join(port)
+        except GroupError as exc:
+            self.channel.send(p.GroupState(command.generation, False, None, str(exc)))
+            return
         except Exception as exc:  # noqa: BLE001 - reported to the notebook with its type
             self.channel.send(
                 p.GroupState(command.generation, False, None, f"{type(exc).__name__}: {exc}")

@@ -15,6 +15,8 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
+from .network import CONNECT_TIMEOUT, Route, check_peers, choose_interfaces, reach
+
 
 @dataclass(frozen=True, slots=True)
 class GroupSettings:
@@ -24,6 +26,16 @@ class GroupSettings:
     master_addr: str
     backend: str | None
     timeout: float
+
+
+class GroupError(Exception):
+    """The group cannot form, for a reason a person can act on (the message says how)."""
+
+
+def _from(route: Route | None) -> str:
+    if route is None:
+        return ""
+    return f" from {route.address} ({route.interface or 'unknown interface'})"
 
 
 def torch_version() -> str | None:
@@ -72,6 +84,8 @@ class ProcessGroup:
         self.backend: str | None = None
         """The backend of the group this rank last joined."""
         self._retired: list[Any] = []
+        self._routed = False
+        self._route_found: Route | None = None
 
     @property
     def store(self) -> Any:
@@ -97,14 +111,25 @@ class ProcessGroup:
         return port
 
     def join(self, port: int) -> str:
-        """Initialise the default process group via the store at ``port``; return the backend."""
+        """Initialise the default process group via the store at ``port``; return the backend.
+
+        Raises :class:`GroupError` naming the address and port when the head's store cannot be
+        reached, or the group cannot connect, with what to set."""
         import torch
         import torch.distributed as dist
 
         s = self.settings
         os.environ["MASTER_PORT"] = str(port)  # as torchrun's workers find it
+        route = self._route()
         timeout = datetime.timedelta(seconds=s.timeout)
         if self._store is None:
+            why = reach(s.master_addr, port, min(s.timeout, CONNECT_TIMEOUT))
+            if why is not None:
+                raise GroupError(
+                    f"cannot reach the head's rendezvous at {s.master_addr}:{port} ({why})"
+                    f"{_from(route)}; if the head has an address these hosts reach, pass "
+                    "--head-addr ADDRESS"
+                )
             self._store = dist.TCPStore(  # type: ignore[attr-defined]
                 s.master_addr, port, s.world_size, False, timeout
             )
@@ -112,9 +137,32 @@ class ProcessGroup:
         backend = s.backend or ("nccl" if cuda else "gloo")
         if cuda:
             torch.cuda.set_device(s.local_rank % torch.cuda.device_count())
-        self._init(backend, self._store, timeout)
+        try:
+            check_peers(self._store, s.rank, s.world_size, backend, s.timeout)
+        except ConnectionError as exc:
+            variable = "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
+            raise GroupError(
+                f"{exc}; set --env {variable}=IFACE to an interface the other hosts reach"
+            ) from None
+        try:
+            self._init(backend, self._store, timeout)
+        except RuntimeError as exc:
+            variable = "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
+            chosen = os.environ.get(variable)
+            raise GroupError(
+                f"the {backend} group could not connect: {str(exc).strip().splitlines()[-1]}"
+                f"{_from(route)}, {variable}={chosen or '(unset)'}; set --env {variable}=IFACE "
+                "to the interface that reaches the other hosts"
+            ) from exc
         self.backend = backend
         return backend
+
+    def _route(self) -> Route | None:
+        """Choose the interfaces once per process (see :mod:`.network`)."""
+        if not self._routed:
+            self._routed = True
+            self._route_found = choose_interfaces(self.settings.master_addr)
+        return self._route_found
 
     def rejoin(self, prefix: str, backend: str, timeout: datetime.timedelta, **extra: Any) -> None:
         """Form a new default group over the pool's store, under ``prefix`` (the user's code

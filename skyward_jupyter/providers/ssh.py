@@ -21,7 +21,7 @@ import collections
 import contextlib
 import json
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -29,12 +29,14 @@ import asyncssh
 
 from ..events import RankState
 from .base import Node, Progress, Provider, ProviderError, ReapReport, no_progress
+from .ssh_keys import changed_key, known_hosts_file, record_if_new
 from .ssh_prepare import check_versions, probe, ship
 
 if TYPE_CHECKING:
     from ..spec import PoolSpec
 
 _DIAGNOSTIC_LINES = 40
+Connect = Callable[["Host"], Awaitable[asyncssh.SSHClientConnection]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,11 +81,9 @@ class SSHOptions:
 class SSHRank:
     """One rank on a host: an SSH channel running the agent."""
 
-    def __init__(
-        self, host: Host, conn: asyncssh.SSHClientConnection, process: Any, pid: int
-    ) -> None:
+    def __init__(self, host: Host, sessions: Sessions, process: Any, pid: int) -> None:
         self._host = host
-        self._conn = conn
+        self._sessions = sessions
         self._process = process
         self.pid = pid
         self.reader = process.stdout
@@ -106,10 +106,8 @@ class SSHRank:
 
     async def kill(self) -> None:
         # An unreachable host cannot be asked: closing the channel is then all that is left.
-        with contextlib.suppress(asyncssh.Error, OSError, asyncio.TimeoutError):
-            await asyncio.wait_for(
-                self._conn.run(shlex.join(["kill", "-9", str(self.pid)]), check=False), 5
-            )
+        with contextlib.suppress(asyncssh.Error, OSError, asyncio.TimeoutError, ProviderError):
+            await asyncio.wait_for(self._sessions.run(["kill", "-9", str(self.pid)]), 5)
         self._process.close()
 
     async def wait(self) -> str:
@@ -122,6 +120,50 @@ class SSHRank:
         if self._process.exit_status is None:
             return f"lost: the connection to {self._host} dropped"
         return f"exited with status {self._process.exit_status} on {self._host}"
+
+
+class Sessions:
+    """A host's SSH connections: as many as its sshd's ``MaxSessions`` makes necessary.
+
+    OpenSSH allows 10 sessions per connection by default, and some hosts fewer; a node with
+    more ranks (one session each) than that, plus the commands that manage them, would fail
+    with "Session request failed". A refused session opens another connection instead."""
+
+    def __init__(self, host: Host, first: asyncssh.SSHClientConnection, connect: Connect) -> None:
+        self.host = host
+        self.conns = [first]
+        self._connect = connect
+
+    async def process(self, command: str) -> Any:
+        """A new session running ``command`` (bytes in, bytes out)."""
+        for conn in list(self.conns):
+            try:
+                return await conn.create_process(command, encoding=None)
+            except asyncssh.ChannelOpenError:
+                continue  # this connection has all the sessions its sshd allows
+        conn = await self._connect(self.host)
+        self.conns.append(conn)
+        try:
+            return await conn.create_process(command, encoding=None)
+        except asyncssh.ChannelOpenError as exc:
+            raise ProviderError(
+                f"{self.host}: sshd refuses a session even on a new connection ({exc.reason}); "
+                "check its MaxSessions and MaxStartups"
+            ) from None
+
+    async def run(self, argv: Sequence[str]) -> int | None:
+        """Run a command (an argument list) to its end; its exit status."""
+        process = await self.process(shlex.join(argv))
+        process.stdin.write_eof()
+        await process.wait_closed()
+        return process.exit_status  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        for conn in self.conns:
+            conn.close()
+
+    async def wait_closed(self) -> None:
+        await asyncio.gather(*(c.wait_closed() for c in self.conns), return_exceptions=True)
 
 
 class SSHProvider(Provider):
@@ -180,7 +222,7 @@ class SSHProvider(Provider):
         self.hosts = tuple(hosts)
         self.options = options or SSHOptions()
         self.shipped: list[str] = []
-        self._conns: list[asyncssh.SSHClientConnection] = []
+        self._sessions: list[Sessions] = []
         self._remote_package: list[str] = []
         self._python: list[str] = []
 
@@ -202,7 +244,7 @@ class SSHProvider(Provider):
         for index, (host, result) in enumerate(zip(self.hosts, results, strict=True)):
             assert not isinstance(result, BaseException)
             conn, found, package_dir = result
-            self._conns.append(conn)
+            self._sessions.append(Sessions(host, conn, self._connect))
             self._remote_package.append(package_dir)
             self._python.append(str(found["executable"]))
             address = self.options.head_addr if index == 0 and self.options.head_addr else host.host
@@ -213,9 +255,13 @@ class SSHProvider(Provider):
     async def _connect(self, host: Host) -> asyncssh.SSHClientConnection:
         o = self.options
         known_hosts: Any = o.known_hosts if o.known_hosts else ()
-        if o.accept_new_host_keys:
-            known_hosts = None  # an explicit choice of the user: any host key is accepted
+        # --accept-new-host-keys is OpenSSH's accept-new: an unknown host's key is recorded in
+        # the file first, and the connection checks strictly against that file either way.
+        recording = known_hosts_file(o.known_hosts) if o.accept_new_host_keys else None
         try:
+            if recording is not None:
+                await record_if_new(recording, host, o.connect_timeout)
+                known_hosts = str(recording)
             return await asyncio.wait_for(
                 asyncssh.connect(
                     host.host,
@@ -229,6 +275,10 @@ class SSHProvider(Provider):
                 o.connect_timeout,
             )
         except asyncssh.HostKeyNotVerifiable as exc:
+            if recording is not None and (
+                changed := await changed_key(recording, host, o.connect_timeout)
+            ):
+                raise changed from None
             raise ProviderError(
                 f"{host}: its host key is not trusted ({exc.reason}); add it to your "
                 "known_hosts (ssh-keyscan), pass --known-hosts FILE, or, if you trust this "
@@ -273,7 +323,7 @@ class SSHProvider(Provider):
         return target
 
     async def start_rank(self, node: Node, env: Mapping[str, str]) -> SSHRank:
-        conn = self._conns[node.index]
+        sessions = self._sessions[node.index]
         host = self.hosts[node.index]
         agent = shlex.join(
             [
@@ -286,7 +336,7 @@ class SSHProvider(Provider):
             ]
         )
         try:
-            process = await conn.create_process(f"echo $$; exec {agent}", encoding=None)
+            process = await sessions.process(f"echo $$; exec {agent}")
         except (asyncssh.Error, OSError) as exc:
             raise ProviderError(f"{host}: cannot start a rank: {exc}") from None
         try:
@@ -295,10 +345,10 @@ class SSHProvider(Provider):
             process.close()
             raise ProviderError(f"{host}: the rank did not start ({exc!r})") from None
         process.stdin.write(json.dumps({**env, "PYTHONUNBUFFERED": "1"}).encode() + b"\n")
-        return SSHRank(host, conn, process, pid)
+        return SSHRank(host, sessions, process, pid)
 
     async def release(self) -> None:
-        for conn in self._conns:
-            conn.close()
-        await asyncio.gather(*(c.wait_closed() for c in self._conns), return_exceptions=True)
-        self._conns.clear()
+        for sessions in self._sessions:
+            sessions.close()
+        await asyncio.gather(*(s.wait_closed() for s in self._sessions))
+        self._sessions.clear()

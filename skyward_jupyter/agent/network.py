@@ -1,0 +1,157 @@
+"""Which of this host's addresses its peers can reach: the one on the route to the head.
+
+gloo (and NCCL's bootstrap) otherwise advertise the address the machine's hostname resolves to,
+which Debian and Ubuntu map to 127.0.1.1 in /etc/hosts: peers on other hosts then dial their own
+loopback and the group never forms. The interface that routes to the head is, by construction,
+one the head can be reached through and reach back on, so each rank names it in
+``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` unless the user chose them.
+
+Also here: a bounded check that the head's rendezvous store answers, so that a rank that cannot
+reach it says so (address, port, what to set) in seconds instead of after the group's timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fcntl
+import os
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+_SIOCGIFADDR = 0x8915
+IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """This host's way to the head: the local address and the interface holding it."""
+
+    head: str
+    address: str
+    interface: str | None
+
+
+def route_to(head: str) -> Route:
+    """The local address (and its interface) the kernel would use to reach ``head``.
+
+    Connecting a UDP socket sends nothing: it only asks the routing table. For the head itself
+    the answer is its own address, whose interface is then the one it is on (not ``lo``).
+    """
+    ip = str(socket.getaddrinfo(head, None, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0])
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((ip, 9))
+        local = str(probe.getsockname()[0])
+    return Route(ip, local, interface_of(local))
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the interface whose (primary IPv4) address is ``address``."""
+    if address.startswith("127."):
+        return "lo"
+    for _, name in socket.if_nameindex():
+        if interface_address(name) == address:
+            return name
+    return None
+
+
+def interface_address(name: str) -> str | None:
+    """The primary IPv4 address of interface ``name`` (None if it has none or does not exist)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        request = struct.pack("256s", name.encode()[:15])
+        try:
+            reply = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, request)
+        except OSError:
+            return None
+    return socket.inet_ntoa(reply[20:24])
+
+
+def choose_interfaces(head: str, environ: dict[str, str] | None = None) -> Route | None:
+    """Set the socket interface variables the user left unset to the route to the head.
+
+    Returns the route (None when the head cannot be resolved here: the group's own error will
+    then say so)."""
+    env = os.environ if environ is None else environ
+    try:
+        route = route_to(head)
+    except OSError:
+        return None
+    if route.interface is not None:
+        for name in IFNAME_VARIABLES:
+            env.setdefault(name, route.interface)
+    return route
+
+
+def reach(address: str, port: int, timeout: float) -> str | None:
+    """None when a TCP connection to ``address:port`` opens within ``timeout``; else why not."""
+    try:
+        with socket.create_connection((address, port), timeout=timeout):
+            return None
+    except TimeoutError:
+        return f"no answer within {timeout:.0f} s"
+    except OSError as exc:
+        return exc.strerror or str(exc)
+
+
+def advertised(backend: str) -> tuple[str, str]:
+    """The address this rank's group will give its peers, and where it comes from.
+
+    As gloo chooses it: the interface named in the variable, else what the hostname resolves to
+    (NCCL's own choice without the variable is not predicted: then the hostname's is checked)."""
+    variable = "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
+    names = os.environ.get(variable, "")
+    first = names.split(",")[0].lstrip("=")
+    if first and (address := interface_address(first)) is not None:
+        return address, f"{variable}={names}"
+    host = socket.gethostname()
+    return socket.gethostbyname(host), f"the hostname {host} resolves to it"
+
+
+def check_peers(store: Any, rank: int, world_size: int, backend: str, timeout: float) -> None:
+    """Before the group connects: can every rank open a connection to every other's address?
+
+    Each rank listens where its group will, publishes that in the store, and dials the others'
+    within ``CONNECT_TIMEOUT``; a failure anywhere is published too, so every rank stops at
+    once with the same message naming who could not reach whom, instead of each waiting out the
+    group's timeout. Raises :class:`ConnectionError` with that message."""
+    address, source = advertised(backend)
+    wait = datetime.timedelta(seconds=timeout)
+    try:
+        listener = socket.create_server((address, 0), backlog=max(16, world_size))
+    except OSError as exc:
+        problem = f"rank {rank} cannot listen on {address} ({source}): {exc.strerror or exc}"
+        store.set(f"{_KEY}/problem/{rank}", problem)
+        listener = None
+    with listener or contextlib.nullcontext():
+        port = listener.getsockname()[1] if listener is not None else 0
+        store.set(f"{_KEY}/addr/{rank}", f"{address} {port} {source}")
+        everyone = [f"{_KEY}/done/{r}" for r in range(world_size)]
+        addresses = [f"{_KEY}/addr/{r}" for r in range(world_size) if r != rank]
+        problems = [f"{_KEY}/problem/{r}" for r in range(world_size)]
+        if listener is not None:
+            store.wait(addresses, wait)
+            for key in addresses:
+                peer = int(key.rsplit("/", 1)[1])
+                peer_address, peer_port, peer_source = store.get(key).decode().split(" ", 2)
+                if peer_port == "0":
+                    continue  # it could not listen, and said so under problems
+                why = reach(peer_address, int(peer_port), CONNECT_TIMEOUT)
+                if why is not None:
+                    store.set(
+                        f"{_KEY}/problem/{rank}",
+                        f"rank {rank} cannot reach rank {peer} at {peer_address}:{peer_port} "
+                        f"({why}); rank {peer}'s group listens there because {peer_source}",
+                    )
+                    break
+        store.set(f"{_KEY}/done/{rank}", "1")
+        store.wait(everyone, wait)
+    found = [store.get(k).decode() for k in problems if store.check([k])]
+    if found:
+        raise ConnectionError(found[0])
+
+
+CONNECT_TIMEOUT = 10.0
+"""Seconds to wait for a connection to the head's store or a peer before saying it failed."""
+_KEY = "skyward/reach"
