@@ -8,9 +8,11 @@ result, and a Ctrl-C while it waits is turned into an interrupt of the ranks.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import contextlib
 import threading
+import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -20,6 +22,23 @@ T = TypeVar("T")
 
 WAIT_TICK = 0.05
 """Seconds between the caller's ``on_wait`` calls while it waits."""
+
+_owners: weakref.WeakSet[Any] = weakref.WeakSet()
+"""Objects with an IO thread, closed at the interpreter's exit: the thread is a daemon, and its
+work (ending the ranks, releasing machines) would otherwise be cut off mid-way."""
+
+
+def close_at_exit(owner: Any, wanted: bool = True) -> None:
+    if wanted:
+        _owners.add(owner)
+    else:
+        _owners.discard(owner)
+
+
+@atexit.register
+def _close_owners() -> None:
+    for owner in list(_owners):
+        owner.close()
 
 
 class IOThread:

@@ -9,6 +9,7 @@ provider is that provider's to check when the pool is made.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -63,6 +64,23 @@ def _hosts(text: str) -> tuple[str, ...]:
     if not hosts:
         raise argparse.ArgumentTypeError("expected user@host[:port],...")
     return hosts
+
+
+def _directory(text: str) -> str:
+    path = os.path.abspath(os.path.expanduser(text))
+    if not os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"no such directory: {text} ({path})")
+    return path
+
+
+def _megabytes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected megabytes, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 MB, got {text}")
+    return value
 
 
 def _gpu(text: str) -> str:
@@ -125,6 +143,18 @@ POOL_OPTIONS: tuple[Option, ...] = (
         "--env",
         "environment variable for every rank, set before torch starts (repeatable)",
         {"type": _env, "action": "append", "metavar": "KEY=VALUE"},
+    ),
+    Option(
+        "--sync",
+        "directory whose files the nodes get, kept in step before every cell (repeatable; "
+        "default: the notebook's working directory, where nodes do not share it)",
+        {"type": _directory, "action": "append", "metavar": "DIR"},
+    ),
+    Option("--no-sync", "send no directory to the nodes", _flag()),
+    Option(
+        "--sync-cap",
+        "the most a synced directory may hold, in MB (default 200)",
+        {"type": _megabytes, "metavar": "MB"},
     ),
     Option(
         "--idle-timeout",

@@ -13,13 +13,13 @@ failure policy, :mod:`.failure_policy`.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import itertools
 import logging
+import secrets
 import time
 import uuid
-import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from . import protocol as p
@@ -33,23 +33,17 @@ from .events import (
     RankStateChanged,
 )
 from .failure_policy import Cell
-from .io_thread import IOThread, wait
+from .io_thread import IOThread, close_at_exit, wait
 from .providers.base import Node, Provider, ProviderError
 from .ranks import Rank, RankInfo, Ranks, RankSettings
 from .results import PoolError, RunResult
+from .transfer import DEFAULT_SYNC_CAP, Transfer, pickle_global
+from .workdir import Manifest
 
 __all__ = ["Pool", "RankInfo", "Subscriber"]
 
 Subscriber = Callable[[PoolEvent], None]
 log = logging.getLogger(__name__)
-
-_live_pools: weakref.WeakSet[Pool] = weakref.WeakSet()
-
-
-@atexit.register
-def _close_live_pools() -> None:
-    for pool in list(_live_pools):
-        pool.close()
 
 
 class Pool:
@@ -75,6 +69,8 @@ class Pool:
         heartbeat_timeout: float = 30.0,
         interrupt_grace: float = 3.0,
         start_timeout: float = 180.0,
+        sync: Sequence[str] = (),
+        sync_cap_bytes: int | None = None,
     ) -> None:
         if not isinstance(nodes, int) or nodes < 1:
             raise ValueError(f"nodes must be a whole number of at least 1, got {nodes!r}")
@@ -112,8 +108,12 @@ class Pool:
             heartbeat_timeout=heartbeat_timeout,
             start_timeout=start_timeout,
             run_id=self.run_id,
+            relay_token=secrets.token_hex(16),
         )
         self._ranks = Ranks(provider, settings, self._emit, self._rank_ended)
+        shares = provider.shares_files
+        cap = sync_cap_bytes or DEFAULT_SYNC_CAP
+        self._transfer = Transfer(self._ranks, sync, cap, shares, self._emit)
         self._subscribers: list[Subscriber] = []
         self._observers: dict[int, Subscriber] = {}
         self._io: IOThread | None = None
@@ -182,8 +182,9 @@ class Pool:
         """
         if self._io is not None:
             return self
+        self._transfer.scan()  # a directory that cannot be synced fails before any machine
         self._io = IOThread(f"skyward-pool-{self.name}")
-        _live_pools.add(self)
+        close_at_exit(self)
         try:
             wait(self._io.submit(self._start()), self.interrupt, on_wait)
         except BaseException:
@@ -217,12 +218,13 @@ class Pool:
         cell_id = next(self._cell_ids)
         filename = filename or f"<sky-cell-{cell_id}>"
         compile(source, filename, "exec")
-        shipped = {name: _pickle_global(name, value) for name, value in (globals or {}).items()}
-        command = p.RunCell(cell_id, source, filename, shipped, script)
+        shipped = {name: pickle_global(name, value) for name, value in (globals or {}).items()}
+        command = p.RunCell(cell_id, source, filename, dict(shipped), script)
+        files = self._transfer.scan()
         if observer is not None:
             self._observers[cell_id] = observer
         try:
-            return wait(io.submit(self._run(command, timeout)), self.interrupt, on_wait)
+            return wait(io.submit(self._run(command, files, timeout)), self.interrupt, on_wait)
         finally:
             self._observers.pop(cell_id, None)
 
@@ -240,7 +242,7 @@ class Pool:
         io, self._io = self._io, None
         if io is None:
             return
-        _live_pools.discard(self)
+        close_at_exit(self, wanted=False)
         # A cloud provider waits for its instances to be gone: give it the time it asks for.
         release = self.provider.release_timeout
         try:
@@ -289,7 +291,9 @@ class Pool:
 
     # ---------------------------------------------------------------------- IO thread: cells
 
-    async def _run(self, command: p.RunCell, timeout: float | None) -> RunResult:
+    async def _run(
+        self, command: p.RunCell, files: list[Manifest], timeout: float | None
+    ) -> RunResult:
         assert self._op_lock is not None
         async with self._op_lock:
             if self._closing:
@@ -306,6 +310,8 @@ class Pool:
                     f"pool {self.name!r} has no working process group "
                     f"({self._ranks.group_problem}); restart it (%sky restart)"
                 )
+            workdir = await self._transfer.workdir(files)
+            command = await self._transfer.relay_globals(replace(command, workdir=workdir), live)
             cell = Cell(command.cell_id, self._ranks, live, timeout, self.interrupt_grace)
             self._cell, self._cell_task = cell, asyncio.current_task()
             frame = wire.encode(command)
@@ -329,6 +335,8 @@ class Pool:
                     )
             finally:
                 self._cell = self._cell_task = None
+                relayed = [v.digest for v in command.globals.values() if isinstance(v, p.Relayed)]
+                self._transfer.drop(relayed)
             for r in everyone:
                 if r.state is RankState.RUNNING:
                     self._ranks.set_state(r, RankState.IDLE)
@@ -387,14 +395,3 @@ class Pool:
             # The cell's ranks are gone: its run ends now, with the error that says why.
             await asyncio.wait([cell_task], timeout=5)
         await self.provider.release()
-
-
-def _pickle_global(name: str, value: Any) -> p.Pickled:
-    if isinstance(value, p.Pickled):
-        return value
-    try:
-        return p.Pickled.dump(value)
-    except Exception as exc:
-        raise PoolError(
-            f"global {name!r} ({type(value).__name__}) cannot be sent to the ranks: {exc}"
-        ) from exc

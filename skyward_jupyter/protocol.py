@@ -87,12 +87,62 @@ class Script:
 
 
 @dataclass(frozen=True, slots=True)
+class Relayed:
+    """A large value the notebook sent once, to the head; the other ranks fetch it from the
+    head's relay (see :mod:`.agent.relay`) and check it against ``digest`` (sha256 hex)."""
+
+    digest: str
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Stash:
+    """To the head: keep ``blob`` (its sha256 is ``digest``) for the other ranks to fetch."""
+
+    digest: str
+    blob: Pickled
+
+
+@dataclass(frozen=True, slots=True)
+class Drop:
+    """To the head: the other ranks have what these blobs held."""
+
+    digests: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SyncFiles:
+    """To one rank per node: bring the node's copy of a notebook directory to this state.
+
+    ``entries`` are (path, mode, sha256); ``bundle`` carries the contents the node said it
+    lacked (None on the first ask)."""
+
+    key: str
+    root: str
+    entries: tuple[tuple[str, int, str], ...]
+    bundle: Relayed | None = None
+    relay: tuple[str, int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Workdir:
+    """Where a cell runs: per node, the directories to put on ``sys.path`` (the first is the
+    working directory), and the files changed since the last cell (their modules reload)."""
+
+    paths: dict[int, tuple[str, ...]]
+    changed: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class RunCell:
     cell_id: int
     source: str
     filename: str
-    globals: dict[str, Pickled] = field(default_factory=dict)
+    globals: dict[str, Pickled | Relayed] = field(default_factory=dict)
     script: Script | None = None
+    workdir: Workdir | None = None
+    relay: tuple[str, int] | None = None
+    """The head's relay (address, port), where the ranks fetch :class:`Relayed` values."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +171,8 @@ class Hello:
     cloudpickle: str
     torch: str | None
     cuda_devices: int
+    relay_port: int | None = None
+    """The head's relay for large values (None on other ranks, or when it cannot listen)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +199,18 @@ class GroupState:
     ok: bool
     backend: str | None
     message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Synced:
+    """A node's answer to :class:`SyncFiles`: the contents it lacks, or where the directory now
+    is (its copy, or the notebook's own path when the node shares the notebook's files), or an
+    error for people."""
+
+    key: str
+    missing: tuple[str, ...] = ()
+    path: str | None = None
+    error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

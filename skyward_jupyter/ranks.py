@@ -119,6 +119,7 @@ class RankSettings:
     heartbeat_timeout: float
     start_timeout: float
     run_id: str
+    relay_token: str = ""
 
 
 class Ranks:
@@ -193,6 +194,7 @@ class Ranks:
             "heartbeat_timeout": s.heartbeat_timeout,
             "backend": s.backend,
             "pg_timeout": s.pg_timeout,
+            "relay_token": s.relay_token,
         }
         place = RankPlace(
             rank=rank.index,
@@ -370,6 +372,8 @@ class Ranks:
             rank.resolve("port", message.port)
         elif isinstance(message, p.GroupState) and message.generation == self._generation:
             rank.resolve("group", message)
+        elif isinstance(message, p.Synced):
+            rank.resolve("synced", message)
 
     async def heartbeats(self) -> None:
         """Beat every live rank; kill one silent past the timeout (its reader reports the loss)."""

@@ -9,6 +9,7 @@ registry) are told of every pool's creation, start and end.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -88,6 +89,8 @@ class Session:
         changes = {k: v for k, v in options.items() if v is not None}
         if "env" in changes:
             changes["env"] = tuple(sorted(changes["env"]))
+        if "sync" in changes:
+            changes["sync"] = tuple(changes["sync"])
         if "provider" not in changes and (implied := implied_provider(changes)):
             changes["provider"] = implied
         return replace(base or self.defaults, **changes).settled()
@@ -129,6 +132,8 @@ class Session:
             name=name,
             backend=wanted.backend,
             env=dict(wanted.env),
+            sync=wanted.sync_roots(os.getcwd()),
+            sync_cap_bytes=int(wanted.sync_cap * 2**20) if wanted.sync_cap else None,
         )
         entry = PoolEntry(name, wanted, pool, shipper or Shipper())
         self.views.pool_created(entry)

@@ -41,6 +41,16 @@ class PoolSpec:
     ami: str | None = None
     idle_timeout: float | None = None
     """Minutes without a cell after which the pool stops; 0: never; None: the provider's default."""
+    sync: tuple[str, ...] = ()
+    """Directories (absolute) the nodes get; () the working directory, unless ``no_sync``."""
+    no_sync: bool | None = None
+    sync_cap: float | None = None
+    """Megabytes a synced directory may hold (None: the default)."""
+
+    def sync_roots(self, cwd: str) -> tuple[str, ...]:
+        if self.no_sync:
+            return ()
+        return self.sync or (cwd,)
 
     def describe(self) -> str:
         ranks = f"{self.procs_per_node} ranks" if self.procs_per_node else "1 rank per GPU or CPU"

@@ -41,17 +41,12 @@ from .. import protocol as p
 from .. import runtime
 from ..launch_env import error_file
 from ..wire import SyncChannel
+from .arrivals import Arrivals
 from .cell_result import cell_done
 from .cells import Namespace, run_script
 from .output import FdCapture
 from .process import UsageMeter, flush_c_stdio, set_process_name
-from .torch_setup import (
-    GroupError,
-    GroupSettings,
-    ProcessGroup,
-    cuda_device_count,
-    torch_version,
-)
+from .torch_setup import GroupError, GroupSettings, ProcessGroup, cuda_device_count, torch_version
 from .user_group import UserGroupCalls
 
 EXIT_CHANNEL_CLOSED = 0
@@ -70,6 +65,7 @@ class AgentSettings:
     heartbeat_timeout: float = 15.0
     backend: str | None = None
     pg_timeout: float = 60.0
+    relay_token: str | None = None
 
     @classmethod
     def from_env(cls) -> AgentSettings:
@@ -97,6 +93,13 @@ class Agent:
                 backend=settings.backend,
                 timeout=settings.pg_timeout,
             )
+        )
+        self.arrivals = Arrivals(
+            self.group.settings.rank,
+            int(os.environ.get("GROUP_RANK", "0")),
+            self.group.settings.master_addr,
+            settings.relay_token,
+            self._diagnose,
         )
         self.commands: queue.Queue[object] = queue.Queue()
         self.cell_id: int | None = None
@@ -179,6 +182,8 @@ class Agent:
                 if isinstance(message, p.Interrupt):
                     self._interrupt_cell(message.cell_id)
                     continue
+                if self.arrivals.on_wire(message):
+                    continue
                 if isinstance(message, p.Shutdown):
                     self._interrupt_main()
                 self.commands.put(message)
@@ -260,12 +265,15 @@ class Agent:
                 cloudpickle=cloudpickle.__version__,
                 torch=self._torch,
                 cuda_devices=cuda_device_count(),
+                relay_port=self.arrivals.relay_port,
             )
         )
         while True:
             command = self.commands.get()
             if isinstance(command, p.RunCell):
                 self._run_cell(command)
+            elif isinstance(command, p.SyncFiles):
+                self.channel.send(self.arrivals.sync(command))
             elif isinstance(command, p.FormGroup):
                 self._form_group(command)
             elif isinstance(command, p.LeaveGroup):
@@ -326,13 +334,8 @@ class Agent:
         error: BaseException | None = None
         before: dict[str, Any] = {}
         try:
-            for name, pickled in command.globals.items():
-                try:
-                    self.namespace.bind(name, pickled.load())
-                except Exception as exc:
-                    raise RuntimeError(
-                        f"global {name!r} could not be unpickled on this rank: {exc}"
-                    ) from exc
+            for name, value in self.arrivals.prepare(command).items():
+                self.namespace.bind(name, value)
             before = dict(self.namespace.globals)  # holds the values, so ids cannot be reused
             self.user_calls.reset()
             with self._cell_lock:

@@ -113,6 +113,9 @@ class Provider(abc.ABC):
     """``--provider NAME``; the key of :func:`skyward_jupyter.providers.register`."""
     default_idle_minutes: ClassVar[float | None] = None
     """Minutes without a cell before the pool stops itself (paid providers set one)."""
+    shares_files: ClassVar[bool] = False
+    """The nodes see the notebook's files at their own paths (the working directory is then not
+    copied; a provider that cannot promise it leaves this False and the nodes check)."""
     release_timeout: float = 0.0
     """Seconds :meth:`release` may take beyond the pool's own shutdown (instances to go)."""
 

@@ -223,6 +223,7 @@ class LocalRank:
 
 class LocalProvider(Provider):
     name = "local"
+    shares_files = True
 
     def __init__(
         self,

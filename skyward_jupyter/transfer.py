@@ -1,0 +1,203 @@
+"""What leaves the notebook for a cell besides its code: large globals and the synced directories.
+
+Both leave the notebook once per pool, whatever the number of nodes. A global of
+``RELAY_MIN_BYTES`` or more goes to the head only (a :class:`~.protocol.Stash`); the command every
+rank gets names it by digest, and the other ranks fetch it from the head's relay
+(:mod:`.agent.relay`), checking it against that digest. The synced directories travel the same
+way: one rank per node says which contents it lacks, those go to the head once as a bundle, and
+each node fetches the bundle from the head and switches its copy.
+
+Nodes that share the notebook's filesystem get no copy: when the provider says so (local),
+nothing is scanned or sent; when a node finds every listed file at the notebook's own path (a
+shared home over NFS), its cells run in the notebook's directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import pickle
+import socket
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from . import protocol as p
+from . import wire
+from .events import PoolEvent, PoolMessage
+from .ranks import Rank, Ranks
+from .results import PoolError
+from .workdir import Manifest, Scanner, SyncError, bundle, human_bytes
+
+RELAY_MIN_BYTES = 1 << 20
+"""Smaller values go to every rank with the command: a relay round trip would cost more."""
+DEFAULT_SYNC_CAP = 200 << 20
+"""The most a synced directory may hold (``--sync-cap``): past it, the user says what to leave."""
+SAY_AFTER_BYTES = 8 << 20
+"""A sync sending more than this says what it sends, and how long it took."""
+
+
+def sync_key(root: str) -> str:
+    """One copy per notebook machine and directory on each node."""
+    return hashlib.sha256(f"{socket.gethostname()}:{root}".encode()).hexdigest()[:20]
+
+
+class Transfer:
+    def __init__(
+        self,
+        ranks: Ranks,
+        roots: Sequence[str],
+        cap_bytes: int,
+        shares_files: bool,
+        emit: Callable[[PoolEvent], None],
+    ) -> None:
+        self._ranks = ranks
+        # Nodes that share the notebook's files run in its directory already: nothing to scan.
+        self._scanners = [] if shares_files else [Scanner(root, cap_bytes) for root in roots]
+        self._emit = emit
+        self._synced: dict[str, Manifest] = {}
+        self._paths: dict[str, dict[int, str]] = {}
+
+    # -- on the caller's thread: what the directories hold now --------------------------------
+
+    def scan(self) -> list[Manifest]:
+        """The synced directories' state; a :class:`PoolError` names a bad one (nothing sent)."""
+        try:
+            return [scanner.scan() for scanner in self._scanners]
+        except SyncError as exc:
+            raise PoolError(str(exc)) from None
+
+    def forget(self) -> None:
+        """Ranks were restarted on fresh machines' terms: ask the nodes again next time."""
+        self._synced.clear()
+
+    # -- on the IO thread ---------------------------------------------------------------------
+
+    async def workdir(self, manifests: list[Manifest]) -> p.Workdir | None:
+        """Bring every node in step with ``manifests``; where each node's cells run."""
+        if not manifests:
+            return None
+        changed: list[str] = []
+        for manifest in manifests:
+            key = sync_key(manifest.root)
+            before = self._synced.get(key)
+            if before is not None and before.digest == manifest.digest:
+                continue
+            if before is not None:
+                old = {f.path: f.digest for f in before.files}
+                changed += [f.path for f in manifest.files if old.get(f.path) != f.digest]
+            self._paths[key] = await self._sync(key, manifest)
+            self._synced[key] = manifest
+        keys = [sync_key(m.root) for m in manifests]
+        paths = {n.index: tuple(self._paths[k][n.index] for k in keys) for n in self._ranks.nodes}
+        return p.Workdir(paths, tuple(changed))
+
+    async def _sync(self, key: str, manifest: Manifest) -> dict[int, str]:
+        leaders = [r for r in self._ranks.all if r.local_rank == 0]
+        relay = self._relay()
+        ask = p.SyncFiles(key, manifest.root, manifest.entries, None, relay)
+        answers = await self._ask(leaders, ask)
+        lacking = {r: a for r, a in answers.items() if a.missing}
+        if lacking:
+            digests = {d for a in lacking.values() for d in a.missing}
+            sizes = {f.digest: f.size for f in manifest.files}
+            size = sum(sizes[d] for d in digests)
+            started = time.monotonic()
+            if size > SAY_AFTER_BYTES:
+                self._emit(
+                    PoolMessage(
+                        f"sending {len(digests)} files ({human_bytes(size)}) of "
+                        f"{manifest.root} to {len(lacking)} nodes"
+                    )
+                )
+            try:
+                blob = await asyncio.to_thread(bundle, manifest, digests)
+            except SyncError as exc:
+                raise PoolError(str(exc)) from None
+            ref = await self.stash(blob, list(lacking))
+            again = p.SyncFiles(key, manifest.root, manifest.entries, ref, relay)
+            try:
+                answers.update(await self._ask(list(lacking), again))
+            finally:
+                self.drop([ref.digest])
+            if size > SAY_AFTER_BYTES:
+                took = time.monotonic() - started
+                self._emit(PoolMessage(f"{manifest.root} in step on the nodes ({took:.1f} s)"))
+        paths = {}
+        for rank, answer in answers.items():
+            if answer.path is None:
+                raise PoolError(
+                    f"node {rank.node.index} ({rank.describe()}) could not take the files of "
+                    f"{manifest.root}: {answer.error or 'it still lacks some'}"
+                )
+            paths[rank.node.index] = answer.path
+        return paths
+
+    async def _ask(self, ranks: list[Rank], command: p.SyncFiles) -> dict[Rank, p.Synced]:
+        futures = {r: r.expect("synced") for r in ranks}
+        frame = wire.encode(command)
+        for r in ranks:
+            self._ranks.send(r, frame)
+        answers = dict(zip(futures, await asyncio.gather(*futures.values()), strict=True))
+        failed = [(r, a) for r, a in answers.items() if a.error]
+        if failed:
+            rank, answer = failed[0]
+            raise PoolError(f"node {rank.node.index} ({rank.describe()}): {answer.error}")
+        return answers
+
+    # -- the relay ----------------------------------------------------------------------------
+
+    def _relay(self) -> tuple[str, int] | None:
+        head = self._ranks.all[0]
+        port = head.hello.relay_port if head.hello else None
+        return (head.node.address, port) if port else None
+
+    async def stash(self, blob: bytes, readers: list[Rank]) -> p.Relayed:
+        """Hand ``blob`` to the head for ``readers`` (each reader gets it itself when the head
+        has no relay); the reference they load it by."""
+        digest = await asyncio.to_thread(lambda: hashlib.sha256(blob).hexdigest())
+        frame = wire.encode(p.Stash(digest, p.Pickled(blob)))
+        holders = [self._ranks.all[0]] if self._relay() else readers
+        for r in holders:
+            self._ranks.send(r, frame)
+        return p.Relayed(digest, len(blob))
+
+    def drop(self, digests: list[str]) -> None:
+        if digests:
+            frame = wire.encode(p.Drop(tuple(digests)))
+            for r in self._ranks.all:
+                if r.local_rank == 0:
+                    self._ranks.send(r, frame)
+
+    async def relay_globals(self, command: p.RunCell, live: list[Rank]) -> p.RunCell:
+        """``command`` with its large globals replaced by references to a stash on the head."""
+        relay = self._relay()
+        if relay is None or len(live) < 2:
+            return command
+        shipped: dict[str, p.Pickled | p.Relayed] = {}
+        for name, value in command.globals.items():
+            if isinstance(value, p.Pickled) and value.nbytes >= RELAY_MIN_BYTES:
+                blob = await asyncio.to_thread(pickle.dumps, value, 5)
+                shipped[name] = await self.stash(blob, live)
+            else:
+                shipped[name] = value
+        return p.RunCell(
+            command.cell_id,
+            command.source,
+            command.filename,
+            shipped,
+            command.script,
+            command.workdir,
+            relay,
+        )
+
+
+def pickle_global(name: str, value: Any) -> p.Pickled:
+    if isinstance(value, p.Pickled):
+        return value
+    try:
+        return p.Pickled.dump(value)
+    except Exception as exc:
+        raise PoolError(
+            f"global {name!r} ({type(value).__name__}) cannot be sent to the ranks: {exc}"
+        ) from exc
