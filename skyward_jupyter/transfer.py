@@ -56,6 +56,8 @@ class Transfer:
         self._scanners = [] if shares_files else [Scanner(root, cap_bytes) for root in roots]
         self._emit = emit
         self._synced: dict[str, Manifest] = {}
+        self.sent: list[tuple[str, int, int]] = []
+        """(directory, files, bytes) of every bundle that left the notebook."""
         self._paths: dict[str, dict[int, str]] = {}
 
     # -- on the caller's thread: what the directories hold now --------------------------------
@@ -115,6 +117,7 @@ class Transfer:
             except SyncError as exc:
                 raise PoolError(str(exc)) from None
             ref = await self.stash(blob, list(lacking))
+            self.sent.append((manifest.root, len(digests), size))
             again = p.SyncFiles(key, manifest.root, manifest.entries, ref, relay)
             try:
                 answers.update(await self._ask(list(lacking), again))

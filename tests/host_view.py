@@ -8,7 +8,7 @@ real machine would not see (tmpfs over each hidden path), brings back the paths 
 every session of that sshd sees this view. CONFIG is JSON:
 
 ``{"hostname", "sshd_files" (a directory with sshd.conf and keys), "user", "hide": [...],
-"keep": [...]}``
+"keep": [...], "home_size" (tmpfs size of /home, e.g. "2m", or null)}``
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ def main(config: dict[str, object]) -> None:
         _mount("--bind", str(STAGE / "keep" / str(i)), path)
         _mount("-o", "remount,bind,ro", path)
     user = pwd.getpwnam(str(config["user"]))
-    _mount("-t", "tmpfs", "-o", "mode=755", "sky-home", "/home")
+    size = f",size={config['home_size']}" if config.get("home_size") else ""
+    _mount("-t", "tmpfs", "-o", f"mode=755{size}", "sky-home", "/home")
     os.makedirs(user.pw_dir, mode=0o700)
     os.chown(user.pw_dir, user.pw_uid, user.pw_gid)
     os.execv(SSHD, [SSHD, "-D", "-e", "-f", str(STAGE / "sshd" / "sshd.conf")])

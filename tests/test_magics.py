@@ -109,9 +109,9 @@ def live_agents() -> set[int]:
 class Kernel:
     """A real ipykernel started from the venv's python, and a blocking client to it."""
 
-    def __init__(self) -> None:
+    def __init__(self, cwd: Path | None = None) -> None:
         self.km = KernelManager(kernel_name="python3")
-        self.km.start_kernel(cwd=str(ROOT))
+        self.km.start_kernel(cwd=str(cwd or ROOT))
         self.kc: BlockingKernelClient = self.km.client()
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=60)

@@ -218,18 +218,32 @@ def test_host_strings_parse() -> None:
 
 
 def test_sky_hosts_cell_in_a_real_kernel(hosts: Hosts, tmp_path: Path) -> None:
+    """A notebook as users write one: a module and a data file beside it, the module imported in
+    a notebook cell and used in a %%sky cell, then edited. The hosts do not see the notebook's
+    directory: it travels, the ranks run in their copy, and the edited module is re-imported."""
     from .test_magics import Kernel
 
-    kernel = Kernel()
+    (tmp_path / "mymod.py").write_text("def greet():\n    return 'hello'\n")
+    (tmp_path / "data.csv").write_text("a,b\n1,2\n")
+    kernel = Kernel(cwd=tmp_path)
     try:
         kernel.ok("%load_ext skyward_jupyter")
-        targets = ",".join(f"root@{hosts[i].address}:{hosts[i].port}" for i in (0, 2))
+        kernel.ok("import mymod")
+        targets = ",".join(f"{hosts.user}@{hosts[i].address}:{hosts[i].port}" for i in (0, 2))
         options = (
             f"--hosts {targets} --identity {hosts.client_key} --known-hosts {hosts.known_hosts}"
             f" --python {sys.executable}"
         )
         cell = kernel.ok(f"%%sky {options}\n{ALL_REDUCE}")
         assert "(3.0, 2," in " ".join(cell.shown), str(cell)
+        used = kernel.ok(
+            "%%sky --all\n(mymod.greet(), open('data.csv').read().split()[1], "
+            "__import__('os').getcwd().startswith(__import__('os').path.expanduser('~')))"
+        )
+        assert " ".join(used.shown).count("('hello', '1,2', True)") == 2, str(used)
+        (tmp_path / "mymod.py").write_text("def greet():\n    return 'edited'\n")
+        edited = kernel.ok("%%sky --all\nmymod.greet()")
+        assert " ".join(edited.shown).count("edited") == 2, str(edited)
         status = kernel.ok("%sky status").stdout
         assert "ssh to" in status and hosts[2].address in status
         kernel.ok("%sky down")

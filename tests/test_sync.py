@@ -1,0 +1,214 @@
+"""The notebook's directories on nodes that do not share its files (private SSH test hosts).
+
+What a user meets: the ranks run in a copy of the notebook's directory, kept in step before
+every cell, with only changed files travelling, ignore files honoured, bad input named, and what
+the notebook sends leaving it once whatever the number of nodes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from skyward_jupyter import Pool, PoolError
+from skyward_jupyter.providers.ssh import Host, SSHOptions, SSHProvider
+
+from .conftest import wait_for
+from .hosts import Hosts, available, ssh_hosts
+
+pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
+    with ssh_hosts(3, tmp_path_factory.mktemp("sync-hosts")) as made:
+        yield made
+
+
+def _provider(hosts: Hosts, which: tuple[int, ...] = (0, 1), **changes: object) -> SSHProvider:
+    options = SSHOptions(
+        identity=str(hosts.client_key),
+        known_hosts=str(hosts.known_hosts),
+        python=hosts.python,
+        connect_timeout=5,
+    )
+    return SSHProvider(
+        [Host(hosts[i].address, hosts.user, hosts[i].port) for i in which],
+        dataclasses.replace(options, **changes),  # type: ignore[arg-type]
+    )
+
+
+def _project(root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "mymod.py").write_text("VALUE = 1\ndef f():\n    return VALUE\n")
+    (root / "data.csv").write_text("x\n1\n2\n")
+    (root / "pkg").mkdir(exist_ok=True)
+    (root / "pkg" / "__init__.py").write_text("")
+    (root / "pkg" / "tool.py").write_text("NAME = 'tool'\n")
+    (root / ".gitignore").write_text("*.log\nbuild/\n")
+    (root / ".skyignore").write_text("secret.txt\n")
+    (root / "run.log").write_text("ignored by git\n")
+    (root / "secret.txt").write_text("ignored by .skyignore\n")
+    (root / "build").mkdir(exist_ok=True)
+    (root / "build" / "big.bin").write_bytes(b"\0" * 1000)
+    return root
+
+
+def _touch_later(path: Path, text: str) -> None:
+    """Rewrite ``path`` with a clearly newer mtime (a scan trusts an unchanged stat)."""
+    path.write_text(text)
+    later = time.time() + 10
+    os.utime(path, (later, later))
+
+
+LOOK = (
+    "import os, sys\n"
+    "import mymod, pkg.tool\n"
+    "here = sorted(set(os.listdir('.')) - {'__pycache__'})\n"
+    "paths = [os.path.realpath(p) for p in sys.path]\n"
+    "(mymod.f(), pkg.tool.NAME, open('data.csv').read().split(), here,"
+    " os.getcwd().startswith(os.path.expanduser('~')), os.getcwd() in paths)"
+)
+
+
+def test_the_directory_travels_and_stays_in_step(hosts: Hosts, tmp_path: Path) -> None:
+    root = _project(tmp_path / "project")
+    with Pool(nodes=2, provider=_provider(hosts), sync=[str(root)]) as pool:
+        result = pool.run(LOOK)
+        assert result.ok, result.errors
+        for value in result.values:
+            f, name, rows, listing, under_home, on_path = value
+            assert (f, name, rows) == (1, "tool", ["x", "1", "2"])
+            # .gitignore (run.log, build/) and .skyignore (secret.txt) are honoured
+            assert listing == [".gitignore", ".skyignore", "data.csv", "mymod.py", "pkg"]
+            assert under_home and on_path
+        first = pool._transfer.sent
+        assert [(files, size) for _, files, size in first] == [(6, sum(
+            (root / n).stat().st_size
+            for n in (".gitignore", ".skyignore", "data.csv", "mymod.py", "pkg/__init__.py",
+                      "pkg/tool.py")
+        ))]  # fmt: skip
+        assert Path(first[0][0]) == root
+
+        # Nothing changed: nothing travels.
+        assert pool.run("mymod.f()").values == [1, 1]
+        assert len(pool._transfer.sent) == 1
+
+        # One module edited, one file added: only those travel, and the module is re-imported
+        # on the ranks before the cell (the cell does not import it again).
+        _touch_later(root / "mymod.py", "VALUE = 2\ndef f():\n    return VALUE\n")
+        (root / "new.txt").write_text("new")
+        result = pool.run("(mymod.f(), open('new.txt').read())")
+        assert result.values == [(2, "new")] * 2, result.errors
+        assert [files for _, files, _ in pool._transfer.sent[1:]] == [2]
+
+        # A file the ranks made in their directory survives the next sync (nothing lost).
+        assert pool.run("open('made_on_rank.txt', 'w').write('mine')").ok
+        _touch_later(root / "data.csv", "x\n3\n")
+        after = pool.run("(open('data.csv').read().split(), open('made_on_rank.txt').read())")
+        assert after.values == [(["x", "3"], "mine")] * 2, after.errors
+
+
+def test_a_global_from_a_module_beside_the_notebook_loads_on_the_ranks(
+    hosts: Hosts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A notebook global whose class lives in a module beside the notebook is pickled by
+    reference: the ranks can only load it once the directory is on their sys.path."""
+    root = _project(tmp_path / "project")
+    (root / "shapes.py").write_text(
+        "class Square:\n    def __init__(self, n):\n        self.n = n\n"
+    )
+    monkeypatch.syspath_prepend(str(root))
+    import shapes  # type: ignore[import-not-found]
+
+    with Pool(nodes=2, provider=_provider(hosts), sync=[str(root)]) as pool:
+        result = pool.run("sq.n * 2", {"sq": shapes.Square(21)})
+        assert result.values == [42, 42], result.errors
+    sys.modules.pop("shapes", None)
+
+
+def test_bad_directories_are_named_before_any_machine(hosts: Hosts, tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere"
+    with pytest.raises(PoolError, match=f"{missing}"):
+        Pool(nodes=1, provider=_provider(hosts, (0,)), sync=[str(missing)]).start()
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "weights.bin").write_bytes(b"\1" * 300_000)
+    (big / "small.py").write_text("x = 1\n")
+    started = time.monotonic()
+    with pytest.raises(PoolError) as raised:
+        Pool(
+            nodes=1, provider=_provider(hosts, (0,)), sync=[str(big)], sync_cap_bytes=100_000
+        ).start()
+    message = str(raised.value)
+    assert "weights.bin" in message and ".skyignore" in message and "--sync-cap" in message
+    assert time.monotonic() - started < 5  # no host was contacted
+    assert not _agents(hosts)
+
+
+def test_a_full_disk_on_a_host_is_named_and_the_pool_stays_usable(tmp_path: Path) -> None:
+    with ssh_hosts(1, tmp_path / "hosts", home_size="4m") as small:
+        root = tmp_path / "project"
+        root.mkdir()
+        (root / "ok.py").write_text("X = 1\n")
+        with Pool(nodes=1, provider=_provider(small, (0,)), sync=[str(root)]) as pool:
+            assert pool.run("__import__('ok').X").values == [1]
+            (root / "huge.bin").write_bytes(os.urandom(6 << 20))
+            with pytest.raises(PoolError) as raised:
+                pool.run("1")
+            message = str(raised.value)
+            assert small[0].address in message and "No space left on device" in message
+            assert f"/home/{small.user}" in message
+            (root / "huge.bin").unlink()
+            assert pool.run("__import__('ok').X").values == [1]  # the copy was not touched
+
+
+def test_a_host_that_shares_the_notebooks_files_runs_in_them(tmp_path: Path) -> None:
+    """Hosts on the notebook's own filesystem (an NFS home): nothing is copied."""
+    root = _project(tmp_path / "project")
+    with (
+        ssh_hosts(2, tmp_path / "hosts", private=False) as shared,
+        Pool(nodes=2, provider=_provider(shared), sync=[str(root)]) as pool,
+    ):
+        result = pool.run("(__import__('os').getcwd(), __import__('mymod').f())")
+        assert result.values == [(str(root), 1)] * 2, result.errors
+        assert pool._transfer.sent == []
+
+
+def test_a_large_global_leaves_the_notebook_once(hosts: Hosts, tmp_path: Path) -> None:
+    """Three hosts, a 24 MiB global: the notebook's bytes on the wire stay about 1x its size
+    (the other hosts fetch it from the head); without the relay they would be 3x."""
+    import numpy as np
+
+    tx = Path(f"/sys/class/net/{hosts.bridge}/statistics/tx_bytes")
+    value = np.random.default_rng(0).random(3 << 20)  # 24 MiB
+    with Pool(nodes=3, provider=_provider(hosts, (0, 1, 2)), sync=()) as pool:
+        before = int(tx.read_text())
+        result = pool.run("float(x.sum())", {"x": value})
+        sent = int(tx.read_text()) - before
+        assert result.values == [float(value.sum())] * 3, result.errors
+    assert value.nbytes < sent < 1.3 * value.nbytes, sent / value.nbytes
+
+
+def _agents(hosts: Hosts) -> list[int]:
+    found = []
+    for i in range(len(hosts)):
+        for pid in hosts.pids(i):
+            try:
+                if b"skyward_jupyter.agent" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    found.append(pid)
+            except OSError:
+                continue
+    return found
+
+
+@pytest.fixture(autouse=True)
+def _no_remote_ranks_left(hosts: Hosts) -> Iterator[None]:
+    yield
+    wait_for(lambda: not _agents(hosts), 15, "remote ranks to end")
