@@ -131,6 +131,8 @@ class Workdir:
 
     paths: dict[int, tuple[str, ...]]
     changed: tuple[str, ...] = ()
+    roots: tuple[str, ...] = ()
+    """The notebook's directories the paths stand for (a script's path is mapped through)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -92,7 +92,7 @@ class Transfer:
             self._synced[key] = manifest
         keys = [sync_key(m.root) for m in manifests]
         paths = {n.index: tuple(self._paths[k][n.index] for k in keys) for n in self._ranks.nodes}
-        return p.Workdir(paths, tuple(changed))
+        return p.Workdir(paths, tuple(changed), tuple(m.root for m in manifests))
 
     async def _sync(self, key: str, manifest: Manifest) -> dict[int, str]:
         leaders = [r for r in self._ranks.all if r.local_rank == 0]

@@ -212,3 +212,32 @@ def _agents(hosts: Hosts) -> list[int]:
 def _no_remote_ranks_left(hosts: Hosts) -> Iterator[None]:
     yield
     wait_for(lambda: not _agents(hosts), 15, "remote ranks to end")
+
+
+def test_a_script_in_the_synced_directory_runs_from_the_nodes_copy(
+    hosts: Hosts, tmp_path: Path
+) -> None:
+    """``%sky run train.py`` on hosts without the notebook's files: the script runs in the
+    node's copy of its directory, so the module and the data beside it are found."""
+    from skyward_jupyter.protocol import Script
+
+    root = _project(tmp_path / "project")
+    (root / "scripts").mkdir()
+    (root / "scripts" / "helper.py").write_text("def f():\n    return 1\n")
+    (root / "scripts" / "rows.csv").write_text("x\n1\n2\n")
+    script = root / "scripts" / "train.py"
+    script.write_text(
+        "import os, sys, helper\n"
+        "rows = open('rows.csv').read().split()\n"
+        "print('script', helper.f(), rows, sys.argv[1:], os.path.basename(sys.argv[0]))\n"
+    )
+    with Pool(nodes=2, provider=_provider(hosts), sync=[str(root)]) as pool:
+        seen: list[str] = []
+        result = pool.run(
+            script.read_text(),
+            filename=str(script),
+            script=Script(str(script), ("--epochs", "1")),
+            observer=lambda e: seen.append(getattr(e, "text", "")),
+        )
+        assert result.ok, result.errors
+    assert "script 1 ['x', '1', '2'] ['--epochs', '1'] train.py" in "".join(seen)

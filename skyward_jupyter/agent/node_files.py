@@ -36,6 +36,7 @@ class NodeFiles:
         self._seen: dict[str, set[tuple[str, str]]] = {}
         """Per key: (path, digest) pairs found in the notebook's own directory on this node."""
         self._entered: tuple[str, ...] = ()
+        self._roots: list[tuple[str, str]] = []
 
     # -- one rank per node: keep the copy in step --------------------------------------------
 
@@ -92,9 +93,18 @@ class NodeFiles:
             if path not in sys.path:
                 sys.path.insert(0, path)
         self._entered = paths
+        self._roots = list(zip(workdir.roots, paths, strict=False))
         importlib.invalidate_caches()
         if workdir.changed:
             _reload_changed(paths, set(workdir.changed))
+
+    def here(self, path: str) -> str:
+        """``path`` (the notebook's) as this node has it: inside a synced directory, the same
+        file in the node's copy."""
+        for root, copy in self._roots:
+            if path.startswith(root + os.sep):
+                return copy + path[len(root) :]
+        return path
 
 
 def _reload_changed(paths: tuple[str, ...], changed: set[str]) -> None:

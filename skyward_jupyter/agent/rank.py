@@ -348,7 +348,8 @@ class Agent:
                     value = self.namespace.run(command.source, command.filename)
                 else:
                     script = command.script
-                    run_script(command.source, script.path, script.argv, self.namespace.module)
+                    path = self.arrivals.files.here(script.path)
+                    run_script(command.source, path, script.argv, self.namespace.module)
             finally:
                 self._in_cell = False
         except BaseException as exc:  # noqa: BLE001 - the cell's failure is its result
