@@ -70,6 +70,7 @@ bench: setup
 	$(PY) bench/bench_log.py --markdown-out BENCHMARKS.md
 	$(PY) bench/bench_ssh.py --markdown-out BENCHMARKS.md
 	$(PY) bench/bench_byo.py --markdown-out BENCHMARKS.md
+	$(PY) bench/bench_transfer.py --markdown-out BENCHMARKS.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache skyward_jupyter/labextension

@@ -171,7 +171,8 @@ POOL_OPTIONS: tuple[Option, ...] = (
     Option("--known-hosts", "known_hosts file for host keys", {"metavar": "FILE"}, provider="ssh"),
     Option(
         "--accept-new-host-keys",
-        "accept host keys not in known_hosts (an explicit choice; default: refuse)",
+        "record an unknown host's key in known_hosts and trust it (OpenSSH's accept-new; "
+        "a changed key is still refused)",
         _flag(),
         provider="ssh",
     ),
