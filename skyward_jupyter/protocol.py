@@ -127,10 +127,9 @@ class SyncFiles:
 @dataclass(frozen=True, slots=True)
 class Workdir:
     """Where a cell runs: per node, the directories to put on ``sys.path`` (the first is the
-    working directory), and the files changed since the last cell (their modules reload)."""
+    working directory)."""
 
     paths: dict[int, tuple[str, ...]]
-    changed: tuple[str, ...] = ()
     roots: tuple[str, ...] = ()
     """The notebook's directories the paths stand for (a script's path is mapped through)."""
 

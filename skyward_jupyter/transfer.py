@@ -52,8 +52,9 @@ class Transfer:
         emit: Callable[[PoolEvent], None],
     ) -> None:
         self._ranks = ranks
-        # Nodes that share the notebook's files run in its directory already: nothing to scan.
+        # Nodes that share the notebook's files run in its directories: nothing to scan or send.
         self._scanners = [] if shares_files else [Scanner(root, cap_bytes) for root in roots]
+        self._shared = tuple(roots) if shares_files else ()
         self._emit = emit
         self._synced: dict[str, Manifest] = {}
         self.sent: list[tuple[str, int, int]] = []
@@ -77,22 +78,20 @@ class Transfer:
 
     async def workdir(self, manifests: list[Manifest]) -> p.Workdir | None:
         """Bring every node in step with ``manifests``; where each node's cells run."""
+        if self._shared:
+            return p.Workdir({n.index: self._shared for n in self._ranks.nodes}, self._shared)
         if not manifests:
             return None
-        changed: list[str] = []
         for manifest in manifests:
             key = sync_key(manifest.root)
             before = self._synced.get(key)
             if before is not None and before.digest == manifest.digest:
                 continue
-            if before is not None:
-                old = {f.path: f.digest for f in before.files}
-                changed += [f.path for f in manifest.files if old.get(f.path) != f.digest]
             self._paths[key] = await self._sync(key, manifest)
             self._synced[key] = manifest
         keys = [sync_key(m.root) for m in manifests]
         paths = {n.index: tuple(self._paths[k][n.index] for k in keys) for n in self._ranks.nodes}
-        return p.Workdir(paths, tuple(changed), tuple(m.root for m in manifests))
+        return p.Workdir(paths, tuple(m.root for m in manifests))
 
     async def _sync(self, key: str, manifest: Manifest) -> dict[int, str]:
         leaders = [r for r in self._ranks.all if r.local_rank == 0]

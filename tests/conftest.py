@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
+import logging
 import os
 import queue
 import shutil
@@ -58,6 +60,31 @@ def wait_for(condition: Callable[[], object], timeout: float, what: str) -> None
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.02)
+
+
+class _Unretrieved(logging.Handler):
+    """asyncio's "Task exception was never retrieved" (logged when such a task is collected)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.found: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "never retrieved" in record.getMessage():
+            self.found.append(self.format(record))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_unretrieved_task_exceptions() -> Iterator[None]:
+    """A task that failed with nobody to hear it is a lost error: no module may leave one."""
+    handler = _Unretrieved()
+    logging.getLogger("asyncio").addHandler(handler)
+    try:
+        yield
+        gc.collect()
+        assert not handler.found, "\n".join(handler.found)
+    finally:
+        logging.getLogger("asyncio").removeHandler(handler)
 
 
 TEMPLATE = b"sky-template"

@@ -586,3 +586,17 @@ def test_a_rank_that_dies_is_the_headline_not_the_peer_it_broke() -> None:
             assert by_rank[0].secondary, seen
             assert result.lost == (1,), seen
             assert pool.run(ALL_REDUCE).values == [3.0, 3.0]
+
+
+def test_ranks_run_in_the_notebooks_directory_and_reload_edited_modules(tmp_path: Path) -> None:
+    """The local ranks share the notebook's files: they run in its directory, and a module from
+    it that was edited between cells is reloaded before the next (as %autoreload does)."""
+    (tmp_path / "mymod.py").write_text("def f():\n    return 1\n")
+    with Pool(nodes=1, procs_per_node=2, sync=[str(tmp_path)]) as pool:
+        first = pool.run("import os, mymod\n(os.getcwd(), mymod.f())")
+        assert first.values == [(str(tmp_path), 1)] * 2, first.errors
+        (tmp_path / "mymod.py").write_text("def f():\n    return 2\n")
+        later = time.time() + 10
+        os.utime(tmp_path / "mymod.py", (later, later))
+        assert pool.run("mymod.f()").values == [2, 2]
+        assert pool.run("mymod.f()").values == [2, 2]  # reloaded once, not every cell

@@ -50,8 +50,7 @@ class Arrivals:
     def prepare(self, command: p.RunCell) -> dict[str, Any]:
         """Enter the cell's directory, then load its globals (a module a global refers to may
         be one of the directory's). Raises with the global's name when one cannot load."""
-        if command.workdir is not None:
-            self.files.enter(command.workdir)
+        self.files.enter(command.workdir)
         self._relay = command.relay or self._relay
         values = {}
         for name, shipped in command.globals.items():

@@ -5,9 +5,10 @@ notebook's directory itself (a shared filesystem: every file the notebook lists 
 the same content), the cells run there; otherwise the node keeps a copy
 (:class:`.workdir.WorkdirCopy`), asks for the contents it lacks and switches the copy to the new
 state in one step. Every rank then enters the directory the notebook names for its node before a
-cell: its working directory, on ``sys.path``, and the modules whose files changed reloaded (as
-``%autoreload`` does in the notebook), so ``import mymod`` and ``open("data.csv")`` behave as
-on the local provider.
+cell: its working directory, on ``sys.path``, and the modules whose files changed since the last
+cell reloaded (as ``%autoreload`` does in the notebook; also on the local provider, where the
+ranks run in the notebook's directory), so ``import mymod`` and ``open("data.csv")`` behave the
+same everywhere.
 
 Standard library only: this runs on the nodes.
 """
@@ -18,13 +19,16 @@ import hashlib
 import importlib
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 
 from .. import protocol as p
 from .workdir import WorkdirCopy
 
 BASE = "~/.cache/skyward_jupyter/sync"
+_INSTALLED = tuple({os.path.join(p, "") for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)})
+"""Installed packages are not the user's modules, even in a venv inside the project."""
 Blob = bytes | bytearray | memoryview
 _CHUNK = 1 << 20
 
@@ -37,6 +41,7 @@ class NodeFiles:
         """Per key: (path, digest) pairs found in the notebook's own directory on this node."""
         self._entered: tuple[str, ...] = ()
         self._roots: list[tuple[str, str]] = []
+        self._mtimes: dict[str, int] = {}
 
     # -- one rank per node: keep the copy in step --------------------------------------------
 
@@ -80,23 +85,40 @@ class NodeFiles:
 
     # -- every rank: enter the directory before a cell ---------------------------------------
 
-    def enter(self, workdir: p.Workdir) -> None:
-        """Run in this node's directories; reload the modules whose files changed."""
-        paths = workdir.paths.get(self.node, ())
-        if not paths:
-            return
-        os.chdir(paths[0])
-        for old in self._entered:
-            if old not in paths and old in sys.path:
-                sys.path.remove(old)
-        for path in reversed(paths):
-            if path not in sys.path:
-                sys.path.insert(0, path)
-        self._entered = paths
-        self._roots = list(zip(workdir.roots, paths, strict=False))
-        importlib.invalidate_caches()
-        if workdir.changed:
-            _reload_changed(paths, set(workdir.changed))
+    def enter(self, workdir: p.Workdir | None) -> None:
+        """Run in this node's directories (the current one when the node shares the notebook's
+        files); reload the modules from them whose files changed since the last cell."""
+        paths = workdir.paths.get(self.node, ()) if workdir is not None else ()
+        if paths:
+            os.chdir(paths[0])
+            for old in self._entered:
+                if old not in paths and old in sys.path:
+                    sys.path.remove(old)
+            for path in reversed(paths):
+                if path not in sys.path:
+                    sys.path.insert(0, path)
+            self._entered = paths
+            self._roots = list(zip(workdir.roots, paths, strict=False))  # type: ignore[union-attr]
+            importlib.invalidate_caches()
+        for name, module, mtime in self._user_modules():
+            if self._mtimes.get(name, mtime) != mtime:
+                importlib.reload(module)
+
+    def note_modules(self) -> None:
+        """After a cell: the files of the modules it imported, to compare before the next."""
+        self._mtimes = {name: mtime for name, _, mtime in self._user_modules()}
+
+    def _user_modules(self) -> Iterator[tuple[str, ModuleType, int]]:
+        """The modules loaded from the directories the cells run in, with their files' times
+        (a node's copy gives a changed file a new time: its content's)."""
+        roots = tuple(os.path.join(r, "") for r in (self._entered or (os.getcwd(),)))
+        for name, module in list(sys.modules.items()):
+            file = getattr(module, "__file__", None)
+            if file and file.startswith(roots) and not file.startswith(_INSTALLED):
+                try:
+                    yield name, module, os.stat(file).st_mtime_ns
+                except OSError:
+                    continue
 
     def here(self, path: str) -> str:
         """``path`` (the notebook's) as this node has it: inside a synced directory, the same
@@ -105,17 +127,6 @@ class NodeFiles:
             if path.startswith(root + os.sep):
                 return copy + path[len(root) :]
         return path
-
-
-def _reload_changed(paths: tuple[str, ...], changed: set[str]) -> None:
-    for module in list(sys.modules.values()):
-        file = getattr(module, "__file__", None)
-        if not file:
-            continue
-        for root in paths:
-            if file.startswith(root + os.sep) and file[len(root) + 1 :] in changed:
-                importlib.reload(module)
-                break
 
 
 def _sha256(path: Path) -> str | None:

@@ -364,6 +364,7 @@ class Agent:
         before.clear()
         self._sync_output()
         self._flush_metrics()
+        self.arrivals.files.note_modules()  # before the answer: an edit may follow it at once
         done = cell_done(command.cell_id, value, error, seconds, after_interrupt)
         notes = tuple(self._notes)
         self._notes.clear()
