@@ -46,6 +46,9 @@ class RankUsage:
     gpu_memory_bytes: int | None
     gpu_utilization: float | None
     at: float
+    waiting: str | None = None
+    """The collective the rank's cell waits in and where (``all_reduce at cell line 3``)."""
+    waited: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,19 +28,29 @@ import asyncio
 import time
 from typing import Any
 
+from . import doctor, wire
 from . import protocol as p
-from . import wire
 from .events import PoolMessage, RankState
 from .providers.base import ProviderError
 from .ranks import Rank, RankEnded, Ranks
 from .results import PoolError, RankResult, RemoteError
+
+DESYNC_AFTER = 1.5
+"""Seconds a rank may wait in a collective after others finished the cell, before it is stuck."""
+DESYNC_CHECK_EVERY = 0.5
 
 
 class Cell:
     """One running cell: what each rank answered, and the stopping of the rest."""
 
     def __init__(
-        self, cell_id: int, ranks: Ranks, live: list[Rank], timeout: float | None, grace: float
+        self,
+        cell_id: int,
+        ranks: Ranks,
+        live: list[Rank],
+        timeout: float | None,
+        grace: float,
+        desync_after: float = DESYNC_AFTER,
     ) -> None:
         self.cell_id = cell_id
         self.ranks = ranks
@@ -63,6 +73,10 @@ class Cell:
         """Ranks the pool killed itself: their deaths are its doing, never a cause."""
         self.left_group: set[Rank] = set()
         self.notes: list[str] = []
+        self.desync_after = desync_after
+        self.desync: dict[Rank, str] = {}
+        """Ranks found waiting in a collective that finished ranks will never join: the cause."""
+        self.check_at: float | None = None
 
     # ------------------------------------------------------------ commands from the pool
 
@@ -85,7 +99,8 @@ class Cell:
         pending = dict(self.futures)
         while pending:
             now = time.monotonic()
-            limits = [t - now for t in (self.stop_at, self.deadline) if t is not None]
+            check = self.check_at if self.stop_at is None else None
+            limits = [t - now for t in (self.stop_at, self.deadline, check) if t is not None]
             waker: asyncio.Future[Any] = asyncio.ensure_future(self.wake.wait())
             await asyncio.wait(
                 [*pending.values(), waker],
@@ -105,6 +120,23 @@ class Cell:
                 self._stop()
             if pending and (self.kill_now or (self.stop_at is not None and now >= self.stop_at)):
                 await self._kill_stuck(pending)
+            if pending and self.stop_at is None and self.check_at and now >= self.check_at:
+                await self._check_desync(list(pending))
+
+    async def _check_desync(self, pending: list[Rank]) -> None:
+        """Some ranks finished: are the others waiting for them in a collective?"""
+        stuck = await doctor.desynced(self.ranks, pending, self.desync_after)
+        self.check_at = time.monotonic() + DESYNC_CHECK_EVERY
+        if stuck is None or self.stop_at is not None:
+            return
+        finished = [r for r, o in self.outcomes.items() if isinstance(o, p.CellDone)]
+        message = doctor.desync_message(stuck, finished)
+        self.desync = {r: message for r in stuck}
+        self.notes.append("a collective desync was found; the stuck ranks were freed")
+        self._stop()
+        for r in finished:  # their sockets closing frees the stuck collectives at once
+            self.left_group.add(r)
+            self.ranks.send(r, wire.encode(p.LeaveGroup()))
 
     # ------------------------------------------------------------------ the policy
 
@@ -113,6 +145,8 @@ class Cell:
         failed = isinstance(outcome, BaseException) or outcome.error is not None
         if not failed:
             self.ranks.set_state(r, RankState.IDLE)
+            if self.check_at is None:
+                self.check_at = time.monotonic() + DESYNC_CHECK_EVERY
             return
         self.ranks.set_state(r, RankState.FAILED if r.alive else RankState.LOST)
         # A rank the pool killed (stuck after the interrupt, or at shutdown) is no cause.
@@ -174,7 +208,12 @@ class Cell:
         out = []
         for r in self.ranks.all:
             outcome = self.outcomes.get(r)
-            if cause is not None:
+            if r in self.desync:
+                out.append(_desynced(r, outcome, self.desync[r]))
+                continue
+            if self.desync:
+                secondary = True
+            elif cause is not None:
                 secondary = r is not cause
             else:
                 secondary = r in self.asked_to_stop and _consequence(outcome)
@@ -232,6 +271,16 @@ class Cell:
             self.ranks.emit(PoolMessage(self.notes[-1]))
             return False
         return destroyed
+
+
+def _desynced(r: Rank, outcome: p.CellDone | BaseException | None, message: str) -> RankResult:
+    """The stuck rank's result: the desync is its error, with the traceback of where it was."""
+    tb = outcome.error.traceback if isinstance(outcome, p.CellDone) and outcome.error else ""
+    error = RemoteError(
+        r.index, r.describe(), "CollectiveDesync", message, f"{tb}CollectiveDesync: {message}\n"
+    )
+    seconds = outcome.seconds if isinstance(outcome, p.CellDone) else 0.0
+    return RankResult(r.index, r.node.index, None, None, error, seconds)
 
 
 def _consequence(outcome: p.CellDone | BaseException | None) -> bool:

@@ -22,27 +22,28 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+from . import doctor, wire
 from . import protocol as p
-from . import wire
 from .events import (
     CellFinished,
     CellStarted,
     PoolEvent,
     PoolMessage,
     RankState,
-    RankStateChanged,
 )
 from .failure_policy import Cell
+from .fanout import Fanout, Subscriber
 from .io_thread import IOThread, close_at_exit, wait
+from .prompts import Prompts
 from .providers.base import Node, Provider, ProviderError
 from .ranks import Rank, RankInfo, Ranks, RankSettings
 from .results import PoolError, RunResult
 from .transfer import DEFAULT_SYNC_CAP, Transfer, pickle_global
+from .wire import encode
 from .workdir import Manifest
 
 __all__ = ["Pool", "RankInfo", "Subscriber"]
 
-Subscriber = Callable[[PoolEvent], None]
 log = logging.getLogger(__name__)
 
 
@@ -66,7 +67,7 @@ class Pool:
         env: Mapping[str, str] | None = None,
         pg_timeout: float = 60.0,
         heartbeat_interval: float = 1.0,
-        heartbeat_timeout: float = 30.0,
+        heartbeat_timeout: float = 5.0,
         interrupt_grace: float = 3.0,
         start_timeout: float = 180.0,
         sync: Sequence[str] = (),
@@ -87,14 +88,7 @@ class Pool:
         self.name = name
         self.provider: Provider = provider
         self.requested_nodes = nodes
-        self.procs_per_node = procs_per_node
-        self.backend = backend
-        self.env = dict(env or {})
-        self.pg_timeout = pg_timeout
-        self.heartbeat_interval = heartbeat_interval
-        self.heartbeat_timeout = heartbeat_timeout
         self.interrupt_grace = interrupt_grace
-        self.start_timeout = start_timeout
         self.started_at: float | None = None
         self.run_id = str(uuid.uuid4())
         """The pool's ``TORCHELASTIC_RUN_ID``: one id for the pool's life, as for one torchrun."""
@@ -102,7 +96,7 @@ class Pool:
             pool_name=name,
             procs_per_node=procs_per_node,
             backend=backend,
-            env=self.env,
+            env=dict(env or {}),
             pg_timeout=pg_timeout,
             heartbeat_interval=heartbeat_interval,
             heartbeat_timeout=heartbeat_timeout,
@@ -111,11 +105,12 @@ class Pool:
             relay_token=secrets.token_hex(16),
         )
         self._ranks = Ranks(provider, settings, self._emit, self._rank_ended)
+        self._prompts = Prompts()
+        self._ranks.on_input = self._prompts.ask
         shares = provider.shares_files
         cap = sync_cap_bytes or DEFAULT_SYNC_CAP
         self._transfer = Transfer(self._ranks, sync, cap, shares, self._emit)
-        self._subscribers: list[Subscriber] = []
-        self._observers: dict[int, Subscriber] = {}
+        self._fanout = Fanout()
         self._io: IOThread | None = None
         self._op_lock: asyncio.Lock | None = None
         self._cell: Cell | None = None
@@ -172,8 +167,7 @@ class Pool:
 
     def subscribe(self, callback: Subscriber) -> Callable[[], None]:
         """Call ``callback`` with every event, on the pool's IO thread; returns an unsubscribe."""
-        self._subscribers.append(callback)
-        return lambda: self._subscribers.remove(callback) if callback in self._subscribers else None
+        return self._fanout.subscribe(callback)
 
     def start(self, on_wait: Callable[[], None] | None = None) -> Pool:
         """Start every rank and form the process group; blocks until the pool is ready.
@@ -222,11 +216,26 @@ class Pool:
         command = p.RunCell(cell_id, source, filename, dict(shipped), script)
         files = self._transfer.scan()
         if observer is not None:
-            self._observers[cell_id] = observer
+            self._fanout.observers[cell_id] = observer
+
+        def waiting() -> None:
+            if on_wait is not None:
+                on_wait()
+            self._prompts.answer(lambda r, reply: io.call_soon(self._ranks.send, r, encode(reply)))
+
         try:
-            return wait(io.submit(self._run(command, files, timeout)), self.interrupt, on_wait)
+            return wait(io.submit(self._run(command, files, timeout)), self.interrupt, waiting)
         finally:
-            self._observers.pop(cell_id, None)
+            self._fanout.observers.pop(cell_id, None)
+
+    def stacks(self) -> str:
+        """Every rank's Python stacks and the collective it waits in (``%sky stacks``); works
+        while a cell runs."""
+        io = self._io
+        if io is None or self._closing:
+            raise PoolError(f"pool {self.name!r} is not running")
+        answers = io.submit(doctor.stacks(self._ranks, self._ranks.all))
+        return doctor.report(answers.result(timeout=doctor.STACKS_TIMEOUT + 10))
 
     def interrupt(self) -> None:
         """Interrupt the running cell on every rank (a second call kills what is still running)."""
@@ -253,16 +262,7 @@ class Pool:
     # --------------------------------------------------------------------- IO thread: events
 
     def _emit(self, event: PoolEvent) -> None:
-        cell_id = getattr(event, "cell_id", None)
-        if cell_id is None and self._cell is not None and isinstance(event, RankStateChanged):
-            cell_id = self._cell.cell_id
-        observer = self._observers.get(cell_id) if cell_id is not None else None
-        callbacks = [*self._subscribers, *([observer] if observer else [])]
-        for callback in callbacks:
-            try:
-                callback(event)
-            except Exception:
-                log.exception("a pool event subscriber failed on %r", event)
+        self._fanout.emit(event, self._cell.cell_id if self._cell is not None else None)
 
     def _rank_ended(self, rank: Rank, how: str) -> None:
         """A rank's process ended: the running cell hears of it; an idle rank is restarted
@@ -283,7 +283,7 @@ class Pool:
         await self._ranks.provision(self.requested_nodes)
         everyone = self._ranks.all
         # Beats from the first rank on: starting may take longer than a rank waits for one.
-        self._monitor = asyncio.get_running_loop().create_task(self._ranks.heartbeats())
+        self._monitor = asyncio.get_running_loop().create_task(doctor.heartbeats(self._ranks))
         async with self._op_lock:
             await asyncio.gather(*(self._ranks.spawn(r) for r in everyone))
             await self._ranks.await_hellos(everyone)

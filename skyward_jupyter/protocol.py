@@ -155,6 +155,21 @@ class Interrupt:
 
 
 @dataclass(frozen=True, slots=True)
+class StackRequest:
+    """Answer with :class:`Stacks` now (the reader thread answers, also mid-cell)."""
+
+    request: int
+
+
+@dataclass(frozen=True, slots=True)
+class InputReply:
+    """The notebook's answer to :class:`InputRequest`: the line typed, or why there is none."""
+
+    text: str | None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Shutdown:
     """Leave the process group and exit."""
 
@@ -184,6 +199,30 @@ class Usage:
     rss_bytes: int
     gpu_memory_bytes: int | None
     gpu_utilization: float | None
+    waiting: str | None = None
+    """The collective the cell waits in and since when, e.g. ``all_reduce at cell line 3``."""
+    waited: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Stacks:
+    """Where a rank is: every thread's stack (the cell's first), and the collective the cell's
+    thread has waited in for ``waited`` seconds, called from ``where`` (a cell or file line)."""
+
+    text: str
+    collective: str | None = None
+    where: str | None = None
+    waited: float = 0.0
+    request: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class InputRequest:
+    """The head rank's cell asks for a line (``input()``, ``breakpoint()``, pdb)."""
+
+    cell_id: int | None
+    prompt: str
+    password: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,6 +33,8 @@ from .providers.base import Node, Provider, RankProcess
 from .results import PoolError
 
 log = logging.getLogger(__name__)
+NOTEBOOK_SILENCE = 30.0
+"""Seconds a rank waits for the notebook's heartbeat before it ends itself (the kernel died)."""
 
 
 class RankEnded(Exception):
@@ -71,6 +73,10 @@ class Rank:
         self.alive = False
         self.last_heard = 0.0
         self.waiters: dict[str, asyncio.Future[Any]] = {}
+        self.usage: p.Usage | None = None
+        self.silenced: str | None = None
+        """Why the pool declared it lost (it stopped answering), for the loss's message."""
+        """The rank's last heartbeat: its CPU use, the collective it waits in."""
         self.reader: asyncio.Task[None] | None = None
 
     def describe(self) -> str:
@@ -88,6 +94,9 @@ class Rank:
             where,
             self.hello,
         )
+
+    def heard(self) -> None:
+        self.last_heard = time.monotonic()
 
     def expect(self, key: str) -> asyncio.Future[Any]:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -146,7 +155,9 @@ class Ranks:
         self._generation = 0
         self.restarts = 0
         """Formations after a failure: the ranks' ``TORCHELASTIC_RESTART_COUNT``."""
-        self._beat = wire.encode(p.Beat())
+        self.beat = wire.encode(p.Beat())
+        self.on_input: Callable[[Rank, p.InputRequest], None] = lambda rank, request: None
+        """Where the head's prompts go (the pool answers them on the caller's thread)."""
 
     def set_state(self, rank: Rank, state: RankState, detail: str = "") -> None:
         rank.state = state
@@ -191,7 +202,9 @@ class Ranks:
         s = self.settings
         agent = {
             "heartbeat_interval": s.heartbeat_interval,
-            "heartbeat_timeout": s.heartbeat_timeout,
+            # A rank gives up on a silent notebook later than the notebook on a silent rank:
+            # a large value on its way down delays the notebook's beats behind it.
+            "heartbeat_timeout": max(s.heartbeat_timeout, NOTEBOOK_SILENCE),
             "backend": s.backend,
             "pg_timeout": s.pg_timeout,
             "relay_token": s.relay_token,
@@ -331,7 +344,7 @@ class Ranks:
     async def _read(self, rank: Rank, process: RankProcess) -> None:
         try:
             while True:
-                message = await wire.read_message(process.reader)
+                message = await wire.read_message(process.reader, rank.heard)
                 rank.last_heard = time.monotonic()
                 self._dispatch(rank, message)
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -342,6 +355,8 @@ class Ranks:
         how = await process.wait()
         if rank.process is not process:
             return
+        if rank.silenced:
+            how, rank.silenced = f"{rank.silenced} ({how})", None
         rank.alive = False
         rank.fail_all(RankEnded(how, process.diagnostics()))
         self.on_ended(rank, how)
@@ -354,6 +369,7 @@ class Ranks:
         elif isinstance(message, p.CellDone):
             rank.resolve("cell", message)
         elif isinstance(message, p.Usage):
+            rank.usage = message
             self.emit(
                 RankUsage(
                     rank.index,
@@ -363,6 +379,8 @@ class Ranks:
                     message.gpu_memory_bytes,
                     message.gpu_utilization,
                     time.time(),
+                    message.waiting,
+                    message.waited,
                 )
             )
         elif isinstance(message, p.Hello):
@@ -374,17 +392,7 @@ class Ranks:
             rank.resolve("group", message)
         elif isinstance(message, p.Synced):
             rank.resolve("synced", message)
-
-    async def heartbeats(self) -> None:
-        """Beat every live rank; kill one silent past the timeout (its reader reports the loss)."""
-        interval, timeout = self.settings.heartbeat_interval, self.settings.heartbeat_timeout
-        while True:
-            await asyncio.sleep(interval)
-            now = time.monotonic()
-            for r in self.all:
-                if not r.alive or r.process is None:
-                    continue
-                self.send(r, self._beat)
-                if now - r.last_heard > timeout:
-                    self.set_state(r, RankState.LOST, f"silent for {timeout:.0f} s")
-                    await r.process.kill()
+        elif isinstance(message, p.Stacks):
+            rank.resolve(f"stacks {message.request}", message)
+        elif isinstance(message, p.InputRequest):
+            self.on_input(rank, message)

@@ -18,7 +18,7 @@ import os
 import pickle
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import cloudpickle
@@ -28,6 +28,7 @@ VERSION = 1
 _HEADER = struct.Struct("!3sBI")
 _LENGTH = struct.Struct("!Q")
 _MAX_SEGMENTS = 1 << 20
+_CHUNK = 1 << 20
 
 Segment = bytes | bytearray | memoryview
 
@@ -78,12 +79,24 @@ def _check_header(raw: bytes) -> int:
     return int(count)
 
 
-async def read_message(reader: AsyncByteReader) -> Any:
-    """Read one frame; raises asyncio.IncompleteReadError at a clean end of stream."""
+async def read_message(reader: AsyncByteReader, progress: Callable[[], None] | None = None) -> Any:
+    """Read one frame; raises asyncio.IncompleteReadError at a clean end of stream.
+
+    ``progress`` is called as each megabyte of a large frame arrives: a peer sending a value
+    that takes longer than its heartbeat timeout is busy, not silent."""
     count = _check_header(await reader.readexactly(_HEADER.size))
     table = await reader.readexactly(_LENGTH.size * count)
     lengths = [_LENGTH.unpack_from(table, i * _LENGTH.size)[0] for i in range(count)]
-    segments = [await reader.readexactly(n) for n in lengths]
+    segments: list[bytes | bytearray] = []
+    for n in lengths:
+        if n <= _CHUNK or progress is None:
+            segments.append(await reader.readexactly(n))
+            continue
+        data = bytearray()
+        while len(data) < n:
+            data += await reader.readexactly(min(_CHUNK, n - len(data)))
+            progress()
+        segments.append(data)
     return decode(segments)
 
 

@@ -1,3 +1,3 @@
-from skyward_jupyter.agent.rank import main
+from skyward_jupyter.agent.start import main
 
 main()

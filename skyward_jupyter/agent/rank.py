@@ -19,7 +19,6 @@ would never return to let a normal exit happen.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import json
@@ -44,8 +43,10 @@ from ..wire import SyncChannel
 from .arrivals import Arrivals
 from .cell_result import cell_done
 from .cells import Namespace, run_script
+from .console import Console
 from .output import FdCapture
 from .process import UsageMeter, flush_c_stdio, set_process_name
+from .stacks import Watch
 from .torch_setup import GroupError, GroupSettings, ProcessGroup, cuda_device_count, torch_version
 from .user_group import UserGroupCalls
 
@@ -101,6 +102,11 @@ class Agent:
             settings.relay_token,
             self._diagnose,
         )
+        self.watch = Watch(frozenset(_AGENT_THREADS | {"relay"}))
+        self.console = Console(
+            self.group.settings.rank, self.channel.send, lambda: self.cell_id, self._sync_output
+        )
+        self.console.install()
         self.commands: queue.Queue[object] = queue.Queue()
         self.cell_id: int | None = None
         self._in_cell = False
@@ -182,6 +188,13 @@ class Agent:
                 if isinstance(message, p.Interrupt):
                     self._interrupt_cell(message.cell_id)
                     continue
+                if isinstance(message, p.StackRequest):
+                    stacks = self.watch.stacks()
+                    self.channel.send(dataclasses.replace(stacks, request=message.request))
+                    continue
+                if isinstance(message, p.InputReply):
+                    self.console.answer(message)
+                    continue
                 if self.arrivals.on_wire(message):
                     continue
                 if isinstance(message, p.Shutdown):
@@ -222,7 +235,13 @@ class Agent:
             if now - last_beat >= s.heartbeat_interval:
                 # torch is read only once the main thread has finished importing it: a module
                 # half-imported by another thread has no attributes yet.
-                self.channel.send(self._usage.sample(torch_ready=self._torch is not None))
+                usage = self._usage.sample(torch_ready=self._torch is not None)
+                seen, waited = self.watch.sample()
+                if seen is not None:
+                    usage = dataclasses.replace(
+                        usage, waiting=f"{seen.collective} at {seen.where}", waited=waited
+                    )
+                self.channel.send(usage)
                 last_beat = now
 
     def _interrupt_cell(self, cell_id: int | None) -> None:
@@ -373,25 +392,3 @@ class Agent:
             dataclasses.replace(done, bound=bound, group_destroyed=destroyed, notes=notes)
         )
         self.cell_id = None
-
-
-def _env_from_stdin() -> None:
-    """Read one JSON line of environment from fd 0, byte by byte (the wire follows it)."""
-    line = bytearray()
-    while not line.endswith(b"\n"):
-        byte = os.read(0, 1)
-        if not byte:
-            os._exit(EXIT_CHANNEL_CLOSED)
-        line += byte
-    os.environ.update(json.loads(line))
-
-
-def main() -> None:
-    if "--env-from-stdin" in sys.argv[1:]:
-        # Remote ranks: the environment (which may hold tokens) comes over the channel, not on a
-        # command line that other users of the host could read.
-        _env_from_stdin()
-    Agent(AgentSettings.from_env()).serve()
-    # Run the user's exit hooks, then skip the interpreter's teardown of torch (about a second).
-    atexit._run_exitfuncs()
-    os._exit(0)

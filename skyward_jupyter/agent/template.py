@@ -39,7 +39,7 @@ def _child(env: dict[str, str], fds: list[int]) -> None:
                 continue  # the directory listing's own descriptor, already closed
     os.environ.clear()
     os.environ.update(env)
-    from .rank import main
+    from .start import main
 
     main()
 

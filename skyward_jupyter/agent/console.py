@@ -1,0 +1,63 @@
+"""``input()``, ``getpass``, ``breakpoint()`` and pdb in a cell: the head rank asks the notebook.
+
+A rank's stdin is not a terminal (nobody could type there), so on the head rank ``input`` sends
+an :class:`~skyward_jupyter.protocol.InputRequest` up the wire and waits for the notebook's
+:class:`~skyward_jupyter.protocol.InputReply`; the notebook asks the user through the kernel's
+own stdin request. pdb reads its commands with ``input`` (its default when it owns no stdin), so
+``breakpoint()`` works the same, its output streaming with the head's stdout. Other ranks have no
+prompt in the notebook to show: their ``input`` is an error saying so, rather than a hang.
+"""
+
+from __future__ import annotations
+
+import builtins
+import getpass
+import queue
+from collections.abc import Callable
+from typing import Any
+
+from .. import protocol as p
+
+
+class Console:
+    def __init__(
+        self,
+        rank: int,
+        send: Callable[[object], None],
+        cell_id: Callable[[], int | None],
+        flush: Callable[[], None],
+    ) -> None:
+        self.rank = rank
+        self._send = send
+        self._cell_id = cell_id
+        self._flush = flush
+        self._replies: queue.Queue[p.InputReply] = queue.Queue()
+
+    def install(self) -> None:
+        builtins.input = self.input
+        getpass.getpass = self.getpass
+
+    def input(self, prompt: Any = "") -> str:
+        return self._ask(str(prompt), password=False)
+
+    def getpass(self, prompt: str = "Password: ", stream: Any = None) -> str:
+        return self._ask(prompt, password=True)
+
+    def answer(self, reply: p.InputReply) -> None:
+        """The notebook's reply (from the reader thread)."""
+        self._replies.put(reply)
+
+    def _ask(self, prompt: str, password: bool) -> str:
+        if self.rank != 0:
+            raise EOFError(
+                f"input on rank {self.rank}: only the head rank (rank 0) can ask the notebook; "
+                "read input on rank 0 and broadcast it (e.g. dist.broadcast_object_list)"
+            )
+        self._flush()  # what the cell printed before the prompt shows first
+        while not self._replies.empty():  # a reply to a prompt an interrupt abandoned
+            self._replies.get_nowait()
+        self._send(p.InputRequest(self._cell_id(), prompt, password))
+        reply = self._replies.get()
+        if reply.error is not None:
+            raise EOFError(reply.error)
+        return reply.text or ""

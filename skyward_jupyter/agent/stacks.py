@@ -1,0 +1,128 @@
+"""Where a rank is: its threads' Python stacks, and the collective its cell waits in.
+
+Read from another thread (``sys._current_frames``), so it works while the cell's thread is
+blocked: torch releases the GIL inside a collective. The cell's own frames are shown as in its
+tracebacks (the agent's frames around them left out); the agent's threads are not the user's
+business and are only counted.
+
+A collective is recognised by its frame: a ``torch.distributed`` collective function on the
+cell's thread, or autograd's backward (where DDP's gradient all-reduce waits; whether it waits or
+computes, the pool tells by the rank's CPU use). The :class:`Watch` keeps how long the thread has
+been in the same collective at the same line, sampled by the watchdog thread.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from types import FrameType
+
+from .. import protocol as p
+
+_AGENT_DIR = os.path.dirname(os.path.abspath(__file__))
+_C10D = os.path.join("torch", "distributed", "distributed_c10d.py")
+_AUTOGRAD = os.path.join("torch", "autograd", "graph.py")
+BACKWARD = "backward"
+"""What a rank waiting in DDP's gradient all-reduce (or computing gradients) is in."""
+COLLECTIVES = frozenset(
+    {
+        "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
+        "all_to_all", "all_to_all_single", "barrier", "monitored_barrier", "broadcast",
+        "broadcast_object_list", "gather", "gather_object", "reduce", "reduce_scatter",
+        "reduce_scatter_tensor", "scatter", "scatter_object_list", "send", "recv",
+        "batch_isend_irecv",
+    }
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Waiting:
+    collective: str
+    where: str
+    """The user's line that called it: ``cell line 3`` or ``train.py line 40``."""
+
+
+def waiting(frame: FrameType | None) -> Waiting | None:
+    """The collective the stack ending at ``frame`` waits in, and the user's line calling it."""
+    found: str | None = None
+    while frame is not None:
+        code = frame.f_code
+        if found is None:
+            if code.co_filename.endswith(_C10D) and code.co_name in COLLECTIVES:
+                found = code.co_name
+            elif code.co_filename.endswith(_AUTOGRAD) and code.co_name == "_engine_run_backward":
+                found = BACKWARD
+        elif _users(code.co_filename):
+            return Waiting(found, line_of(code.co_filename, frame.f_lineno))
+        frame = frame.f_back
+    return None
+
+
+def line_of(filename: str, lineno: int) -> str:
+    if filename.startswith("<sky-cell-"):
+        return f"cell line {lineno}"
+    return f"{os.path.basename(filename)} line {lineno}"
+
+
+def _users(filename: str) -> bool:
+    """A frame of the user's code: a cell, a script, a module of theirs (not torch, not ours)."""
+    if filename.startswith("<sky-cell-"):
+        return True
+    if filename.startswith("<") or os.path.abspath(filename).startswith(_AGENT_DIR):
+        return False
+    return os.sep + "torch" + os.sep not in filename and "site-packages" not in filename
+
+
+class Watch:
+    """How long the cell's thread has been waiting in the same collective (watchdog-sampled)."""
+
+    def __init__(self, agent_threads: frozenset[str]) -> None:
+        self._agent_threads = agent_threads
+        self._now: Waiting | None = None
+        self._since = 0.0
+
+    def sample(self) -> tuple[Waiting | None, float]:
+        main = threading.main_thread().ident
+        seen = waiting(sys._current_frames().get(main or 0))
+        now = time.monotonic()
+        if seen != self._now:
+            self._now, self._since = seen, now
+        return seen, (now - self._since if seen else 0.0)
+
+    def stacks(self) -> p.Stacks:
+        """Every thread's stack, the cell's thread first, and what it waits in."""
+        seen, waited = self.sample()
+        frames = sys._current_frames()
+        names = {t.ident: t.name for t in threading.enumerate()}
+        main = threading.main_thread().ident
+        order = sorted(frames, key=lambda ident: ident != main)
+        parts, hidden = [], 0
+        for ident in order:
+            name = names.get(ident, f"thread {ident}")
+            if name in self._agent_threads:
+                hidden += 1
+                continue
+            lines = _format(frames[ident])
+            title = "cell thread" if ident == main else f"thread {name!r}"
+            parts.append(f"{title}:\n" + ("".join(lines) or "  (between cells)\n"))
+        if hidden:
+            parts.append(f"({hidden} threads of the agent not shown)\n")
+        return p.Stacks(
+            "".join(parts), seen.collective if seen else None, seen.where if seen else None, waited
+        )
+
+
+def _format(frame: FrameType) -> list[str]:
+    stack = traceback.extract_stack(frame)
+    kept = [
+        f
+        for f in stack
+        if not (
+            f.filename.startswith("<frozen") or os.path.abspath(f.filename).startswith(_AGENT_DIR)
+        )
+    ]
+    return traceback.format_list(kept)

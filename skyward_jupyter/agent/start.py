@@ -1,0 +1,34 @@
+"""How a rank process starts: its environment, then the agent, then a quick exit.
+
+Remote ranks read their environment (which may hold tokens) from the channel, not from a
+command line that other users of the host could read; the exit skips the interpreter's teardown
+of torch (about a second) once the user's exit hooks have run.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import sys
+
+from .rank import EXIT_CHANNEL_CLOSED, Agent, AgentSettings
+
+
+def _env_from_stdin() -> None:
+    """Read one JSON line of environment from fd 0, byte by byte (the wire follows it)."""
+    line = bytearray()
+    while not line.endswith(b"\n"):
+        byte = os.read(0, 1)
+        if not byte:
+            os._exit(EXIT_CHANNEL_CLOSED)
+        line += byte
+    os.environ.update(json.loads(line))
+
+
+def main() -> None:
+    if "--env-from-stdin" in sys.argv[1:]:
+        _env_from_stdin()
+    Agent(AgentSettings.from_env()).serve()
+    atexit._run_exitfuncs()
+    os._exit(0)

@@ -1,0 +1,131 @@
+"""The hang doctor: where every rank is, and collectives that some ranks will never join.
+
+A hang is where a user of distributed training is most alone: nothing says which rank is where.
+Here:
+
+- :func:`stacks` asks ranks for their Python stacks; their reader thread answers at once, also
+  while the cell waits in a collective (torch releases the GIL there);
+- :func:`desynced` tells, once some ranks have finished a cell, which of the others wait in a
+  collective that cannot complete: the finished ranks will not join it. A collective that is
+  merely slow (a peer still loading data) is left alone: every rank is still in the cell. DDP's
+  gradient all-reduce waits inside backward, which also computes: there, a rank counts as
+  waiting only when it uses no CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+from . import protocol as p
+from . import wire
+from .events import RankState
+from .ranks import Rank, Ranks
+
+STACKS_TIMEOUT = 1.0
+"""Seconds a rank has to answer for its stacks (its reader thread needs the GIL for a moment)."""
+IDLE_CPU_PERCENT = 20.0
+_BACKWARD = "backward"
+_requests = itertools.count(1)
+
+
+async def stacks(
+    ranks: Ranks, targets: list[Rank], timeout: float = STACKS_TIMEOUT
+) -> dict[Rank, p.Stacks | None]:
+    """Each live target's stacks; None for one that did not answer within ``timeout``."""
+    request = next(_requests)
+    key = f"stacks {request}"
+    futures = {r: r.expect(key) for r in targets if r.alive and r.process is not None}
+    frame = wire.encode(p.StackRequest(request))
+    for r in futures:
+        ranks.send(r, frame)
+    if futures:
+        await asyncio.wait(futures.values(), timeout=timeout)
+    answers: dict[Rank, p.Stacks | None] = {r: None for r in targets}
+    for r, future in futures.items():
+        r.waiters.pop(key, None)
+        if future.done() and not future.cancelled() and future.exception() is None:
+            answers[r] = future.result()
+        else:
+            future.cancel()
+    return answers
+
+
+def report(answers: dict[Rank, p.Stacks | None]) -> str:
+    """``%sky stacks``: every rank's stacks, with what it waits in, in rank order."""
+    parts = []
+    for r in sorted(answers, key=lambda r: r.index):
+        answer = answers[r]
+        title = f"rank {r.index} ({r.describe()})"
+        if answer is None:
+            parts.append(
+                f"{title}: no answer within {STACKS_TIMEOUT:.0f} s (native code holding the "
+                "GIL, a stopped process or an unreachable host)\n"
+            )
+            continue
+        if answer.collective:
+            title += f": in {answer.collective} at {answer.where} for {answer.waited:.0f} s"
+        parts.append(f"{title}\n{answer.text}")
+    return "\n".join(parts)
+
+
+async def desynced(ranks: Ranks, pending: list[Rank], after: float) -> dict[Rank, p.Stacks] | None:
+    """The pending ranks stuck in a collective for ``after`` seconds or more, when every one of
+    them is (a rank still computing may yet call it: then nothing is stuck yet)."""
+    answers = await stacks(ranks, pending)
+    stuck: dict[Rank, p.Stacks] = {}
+    for r, answer in answers.items():
+        if answer is None or answer.collective is None or answer.waited < after:
+            return None
+        idle = r.usage is not None and r.usage.cpu_percent < IDLE_CPU_PERCENT
+        if answer.collective == _BACKWARD and not idle:
+            return None
+        stuck[r] = answer
+    return stuck or None
+
+
+def desync_message(stuck: dict[Rank, p.Stacks], finished: list[Rank]) -> str:
+    where = "; ".join(
+        f"rank {r.index} in {s.collective} at {s.where}"
+        for r, s in sorted(stuck.items(), key=lambda kv: kv[0].index)
+    )
+    done = ", ".join(str(r.index) for r in sorted(finished, key=lambda r: r.index))
+    return (
+        f"{where}, waiting for ranks that had finished the cell ({done}): a collective that not "
+        "every rank calls (one under `if rank == 0:`, or a different number of steps per rank)"
+    )
+
+
+async def heartbeats(ranks: Ranks) -> None:
+    """Beat every live rank; declare one silent past the timeout lost, and kill it.
+
+    A rank heard of in any way (a heartbeat, any message, part of a large one) is not silent.
+    Before the verdict it is asked for its stacks: one whose reader still answers is busy (its
+    heartbeat stuck behind something), not gone, and is left alone."""
+    interval, timeout = ranks.settings.heartbeat_interval, ranks.settings.heartbeat_timeout
+    # Suspected early enough that the probe and this loop's tick still end within the timeout.
+    suspect = max(timeout - STACKS_TIMEOUT - interval, 2 * interval)
+    while True:
+        await asyncio.sleep(interval)
+        now = time.monotonic()
+        silent = []
+        for r in ranks.all:
+            if r.alive and r.process is not None:
+                ranks.send(r, ranks.beat)
+                # Until its hello, a rank is starting (loading torch can hold the GIL for
+                # seconds): the start's own timeout applies.
+                if r.hello is not None and now - r.last_heard > suspect:
+                    silent.append(r)
+        if not silent:
+            continue
+        answers = await stacks(ranks, silent)
+        for r in silent:
+            if answers[r] is None and r.alive and r.process is not None:
+                quiet = time.monotonic() - r.last_heard
+                r.silenced = (
+                    f"stopped answering: no heartbeat for {quiet:.1f} s (a stopped process, a "
+                    "frozen host, or native code holding the GIL); the pool killed it"
+                )
+                ranks.set_state(r, RankState.LOST, f"silent for {quiet:.0f} s")
+                await r.process.kill()
