@@ -36,13 +36,16 @@ from .fanout import Fanout, Subscriber
 from .io_thread import IOThread, close_at_exit, wait
 from .prompts import Prompts
 from .providers.base import Node, Provider, ProviderError
-from .ranks import Rank, RankInfo, Ranks, RankSettings
-from .results import PoolError, RunResult
+from .ranks import Rank, Ranks, RankSettings
+from .results import PoolError, RankInfo, RunResult
 from .transfer import DEFAULT_SYNC_CAP, Transfer, pickle_global
 from .wire import encode
 from .workdir import Manifest
 
 __all__ = ["Pool", "RankInfo", "Subscriber"]
+PG_TIMEOUT = 1800.0
+"""The collectives' timeout: torch's own default. Death, silence and desync are found directly,
+in seconds, so it only has to let real training's long collectives (and a peer in pdb) be."""
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +68,7 @@ class Pool:
         name: str = "default",
         backend: str | None = None,
         env: Mapping[str, str] | None = None,
-        pg_timeout: float = 60.0,
+        pg_timeout: float = PG_TIMEOUT,
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 5.0,
         interrupt_grace: float = 3.0,

@@ -1,4 +1,4 @@
-"""The ranks of a pool: their processes, the wire to each, heartbeats and the process group.
+"""The ranks of a pool: their processes, the wire to each, and the process group.
 
 Commands come down from the pool (spawn, form the group, send a frame); what the ranks say goes
 up as events (the pool's ``emit``), as answers the pool waits for (:meth:`Rank.expect`), and, when
@@ -30,9 +30,11 @@ from .events import (
 )
 from .launch_env import RankPlace, launcher_env
 from .providers.base import Node, Provider, RankProcess
-from .results import PoolError
+from .results import PoolError, RankInfo
 
 log = logging.getLogger(__name__)
+FORM_TIMEOUT = 60.0
+"""Seconds for the group to form (the ranks check their reach of each other within 10)."""
 NOTEBOOK_SILENCE = 30.0
 """Seconds a rank waits for the notebook's heartbeat before it ends itself (the kernel died)."""
 
@@ -44,19 +46,6 @@ class RankEnded(Exception):
         super().__init__(how)
         self.how = how
         self.diagnostics = diagnostics
-
-
-@dataclass(frozen=True, slots=True)
-class RankInfo:
-    """A read-only view of one rank, for status displays."""
-
-    rank: int
-    node: int
-    local_rank: int
-    address: str
-    state: RankState
-    process: str
-    hello: p.Hello | None
 
 
 class Rank:
@@ -99,7 +88,10 @@ class Rank:
         self.last_heard = time.monotonic()
 
     def expect(self, key: str) -> asyncio.Future[Any]:
+        """A future for answer ``key``. When the rank ends first it fails with RankEnded, which
+        the pool reports anyway (``on_ended``): nobody has to be there to retrieve it."""
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())
         self.waiters[key] = future
         return future
 
@@ -295,7 +287,7 @@ class Ranks:
             for r in self.all:
                 self.set_state(r, RankState.READY, self.torch_note)
             return
-        timeout = self.settings.pg_timeout
+        timeout = FORM_TIMEOUT
         self._generation += 1
         generation = self._generation
         head, others = self.all[0], self.all[1:]

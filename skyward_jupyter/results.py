@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
+
+if TYPE_CHECKING:
+    from . import protocol as p
+    from .events import RankState
 
 
 def _what(error: RemoteError) -> str:
@@ -169,3 +173,16 @@ class RunResult(Sequence[RankResult]):
             f"<RunResult cell {self.cell_id}: {len(self.ranks)} ranks, {state}, "
             f"{self.shipped_bytes} bytes shipped{extra}>"
         )
+
+
+@dataclass(frozen=True, slots=True)
+class RankInfo:
+    """A read-only view of one rank, for status displays."""
+
+    rank: int
+    node: int
+    local_rank: int
+    address: str
+    state: RankState
+    process: str
+    hello: p.Hello | None

@@ -7,6 +7,7 @@ message from the frontend, sent here by a jupyter_client while a cell runs.
 
 from __future__ import annotations
 
+import html
 import os
 import re
 import signal
@@ -153,7 +154,80 @@ def test_closing_the_widget_stops_the_timer(pool: Pool) -> None:
     wait_for(lambda: not panel.live, 10, "the panel's timer to stop")
     assert pool.running, "closing the view leaves the pool alone"
     assert pool.subscribe  # the panel unsubscribed: the pool's events reach nothing of it
-    assert panel.state.apply not in pool._subscribers
+    assert panel.state.apply not in pool._fanout._subscribers
+
+
+def stacks_text(panel: SkyPanel) -> str:
+    """The Stacks view as its reader sees it: its title line, then every rank's stacks."""
+    value = panel.stacks_view.value.replace("</div>", "\n")
+    return html.unescape(re.sub(r"<[^>]+>", "", value)).strip()
+
+
+BARRIER_AFTER_A_NAP = (
+    "import time, torch.distributed as dist\n"
+    "if dist.get_rank() == 1:\n"
+    "    time.sleep(6)\n"
+    "dist.barrier()\n"
+)
+
+
+def test_stacks_show_every_rank_and_a_rank_long_in_a_collective_is_marked() -> None:
+    pool = Pool(nodes=1, procs_per_node=2)
+    panel = SkyPanel(pool, interval=0.05)
+    try:
+        panel.stacks_button.click()
+        assert re.fullmatch(
+            r"no stacks at \d\d:\d\d:\d\d: pool 'default' is not running", stacks_text(panel)
+        ), stacks_text(panel)
+        pool.start()
+        results: list[Any] = []
+        cell = threading.Thread(target=lambda: results.append(pool.run(BARRIER_AFTER_A_NAP)))
+        cell.start()
+
+        def waiting(rank: int) -> str | None:
+            usage = panel.state.snapshot().ranks[rank].usage
+            return usage.waiting if usage else None
+
+        wait_for(lambda: waiting(0) == "barrier at cell line 4", 30, "rank 0 in the barrier")
+        started = time.monotonic()
+        panel.stacks_button.click()  # on this thread, as on the kernel's subshell
+        assert time.monotonic() - started < 1.5
+        text = stacks_text(panel)
+        title, rest = text.split("\n", 1)
+        assert re.fullmatch(r"every rank's stacks at \d\d:\d\d:\d\d \(took \d\.\d s\)", title)
+        rank0, rank1 = rest.split("\nrank 1 ", 1)
+        assert rank0.startswith("rank 0 ") and re.search(r": in barrier at cell line 4 for", rank0)
+        assert 'File "<sky-cell-1>", line 4, in <module>\n    dist.barrier()' in rank0
+        assert 'File "<sky-cell-1>", line 3, in <module>\n    time.sleep(6)' in rank1
+        assert "barrier" not in rank1, "rank 1 naps"
+
+        def marked() -> str | None:
+            row = panel.state.snapshot().ranks[0]
+            return row.waiting.mark if row.waiting else None
+
+        wait_for(lambda: marked() is not None, 30, "rank 0 marked as waiting")
+        assert re.fullmatch(r"waiting \d s in barrier at cell line 4", marked() or "")
+        assert panel.state.snapshot().ranks[1].waiting is None
+        wait_for(lambda: "sky-waiting" in panel.nodes.value, 5, "the node's row to show it")
+        assert re.search(
+            r'<span class="sky-waiting" data-ranks="0"[^>]*>rank 0 waiting \d s in barrier at '
+            r"cell line 4</span>",
+            panel.nodes.value,
+        )
+        assert "waiting" in panel.summary().splitlines()[1]
+
+        cell.join(timeout=60)
+        assert results and results[0].ok, results
+        assert marked() is None, "the cell ended"
+        wait_for(lambda: "sky-waiting" not in panel.nodes.value, 5, "the mark to go")
+        panel.stacks_button.click()
+        rank0 = stacks_text(panel).split("\nrank 1 ", 1)[0]
+        assert "sky-cell" not in rank0 and "barrier" not in rank0, "replaced on each click"
+        pool.close()
+        wait_for(lambda: panel.stacks_button.disabled, 30, "Stacks disabled with the pool ended")
+    finally:
+        panel.close()
+        pool.close()
 
 
 # ----------------------------------------------------------------------- in a real kernel
@@ -165,6 +239,18 @@ def _panel_displays(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for m in messages
         if m["msg_type"] == "display_data" and "skyward_jupyter" in m["content"].get("metadata", {})
     ]
+
+
+class _Heard(list):  # type: ignore[type-arg]
+    """A kernel's list of iopub messages that also hands each new one to ``hook``."""
+
+    def __init__(self, seen: list[dict[str, Any]], hook: Any) -> None:
+        super().__init__(seen)
+        self.hook = hook
+
+    def append(self, msg: dict[str, Any]) -> None:
+        super().append(msg)
+        self.hook(msg)
 
 
 def _click(kernel: Kernel, comm_id: str) -> None:
@@ -210,18 +296,30 @@ def test_in_a_kernel_each_cell_shows_the_panel_once_and_its_buttons_act() -> Non
             and m["content"]["data"]["state"].get("_model_name") == "ButtonModel"
         }
 
-        def interrupt_when_running(msg: dict[str, Any]) -> None:
-            if msg["msg_type"] == "stream" and "started" in msg["content"]["text"]:
-                _click(kernel, buttons["Interrupt"])
+        # While the cell runs: Stacks, and once its view shows the ranks' stacks, Interrupt.
+        # The view's update is not the cell's message: every iopub message is looked at.
+        stacks: list[str] = []
 
+        def stacks_then_interrupt(msg: dict[str, Any]) -> None:
+            if msg["msg_type"] == "stream" and "started" in msg["content"].get("text", ""):
+                _click(kernel, buttons["Stacks"])
+            elif msg["msg_type"] == "comm_msg" and not stacks:
+                value = msg["content"]["data"].get("state", {}).get("value", "")
+                if "sky-stacks-title" in value:
+                    stacks.append(html.unescape(value))
+                    _click(kernel, buttons["Interrupt"])
+
+        kernel.iopub = _Heard(kernel.iopub, stacks_then_interrupt)
         started = time.monotonic()
         stopped = kernel.execute(
             "%%sky\nimport time\nprint('started', flush=True)\ntime.sleep(120)\n",
             timeout=90,
-            on_message=interrupt_when_running,
         )
         assert stopped.status == "error" and "KeyboardInterrupt" in stopped.reply["evalue"]
-        assert time.monotonic() - started < 60, "the click was handled while the cell ran"
+        assert time.monotonic() - started < 60, "the clicks were handled while the cell ran"
+        (view,) = stacks
+        assert "every rank's stacks at" in view and "\nrank 1 (" in view
+        assert view.count("time.sleep(120)") == 2, "both ranks' cell threads, in their nap"
 
         _click(kernel, buttons["Shut down"])
         wait_for(lambda: kernel.status().strip() == "no pools", 30, "the pool to shut down")

@@ -8,8 +8,9 @@ from typing import Any
 import pytest
 
 from skyward_jupyter.display.buffers import TextBuffer
-from skyward_jupyter.display.snapshot import NodeInfo
-from skyward_jupyter.display.state import PanelState
+from skyward_jupyter.display.panel_html import nodes_html, output_html
+from skyward_jupyter.display.snapshot import NodeInfo, Waiting
+from skyward_jupyter.display.state import WAITING_MARK_AFTER, PanelState
 from skyward_jupyter.display.summary import summary_text
 from skyward_jupyter.events import (
     CellFinished,
@@ -42,6 +43,11 @@ def state_with(ranks: dict[int, int], **kw: Any) -> PanelState:
 
 def usage(rank: int, node: int, cpu: float, rss: int, gpu: int | None = None, at: float = 0.0):
     return RankUsage(rank, node, cpu, rss, gpu, None, at)
+
+
+def beat(rank: int, node: int, waiting: str | None = None, waited: float = 0.0) -> RankUsage:
+    """A heartbeat of a rank whose cell waits in ``waiting`` for ``waited`` seconds."""
+    return RankUsage(rank, node, 1.0, 100, None, None, 0.0, waiting, waited)
 
 
 def metrics(rank: int, *rows: tuple[int | None, dict[str, float]], cell: int | None = 1):
@@ -199,6 +205,107 @@ def test_pool_messages_are_kept_newest_last_and_bounded() -> None:
         state.apply(PoolMessage(f"note {i}"))
     messages = state.snapshot().messages
     assert messages[-1] == "note 49" and len(messages) == 20
+
+
+# --------------------------------------------------------------------- waiting in collectives
+
+
+def marks(state: PanelState) -> tuple[dict[int, str], dict[int, list[str]]]:
+    """What each marked rank's row says, and each node's marks (with their ranks)."""
+    snap = state.snapshot()
+    ranks = {r.rank: r.waiting.mark for r in snap.ranks if r.waiting is not None}
+    return ranks, {n.index: [w.label for w in n.waiting] for n in snap.nodes}
+
+
+def test_a_rank_long_in_a_collective_is_marked_until_a_heartbeat_says_it_left() -> None:
+    state = state_with({0: 0, 1: 0, 2: 1})
+    state.apply(CellStarted(1, 3, 0))
+    for rank, node in ((0, 0), (1, 0), (2, 1)):
+        state.apply(RankStateChanged(rank, node, S.RUNNING))
+    assert WAITING_MARK_AFTER == 3.0
+    state.apply(beat(0, 0, "all_reduce at cell line 3", 2.9))
+    assert marks(state) == ({}, {0: [], 1: []}), "a moment in a collective is normal"
+    state.apply(beat(0, 0, "all_reduce at cell line 3", 3.0))
+    assert marks(state) == (
+        {0: "waiting 3 s in all_reduce at cell line 3"},
+        {0: ["rank 0 waiting 3 s in all_reduce at cell line 3"], 1: []},
+    )
+    state.apply(beat(0, 0, "all_reduce at cell line 3", 12.2))
+    state.apply(beat(1, 0, "all_reduce at cell line 3", 11.8))
+    state.apply(beat(2, 1, "barrier at train.py line 40", 5.0))
+    ranks, nodes = marks(state)
+    assert ranks == {
+        0: "waiting 12 s in all_reduce at cell line 3",
+        1: "waiting 12 s in all_reduce at cell line 3",
+        2: "waiting 5 s in barrier at train.py line 40",
+    }
+    assert nodes == {
+        0: ["ranks 0, 1 waiting 12 s in all_reduce at cell line 3"],
+        1: ["rank 2 waiting 5 s in barrier at train.py line 40"],
+    }
+    text = summary_text(state.snapshot(), now=0.0)
+    assert "node 0: 10.0.0.0, T4, running" in text
+    assert text.splitlines()[1].endswith(", ranks 0, 1 waiting 12 s in all_reduce at cell line 3")
+    assert text.splitlines()[2].endswith(", rank 2 waiting 5 s in barrier at train.py line 40")
+
+    state.apply(beat(1, 0, None))  # rank 1 left the collective
+    state.apply(beat(2, 1, "barrier at train.py line 40", 2.0))  # and is in the next one
+    assert marks(state) == (
+        {0: "waiting 12 s in all_reduce at cell line 3"},
+        {0: ["rank 0 waiting 12 s in all_reduce at cell line 3"], 1: []},
+    )
+    state.apply(RankStateChanged(0, 0, S.LOST, "killed by SIGKILL"))
+    assert marks(state) == ({}, {0: [], 1: []}), "a lost rank waits for nothing"
+    state.apply(beat(0, 0, "all_reduce at cell line 3", 13.2))  # its last words, heard late
+    assert marks(state) == ({}, {0: [], 1: []})
+
+
+def test_the_marks_go_when_the_cell_ends() -> None:
+    state = state_with({0: 0, 1: 1})
+    state.apply(CellStarted(4, 2, 0))
+    state.apply(beat(0, 0, "barrier at cell line 4", 8.0))
+    state.apply(beat(1, 1, "barrier at cell line 4", 8.0))
+    assert len(marks(state)[0]) == 2
+    state.apply(RankStateChanged(1, 1, S.IDLE))  # rank 1 is done with the cell
+    assert marks(state)[0] == {0: "waiting 8 s in barrier at cell line 4"}
+    v = state.version
+    state.apply(CellFinished(4, None))  # type: ignore[arg-type]
+    assert state.version > v
+    assert marks(state) == ({}, {0: [], 1: []})
+    assert "waiting" not in summary_text(state.snapshot(), now=0.0)
+
+
+def test_the_panels_rows_show_the_marks() -> None:
+    state = state_with({0: 0, 1: 0})
+    state.apply(CellStarted(1, 2, 0))
+    state.apply(beat(0, 0, "barrier at cell line 4", 4.4))
+    state.apply(beat(1, 0, "barrier at cell line 4", 2.0))
+    snap = state.snapshot()
+    row = nodes_html(snap.nodes, 0.0)
+    assert (
+        '<span class="sky-waiting" data-ranks="0" style="color: #9a6700">'
+        "rank 0 waiting 4 s in barrier at cell line 4</span>" in row
+    )
+    rank0, rank1 = (output_html(r) for r in snap.ranks)
+    assert 'class="sky-waiting" data-ranks="0"' in rank0
+    assert "waiting 4 s in barrier at cell line 4</span>" in rank0
+    assert "sky-waiting" not in rank1, "rank 1 has waited 2 s only"
+    state.apply(beat(0, 0, None))
+    assert "sky-waiting" not in nodes_html(state.snapshot().nodes, 0.0)
+
+
+def test_ranks_waiting_at_the_same_line_share_a_mark() -> None:
+    grouped = Waiting.grouped(
+        [
+            Waiting((3,), "barrier at cell line 2", 4.0),
+            Waiting((0,), "all_reduce at cell line 5", 6.0),
+            Waiting((1,), "barrier at cell line 2", 9.6),
+        ]
+    )
+    assert [w.label for w in grouped] == [
+        "rank 0 waiting 6 s in all_reduce at cell line 5",
+        "ranks 1, 3 waiting 10 s in barrier at cell line 2",
+    ]
 
 
 # --------------------------------------------------------------------------------- metrics

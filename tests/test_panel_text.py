@@ -22,6 +22,7 @@ from skyward_jupyter.events import (
     PoolMessage,
     RankState,
     RankStateChanged,
+    RankUsage,
 )
 from skyward_jupyter.providers.base import Node, Progress, no_progress
 from skyward_jupyter.providers.local import LocalProvider
@@ -152,6 +153,39 @@ def test_notes_between_cells_are_written_and_notes_during_a_cell_are_left_to_its
     text.on_event(OutputReceived(0, 1, "stdout", "output is the cell's business\n"))
     text.flush()
     assert lines(out) == ["rank 1 (node 1, local pid 9) killed by SIGKILL while idle"]
+
+
+def beat(rank: int, node: int, waiting: str | None, waited: float = 0.0) -> RankUsage:
+    return RankUsage(rank, node, 1.0, 100, None, None, 0.0, waiting, waited)
+
+
+def test_a_rank_long_in_a_collective_is_a_line_once_per_call_site_and_cell() -> None:
+    text, out, _ = report()
+    text.on_event(beat(0, 0, "barrier at cell line 4", 9.0))  # between cells: not news
+    text.flush()
+    text.on_event(CellStarted(1, 3, 0))
+    text.on_event(beat(0, 0, "barrier at cell line 4", 2.5))
+    text.flush()
+    assert lines(out) == [], "a moment in a collective is normal"
+    text.on_event(beat(0, 0, "barrier at cell line 4", 3.1))
+    assert out.getvalue() == "", "nothing is written from the IO thread"
+    text.flush()
+    assert lines(out) == ["rank 0 (node 0): waiting 3 s in barrier at cell line 4"]
+    text.on_event(beat(0, 0, "barrier at cell line 4", 4.1))
+    text.on_event(beat(1, 0, "all_reduce at cell line 6", 3.4))
+    text.on_event(beat(2, 1, "all_reduce at cell line 6", 3.2))
+    text.flush()
+    assert lines(out)[1:] == ["ranks 1, 2 (nodes 0, 1): waiting 3 s in all_reduce at cell line 6"]
+    text.on_event(beat(0, 0, None))
+    text.on_event(beat(0, 0, "barrier at cell line 4", 30.0))
+    text.flush()
+    assert len(lines(out)) == 2, "once per rank and call site in a cell"
+    text.on_event(CellFinished(1, None))  # type: ignore[arg-type]
+    text.flush(final=True)
+    text.on_event(CellStarted(2, 3, 0))
+    text.on_event(beat(0, 0, "barrier at cell line 4", 3.0))
+    text.flush()
+    assert lines(out)[2:] == ["rank 0 (node 0): waiting 3 s in barrier at cell line 4"]
 
 
 def test_terminal_ipython_gets_lines_from_a_real_pool(capsys: pytest.CaptureFixture[str]) -> None:

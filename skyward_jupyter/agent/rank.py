@@ -65,7 +65,7 @@ class AgentSettings:
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 15.0
     backend: str | None = None
-    pg_timeout: float = 60.0
+    pg_timeout: float = 1800.0
     relay_token: str | None = None
 
     @classmethod

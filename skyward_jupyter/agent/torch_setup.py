@@ -28,6 +28,11 @@ class GroupSettings:
     timeout: float
 
 
+FORM_TIMEOUT = 60.0
+"""Seconds the ranks wait for each other while the group forms (the collectives' own timeout,
+``GroupSettings.timeout``, is far longer: see the README's "Timeouts")."""
+
+
 class GroupError(Exception):
     """The group cannot form, for a reason a person can act on (the message says how)."""
 
@@ -138,7 +143,7 @@ class ProcessGroup:
         if cuda:
             torch.cuda.set_device(s.local_rank % torch.cuda.device_count())
         try:
-            check_peers(self._store, s.rank, s.world_size, backend, s.timeout)
+            check_peers(self._store, s.rank, s.world_size, backend, FORM_TIMEOUT)
         except ConnectionError as exc:
             variable = "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
             raise GroupError(

@@ -15,9 +15,14 @@ DOM classes, for styling and for browser tests:
 =====================  ==========================================================================
 ``sky-panel``          the whole panel (a VBox)
 ``sky-header``         the pool line: name, provider, nodes x ranks, state, uptime, cost
-``sky-buttons``        the row of buttons: ``sky-interrupt`` and ``sky-shutdown`` (Buttons)
+``sky-buttons``        the row of buttons: ``sky-interrupt``, ``sky-stacks`` and ``sky-shutdown``
 ``sky-nodes``          the node table; one ``tr.sky-node[data-node=K][data-state=STATE]`` per node
 ``sky-state``          a state label, also ``sky-state-<state>`` (coloured), ``data-state=STATE``
+``sky-waiting``        ranks inside a collective for a while (``span[data-ranks=0,1]``), on the
+                       node's row and in the rank's output: ``waiting 12 s in barrier at cell
+                       line 3``
+``sky-stacks-view``    what the Stacks button showed last: ``.sky-stacks-title`` (when it was
+                       taken, or why there are none), then every rank's stacks in a ``pre``
 ``sky-tabs``           the Tab of rank outputs: "rank 0 (head)", "rank 1", ...
 ``sky-output``         a rank's output (HTML widget); inside, ``pre.sky-stdout[data-rank=K]`` and
                        ``pre.sky-stderr[data-rank=K]``
@@ -40,7 +45,15 @@ import ipywidgets as widgets  # type: ignore[import-untyped]
 from ..model import GONE, PoolFacts
 from .chart import small_multiples
 from .clicks import route_clicks
-from .panel_html import header_html, messages_html, metrics_html, nodes_html, output_html, tab_title
+from .panel_html import (
+    header_html,
+    messages_html,
+    metrics_html,
+    nodes_html,
+    output_html,
+    stacks_html,
+    tab_title,
+)
 from .snapshot import PanelSnapshot
 from .state import PanelState
 from .summary import summary_text
@@ -53,13 +66,18 @@ SETTLE = 30.0
 """After the pool ended, how long to keep drawing while its ranks report how they ended."""
 
 
+def _no_stacks() -> str:
+    raise RuntimeError("this pool cannot show its ranks' stacks")
+
+
 class SkyPanel:
     """The live panel of one pool.
 
     ``state`` may be shared (then whoever made it feeds it); without one, the panel makes its
-    own and subscribes it to the pool. ``on_interrupt`` and ``on_shutdown`` are what the buttons
-    do (default: ``pool.interrupt()`` and ``pool.close()``); the session's views pass a shut
-    down that goes through the session.
+    own and subscribes it to the pool. ``on_interrupt``, ``on_stacks`` and ``on_shutdown`` are
+    what the buttons do (default: ``pool.interrupt()``, ``pool.stacks()`` and ``pool.close()``);
+    the session's views pass a shut down that goes through the session. Clicks are handled on
+    a kernel subshell where there is one (:mod:`.clicks`), so they act while a cell runs.
     """
 
     def __init__(
@@ -69,6 +87,7 @@ class SkyPanel:
         *,
         on_interrupt: Callable[[], None] | None = None,
         on_shutdown: Callable[[], None] | None = None,
+        on_stacks: Callable[[], str] | None = None,
         interval: float = INTERVAL,
         start: bool = True,
     ) -> None:
@@ -82,6 +101,9 @@ class SkyPanel:
         self.interval = interval
         self._on_interrupt = on_interrupt or pool.interrupt
         self._on_shutdown = on_shutdown or pool.close
+        # Pool.stacks (the PoolFacts protocol does not name it; a pool without it says so).
+        stacks: Callable[[], str] = getattr(pool, "stacks", _no_stacks)
+        self._on_stacks = on_stacks or stacks
 
         self.header = widgets.HTML().add_class("sky-header")
         self.interrupt_button = widgets.Button(
@@ -96,12 +118,19 @@ class SkyPanel:
             button_style="danger",
             tooltip="End every rank of this pool",
         ).add_class("sky-shutdown")
+        self.stacks_button = widgets.Button(
+            description="Stacks",
+            icon="list",
+            tooltip="Show where every rank is: its Python stacks, also inside a collective",
+        ).add_class("sky-stacks")
         self.interrupt_button.on_click(lambda _: self._click(self._on_interrupt))
+        self.stacks_button.on_click(lambda _: self.show_stacks())
         self.shutdown_button.on_click(lambda _: self._click(self._on_shutdown))
-        self.buttons = widgets.HBox([self.interrupt_button, self.shutdown_button]).add_class(
-            "sky-buttons"
-        )
+        self.buttons = widgets.HBox(
+            [self.interrupt_button, self.stacks_button, self.shutdown_button]
+        ).add_class("sky-buttons")
         self.nodes = widgets.HTML().add_class("sky-nodes")
+        self.stacks_view = widgets.HTML().add_class("sky-stacks-view")
         self.tabs = widgets.Tab().add_class("sky-tabs")
         self.outputs: list[widgets.HTML] = []
         self.metrics = widgets.HTML().add_class("sky-metrics")
@@ -112,13 +141,14 @@ class SkyPanel:
                 self.header,
                 self.buttons,
                 self.nodes,
+                self.stacks_view,
                 self.tabs,
                 self.metrics,
                 self.charts,
                 self.messages,
             ]
         ).add_class("sky-panel")
-        self.routed_clicks = route_clicks([self.interrupt_button, self.shutdown_button])
+        self.routed_clicks = route_clicks(list(self.buttons.children))
 
         self._draw_lock = threading.Lock()
         self._drawn_version = -1
@@ -202,6 +232,24 @@ class SkyPanel:
             action()
         except Exception:  # a click has nowhere to raise to; the log has it
             log.exception("panel button of pool %r failed", self.pool.name)
+
+    def show_stacks(self) -> None:
+        """Every rank's stacks in the view, replacing the last ones (the Stacks button's click).
+
+        Blocks the click's thread (a kernel subshell while a cell runs) for about a second: the
+        ranks answer from their reader thread. A failure is the view's one line, not raised."""
+        taken = time.strftime("%H:%M:%S")
+        started = time.monotonic()
+        try:
+            text = self._on_stacks()
+        except Exception as exc:  # noqa: BLE001 - a click has nowhere to raise to
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            title, text = f"no stacks at {taken}: {first}", ""
+        else:
+            took = time.monotonic() - started
+            title = f"every rank's stacks at {taken} (took {took:.1f} s)"
+        if self.stacks_view.comm is not None:
+            self.stacks_view.value = stacks_html(title, text)
 
     def _set_buttons(self) -> None:
         ended = self._pool_ended()

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from ..events import RankState
 from ..model import GONE
 from .format import format_bytes, format_number, format_seconds
-from .snapshot import Header, NodeRow, PanelSnapshot, RankRow
+from .snapshot import Header, NodeRow, PanelSnapshot, RankRow, Waiting
 
 SHOWN_OUTPUT = 20_000
 """Characters of a rank's output the panel sends (the state keeps more)."""
@@ -31,6 +31,7 @@ STATE_COLOURS = {
 }
 _CELL = "padding: 2px 10px 2px 0; text-align: left; white-space: nowrap"
 _TABLE = "border-collapse: collapse; font-size: 12px; font-family: sans-serif"
+_WAITING = "#9a6700"
 
 
 def state_label(state: RankState, detail: str = "") -> str:
@@ -38,6 +39,16 @@ def state_label(state: RankState, detail: str = "") -> str:
     return (
         f'<span class="sky-state sky-state-{state.value}" data-state="{state.value}"{title} '
         f'style="color: {STATE_COLOURS[state]}; font-weight: bold">{state.value}</span>'
+    )
+
+
+def waiting_html(waiting: Waiting, *, label: bool = True) -> str:
+    """A rank (or ranks) inside a collective for a while: what it waits in, where, how long."""
+    ranks = ",".join(map(str, waiting.ranks))
+    text = waiting.label if label else waiting.mark
+    return (
+        f'<span class="sky-waiting" data-ranks="{ranks}" style="color: {_WAITING}">'
+        f"{html.escape(text)}</span>"
     )
 
 
@@ -74,6 +85,7 @@ def nodes_html(nodes: Sequence[NodeRow], now: float) -> str:
             if n.detail and n.state in (RankState.FAILED, RankState.LOST)
             else ""
         )
+        note += "".join(f" {waiting_html(w)}" for w in n.waiting)
         cells = (
             str(n.index),
             html.escape(n.address or "-"),
@@ -118,7 +130,9 @@ def output_html(rank: RankRow, limit: int = SHOWN_OUTPUT) -> str:
     pre = "margin: 0; white-space: pre-wrap; font-size: 12px"
     parts = [
         f'<div class="sky-rank-state" style="font-family: sans-serif; font-size: 12px">'
-        f"rank {rank.rank} on node {rank.node}: {state_label(rank.state, rank.detail)}</div>"
+        f"rank {rank.rank} on node {rank.node}: {state_label(rank.state, rank.detail)}"
+        + (f", {waiting_html(rank.waiting, label=False)}" if rank.waiting else "")
+        + "</div>"
     ]
     if dropped:
         parts.append(
@@ -166,6 +180,21 @@ def messages_html(messages: Sequence[str]) -> str:
     items = "".join(f"<li>{html.escape(m)}</li>" for m in messages[-3:])
     style = "font-family: sans-serif; font-size: 12px; color: #6e7781; margin: 0"
     return f'<ul class="sky-messages" style="{style}">{items}</ul>' if items else ""
+
+
+def stacks_html(title: str, text: str = "") -> str:
+    """What the Stacks button shows: a line saying when (or why not), then every rank's stacks."""
+    head = (
+        f'<div class="sky-stacks-title" style="font-family: sans-serif; font-size: 12px; '
+        f'color: #6e7781">{html.escape(title)}</div>'
+    )
+    body = (
+        f'<pre style="margin: 0; white-space: pre; font-size: 11px">{html.escape(text)}</pre>'
+        if text
+        else ""
+    )
+    box = "max-height: 320px; overflow: auto"
+    return f'<div class="sky-stacks-view" style="{box}">{head}{body}</div>'
 
 
 def tab_title(rank: int) -> str:

@@ -7,7 +7,7 @@ from the ``now`` they draw at.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..events import RankState, RankUsage
@@ -25,6 +25,37 @@ class NodeInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class Waiting:
+    """Ranks inside the same collective for a while (:data:`~.state.WAITING_MARK_AFTER`)."""
+
+    ranks: tuple[int, ...]
+    what: str  # the collective and the user's line that called it: "all_reduce at cell line 3"
+    seconds: float  # the longest any of the ranks has waited, as of its last heartbeat
+
+    @property
+    def mark(self) -> str:
+        """``waiting 12 s in all_reduce at cell line 3``"""
+        return f"waiting {self.seconds:.0f} s in {self.what}"
+
+    @property
+    def label(self) -> str:
+        """The mark with its ranks: ``rank 0 waiting ...``, ``ranks 0, 1 waiting ...``."""
+        which = "rank" if len(self.ranks) == 1 else "ranks"
+        return f"{which} {', '.join(map(str, self.ranks))} {self.mark}"
+
+    @staticmethod
+    def grouped(waits: Sequence[Waiting]) -> tuple[Waiting, ...]:
+        """Ranks waiting in the same collective at the same line as one, in order of rank."""
+        groups: dict[str, list[Waiting]] = {}
+        for w in sorted(waits, key=lambda w: w.ranks):
+            groups.setdefault(w.what, []).append(w)
+        return tuple(
+            Waiting(tuple(r for w in same for r in w.ranks), what, max(w.seconds for w in same))
+            for what, same in groups.items()
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class RankRow:
     rank: int
     node: int
@@ -34,6 +65,7 @@ class RankRow:
     stderr: str
     dropped: int  # characters of output dropped from the start of the buffers
     usage: RankUsage | None
+    waiting: Waiting | None = None  # inside a collective for a while (None: not, or not long)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +80,7 @@ class NodeRow:
     rss_bytes: int | None
     gpu_memory_bytes: int | None  # None when no rank reports GPU memory
     last_heartbeat: float | None  # epoch seconds of the newest usage report
+    waiting: tuple[Waiting, ...] = ()  # its ranks inside a collective for a while, by collective
 
     def heartbeat_age(self, now: float) -> float | None:
         return None if self.last_heartbeat is None else max(0.0, now - self.last_heartbeat)

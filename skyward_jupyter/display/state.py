@@ -12,6 +12,9 @@ What is kept, and how much of it:
   first; a lone ``\\r`` rewinds the line, so a progress bar keeps one line);
 - per node (from the pool: address, GPU or instance type): a row aggregated from its ranks; a
   rank the pool lost shows as lost for ``LOST_HOLD`` seconds while the pool restarts it;
+- per rank, the collective its cell waits in (from its heartbeat): marked on its rows once it
+  has waited ``WAITING_MARK_AFTER`` seconds, until a heartbeat says it no longer waits, the rank
+  stops running the cell or the cell ends;
 - per metric name: the values of each rank for each step (the last ``max_steps`` steps), reduced
   to mean, min and max across the ranks that logged that step (:mod:`.metrics`).
 """
@@ -38,12 +41,15 @@ from ..events import (
 from ..model import GONE, PoolFacts, aggregate_state, price_of
 from .buffers import OUTPUT_CAP, TextBuffer
 from .metrics import MAX_STEPS, MetricRow, MetricSteps, StepNumbers
-from .snapshot import Header, NodeInfo, NodeRow, PanelSnapshot, RankRow
+from .snapshot import Header, NodeInfo, NodeRow, PanelSnapshot, RankRow, Waiting
 
 MAX_MESSAGES = 20
 LOST_HOLD = 5.0
 """Seconds a lost rank shows as lost while the pool restarts it (a restart takes milliseconds
 with a warm template: without the hold nobody would see that a rank was lost)."""
+WAITING_MARK_AFTER = 3.0
+"""Seconds a rank has been inside the same collective before its rows say so (a collective
+that takes a moment is normal; one that lasts is where a hang shows)."""
 _RESTARTING = (RankState.BOOTING, RankState.CONNECTING, RankState.READY)
 
 
@@ -55,6 +61,8 @@ class _RankState:
     usage: RankUsage | None = None
     lost_at: float | None = None  # monotonic time of the last loss, while it is held
     lost_detail: str = ""
+    waiting: str | None = None  # the collective its cell waits in, and where (last heartbeat)
+    waited: float = 0.0
 
 
 class PanelState:
@@ -173,6 +181,8 @@ class PanelState:
             if isinstance(event, RankStateChanged):
                 rank = self._rank(event.rank, event.node)
                 rank.node, rank.state, rank.detail = event.node, event.state, event.detail
+                if event.state is not RankState.RUNNING:
+                    rank.waiting, rank.waited = None, 0.0
                 if event.state is RankState.LOST:
                     rank.lost_at, rank.lost_detail = self._clock(), event.detail
                 elif event.state not in _RESTARTING:
@@ -180,7 +190,8 @@ class PanelState:
             elif isinstance(event, NodeStateChanged):
                 self._booting[event.node] = (event.state, event.detail)
             elif isinstance(event, RankUsage):
-                self._rank(event.rank, event.node).usage = event
+                rank = self._rank(event.rank, event.node)
+                rank.usage, rank.waiting, rank.waited = event, event.waiting, event.waited
             elif isinstance(event, OutputReceived):
                 buffers = self._stderr if event.stream == "stderr" else self._stdout
                 buffer = buffers.get(event.rank)
@@ -195,6 +206,8 @@ class PanelState:
             elif isinstance(event, CellFinished):
                 if self._cell == event.cell_id:
                     self._cell = None
+                for rank in self._ranks.values():
+                    rank.waiting, rank.waited = None, 0.0
             elif isinstance(event, PoolMessage):
                 self._messages = [*self._messages, event.text][-MAX_MESSAGES:]
             self._version += 1
@@ -275,6 +288,9 @@ class PanelState:
             err.text if err else "",
             (out.dropped if out else 0) + (err.dropped if err else 0),
             rank.usage,
+            Waiting((index,), rank.waiting, rank.waited)
+            if rank.waiting and rank.waited >= WAITING_MARK_AFTER and state not in GONE
+            else None,
         )
 
     def _node_rows(self, ranks: Sequence[RankRow]) -> tuple[NodeRow, ...]:
@@ -303,6 +319,7 @@ class PanelState:
                     sum(u.rss_bytes for u in live) if live else None,
                     sum(gpu) if gpu else None,
                     max(heard) if heard else None,
+                    Waiting.grouped([r.waiting for r in mine if r.waiting is not None]),
                 )
             )
         return tuple(rows)

@@ -42,6 +42,7 @@ def summary_text(snap: PanelSnapshot, now: float | None = None) -> str:
             parts.append(f"heartbeat {age:.1f} s ago")
         if node.detail and node.state in (RankState.FAILED, RankState.LOST):
             parts.append(node.detail)
+        parts.extend(w.label for w in node.waiting)
         lines.append(", ".join(parts[:1]) + ": " + ", ".join(parts[1:]))
     if snap.latest:
         lines.append("  metrics (mean, min-max across ranks):")

@@ -10,6 +10,9 @@ IO thread; :meth:`TextReport.flush` writes on the kernel's thread while a cell w
   between cells (a rank lost while idle) are written when the next cell starts. Starting,
   running and idle are not news; the session already says when a pool starts and ends.
 - notes of the pool made between cells (notes made during a cell come with its result);
+- a rank inside a collective for ``WAITING_MARK_AFTER`` seconds (from its heartbeat), once per
+  rank and collective call site in a cell: ``rank 0 (node 0): waiting 3 s in barrier at cell
+  line 4`` (ranks that pass the mark together share a line). ``%sky stacks`` says more;
 - one line per step of the running cell's ``log()`` metrics, once the step is complete (every
   rank of the cell logged it, or ``grace`` seconds passed since its first value, or the cell
   ended): ``step 3: loss 0.4123 (0.4012 - 0.4234), accuracy 91.2``, mean first and the range
@@ -38,9 +41,12 @@ from ..events import (
     PoolMessage,
     RankState,
     RankStateChanged,
+    RankUsage,
 )
 from .format import format_number
 from .metrics import MetricRow, StepNumbers
+from .snapshot import Waiting
+from .state import WAITING_MARK_AFTER
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _QUEUE_LIMIT = 100_000
@@ -94,6 +100,10 @@ class TextReport:
         self._tokens = float(burst)
         self._refilled = clock()
         self._lost: set[int] = set()
+        # Ranks over the waiting mark, as of their last heartbeat (set on the IO thread, taken
+        # on the kernel's: one entry per rank, so heartbeats never fill the queue).
+        self._waits: dict[int, RankUsage] = {}
+        self._told: set[tuple[int, str]] = set()  # (rank, what) written in this cell
 
     # ------------------------------------------------------------------- IO thread
 
@@ -109,6 +119,12 @@ class TextReport:
             | PoolMessage,
         ):
             self._queue.append(event)
+        elif (
+            isinstance(event, RankUsage)
+            and event.waiting is not None
+            and event.waited >= WAITING_MARK_AFTER
+        ):
+            self._waits[event.rank] = event
 
     __call__ = on_event
 
@@ -122,6 +138,7 @@ class TextReport:
             if isinstance(event, CellFinished):
                 lines.extend(self._metric_lines(final=True))
             self._take(event, lines)
+        lines.extend(self._waiting_lines())
         lines.extend(self._metric_lines(final=final))
         if final:
             self._cell = None
@@ -151,6 +168,7 @@ class TextReport:
             self._cell = event.cell_id
             self._cells_seen += 1
             self._expected = event.ranks
+            self._told.clear()
             self._steps.clear()
             self._first.clear()
             self._done.clear()
@@ -168,6 +186,24 @@ class TextReport:
                     by_name = self._steps.setdefault(resolved, {})
                     by_name.setdefault(name, {})[event.rank] = value
                     self._first.setdefault(resolved, now)
+
+    def _waiting_lines(self) -> list[str]:
+        """Ranks that passed the waiting mark since the last flush, once per call site."""
+        new: list[tuple[RankUsage, Waiting]] = []
+        for rank in list(self._waits):
+            usage = self._waits.pop(rank, None)
+            if usage is None or usage.waiting is None or self._cell is None:
+                continue  # between cells: a heartbeat from the end of the last one
+            if (rank, usage.waiting) not in self._told:
+                self._told.add((rank, usage.waiting))
+                new.append((usage, Waiting((rank,), usage.waiting, usage.waited)))
+        lines = []
+        for group in Waiting.grouped([w for _, w in new]):
+            nodes = sorted({u.node for u, _ in new if u.rank in group.ranks})
+            who = f"rank{'s' * (len(group.ranks) > 1)} {', '.join(map(str, group.ranks))}"
+            where = f"node{'s' * (len(nodes) > 1)} {', '.join(map(str, nodes))}"
+            lines.append(plain(f"{who} ({where}): {group.mark}"))
+        return lines
 
     def _rows(self, step: int) -> list[MetricRow]:
         return [

@@ -1,0 +1,216 @@
+"""The hang doctor with real ranks: stacks on demand, desyncs, silent ranks, and prompts.
+
+A desync is the classic bug of a collective under ``if rank == 0``; without the doctor it waits
+out gloo's timeout and breaks the next cell too. A silent rank is one that stopped (SIGSTOP, as a
+frozen host or a hung C extension looks). Prompts (``input``, ``getpass``, ``breakpoint``) on the
+head rank are answered through a real kernel's stdin requests.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from skyward_jupyter import Pool
+
+from .conftest import outputs_of, reply_of, wait_for
+
+DESYNC = (
+    "import torch, torch.distributed as dist\n"
+    "x = torch.ones(1)\n"
+    "if dist.get_rank() == 0:\n"
+    "    dist.all_reduce(x)\n"
+    "x.item()"
+)
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[Pool]:
+    with Pool(nodes=1, procs_per_node=2, interrupt_grace=2.0) as made:
+        yield made
+
+
+def test_a_collective_only_some_ranks_call_fails_in_seconds_and_the_next_cell_works(
+    pool: Pool,
+) -> None:
+    started = time.monotonic()
+    result = pool.run(DESYNC)
+    took = time.monotonic() - started
+    assert took < 15, took  # not gloo's timeout (the collectives' is 30 minutes)
+    (cause,) = [e for e in result.errors if not e.secondary]
+    assert cause.rank == 0 and cause.type_name == "CollectiveDesync"
+    assert "rank 0 in all_reduce at cell line 4" in cause.message
+    assert "finished the cell (1)" in cause.message
+    assert "line 4" in cause.traceback
+    # The stuck rank was freed, not killed: its namespace is still there, and the next cell runs
+    # a collective at once.
+    assert not result.lost
+    after = pool.run(
+        "t = torch.ones(1) * (dist.get_rank() + 1)\ndist.all_reduce(t)\n(t.item(), x.item())"
+    )
+    assert after.values == [(3.0, 1.0), (3.0, 1.0)], after.errors
+
+
+def test_ddp_backward_on_one_rank_only_is_a_desync(pool: Pool) -> None:
+    result = pool.run(
+        "import torch.nn as nn\n"
+        "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "model = DDP(nn.Linear(4, 1))\n"
+        "if dist.get_rank() == 1:\n"
+        "    model(torch.randn(8, 4)).sum().backward()\n"
+    )
+    (cause,) = [e for e in result.errors if not e.secondary]
+    assert cause.rank == 1 and "backward at cell line 5" in cause.message, cause.message
+    assert pool.run("dist.barrier()\n'ok'").values == ["ok", "ok"]
+
+
+def test_a_slow_peer_is_not_a_desync(pool: Pool) -> None:
+    """Every rank is still in the cell: rank 0 waits in the collective while rank 1 loads."""
+    result = pool.run(
+        "import time\n"
+        "if dist.get_rank() == 1:\n"
+        "    time.sleep(5)\n"
+        "t = torch.ones(1)\n"
+        "dist.all_reduce(t)\n"
+        "t.item()"
+    )
+    assert result.values == [2.0, 2.0], result.errors
+
+
+def test_stacks_show_where_each_rank_is_while_one_waits_in_a_collective(pool: Pool) -> None:
+    stacks: list[str] = []
+
+    def ask_when_waiting() -> None:
+        wait_for(lambda: "in barrier" in (s := pool.stacks()) and stacks.append(s) is None, 20,
+                 "rank 0 to wait in the barrier")  # fmt: skip
+
+    asker = threading.Thread(target=ask_when_waiting)
+    asker.start()
+    result = pool.run(
+        "import time\nif dist.get_rank() == 1:\n    time.sleep(4)\ndist.barrier()\n'done'"
+    )
+    asker.join()
+    assert result.values == ["done", "done"]
+    text = stacks[-1]
+    rank0, rank1 = text.split("\nrank 1 (")
+    assert "rank 0 (" in rank0 and "in barrier at cell line 4" in rank0
+    assert 'File "<sky-cell-' in rank0 and "dist.barrier()" in rank0
+    assert "time.sleep(4)" in rank1 and "in barrier" not in rank1
+    assert "skyward_jupyter/agent" not in text  # the agent's own frames are not the user's
+
+
+def test_a_stopped_rank_is_declared_lost_within_seconds() -> None:
+    with Pool(nodes=1, procs_per_node=2, interrupt_grace=2.0) as pool:
+        pid = pool.ranks[1].hello.pid  # type: ignore[union-attr]
+        stopper = threading.Timer(1.0, lambda: os.kill(pid, signal.SIGSTOP))
+        stopper.start()
+        started = time.monotonic()
+        result = pool.run("import time, torch.distributed as dist\ntime.sleep(1.5)\ndist.barrier()")
+        stopper.join()
+        assert time.monotonic() - started < 15  # found by its silence, not by a timeout
+        lost = {e.rank: e for e in result.errors}[1]
+        assert lost.type_name == "RankLost" and "stopped answering" in lost.message
+        assert 1 in result.lost
+        again = pool.run("import torch.distributed as dist\ndist.get_world_size()")
+        assert again.values == [2, 2], again.errors
+
+
+# ---------------------------------------------------------------- prompts, through a kernel
+
+
+def _answering(kernel: Any, code: str, answers: list[str], timeout: float = 90) -> tuple[Any, list]:
+    """Run ``code`` in the kernel with stdin allowed, answering its prompts from ``answers``."""
+    from .test_magics import Cell
+
+    prompts: list[tuple[str, bool]] = []
+    msg_id = kernel.kc.execute(code, allow_stdin=True)
+    stop = threading.Event()
+
+    def answer() -> None:
+        while not stop.is_set():
+            try:
+                msg = kernel.kc.get_stdin_msg(timeout=0.1)
+            except queue.Empty:
+                continue
+            if msg["msg_type"] == "input_request":
+                prompts.append((msg["content"]["prompt"], msg["content"]["password"]))
+                kernel.kc.input(answers.pop(0) if answers else "")
+
+    answerer = threading.Thread(target=answer)
+    answerer.start()
+    deadline = time.monotonic() + timeout
+    try:
+        mine = list(outputs_of(kernel.kc, msg_id, deadline, code))
+        reply = reply_of(kernel.kc, msg_id, deadline, code)
+    finally:
+        stop.set()
+        answerer.join()
+    return Cell(code, msg_id, reply, mine), prompts
+
+
+@pytest.fixture(scope="module")
+def kernel() -> Iterator[Any]:
+    from .test_magics import Kernel
+
+    made = Kernel()
+    try:
+        made.ok("%load_ext skyward_jupyter")
+        made.ok("%%sky --nodes 1 --procs-per-node 2\nimport torch.distributed as dist")
+        yield made
+        made.ok("%sky down")
+    finally:
+        made.km.shutdown_kernel(now=True)
+        made.kc.stop_channels()
+
+
+def test_input_and_getpass_on_the_head_are_asked_in_the_notebook(kernel: Any) -> None:
+    cell, prompts = _answering(
+        kernel,
+        "%%sky --all\n"
+        "import getpass\n"
+        "box = [None, None]\n"
+        "if dist.get_rank() == 0:\n"
+        "    box = [input('your name? '), getpass.getpass('token: ')]\n"
+        "dist.broadcast_object_list(box)\n"
+        "box",
+        ["ada", "s3cret"],
+    )
+    assert cell.status == "ok", cell
+    assert prompts == [("your name? ", False), ("token: ", True)]
+    assert " ".join(cell.shown).count("['ada', 's3cret']") == 2, cell
+
+
+def test_breakpoint_on_the_head_is_a_debugger_in_the_notebook(kernel: Any) -> None:
+    cell, prompts = _answering(
+        kernel,
+        "%%sky --all\n"
+        "x = 41\n"
+        "if dist.get_rank() == 0:\n"
+        "    breakpoint()\n"
+        "    x += 1\n"
+        "dist.barrier()\n"
+        "x",
+        ["p x * 100", "c"],
+    )
+    assert cell.status == "ok", cell
+    assert [p for p, _ in prompts] == ["(Pdb) ", "(Pdb) "]
+    assert "4100" in cell.stdout  # pdb's output streams with the head's stdout
+    assert "[rank 0] 42" in " ".join(cell.shown) and "[rank 1] 41" in " ".join(cell.shown)
+    quit_cell, _ = _answering(
+        kernel, "%%sky\nif dist.get_rank() == 0:\n    breakpoint()\ndist.barrier()", ["q"]
+    )
+    assert quit_cell.status == "error" and "BdbQuit" in str(quit_cell)
+    assert kernel.ok("%%sky --all\ndist.get_world_size()").status == "ok"
+
+
+def test_input_on_another_rank_says_what_to_do(kernel: Any) -> None:
+    cell, prompts = _answering(kernel, "%%sky\nif dist.get_rank() == 1:\n    input('x? ')", [])
+    assert prompts == []
+    assert cell.status == "error" and "only the head rank (rank 0)" in str(cell), cell
