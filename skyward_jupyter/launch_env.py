@@ -63,6 +63,9 @@ def launcher_env(
         # The store at MASTER_ADDR:MASTER_PORT is hosted by the head's agent, not by each worker.
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": notebook_env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        # NCCL's flight recorder, read by the hang doctor (``%sky stacks``, desyncs): NCCL
+        # collectives return at once, so only it knows which ones a rank still waits for.
+        "TORCH_FR_BUFFER_SIZE": notebook_env.get("TORCH_FR_BUFFER_SIZE", "2000"),
         # What `accelerate launch` says about the machine: Accelerate and the HF Trainer
         # distribute over CPU processes only when told so.
         "ACCELERATE_USE_CPU": str(not place.has_gpu),

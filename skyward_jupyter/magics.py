@@ -130,6 +130,8 @@ class SkyMagics(Magics):
             session.down_all() if args.all else session.down(args.name)
         elif command == "status":
             print(session.status())
+        elif command == "stacks":
+            print(session.stacks(args.name))
         elif command == "restart":
             session.restart(args.name)
         elif command == "pull":

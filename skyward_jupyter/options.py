@@ -264,6 +264,13 @@ COMMANDS: tuple[Command, ...] = (
     ),
     Command("status", "", "list pools and their ranks"),
     Command(
+        "stacks",
+        "[NAME]",
+        "every rank's Python stacks, and the collective each waits in (also from the panel's "
+        "Stacks button while a cell runs)",
+        positionals=(("name", {"nargs": "?", "type": identifier}),),
+    ),
+    Command(
         "restart",
         "[NAME]",
         "fresh rank processes and process group, same pool",

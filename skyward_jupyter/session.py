@@ -3,8 +3,7 @@
 One session per IPython shell. A cell without pool options runs on the current pool (started
 with the configured defaults the first time); a cell whose options describe a different pool
 replaces the pool of that name, and says so. Pools end with ``%sky down``, with the kernel, or
-when the extension is unloaded. The display (``views``) and the watchers (the lab panel's
-registry) are told of every pool's creation, start and end.
+when the extension is unloaded; the views and watchers hear of every pool's life.
 """
 
 from __future__ import annotations
@@ -336,15 +335,19 @@ class Session:
 
     def panel(self, name: str | None = None) -> None:
         """Show the live panel of a pool (the current one by default)."""
-        try:
-            self.views.show(name, self.current)
-        except LookupError as exc:
-            raise SessionError(str(exc.args[0] if exc.args else exc)) from None
+        self._view(self.views.show, name)
+
+    def stacks(self, name: str | None = None) -> str:
+        """Every rank's Python stacks and the collective each waits in (``%sky stacks``)."""
+        return self._require(name).pool.stacks()
 
     def metrics(self, name: str | None = None) -> Any:
         """What ``log()`` recorded on a pool's ranks: (step, name, mean, min, max, ranks) rows."""
+        return self._view(self.views.metrics, name)
+
+    def _view(self, call: Callable[[str | None, str | None], Any], name: str | None) -> Any:
         try:
-            return self.views.metrics(name, self.current)
+            return call(name, self.current)
         except LookupError as exc:
             raise SessionError(str(exc.args[0] if exc.args else exc)) from None
 

@@ -214,3 +214,31 @@ def test_input_on_another_rank_says_what_to_do(kernel: Any) -> None:
     cell, prompts = _answering(kernel, "%%sky\nif dist.get_rank() == 1:\n    input('x? ')", [])
     assert prompts == []
     assert cell.status == "error" and "only the head rank (rank 0)" in str(cell), cell
+
+
+def test_nccl_pending_collectives_are_read_from_the_flight_recorder() -> None:
+    """No GPU here: the flight recorder's entries (as torch's ``_dump_fr_trace`` gives them) are
+    read by the same function the ranks use under NCCL."""
+    from skyward_jupyter.agent.stacks import pending_from
+
+    now = 10_000_000_000
+    entries = [
+        {"profiling_name": "nccl:all_reduce", "state": "completed", "time_created_ns": 1},
+        {
+            "profiling_name": "nccl:all_gather",
+            "state": "started",
+            "time_created_ns": now - 4_000_000_000,
+            "frames": [
+                {"filename": "/x/site-packages/torch/distributed/distributed_c10d.py", "line": 9},
+                {"filename": "<sky-cell-7>", "line": 3},
+            ],
+        },
+    ]
+    ((waiting, age),) = pending_from(entries, now)
+    assert (waiting.collective, waiting.where, age) == ("all_gather", "cell line 3", 4.0)
+
+
+def test_sky_stacks_lists_every_rank(kernel: Any) -> None:
+    text = kernel.ok("%sky stacks").stdout
+    assert "rank 0 (node 0, local pid" in text and "rank 1 (node 0, local pid" in text, text
+    assert text.count("(between cells)") == 2, text

@@ -14,16 +14,23 @@ been in the same collective at the same line, sampled by the watchdog thread.
 from __future__ import annotations
 
 import os
+import pickle
 import sys
+import sysconfig
 import threading
 import time
 import traceback
 from dataclasses import dataclass
 from types import FrameType
+from typing import Any
 
 from .. import protocol as p
 
 _AGENT_DIR = os.path.dirname(os.path.abspath(__file__))
+_INSTALLED = tuple(
+    {os.path.join(p, "") for p in (sys.prefix, sys.base_prefix, *sysconfig.get_paths().values())}
+)
+"""Python's own library and installed packages: not the user's code."""
 _C10D = os.path.join("torch", "distributed", "distributed_c10d.py")
 _AUTOGRAD = os.path.join("torch", "autograd", "graph.py")
 BACKWARD = "backward"
@@ -72,9 +79,10 @@ def _users(filename: str) -> bool:
     """A frame of the user's code: a cell, a script, a module of theirs (not torch, not ours)."""
     if filename.startswith("<sky-cell-"):
         return True
-    if filename.startswith("<") or os.path.abspath(filename).startswith(_AGENT_DIR):
+    if filename.startswith("<"):
         return False
-    return os.sep + "torch" + os.sep not in filename and "site-packages" not in filename
+    path = os.path.abspath(filename)
+    return not path.startswith((_AGENT_DIR, *_INSTALLED)) and "site-packages" not in path
 
 
 class Watch:
@@ -96,6 +104,10 @@ class Watch:
     def stacks(self) -> p.Stacks:
         """Every thread's stack, the cell's thread first, and what it waits in."""
         seen, waited = self.sample()
+        pending = nccl_pending()
+        if seen is None and pending:
+            # NCCL collectives return at once; the wait shows at a later synchronisation.
+            seen, waited = pending[0]
         frames = sys._current_frames()
         names = {t.ident: t.name for t in threading.enumerate()}
         main = threading.main_thread().ident
@@ -106,9 +118,12 @@ class Watch:
             if name in self._agent_threads:
                 hidden += 1
                 continue
-            lines = _format(frames[ident])
+            lines = _format(frames[ident], from_user=ident == main)
             title = "cell thread" if ident == main else f"thread {name!r}"
             parts.append(f"{title}:\n" + ("".join(lines) or "  (between cells)\n"))
+        if pending:
+            parts.append("NCCL collectives not completed (flight recorder):\n")
+            parts.extend(f"  {w.collective} from {w.where}, {age:.0f} s\n" for w, age in pending)
         if hidden:
             parts.append(f"({hidden} threads of the agent not shown)\n")
         return p.Stacks(
@@ -116,8 +131,13 @@ class Watch:
         )
 
 
-def _format(frame: FrameType) -> list[str]:
+def _format(frame: FrameType, from_user: bool) -> list[str]:
+    """A thread's stack; for the cell's thread, from the user's first frame on (none between
+    cells: the agent is waiting for its next command)."""
     stack = traceback.extract_stack(frame)
+    if from_user:
+        first = next((i for i, f in enumerate(stack) if _users(f.filename)), len(stack))
+        stack = traceback.StackSummary.from_list(stack[first:])
     kept = [
         f
         for f in stack
@@ -126,3 +146,36 @@ def _format(frame: FrameType) -> list[str]:
         )
     ]
     return traceback.format_list(kept)
+
+
+def nccl_pending() -> list[tuple[Waiting, float]]:
+    """The NCCL collectives this rank issued that have not completed, oldest first, from torch's
+    flight recorder (on when ``TORCH_FR_BUFFER_SIZE`` > 0, which the pool sets). Not run here:
+    the project's machines have no GPU."""
+    if "torch" not in sys.modules:
+        return []
+    try:
+        import torch
+        import torch.distributed as dist
+
+        if not (dist.is_initialized() and dist.get_backend() == "nccl"):
+            return []
+        dump = torch._C._distributed_c10d._dump_fr_trace(True, True, True)  # type: ignore[attr-defined]
+        entries = pickle.loads(dump).get("entries", [])
+    except (AttributeError, RuntimeError, ValueError, pickle.UnpicklingError):
+        return []
+    return pending_from(entries, time.time_ns())
+
+
+def pending_from(entries: list[dict[str, Any]], now: int) -> list[tuple[Waiting, float]]:
+    """The flight recorder's entries not completed, with the user's line that issued each."""
+    found = []
+    for entry in entries:
+        if entry.get("state") == "completed":
+            continue
+        name = str(entry.get("profiling_name", "collective")).removeprefix("nccl:")
+        frames = [f for f in entry.get("frames", ()) if _users(str(f.get("filename", "")))]
+        where = line_of(str(frames[0]["filename"]), int(frames[0]["line"])) if frames else "?"
+        age = (now - int(entry.get("time_created_ns", now))) / 1e9
+        found.append((Waiting(name, where), age))
+    return found

@@ -66,10 +66,6 @@ SETTLE = 30.0
 """After the pool ended, how long to keep drawing while its ranks report how they ended."""
 
 
-def _no_stacks() -> str:
-    raise RuntimeError("this pool cannot show its ranks' stacks")
-
-
 class SkyPanel:
     """The live panel of one pool.
 
@@ -101,9 +97,7 @@ class SkyPanel:
         self.interval = interval
         self._on_interrupt = on_interrupt or pool.interrupt
         self._on_shutdown = on_shutdown or pool.close
-        # Pool.stacks (the PoolFacts protocol does not name it; a pool without it says so).
-        stacks: Callable[[], str] = getattr(pool, "stacks", _no_stacks)
-        self._on_stacks = on_stacks or stacks
+        self._on_stacks = on_stacks or pool.stacks
 
         self.header = widgets.HTML().add_class("sky-header")
         self.interrupt_button = widgets.Button(
@@ -253,7 +247,7 @@ class SkyPanel:
 
     def _set_buttons(self) -> None:
         ended = self._pool_ended()
-        for button in (self.interrupt_button, self.shutdown_button):
+        for button in self.buttons.children:
             if button.disabled != ended and button.comm is not None:
                 button.disabled = ended
 
