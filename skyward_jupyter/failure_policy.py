@@ -50,7 +50,6 @@ class Cell:
         live: list[Rank],
         timeout: float | None,
         grace: float,
-        desync_after: float = DESYNC_AFTER,
     ) -> None:
         self.cell_id = cell_id
         self.ranks = ranks
@@ -73,7 +72,7 @@ class Cell:
         """Ranks the pool killed itself: their deaths are its doing, never a cause."""
         self.left_group: set[Rank] = set()
         self.notes: list[str] = []
-        self.desync_after = desync_after
+        self.desync_after = ranks.settings.desync_after
         self.desync: dict[Rank, str] = {}
         """Ranks found waiting in a collective that finished ranks will never join: the cause."""
         self.check_at: float | None = None

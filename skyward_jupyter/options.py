@@ -145,6 +145,17 @@ POOL_OPTIONS: tuple[Option, ...] = (
         {"type": _env, "action": "append", "metavar": "KEY=VALUE"},
     ),
     Option(
+        "--heartbeat-timeout",
+        "declare a rank lost after S seconds without its heartbeat (default 5)",
+        {"type": _seconds, "metavar": "S"},
+    ),
+    Option(
+        "--desync-after",
+        "fail a cell when ranks wait S seconds in a collective that finished ranks will not "
+        "join (default 1.5)",
+        {"type": _seconds, "metavar": "S"},
+    ),
+    Option(
         "--sync",
         "directory whose files the nodes get, kept in step before every cell (repeatable; "
         "default: the notebook's working directory, where nodes do not share it)",

@@ -1,13 +1,9 @@
 """A pool of ranks: start them, run a cell on every one, keep the pool usable when ranks fail.
 
-The pool owns an asyncio loop on its own thread (:mod:`.io_thread`); all IO (the wire to every
-rank, heartbeats, failure handling) happens there, and the blocking API below hands work to it.
-The caller's thread is never blocked in IO, only in waiting for a result, and a KeyboardInterrupt
-while it waits reaches every rank.
-
-The ranks themselves, their wire and their process group are :mod:`.ranks`; what happens when
-ranks fail during a cell (interrupt, leave the group, kill, restart, who is to blame) is the
-failure policy, :mod:`.failure_policy`.
+All IO happens on the pool's own asyncio thread (:mod:`.io_thread`); the blocking API below
+hands work to it, and a KeyboardInterrupt while the caller waits reaches every rank. The ranks
+and their process group are :mod:`.ranks`; ranks failing during a cell, :mod:`.failure_policy`;
+hangs, :mod:`.doctor`; what leaves the notebook once, :mod:`.transfer`.
 """
 
 from __future__ import annotations
@@ -31,7 +27,7 @@ from .events import (
     PoolMessage,
     RankState,
 )
-from .failure_policy import Cell
+from .failure_policy import DESYNC_AFTER, Cell
 from .fanout import Fanout, Subscriber
 from .io_thread import IOThread, close_at_exit, wait
 from .prompts import Prompts
@@ -71,6 +67,7 @@ class Pool:
         pg_timeout: float = PG_TIMEOUT,
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 5.0,
+        desync_after: float = DESYNC_AFTER,
         interrupt_grace: float = 3.0,
         start_timeout: float = 180.0,
         sync: Sequence[str] = (),
@@ -103,6 +100,7 @@ class Pool:
             pg_timeout=pg_timeout,
             heartbeat_interval=heartbeat_interval,
             heartbeat_timeout=heartbeat_timeout,
+            desync_after=desync_after,
             start_timeout=start_timeout,
             run_id=self.run_id,
             relay_token=secrets.token_hex(16),

@@ -118,6 +118,7 @@ class RankSettings:
     pg_timeout: float
     heartbeat_interval: float
     heartbeat_timeout: float
+    desync_after: float
     start_timeout: float
     run_id: str
     relay_token: str = ""

@@ -131,8 +131,7 @@ class Session:
             name=name,
             backend=wanted.backend,
             env=dict(wanted.env),
-            sync=wanted.sync_roots(os.getcwd()),
-            sync_cap_bytes=int(wanted.sync_cap * 2**20) if wanted.sync_cap else None,
+            **wanted.pool_arguments(os.getcwd()),
         )
         entry = PoolEntry(name, wanted, pool, shipper or Shipper())
         self.views.pool_created(entry)

@@ -9,6 +9,7 @@ what it implies, so nothing here knows a provider by name.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from .providers import provider_class
 
@@ -41,16 +42,24 @@ class PoolSpec:
     ami: str | None = None
     idle_timeout: float | None = None
     """Minutes without a cell after which the pool stops; 0: never; None: the provider's default."""
+    heartbeat_timeout: float | None = None
+    desync_after: float | None = None
     sync: tuple[str, ...] = ()
     """Directories (absolute) the nodes get; () the working directory, unless ``no_sync``."""
     no_sync: bool | None = None
     sync_cap: float | None = None
     """Megabytes a synced directory may hold (None: the default)."""
 
-    def sync_roots(self, cwd: str) -> tuple[str, ...]:
-        if self.no_sync:
-            return ()
-        return self.sync or (cwd,)
+    def pool_arguments(self, cwd: str) -> dict[str, Any]:
+        """The Pool's keyword arguments for the synced directories and the hang doctor's limits
+        (the pool's defaults stand for what was not given)."""
+        given: dict[str, Any] = {
+            "sync": () if self.no_sync else (self.sync or (cwd,)),
+            "sync_cap_bytes": int(self.sync_cap * 2**20) if self.sync_cap else None,
+            "heartbeat_timeout": self.heartbeat_timeout,
+            "desync_after": self.desync_after,
+        }
+        return {k: v for k, v in given.items() if v is not None}
 
     def describe(self) -> str:
         ranks = f"{self.procs_per_node} ranks" if self.procs_per_node else "1 rank per GPU or CPU"

@@ -18,3 +18,17 @@ def test_each_provider_describes_its_own_pools() -> None:
     assert ssh.nodes == 2 and ssh.describe().endswith("ssh to a@h1, a@h2")
     aws = PoolSpec(provider="aws", region="us-east-1", spot=True)
     assert aws.describe().endswith("aws us-east-1 spot") and aws.idle_minutes() == 30
+
+
+def test_pool_arguments_carry_sync_and_the_hang_doctors_limits() -> None:
+    from skyward_jupyter.spec import PoolSpec
+
+    assert PoolSpec().pool_arguments("/nb") == {"sync": ("/nb",)}
+    given = PoolSpec(sync=("/a", "/b"), sync_cap=1.5, heartbeat_timeout=8, desync_after=0.5)
+    assert given.pool_arguments("/nb") == {
+        "sync": ("/a", "/b"),
+        "sync_cap_bytes": int(1.5 * 2**20),
+        "heartbeat_timeout": 8,
+        "desync_after": 0.5,
+    }
+    assert PoolSpec(no_sync=True, sync=("/a",)).pool_arguments("/nb") == {"sync": ()}
