@@ -113,7 +113,7 @@ class Option:
 
     @property
     def dest(self) -> str:
-        return self.flag.lstrip("-").replace("-", "_")
+        return str(self.kwargs.get("dest") or self.flag.lstrip("-").replace("-", "_"))
 
     def add_to(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument(self.flag, help=self.help, **self.kwargs)
@@ -211,6 +211,18 @@ POOL_OPTIONS: tuple[Option, ...] = (
         provider="aws",
     ),
     Option("--ami", "image (default: the Deep Learning AMI)", {"metavar": "ID"}, provider="aws"),
+    Option("--partition", "Slurm partition", {"metavar": "P"}, provider="slurm"),
+    Option("--account", "Slurm account to charge", {"metavar": "A"}, provider="slurm"),
+    Option("--time", "Slurm time limit (e.g. 1:00:00)", {"metavar": "T"}, provider="slurm"),
+    Option("--qos", "Slurm quality of service", {"metavar": "Q"}, provider="slurm"),
+    Option("--gpus-per-node", "GPUs per Slurm node", {"type": _int_at_least(0)}, provider="slurm"),
+    Option("--constraint", "Slurm node features", {"metavar": "C"}, provider="slurm"),
+    Option(
+        "--slurm-arg",
+        "another sbatch option, as sbatch reads it (repeatable; e.g. --slurm-arg=--exclusive)",
+        {"action": "append", "metavar": "ARG", "dest": "slurm_args"},
+        provider="slurm",
+    ),
 )
 """What a pool is (:class:`~skyward_jupyter.spec.PoolSpec`, ``--name`` aside)."""
 

@@ -88,8 +88,7 @@ class Session:
         changes = {k: v for k, v in options.items() if v is not None}
         if "env" in changes:
             changes["env"] = tuple(sorted(changes["env"]))
-        if "sync" in changes:
-            changes["sync"] = tuple(changes["sync"])
+        changes = {k: tuple(v) if isinstance(v, list) else v for k, v in changes.items()}
         if "provider" not in changes and (implied := implied_provider(changes)):
             changes["provider"] = implied
         return replace(base or self.defaults, **changes).settled()

@@ -42,6 +42,14 @@ class PoolSpec:
     ami: str | None = None
     idle_timeout: float | None = None
     """Minutes without a cell after which the pool stops; 0: never; None: the provider's default."""
+    partition: str | None = None
+    account: str | None = None
+    time: str | None = None
+    """Slurm's time limit (``--time``), in Slurm's own formats."""
+    qos: str | None = None
+    gpus_per_node: int | None = None
+    constraint: str | None = None
+    slurm_args: tuple[str, ...] = ()
     heartbeat_timeout: float | None = None
     desync_after: float | None = None
     sync: tuple[str, ...] = ()

@@ -19,6 +19,7 @@ _BUILT_IN = {
     "local": "skyward_jupyter.providers.local:LocalProvider",
     "ssh": "skyward_jupyter.providers.ssh:SSHProvider",
     "aws": "skyward_jupyter.providers.aws:AWSProvider",
+    "slurm": "skyward_jupyter.providers.slurm:SlurmProvider",
 }
 _registered: dict[str, type[Provider]] = {}
 

@@ -1,0 +1,287 @@
+"""A Slurm allocation as a pool: ``%%sky --provider slurm --nodes N [--partition P] ...``.
+
+The notebook runs where Slurm's client commands work (a login node, or any submit host):
+
+- the allocation is a batch job (``sbatch``) whose only step is a keeper that ends the job once
+  the pool's ranks have been gone for a while, so a killed kernel does not leave it running until
+  its time limit: the ranks end when the notebook's heartbeat stops, then the keeper;
+- while the job pends, each node shows ``pending`` with Slurm's reason and expected start;
+  an interrupt (or the panel's shut down) cancels it;
+- each rank is a job step started with ``srun --jobid J --overlap`` on its node: Slurm tracks,
+  accounts and cleans it up, and the step's stdin and stdout, forwarded by Slurm over its own
+  munge-authenticated connections, are the rank's wire;
+- ``%sky down`` and the kernel's end cancel the job (``scancel``); the server reaps an orphan's.
+
+The nodes must see the notebook's Python environment (a shared filesystem, as on most clusters;
+``--python`` names another interpreter). Commands are argument lists, never shell text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..events import RankState
+from .base import Node, Progress, Provider, ProviderError, ReapReport, no_progress
+
+if TYPE_CHECKING:
+    from ..spec import PoolSpec
+
+_PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
+_DIAGNOSTIC_LINES = 40
+POLL = 1.0
+"""Seconds between looks at a pending job."""
+KEEPER = """\
+# The pool's job: ends once its ranks (job steps) have been gone for 20 s, or never came.
+seen=0; idle=0; waited=0
+while sleep 5; do
+  waited=$((waited + 5))
+  if squeue -h -s -j "$SLURM_JOB_ID" -o %i | grep -qv -e '\\.batch$' -e '\\.extern$'; then
+    seen=1; idle=0
+  else
+    idle=$((idle + 5))
+  fi
+  if [ "$seen" = 1 ] && [ "$idle" -ge 20 ]; then exit 0; fi
+  if [ "$seen" = 0 ] && [ "$waited" -ge 600 ]; then exit 0; fi
+done
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class SlurmOptions:
+    partition: str | None = None
+    account: str | None = None
+    time: str | None = None
+    qos: str | None = None
+    gpus_per_node: int | None = None
+    constraint: str | None = None
+    extra: tuple[str, ...] = ()
+    python: str | None = None
+
+
+async def _run(*argv: str, timeout: float = 30) -> str:
+    """Run a Slurm client command; its stdout, or :class:`ProviderError` with its stderr."""
+    if shutil.which(argv[0]) is None:
+        raise ProviderError(
+            f"{argv[0]} not found: the slurm provider needs Slurm's client commands here "
+            "(run the notebook on a login node or another submit host)"
+        )
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except asyncio.TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise ProviderError(f"{argv[0]} did not answer within {timeout:.0f} s") from None
+    if proc.returncode != 0:
+        text = err.decode(errors="replace").strip().splitlines()
+        raise ProviderError(f"{argv[0]}: {text[-1] if text else f'status {proc.returncode}'}")
+    return out.decode(errors="replace")
+
+
+class SlurmRank:
+    """A rank as a job step: the ``srun`` process here, whose pipes reach the task."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, job: str, node: str, name: str) -> None:
+        assert proc.stdout is not None and proc.stdin is not None and proc.stderr is not None
+        self._proc = proc
+        self._job, self._node, self._name = job, node, name
+        self.reader = proc.stdout
+        self.writer = proc.stdin
+        self._diagnostics: collections.deque[str] = collections.deque(maxlen=_DIAGNOSTIC_LINES)
+        self._stderr = asyncio.get_running_loop().create_task(self._collect(proc.stderr))
+
+    def describe(self) -> str:
+        return f"slurm job {self._job} on {self._node}"
+
+    async def _collect(self, stderr: asyncio.StreamReader) -> None:
+        async for line in stderr:
+            self._diagnostics.append(line.decode(errors="replace").rstrip())
+
+    def diagnostics(self) -> str:
+        return "\n".join(self._diagnostics)
+
+    async def kill(self) -> None:
+        """Cancel the step in Slurm (its task dies wherever it runs), then end ``srun``."""
+        with contextlib.suppress(ProviderError):
+            steps = await _run("squeue", "-h", "-s", "-j", self._job, "-o", "%i %j", timeout=10)
+            for line in steps.splitlines():
+                step, _, name = line.partition(" ")
+                if name.strip() == self._name:
+                    await _run("scancel", "--signal=KILL", step, timeout=10)
+        with contextlib.suppress(ProcessLookupError):
+            self._proc.kill()
+        await self._proc.wait()
+
+    async def wait(self) -> str:
+        code = await self._proc.wait()
+        await asyncio.wait([self._stderr], timeout=1.0)
+        if code < 0:
+            return f"srun killed by signal {-code} ({self.describe()})"
+        return f"exited with status {code} on {self._node} (slurm job {self._job})"
+
+
+class SlurmProvider(Provider):
+    name = "slurm"
+
+    @classmethod
+    def from_spec(cls, spec: PoolSpec, pool_name: str, extra: Mapping[str, Any]) -> Provider:
+        return cls(
+            SlurmOptions(
+                partition=spec.partition,
+                account=spec.account,
+                time=spec.time,
+                qos=spec.qos,
+                gpus_per_node=spec.gpus_per_node,
+                constraint=spec.constraint,
+                extra=tuple(spec.slurm_args),
+                python=spec.python,
+            ),
+            pool_name,
+        )
+
+    @classmethod
+    def where(cls, spec: PoolSpec) -> str:
+        partition = f", partition {spec.partition}" if spec.partition else ""
+        return f"slurm{partition}"
+
+    def __init__(self, options: SlurmOptions | None = None, pool_name: str = "default") -> None:
+        super().__init__()
+        self.options = options or SlurmOptions()
+        self.job: str | None = None
+        self.ends_at: str | None = None
+        self._pool_name = pool_name
+        self._token = secrets.token_hex(4)
+        self._srun: list[asyncio.subprocess.Process] = []
+
+    # ------------------------------------------------------------------------------ the job
+
+    def _sbatch(self, nodes: int) -> list[str]:
+        o = self.options
+        argv = ["sbatch", "--parsable", f"--job-name=sky-{self._pool_name}-{self._token}"]
+        argv += [f"--nodes={nodes}", "--ntasks-per-node=1", "--output=/dev/null"]
+        for flag, value in (
+            ("--partition", o.partition),
+            ("--account", o.account),
+            ("--time", o.time),
+            ("--qos", o.qos),
+            ("--constraint", o.constraint),
+            ("--gpus-per-node", o.gpus_per_node),
+        ):
+            if value is not None:
+                argv.append(f"{flag}={value}")
+        return [*argv, *o.extra, "--wrap", KEEPER]
+
+    async def provision(self, nodes: int, progress: Progress = no_progress) -> list[Node]:
+        try:
+            self.job = (await _run(*self._sbatch(nodes))).strip().split(";")[0]
+        except ProviderError as exc:
+            raise ProviderError(f"the Slurm job was refused: {exc}") from None
+        progress(f"slurm job {self.job} submitted")
+        try:
+            names = await self._running(nodes, progress)
+            return [await self._node(i, name) for i, name in enumerate(names)]
+        except BaseException:
+            await self.release()  # pending, failed or interrupted: the job goes
+            raise
+
+    async def _running(self, nodes: int, progress: Progress) -> list[str]:
+        """Wait for the job to run (saying why it pends); its node names."""
+        said = ""
+        while True:
+            line = (await _run("squeue", "-h", "-j", str(self.job), "-o", "%T|%r|%S|%e|%N")).strip()
+            if not line:
+                raise ProviderError(f"slurm job {self.job} ended before it ran (see sacct)")
+            state, reason, start, end, nodelist = line.split("|", 4)
+            if state == "RUNNING":
+                self.ends_at = end
+                hosts = await _run("scontrol", "show", "hostnames", nodelist)
+                return hosts.split()
+            if state != "PENDING":
+                raise ProviderError(f"slurm job {self.job} is {state} ({reason})")
+            now = f"pending ({reason}), expected start {start}"
+            if now != said:
+                said = now
+                progress(f"slurm job {self.job} {now}")
+                for i in range(nodes):
+                    progress(now, i, RankState.PROVISIONING)
+            await asyncio.sleep(POLL)
+
+    async def _node(self, index: int, name: str) -> Node:
+        shown = await _run("scontrol", "show", "node", name, "-o")
+        fields = dict(f.split("=", 1) for f in shown.split() if "=" in f)
+        gpus = tuple(str(i) for i in range(self.options.gpus_per_node or 0))
+        return Node(index, fields.get("NodeAddr", name), gpus, labels={"slurm_node": name})
+
+    async def start_rank(self, node: Node, env: Mapping[str, str]) -> SlurmRank:
+        if self.job is None:
+            raise ProviderError("the Slurm job is not running")
+        name = node.labels.get("slurm_node", node.address)
+        step = f"sky-rank-{self._token}-{len(self._srun)}"
+        python = self.options.python or sys.executable
+        argv = ["srun", f"--jobid={self.job}", "--overlap", "--nodes=1", "--ntasks=1"]
+        argv += [f"--nodelist={name}", f"--job-name={step}", "--quiet", "--kill-on-bad-exit=0"]
+        argv += [python, "-m", "skyward_jupyter.agent", "--env-from-stdin"]
+        child_env = {**os.environ, "PYTHONPATH": _PACKAGE_PARENT}
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=child_env,
+            start_new_session=True,
+        )
+        self._srun.append(proc)
+        rank = SlurmRank(proc, self.job, name, step)
+        rank.writer.write(_env_line({**env, "PYTHONPATH": _PACKAGE_PARENT}))
+        return rank
+
+    async def release(self) -> None:
+        for proc in self._srun:
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+        await asyncio.gather(*(p.wait() for p in self._srun))
+        if self.job is not None:
+            job, self.job = self.job, None
+            await _run("scancel", job)
+
+    # ------------------------------------------------------------------------ for the server
+
+    def record(self, pids: Mapping[int, Sequence[int]]) -> dict[str, Any]:
+        return {
+            "job": self.job,
+            "ends_at": self.ends_at,
+            "slurm_conf": os.environ.get("SLURM_CONF"),
+        }
+
+    @classmethod
+    def reap(cls, record: Mapping[str, Any], grace: float) -> ReapReport:
+        job = record.get("job")
+        if not job:
+            return ReapReport(notes=["no slurm job was recorded"])
+        env = dict(os.environ)
+        if record.get("slurm_conf"):
+            env["SLURM_CONF"] = str(record["slurm_conf"])
+        done = subprocess.run(["scancel", str(job)], capture_output=True, text=True, env=env)
+        if done.returncode != 0:
+            return ReapReport(notes=[f"scancel {job}: {done.stderr.strip()}"])
+        return ReapReport(notes=[f"slurm job {job} cancelled"])
+
+
+def _env_line(env: Mapping[str, str]) -> bytes:
+    """The rank's environment, as ``--env-from-stdin`` reads it: one JSON line before the wire."""
+    return json.dumps({**env, "PYTHONUNBUFFERED": "1"}).encode() + b"\n"
