@@ -50,8 +50,9 @@ __all__ = ["LocalProvider", "prewarm", "shutdown_template", "split_gpus", "templ
 _DIAGNOSTIC_LINES = 40
 _PIPE_BYTES = 1 << 20
 # Variables the template's import of torch does not read: the agent applies the thread count
-# itself (torch.set_num_threads), and NCCL's error handling is read when a group forms.
-_SET_AFTER_START = {"OMP_NUM_THREADS", "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
+# itself (torch.set_num_threads); NCCL's error handling and flight recorder are read when a
+# group forms.
+_SET_AFTER_START = {"OMP_NUM_THREADS", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_FR_BUFFER_SIZE"}
 
 
 def visible_gpus() -> tuple[tuple[str, ...], str | None]:
