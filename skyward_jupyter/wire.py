@@ -13,6 +13,7 @@ is code execution, and the channel is the trust boundary.
 
 from __future__ import annotations
 
+import base64
 import io
 import os
 import pickle
@@ -22,6 +23,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import cloudpickle
+
+from .wire_lines import encode_line
 
 MAGIC = b"SKY"
 VERSION = 1
@@ -113,12 +116,24 @@ class SyncChannel:
     capture, metrics, heartbeats, the cell runner).
     """
 
-    def __init__(self, read_fd: int, write_fd: int) -> None:
+    def __init__(self, read_fd: int, write_fd: int, lines: bool = False) -> None:
         self._reader = io.FileIO(read_fd, "rb", closefd=False)
         self._write_fd = write_fd
         self._lock = threading.Lock()
+        self._lines = io.BufferedReader(self._reader) if lines else None
+        """Base64 lines on a transport that moves whole lines only (:mod:`.wire_lines`)."""
+        self._decoded = bytearray()
 
     def _read_into(self, buf: memoryview) -> None:
+        if self._lines is not None:
+            while len(self._decoded) < buf.nbytes:
+                line = self._lines.readline()
+                if not line:
+                    raise EOFError("channel closed")
+                self._decoded += base64.b64decode(line)
+            buf[:] = self._decoded[: buf.nbytes]
+            del self._decoded[: buf.nbytes]
+            return
         done = 0
         while done < buf.nbytes:
             n = self._reader.readinto(buf[done:])
@@ -140,6 +155,8 @@ class SyncChannel:
 
     def send(self, obj: object) -> None:
         frame = encode(obj)
+        if self._lines is not None:
+            frame = [encode_line(segment) for segment in frame]
         with self._lock:
             for segment in frame:
                 view = memoryview(segment).cast("B")

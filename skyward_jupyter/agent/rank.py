@@ -83,7 +83,7 @@ class Agent:
         os.dup2(devnull, 0)
         os.close(devnull)
         self._diag = os.dup(2)
-        self.channel = SyncChannel(wire_in, wire_out)
+        self.channel = SyncChannel(wire_in, wire_out, os.environ.get("SKYWARD_WIRE") == "lines")
         self.namespace = Namespace()
         self.group = ProcessGroup(
             GroupSettings(

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..events import RankState
+from ..wire_lines import MODE, STREAM_LIMIT, LineReader, LineWriter
 from .base import Node, Progress, Provider, ProviderError, ReapReport, no_progress
 
 if TYPE_CHECKING:
@@ -99,8 +100,8 @@ class SlurmRank:
         assert proc.stdout is not None and proc.stdin is not None and proc.stderr is not None
         self._proc = proc
         self._job, self._node, self._name = job, node, name
-        self.reader = proc.stdout
-        self.writer = proc.stdin
+        self.reader = LineReader(proc.stdout)  # slurmstepd forwards whole lines only
+        self.writer = LineWriter(proc.stdin)
         self._diagnostics: collections.deque[str] = collections.deque(maxlen=_DIAGNOSTIC_LINES)
         self._stderr = asyncio.get_running_loop().create_task(self._collect(proc.stderr))
 
@@ -243,11 +244,12 @@ class SlurmProvider(Provider):
             stderr=subprocess.PIPE,
             env=child_env,
             start_new_session=True,
+            limit=STREAM_LIMIT,
         )
         self._srun.append(proc)
-        rank = SlurmRank(proc, self.job, name, step)
-        rank.writer.write(_env_line({**env, "PYTHONPATH": _PACKAGE_PARENT}))
-        return rank
+        assert proc.stdin is not None
+        proc.stdin.write(_env_line({**env, "PYTHONPATH": _PACKAGE_PARENT, "SKYWARD_WIRE": MODE}))
+        return SlurmRank(proc, self.job, name, step)
 
     async def release(self) -> None:
         for proc in self._srun:
