@@ -17,12 +17,28 @@ SHARE  := $(VENV)/share/jupyter
 
 # Debian packages the tests need, each installed only when missing: chromium for the browser
 # tests (Playwright drives Debian's chromium; it never downloads a browser), openssh-server for
-# the SSH test hosts in network namespaces (tests/hosts.py; no system sshd is started).
+# the SSH test hosts in network namespaces (tests/hosts.py; no system sshd is started), Slurm and
+# munge for the test cluster (tests/slurm_cluster.py runs its own daemons on files in a test's
+# tmp). Their services are neither started (a policy-rc.d that says no, unless one is there
+# already) nor enabled (their postinst enables them; disabled again right after).
+SLURM_DEPS := /usr/sbin/slurmctld /usr/sbin/slurmd /usr/sbin/munged /usr/bin/sbatch /usr/bin/srun
+POLICY_RC  := /usr/sbin/policy-rc.d
 system-deps:
 	@command -v chromium >/dev/null || { apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium fonts-liberation; }
 	@test -x /usr/sbin/sshd || { apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssh-server; }
+	@for f in $(SLURM_DEPS); do test -x $$f || missing=1; done; \
+	if [ -n "$$missing" ]; then \
+		apt-get update -q || exit 1; \
+		ours=; if [ ! -e $(POLICY_RC) ]; then \
+			printf '#!/bin/sh\nexit 101\n' >$(POLICY_RC) && chmod 755 $(POLICY_RC) && ours=1; fi; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurmctld slurmd slurm-client munge; \
+		rc=$$?; if [ -n "$$ours" ]; then rm -f $(POLICY_RC); fi; \
+		[ $$rc -eq 0 ] || exit $$rc; \
+		! command -v systemctl >/dev/null || \
+			systemctl disable --quiet munge.service slurmd.service slurmctld.service; \
+	fi
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)

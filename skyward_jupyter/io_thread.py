@@ -95,6 +95,8 @@ def wait(
 
     try:
         return settle()
+    except concurrent.futures.CancelledError:
+        raise KeyboardInterrupt from None  # the start was cancelled by an interrupt elsewhere
     except KeyboardInterrupt:
         interrupt()
         try:

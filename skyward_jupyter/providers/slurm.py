@@ -46,15 +46,15 @@ POLL = 1.0
 KEEPER = """\
 # The pool's job: ends once its ranks (job steps) have been gone for 20 s, or never came.
 seen=0; idle=0; waited=0
-while sleep 5; do
-  waited=$((waited + 5))
+while true; do
   if squeue -h -s -j "$SLURM_JOB_ID" -o %i | grep -qv -e '\\.batch$' -e '\\.extern$'; then
     seen=1; idle=0
   else
-    idle=$((idle + 5))
+    idle=$((idle + 2))
   fi
   if [ "$seen" = 1 ] && [ "$idle" -ge 20 ]; then exit 0; fi
-  if [ "$seen" = 0 ] && [ "$waited" -ge 600 ]; then exit 0; fi
+  if [ "$seen" = 0 ] && [ "$waited" -ge 180 ]; then exit 0; fi
+  sleep 2; waited=$((waited + 2))
 done
 """
 
@@ -88,8 +88,9 @@ async def _run(*argv: str, timeout: float = 30) -> str:
         await proc.wait()
         raise ProviderError(f"{argv[0]} did not answer within {timeout:.0f} s") from None
     if proc.returncode != 0:
-        text = err.decode(errors="replace").strip().splitlines()
-        raise ProviderError(f"{argv[0]}: {text[-1] if text else f'status {proc.returncode}'}")
+        lines = err.decode(errors="replace").strip().splitlines()
+        last = lines[-1] if lines else f"status {proc.returncode}"
+        raise ProviderError(last if last.startswith(argv[0]) else f"{argv[0]}: {last}")
     return out.decode(errors="replace")
 
 
@@ -190,7 +191,8 @@ class SlurmProvider(Provider):
         try:
             self.job = (await _run(*self._sbatch(nodes))).strip().split(";")[0]
         except ProviderError as exc:
-            raise ProviderError(f"the Slurm job was refused: {exc}") from None
+            asked = " ".join(a for a in self._sbatch(nodes)[3:] if a.startswith("--") and "=" in a)
+            raise ProviderError(f"the Slurm job was refused ({asked}): {exc}") from None
         progress(f"slurm job {self.job} submitted")
         try:
             names = await self._running(nodes, progress)

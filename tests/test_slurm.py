@@ -1,0 +1,151 @@
+"""The Slurm provider against a real cluster (tests/slurm_cluster.py): munged, slurmctld, slurmds.
+
+A pool is a Slurm job; its ranks are job steps whose stdio is the wire. Covered: a DDP cell over
+two nodes, a failing rank, an interrupt, a job that pends (shown, then cancelled by the
+interrupt), bad input, and a killed kernel leaving nothing in the queue.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from skyward_jupyter import Pool
+from skyward_jupyter.events import NodeStateChanged, PoolEvent
+from skyward_jupyter.providers.base import ProviderError
+from skyward_jupyter.providers.slurm import SlurmOptions, SlurmProvider
+
+from .conftest import wait_for
+from .slurm_cluster import SlurmCluster, available, slurm_cluster
+
+pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
+
+ALL_REDUCE = (
+    "import socket, torch, torch.distributed as dist\n"
+    "t = torch.ones(1) * (dist.get_rank() + 1)\n"
+    "dist.all_reduce(t)\n"
+    "(t.item(), socket.gethostname())"
+)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    with slurm_cluster(2, tmp_path_factory.mktemp("slurm")) as made:
+        saved = {k: os.environ.get(k) for k in made.env()}
+        os.environ.update(made.env())  # the notebook's client commands find the cluster
+        try:
+            yield made
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def _queue(cluster: SlurmCluster) -> str:
+    return cluster.run("squeue", "-h", "-o", "%i %j %T").stdout.strip()
+
+
+def test_a_ddp_cell_on_two_slurm_nodes_and_nothing_left(cluster: SlurmCluster) -> None:
+    provider = SlurmProvider(SlurmOptions(time="10"))
+    with Pool(nodes=2, provider=provider) as pool:
+        result = pool.run(ALL_REDUCE)
+        assert result.values == [(3.0, "node0"), (3.0, "node1")], result.errors
+        job = provider.job
+        assert job and f"{job} sky-default" in _queue(cluster).replace("-", " ", 0)
+        steps = cluster.run("squeue", "-h", "-s", "-j", job, "-o", "%i").stdout.split()
+        assert {f"{job}.0", f"{job}.1"} <= set(steps)  # each rank is a job step Slurm tracks
+        failed = pool.run("if dist.get_rank() == 1:\n    raise ValueError('rank one says no')")
+        (cause,) = [e for e in failed.errors if not e.secondary]
+        assert cause.rank == 1 and "rank one says no" in cause.message
+        assert "slurm job" in cause.where and "node1" in cause.where
+        assert pool.run(ALL_REDUCE).ok
+    wait_for(lambda: not _queue(cluster), 20, "the job to leave the queue")
+
+
+def test_an_interrupt_reaches_the_ranks_on_slurm(cluster: SlurmCluster) -> None:
+    with Pool(nodes=2, provider=SlurmProvider(), interrupt_grace=3) as pool:
+        timer = threading.Timer(3.0, pool.interrupt)
+        timer.start()
+        result = pool.run("import time\nprint('working', flush=True)\ntime.sleep(60)")
+        timer.join()
+        assert {e.type_name for e in result.errors} == {"KeyboardInterrupt"}
+        assert pool.run("1").values == [1, 1]
+    wait_for(lambda: not _queue(cluster), 20, "the job to leave the queue")
+
+
+def test_a_pending_job_is_shown_and_an_interrupt_cancels_it(cluster: SlurmCluster) -> None:
+    blocker = cluster.run(
+        "sbatch",
+        "--parsable",
+        "--partition=tiny",
+        "--exclusive",
+        "--wrap=sleep 300",
+        "--output=/dev/null",
+    ).stdout.strip()
+    wait_for(lambda: f"{blocker} " in _queue(cluster) and "RUNNING" in _queue(cluster), 20,
+             "the blocking job to run")  # fmt: skip
+    pool = Pool(nodes=1, provider=SlurmProvider(SlurmOptions(partition="tiny")))
+    seen: list[str] = []
+
+    def watch(event: PoolEvent) -> None:
+        if isinstance(event, NodeStateChanged) and "pending (Resources" in event.detail:
+            seen.append(event.detail)
+            pool.interrupt()  # what Ctrl-C (or the panel's button) does while it starts
+
+    pool.subscribe(watch)
+    with pytest.raises(KeyboardInterrupt):
+        pool.start()
+    assert "expected start" in seen[0]
+    wait_for(lambda: _queue(cluster).count("\n") == 0, 20, "the pool's job to be cancelled")
+    cluster.run("scancel", blocker)
+    wait_for(lambda: not _queue(cluster), 20, "the queue to empty")
+
+
+def test_bad_input_is_one_line(cluster: SlurmCluster) -> None:
+    with pytest.raises(
+        ProviderError,
+        match=r"the Slurm job was refused \(.*--partition=nope.*\): .*Invalid partition",
+    ):
+        Pool(nodes=1, provider=SlurmProvider(SlurmOptions(partition="nope"))).start()
+    assert not _queue(cluster)
+
+
+def test_a_killed_notebook_leaves_nothing_in_the_queue(
+    cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    script = tmp_path / "notebook.py"
+    script.write_text(
+        textwrap.dedent("""
+            import time
+            from skyward_jupyter import Pool
+            from skyward_jupyter.providers.slurm import SlurmProvider
+            provider = SlurmProvider()
+            pool = Pool(nodes=2, provider=provider).start()
+            print(provider.job, flush=True)
+            time.sleep(600)
+        """)
+    )
+    notebook = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=os.environ.copy()
+    )
+    try:
+        assert notebook.stdout is not None
+        job = notebook.stdout.readline().strip()
+        assert job and job in _queue(cluster)
+    finally:
+        notebook.kill()
+        notebook.wait()
+    # The ranks end when the notebook's heartbeat stops (30 s), then the job's keeper (20 s).
+    started = time.monotonic()
+    wait_for(lambda: not _queue(cluster), 120, f"job {job} to end after its notebook died")
+    assert time.monotonic() - started < 120
