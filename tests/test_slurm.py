@@ -149,3 +149,19 @@ def test_a_killed_notebook_leaves_nothing_in_the_queue(
     started = time.monotonic()
     wait_for(lambda: not _queue(cluster), 120, f"job {job} to end after its notebook died")
     assert time.monotonic() - started < 120
+
+
+def test_the_time_limit_is_said_and_an_orphans_job_is_reaped(cluster: SlurmCluster) -> None:
+    provider = SlurmProvider(SlurmOptions(time="5"))
+    pool = Pool(nodes=1, provider=provider).start()
+    try:
+        assert any("ends at its time limit" in w for w in provider.warnings), provider.warnings
+        record = provider.record({})
+        job = provider.job
+        assert record["job"] == job and record["slurm_conf"] == str(cluster.conf)
+        # What the server does for a pool whose kernel is gone: from the record alone.
+        report = SlurmProvider.reap(record, grace=5)
+        assert report.notes == [f"slurm job {job} cancelled"]
+        wait_for(lambda: not _queue(cluster), 20, "the reaped job to leave the queue")
+    finally:
+        pool.close()

@@ -211,6 +211,10 @@ class SlurmProvider(Provider):
             state, reason, start, end, nodelist = line.split("|", 4)
             if state == "RUNNING":
                 self.ends_at = end
+                if end[:1].isdigit():
+                    self.warnings.append(
+                        f"slurm job {self.job} ends at its time limit, {end}: the pool ends then"
+                    )
                 hosts = await _run("scontrol", "show", "hostnames", nodelist)
                 return hosts.split()
             if state != "PENDING":
