@@ -218,6 +218,12 @@ POOL_OPTIONS: tuple[Option, ...] = (
     Option("--gpus-per-node", "GPUs per Slurm node", {"type": _int_at_least(0)}, provider="slurm"),
     Option("--constraint", "Slurm node features", {"metavar": "C"}, provider="slurm"),
     Option(
+        "--ray-address",
+        "the Ray cluster to join (default: RAY_ADDRESS, else auto)",
+        {"metavar": "ADDR"},
+        provider="ray",
+    ),
+    Option(
         "--slurm-arg",
         "another sbatch option, as sbatch reads it (repeatable; e.g. --slurm-arg=--exclusive)",
         {"action": "append", "metavar": "ARG", "dest": "slurm_args"},

@@ -50,6 +50,7 @@ class PoolSpec:
     gpus_per_node: int | None = None
     constraint: str | None = None
     slurm_args: tuple[str, ...] = ()
+    ray_address: str | None = None
     heartbeat_timeout: float | None = None
     desync_after: float | None = None
     sync: tuple[str, ...] = ()

@@ -22,6 +22,7 @@ OPTIONAL = {
     "psutil": "a fallback where /proc is missing",
     "jupyter_server": "the server extension is loaded only by a Jupyter server, which brings it",
     "tornado": "the server extension's handlers, loaded only by a Jupyter server",
+    "ray": "only the ray provider needs it (the `ray` extra); without it, it says so",
 }
 
 

@@ -20,6 +20,7 @@ _BUILT_IN = {
     "ssh": "skyward_jupyter.providers.ssh:SSHProvider",
     "aws": "skyward_jupyter.providers.aws:AWSProvider",
     "slurm": "skyward_jupyter.providers.slurm:SlurmProvider",
+    "ray": "skyward_jupyter.providers.ray:RayProvider",
 }
 _registered: dict[str, type[Provider]] = {}
 

@@ -1,0 +1,288 @@
+"""A Ray cluster as a pool: ``%%sky --provider ray --nodes N [--ray-address ADDR]``.
+
+The notebook joins the cluster as a Ray driver (``--ray-address``, else ``RAY_ADDRESS``, else
+``auto``), reserves a placement group with one bundle per node (the node's ranks' CPUs and GPUs,
+strictly spread over N nodes when N > 1), and starts each rank inside its node's bundle: a small
+actor runs the agent as its child process and relays its stdin and stdout. That relay, Ray's own
+calls between the driver and the actor, is the rank's wire: nothing of ours listens on any
+interface, and the wire is as authenticated as the cluster's own traffic. This package reaches
+the nodes as a Ray ``py_modules`` entry, so nothing needs installing there but Python, torch,
+cloudpickle and ray.
+
+Everything belongs to the driver's job: ``%sky down`` removes the placement group and the actors;
+when the kernel dies, Ray ends the job's actors and placement group itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..events import RankState
+from .base import Node, Progress, Provider, ProviderError, no_progress
+
+if TYPE_CHECKING:
+    from ..spec import PoolSpec
+
+_PACKAGE = str(Path(__file__).resolve().parents[1])
+_CHUNK = 1 << 20
+_DIAGNOSTIC_LINES = 40
+CONNECT_TIMEOUT = 30.0
+
+
+class RankHost:
+    """The actor that runs one rank's agent and carries its wire (runs on the node)."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        import skyward_jupyter
+
+        package_parent = str(Path(skyward_jupyter.__file__).resolve().parents[1])
+        child_env = {**os.environ, "PYTHONPATH": package_parent}
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "skyward_jupyter.agent", "--env-from-stdin"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=child_env,
+        )
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(json.dumps({**env, "PYTHONUNBUFFERED": "1"}).encode() + b"\n")
+        self._proc.stdin.flush()
+
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def write(self, data: bytes) -> None:
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(data)
+        self._proc.stdin.flush()
+
+    def read(self) -> bytes:
+        """What the agent wrote since the last read (blocks until there is some); b"" at its end."""
+        assert self._proc.stdout is not None
+        return self._proc.stdout.read1(_CHUNK)  # type: ignore[attr-defined, no-any-return]
+
+    def stderr(self) -> bytes:
+        assert self._proc.stderr is not None
+        return self._proc.stderr.read1(_CHUNK)  # type: ignore[attr-defined, no-any-return]
+
+    def wait(self) -> int:
+        return self._proc.wait()
+
+    def kill(self) -> None:
+        self._proc.kill()
+
+
+class _Reader:
+    """``readexactly`` over the actor's ``read``."""
+
+    def __init__(self, actor: Any) -> None:
+        self._actor = actor
+        self._buffer = bytearray()
+
+    async def readexactly(self, n: int) -> bytes:
+        while len(self._buffer) < n:
+            chunk = await self._actor.read.remote()
+            if not chunk:
+                raise asyncio.IncompleteReadError(bytes(self._buffer), n)
+            self._buffer += chunk
+        out = bytes(self._buffer[:n])
+        del self._buffer[:n]
+        return out
+
+
+class _Writer:
+    """``write``/``drain`` onto the actor's ``write``, in order, one call per batch."""
+
+    def __init__(self, actor: Any) -> None:
+        self._actor = actor
+        self._pending: list[bytes] = []
+        self._flushing: asyncio.Task[None] | None = None
+
+    def write(self, data: Any) -> None:
+        self._pending.append(bytes(data))
+        if self._flushing is None or self._flushing.done():
+            self._flushing = asyncio.get_running_loop().create_task(self._flush())
+
+    async def _flush(self) -> None:
+        while self._pending:
+            batch, self._pending = b"".join(self._pending), []
+            await self._actor.write.remote(batch)
+
+    async def drain(self) -> None:
+        if self._flushing is not None:
+            await self._flushing
+
+
+class RayRank:
+    def __init__(self, actor: Any, pid: int, node: str) -> None:
+        self._actor = actor
+        self.pid = pid
+        self._node = node
+        self.reader = _Reader(actor)
+        self.writer = _Writer(actor)
+        self._diagnostics: collections.deque[str] = collections.deque(maxlen=_DIAGNOSTIC_LINES)
+        self._stderr = asyncio.get_running_loop().create_task(self._collect())
+
+    def describe(self) -> str:
+        return f"ray node {self._node} pid {self.pid}"
+
+    async def _collect(self) -> None:
+        import ray
+
+        with contextlib.suppress(ray.exceptions.RayError):
+            while chunk := await self._actor.stderr.remote():
+                self._diagnostics.extend(chunk.decode(errors="replace").splitlines())
+
+    def diagnostics(self) -> str:
+        return "\n".join(self._diagnostics)
+
+    async def kill(self) -> None:
+        import ray
+
+        with contextlib.suppress(ray.exceptions.RayError):
+            await asyncio.wait_for(self._actor.kill.remote(), 10)
+        ray.kill(self._actor)
+
+    async def wait(self) -> str:
+        import ray
+
+        try:
+            code = await asyncio.wait_for(self._actor.wait.remote(), 10)
+        except (ray.exceptions.RayError, asyncio.TimeoutError):
+            return f"lost: its actor on ray node {self._node} is gone"
+        if code < 0:
+            return f"killed by signal {-code} on ray node {self._node}"
+        return f"exited with status {code} on ray node {self._node}"
+
+
+class RayProvider(Provider):
+    name = "ray"
+
+    @classmethod
+    def from_spec(cls, spec: PoolSpec, pool_name: str, extra: Mapping[str, Any]) -> Provider:
+        return cls(
+            spec.ray_address, spec.procs_per_node or 1, spec.gpus_per_node or 0, extra.get("init")
+        )
+
+    @classmethod
+    def where(cls, spec: PoolSpec) -> str:
+        return f"ray at {spec.ray_address or os.environ.get('RAY_ADDRESS') or 'auto'}"
+
+    def __init__(
+        self,
+        address: str | None = None,
+        ranks_per_node: int = 1,
+        gpus: int = 0,
+        init: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.address = address or os.environ.get("RAY_ADDRESS") or "auto"
+        self._init = dict(init or {})
+        """More of ``ray.init``'s arguments (tests: which local raylet the driver uses)."""
+        self._per_node = ranks_per_node
+        self._gpus = gpus
+        self.group: Any = None
+        self._bundles: list[int] = []
+        self._actors: list[Any] = []
+
+    async def provision(self, nodes: int, progress: Progress = no_progress) -> list[Node]:
+        try:
+            import ray
+            from ray.util.placement_group import placement_group, placement_group_table
+        except ImportError:
+            raise ProviderError(
+                "--provider ray needs the ray package here: pip install 'skyward_jupyter[ray]'"
+            ) from None
+        progress(f"joining the Ray cluster at {self.address}")
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self._connect), CONNECT_TIMEOUT)
+        except asyncio.TimeoutError:
+            raise ProviderError(
+                f"no Ray cluster answered at {self.address} within {CONNECT_TIMEOUT:.0f} s"
+            ) from None
+        bundle = {
+            "CPU": float(self._per_node),
+            **({"GPU": float(self._gpus)} if self._gpus else {}),
+        }
+        strategy = "STRICT_SPREAD" if nodes > 1 else "PACK"
+        self.group = placement_group([dict(bundle) for _ in range(nodes)], strategy=strategy)
+        for i in range(nodes):
+            progress(
+                f"waiting for a placement group of {nodes} x {bundle}", i, RankState.PROVISIONING
+            )
+        try:
+            await self.group.ready()
+        except BaseException:
+            await self.release()
+            raise
+        table = placement_group_table(self.group)["bundles_to_node_id"]
+        addresses = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}  # type: ignore[no-untyped-call]
+        gpus = tuple(str(g) for g in range(self._gpus))
+        return [
+            Node(i, addresses[table[i]], gpus, labels={"ray_node": table[i][:12]})
+            for i in range(nodes)
+        ]
+
+    def _connect(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            return
+        try:
+            ray.init(
+                address=self.address,
+                runtime_env={"py_modules": [_PACKAGE]},
+                logging_level=logging.ERROR,
+                log_to_driver=False,
+                **self._init,
+            )
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise ProviderError(f"cannot join the Ray cluster at {self.address}: {exc}") from None
+
+    async def start_rank(self, node: Node, env: Mapping[str, str]) -> RayRank:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        host: Any = ray.remote(RankHost)
+        host = host.options(
+            num_cpus=1,
+            num_gpus=self._gpus / self._per_node if self._gpus else 0,
+            max_concurrency=4,  # read, write and stderr at once
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.group, placement_group_bundle_index=node.index
+            ),
+        )
+        actor = host.remote(dict(env))
+        self._actors.append(actor)
+        try:
+            pid = await actor.pid.remote()
+        except ray.exceptions.RayError as exc:
+            raise ProviderError(f"ray node {node.address}: the rank did not start: {exc}") from None
+        return RayRank(actor, pid, node.address)
+
+    async def release(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for actor in self._actors:
+            with contextlib.suppress(ray.exceptions.RayError):
+                ray.kill(actor)
+        self._actors.clear()
+        if self.group is not None:
+            group, self.group = self.group, None
+            with contextlib.suppress(ray.exceptions.RayError):
+                remove_placement_group(group)
+
+    def record(self, pids: Mapping[int, Any]) -> dict[str, Any]:
+        group = self.group.id.hex() if self.group is not None else None
+        return {"address": self.address, "placement_group": group}
