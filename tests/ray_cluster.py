@@ -258,9 +258,11 @@ def _specs(
     specs = [_Spec("head", record["namespaces"][0], addresses[0], cpus, head)]
     for i, (ns, address) in enumerate(zip(record["namespaces"][1:], addresses[1:], strict=True)):
         specs.append(_Spec(f"worker{i + 1}", ns, address, cpus, (gcs,)))
-    # It runs no work: no log monitor (which forwards the output of a node's workers). Its
-    # driver's ports are the system's ephemeral ones, which no other run in this namespace holds.
+    # It runs no work: no log monitor (which forwards the output of a node's workers). In the
+    # root namespace, which other runs share, every port it and its driver bind is the system's
+    # pick (the dashboard agent's HTTP port, 52365 by default, binds with ray[default] only).
     notebook = (gcs, "--include-log-monitor=false", "--min-worker-port=0", "--max-worker-port=0")
+    notebook += ("--dashboard-agent-listen-port=0",)
     return [*specs, _Spec("notebook", None, gateway, 0, notebook)]
 
 

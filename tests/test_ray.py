@@ -66,6 +66,8 @@ def test_a_ddp_cell_on_two_ray_nodes_and_everything_released(cluster: RayCluster
         result = pool.run(ALL_REDUCE)
         assert [v[0] for v in result.values] == [3.0, 3.0], result.errors
         assert len(_groups()) == 1
+        group = provider.record({})["placement_group"]
+        assert all(f"group {group[:12]}" in (n.instance_type or "") for n in pool.nodes)
         failed = pool.run("if dist.get_rank() == 1:\n    raise ValueError('rank one says no')")
         (cause,) = [e for e in failed.errors if not e.secondary]
         assert cause.rank == 1 and "rank one says no" in cause.message and "ray node" in cause.where

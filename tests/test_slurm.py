@@ -61,6 +61,10 @@ def test_a_ddp_cell_on_two_slurm_nodes_and_nothing_left(cluster: SlurmCluster) -
         result = pool.run(ALL_REDUCE)
         assert result.values == [(3.0, "node0"), (3.0, "node1")], result.errors
         job = provider.job
+        assert [n.instance_type for n in pool.nodes] == [
+            f"slurm node0, job {job}",
+            f"slurm node1, job {job}",
+        ]  # what the panel and the lab's registry show of each machine
         assert job and f"{job} sky-default" in _queue(cluster).replace("-", " ", 0)
         steps = cluster.run("squeue", "-h", "-s", "-j", job, "-o", "%i").stdout.split()
         assert {f"{job}.0", f"{job}.1"} <= set(steps)  # each rank is a job step Slurm tracks

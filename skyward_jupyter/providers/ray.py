@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..events import RankState
-from .base import Node, Progress, Provider, ProviderError, no_progress
+from .base import Node, Progress, Provider, ProviderError, ReapReport, no_progress
 
 if TYPE_CHECKING:
     from ..spec import PoolSpec
@@ -228,8 +228,9 @@ class RayProvider(Provider):
         table = placement_group_table(self.group)["bundles_to_node_id"]
         addresses = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}  # type: ignore[no-untyped-call]
         gpus = tuple(str(g) for g in range(self._gpus))
-        return [
-            Node(i, addresses[table[i]], gpus, labels={"ray_node": table[i][:12]})
+        group = self.group.id.hex()[:12]
+        return [  # the panels show each machine as its Ray node and placement group
+            Node(i, addresses[table[i]], gpus, None, f"ray {table[i][:12]}, group {group}")
             for i in range(nodes)
         ]
 
@@ -286,3 +287,12 @@ class RayProvider(Provider):
     def record(self, pids: Mapping[int, Any]) -> dict[str, Any]:
         group = self.group.id.hex() if self.group is not None else None
         return {"address": self.address, "placement_group": group}
+
+    @classmethod
+    def reap(cls, record: Mapping[str, Any], grace: float) -> ReapReport:
+        """Nothing to do: the placement group and actors belonged to the kernel's Ray job,
+        which Ray ended with the kernel."""
+        group = record.get("placement_group") or "(none)"
+        return ReapReport(
+            notes=[f"Ray ended placement group {group} and its actors with the kernel's job"]
+        )

@@ -231,7 +231,9 @@ class SlurmProvider(Provider):
         shown = await _run("scontrol", "show", "node", name, "-o")
         fields = dict(f.split("=", 1) for f in shown.split() if "=" in f)
         gpus = tuple(str(i) for i in range(self.options.gpus_per_node or 0))
-        return Node(index, fields.get("NodeAddr", name), gpus, labels={"slurm_node": name})
+        # What the panels show of the machine: its Slurm name and job.
+        shown_as = f"slurm {name}, job {self.job}"
+        return Node(index, fields.get("NodeAddr", name), gpus, None, shown_as, {"slurm_node": name})
 
     async def start_rank(self, node: Node, env: Mapping[str, str]) -> SlurmRank:
         if self.job is None:
