@@ -156,12 +156,24 @@ def test_a_killed_notebook_leaves_nothing_in_the_queue(
 
 
 def test_the_time_limit_is_said_and_an_orphans_job_is_reaped(cluster: SlurmCluster) -> None:
+    from types import SimpleNamespace
+
+    from skyward_jupyter.registry.record import Owner, pool_record
+    from skyward_jupyter.spec import PoolSpec
+
     provider = SlurmProvider(SlurmOptions(time="5"))
     pool = Pool(nodes=1, provider=provider).start()
     try:
         assert any("ends at its time limit" in w for w in provider.warnings), provider.warnings
-        record = provider.record({})
         job = provider.job
+        # What the lab panel lists: the pool, its state, its node as Slurm names it, the job.
+        spec = PoolSpec(provider="slurm", time="5")
+        entry = SimpleNamespace(name="default", spec=spec, pool=pool)
+        listed = pool_record("p1", entry, Owner.current(), created_at=0.0, ready_at=1.0)  # type: ignore[arg-type]
+        assert listed["provider"] == "slurm" and listed["state"] == "ready"
+        assert listed["nodes"][0]["instance_type"] == f"slurm node0, job {job}"
+        assert listed["teardown"]["job"] == job
+        record = provider.record({})
         assert record["job"] == job and record["slurm_conf"] == str(cluster.conf)
         # What the server does for a pool whose kernel is gone: from the record alone.
         report = SlurmProvider.reap(record, grace=5)
