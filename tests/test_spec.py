@@ -32,3 +32,19 @@ def test_pool_arguments_carry_sync_and_the_hang_doctors_limits() -> None:
         "desync_after": 0.5,
     }
     assert PoolSpec(no_sync=True, sync=("/a",)).pool_arguments("/nb") == {"sync": ()}
+
+
+def test_slurm_and_ray_options_make_their_providers() -> None:
+    from skyward_jupyter.magics import SkyMagics  # noqa: F401 - the option table is complete
+    from skyward_jupyter.providers import provider_class
+    from skyward_jupyter.session import Session
+
+    session = Session()
+    spec = session.spec_from({"partition": "gpu", "time": "1:00:00", "slurm_args": ["--exclusive"]})
+    assert spec.provider == "slurm"  # a Slurm option alone chooses the provider
+    provider = provider_class("slurm").from_spec(spec, "p", {})
+    assert provider.options.partition == "gpu" and provider.options.extra == ("--exclusive",)  # type: ignore[attr-defined]
+    assert "--time=1:00:00" in provider._sbatch(2)  # type: ignore[attr-defined]
+    ray_spec = session.spec_from({"ray_address": "10.0.0.1:6379"})
+    assert ray_spec.provider == "ray"
+    assert provider_class("ray").from_spec(ray_spec, "p", {}).address == "10.0.0.1:6379"  # type: ignore[attr-defined]
