@@ -17,7 +17,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,18 @@ def agent_pids(name: bytes = b"sky-rank-") -> set[int]:
                 found.add(int(proc.name))
         except OSError:
             continue  # the process ended while we looked
+    return found
+
+
+def agents_among(pids: Iterable[int]) -> list[int]:
+    """Which of ``pids`` run the rank agent (wherever they are: a host's namespace, a cluster)."""
+    found = []
+    for pid in pids:
+        try:
+            if b"skyward_jupyter.agent" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+        except OSError:
+            continue  # ended while we looked
     return found
 
 

@@ -22,7 +22,7 @@ from skyward_jupyter import Pool
 from skyward_jupyter.providers.base import ProviderError
 from skyward_jupyter.providers.ray import RayProvider
 
-from .conftest import wait_for
+from .conftest import agents_among, wait_for
 from .ray_cluster import RayCluster, available, ray_cluster
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
@@ -126,11 +126,4 @@ def test_a_killed_notebook_leaves_nothing_in_the_cluster(
 
 
 def _agents(cluster: RayCluster) -> list[int]:
-    found = []
-    for pid in cluster.pids():
-        try:
-            if b"skyward_jupyter.agent" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                found.append(pid)
-        except OSError:
-            continue
-    return found
+    return agents_among(cluster.pids())

@@ -20,7 +20,7 @@ from skyward_jupyter.providers.base import ProviderError
 from skyward_jupyter.providers.ssh import Host, SSHOptions, SSHProvider
 from skyward_jupyter.providers.ssh_prepare import package_digest
 
-from .conftest import wait_for
+from .conftest import agents_among, wait_for
 from .hosts import Hosts, available, ssh_hosts
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
@@ -58,15 +58,7 @@ def _provider(
 
 
 def _remote_agents(hosts: Hosts) -> list[int]:
-    found = []
-    for i in range(len(hosts)):
-        for pid in hosts.pids(i):
-            try:
-                if b"skyward_jupyter.agent" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    found.append(pid)
-            except OSError:
-                continue
-    return found
+    return agents_among(pid for i in range(len(hosts)) for pid in hosts.pids(i))
 
 
 def test_ddp_across_three_hosts_and_the_package_ships_once(hosts: Hosts, tmp_path: Path) -> None:

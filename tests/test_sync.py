@@ -19,7 +19,7 @@ import pytest
 from skyward_jupyter import Pool, PoolError
 from skyward_jupyter.providers.ssh import Host, SSHOptions, SSHProvider
 
-from .conftest import wait_for
+from .conftest import agents_among, wait_for
 from .hosts import Hosts, available, ssh_hosts
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
@@ -197,15 +197,7 @@ def test_a_large_global_leaves_the_notebook_once(hosts: Hosts, tmp_path: Path) -
 
 
 def _agents(hosts: Hosts) -> list[int]:
-    found = []
-    for i in range(len(hosts)):
-        for pid in hosts.pids(i):
-            try:
-                if b"skyward_jupyter.agent" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    found.append(pid)
-            except OSError:
-                continue
-    return found
+    return agents_among(pid for i in range(len(hosts)) for pid in hosts.pids(i))
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,10 @@ A new provider is one module with one :class:`Provider` subclass, named in
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, Sequence
+import asyncio
+import collections
+import contextlib
+from collections.abc import AsyncIterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -63,6 +66,36 @@ class RankProcess(Protocol):
     def diagnostics(self) -> str:
         """The last lines the agent wrote outside the wire (start-up failures, watchdog exits)."""
         ...
+
+
+class StderrTail:
+    """The last lines a rank wrote outside its wire (start-up failures, a watchdog's exit),
+    read as they come: what :meth:`RankProcess.diagnostics` says when the rank is lost."""
+
+    def __init__(self, lines: int = 40) -> None:
+        self._lines: collections.deque[str] = collections.deque(maxlen=lines)
+        self.task: asyncio.Task[None] | None = None
+
+    def follow(
+        self, stream: AsyncIterable[bytes], ends: tuple[type[BaseException], ...] = ()
+    ) -> None:
+        """Read ``stream`` to its end; the errors in ``ends`` end it too (a dropped channel:
+        how the rank ended is told elsewhere)."""
+
+        async def read() -> None:
+            with contextlib.suppress(*ends):
+                async for chunk in stream:
+                    self._lines.extend(chunk.decode(errors="replace").splitlines())
+
+        self.task = asyncio.get_running_loop().create_task(read())
+
+    async def settle(self, timeout: float = 1.0) -> None:
+        """Let the last lines arrive after the process ended."""
+        if self.task is not None:
+            await asyncio.wait([self.task], timeout=timeout)
+
+    def text(self) -> str:
+        return "\n".join(self._lines)
 
 
 class Progress(Protocol):

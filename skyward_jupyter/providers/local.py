@@ -16,7 +16,6 @@ machine (the pool's torchrun environment then gives each one OpenMP thread, see 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import fcntl
 import os
@@ -32,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..procs import end, is_agent, process_alive, process_start
-from .base import Node, Progress, Provider, ProviderError, ReapReport, no_progress
+from .base import Node, Progress, Provider, ProviderError, ReapReport, StderrTail, no_progress
 from .local_template import (
     IMPORT_TIME_PREFIXES,
     base_env,
@@ -47,7 +46,6 @@ if TYPE_CHECKING:
 
 __all__ = ["LocalProvider", "prewarm", "shutdown_template", "split_gpus", "template_pids"]
 
-_DIAGNOSTIC_LINES = 40
 _PIPE_BYTES = 1 << 20
 # Variables the template's import of torch does not read: the agent applies the thread count
 # itself (torch.set_num_threads); NCCL's error handling and flight recorder are read when a
@@ -178,18 +176,14 @@ class LocalRank:
         self.reader = reader
         self.writer = writer
         self._exited = exited
-        self._diagnostics: collections.deque[str] = collections.deque(maxlen=_DIAGNOSTIC_LINES)
-        self._stderr_task = asyncio.get_running_loop().create_task(self._collect(stderr))
+        self._stderr = StderrTail()
+        self._stderr.follow(stderr)
 
     def describe(self) -> str:
         return f"local pid {self.pid}"
 
-    async def _collect(self, stderr: asyncio.StreamReader) -> None:
-        async for line in stderr:
-            self._diagnostics.append(line.decode(errors="replace").rstrip())
-
     def diagnostics(self) -> str:
-        return "\n".join(self._diagnostics)
+        return self._stderr.text()
 
     async def kill(self) -> None:
         if not self._exited.done():
@@ -213,7 +207,7 @@ class LocalRank:
 
     async def wait(self) -> str:
         code = await self._status()
-        await asyncio.wait([self._stderr_task], timeout=1.0)
+        await self._stderr.settle()
         self.writer.close()
         if code is None:
             return "ended (exit status unknown)"

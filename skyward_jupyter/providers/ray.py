@@ -16,26 +16,24 @@ when the kernel dies, Ray ends the job's actors and placement group itself.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import json
 import logging
 import os
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..events import RankState
-from .base import Node, Progress, Provider, ProviderError, ReapReport, no_progress
+from .base import Node, Progress, Provider, ProviderError, ReapReport, StderrTail, no_progress
 
 if TYPE_CHECKING:
     from ..spec import PoolSpec
 
 _PACKAGE = str(Path(__file__).resolve().parents[1])
 _CHUNK = 1 << 20
-_DIAGNOSTIC_LINES = 40
 CONNECT_TIMEOUT = 30.0
 
 
@@ -130,21 +128,20 @@ class RayRank:
         self._node = node
         self.reader = _Reader(actor)
         self.writer = _Writer(actor)
-        self._diagnostics: collections.deque[str] = collections.deque(maxlen=_DIAGNOSTIC_LINES)
-        self._stderr = asyncio.get_running_loop().create_task(self._collect())
+        import ray
+
+        self._stderr = StderrTail()
+        self._stderr.follow(self._chunks(), ends=(ray.exceptions.RayError,))
 
     def describe(self) -> str:
         return f"ray node {self._node} pid {self.pid}"
 
-    async def _collect(self) -> None:
-        import ray
-
-        with contextlib.suppress(ray.exceptions.RayError):
-            while chunk := await self._actor.stderr.remote():
-                self._diagnostics.extend(chunk.decode(errors="replace").splitlines())
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        while chunk := await self._actor.stderr.remote():
+            yield chunk
 
     def diagnostics(self) -> str:
-        return "\n".join(self._diagnostics)
+        return self._stderr.text()
 
     async def kill(self) -> None:
         import ray

@@ -19,7 +19,6 @@ The nodes must see the notebook's Python environment (a shared filesystem, as on
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import json
 import os
@@ -34,13 +33,12 @@ from typing import TYPE_CHECKING, Any
 
 from ..events import RankState
 from ..wire_lines import MODE, STREAM_LIMIT, LineReader, LineWriter
-from .base import Node, Progress, Provider, ProviderError, ReapReport, no_progress
+from .base import Node, Progress, Provider, ProviderError, ReapReport, StderrTail, no_progress
 
 if TYPE_CHECKING:
     from ..spec import PoolSpec
 
 _PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
-_DIAGNOSTIC_LINES = 40
 POLL = 1.0
 """Seconds between looks at a pending job."""
 KEEPER = """\
@@ -103,18 +101,14 @@ class SlurmRank:
         self._job, self._node, self._name = job, node, name
         self.reader = LineReader(proc.stdout)  # slurmstepd forwards whole lines only
         self.writer = LineWriter(proc.stdin)
-        self._diagnostics: collections.deque[str] = collections.deque(maxlen=_DIAGNOSTIC_LINES)
-        self._stderr = asyncio.get_running_loop().create_task(self._collect(proc.stderr))
+        self._stderr = StderrTail()
+        self._stderr.follow(proc.stderr)
 
     def describe(self) -> str:
         return f"slurm job {self._job} on {self._node}"
 
-    async def _collect(self, stderr: asyncio.StreamReader) -> None:
-        async for line in stderr:
-            self._diagnostics.append(line.decode(errors="replace").rstrip())
-
     def diagnostics(self) -> str:
-        return "\n".join(self._diagnostics)
+        return self._stderr.text()
 
     async def kill(self) -> None:
         """Cancel the step in Slurm (its task dies wherever it runs), then end ``srun``."""
@@ -130,7 +124,7 @@ class SlurmRank:
 
     async def wait(self) -> str:
         code = await self._proc.wait()
-        await asyncio.wait([self._stderr], timeout=1.0)
+        await self._stderr.settle()
         if code < 0:
             return f"srun killed by signal {-code} ({self.describe()})"
         return f"exited with status {code} on {self._node} (slurm job {self._job})"

@@ -17,7 +17,6 @@ its pid, and ending it is a ``kill`` over the connection.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import json
 import shlex
@@ -28,14 +27,13 @@ from typing import TYPE_CHECKING, Any
 import asyncssh
 
 from ..events import RankState
-from .base import Node, Progress, Provider, ProviderError, ReapReport, no_progress
+from .base import Node, Progress, Provider, ProviderError, ReapReport, StderrTail, no_progress
 from .ssh_keys import changed_key, known_hosts_file, record_if_new
 from .ssh_prepare import check_versions, probe, ship
 
 if TYPE_CHECKING:
     from ..spec import PoolSpec
 
-_DIAGNOSTIC_LINES = 40
 Connect = Callable[["Host"], Awaitable[asyncssh.SSHClientConnection]]
 
 
@@ -88,21 +86,14 @@ class SSHRank:
         self.pid = pid
         self.reader = process.stdout
         self.writer = process.stdin
-        self._diagnostics: collections.deque[str] = collections.deque(maxlen=_DIAGNOSTIC_LINES)
-        self._stderr_task = asyncio.get_running_loop().create_task(self._collect())
+        self._stderr = StderrTail()
+        self._stderr.follow(process.stderr, ends=(asyncssh.Error, OSError))
 
     def describe(self) -> str:
         return f"{self._host} pid {self.pid}"
 
-    async def _collect(self) -> None:
-        try:
-            async for line in self._process.stderr:
-                self._diagnostics.append(line.decode(errors="replace").rstrip())
-        except (asyncssh.Error, OSError):
-            return  # the connection went; wait() reports it
-
     def diagnostics(self) -> str:
-        return "\n".join(self._diagnostics)
+        return self._stderr.text()
 
     async def kill(self) -> None:
         # An unreachable host cannot be asked: closing the channel is then all that is left.
