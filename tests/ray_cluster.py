@@ -10,7 +10,8 @@ sockets) and fails without one, so the notebook's side is a node too, as it must
 machines: a raylet with no CPUs in the root namespace at the bridge's address (``notebook``), to
 which ``ray.init(**cluster.init_kwargs)`` attaches (its ``_node_ip_address`` picks it: every
 raylet's process is visible here, and without it the driver would take the head's, which works
-here only because the namespaces share this machine's files).
+here only because the namespaces share this machine's files). Work that asks for no CPUs may run
+on it, as on real machines: ranks belong in placement-group bundles.
 
 Ray's files are under ``/tmp/sr<tag>`` (its socket paths must stay under 108 bytes), each node's
 ``ray start`` output under ``tmp``. Every Ray process carries ``SKY_TEST_RAY=<tag>`` in its

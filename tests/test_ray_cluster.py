@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from . import hosts
 from .hosts import netns_pids
 from .ray_cluster import (
     MARKER,
@@ -232,22 +233,23 @@ def test_nothing_is_left_after_an_exception_with_a_driver_here(tmp_path: Path) -
     """A driver in the test's own process (shut down by the cluster) and a detached actor (whose
     worker outlives every driver): after an exception in the context, nothing is left."""
     code = f"""\
+        import os
         import ray
         from pathlib import Path
         from tests.ray_cluster import ray_cluster
 
         try:
-            with ray_cluster(Path({str(tmp_path)!r})) as c:
+            with ray_cluster(Path({str(tmp_path)!r}), workers=0) as c:
                 print("TAG", c.tag, flush=True)
                 ray.init(**c.init_kwargs)
 
                 @ray.remote(num_cpus=1)
                 class Keeper:
-                    def ping(self):
-                        return True
+                    def pid(self):
+                        return os.getpid()
 
                 keeper = Keeper.options(lifetime="detached", name="keeper").remote()
-                ray.get(keeper.ping.remote())
+                print("KEEPER", ray.get(keeper.pid.remote()), flush=True)
                 1 / 0
         except ZeroDivisionError:
             print("DRIVER", ray.is_initialized(), flush=True)
@@ -258,11 +260,14 @@ def test_nothing_is_left_after_an_exception_with_a_driver_here(tmp_path: Path) -
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     said = dict(
-        line.split() for line in done.stdout.splitlines() if line.startswith(("TAG", "DRIVER"))
+        line.split()
+        for line in done.stdout.splitlines()
+        if line.startswith(("TAG", "KEEPER", "DRIVER"))
     )
     tag, initialized = said["TAG"], said["DRIVER"]
     assert initialized == "False"
     assert not leftovers(tag)
+    assert not hosts._alive(int(said["KEEPER"]))
 
 
 def test_a_killed_run_is_cleaned_up_by_the_next(tmp_path: Path) -> None:
@@ -273,7 +278,7 @@ def test_a_killed_run_is_cleaned_up_by_the_next(tmp_path: Path) -> None:
         from pathlib import Path
         from tests.ray_cluster import ray_cluster
 
-        with ray_cluster(Path({str(tmp_path)!r}), workers=1) as c:
+        with ray_cluster(Path({str(tmp_path)!r}), workers=0) as c:
             print(c.tag, c.head.namespace, flush=True)
             sys.stdin.read()
         """

@@ -35,6 +35,11 @@ if TYPE_CHECKING:
 _PACKAGE = str(Path(__file__).resolve().parents[1])
 _CHUNK = 1 << 20
 CONNECT_TIMEOUT = 30.0
+_CONNECT_LIMITS = (
+    "RAY_gcs_server_port_wait_time_s",
+    "RAY_gcs_rpc_server_connect_timeout_s",
+    "RAY_py_gcs_connect_timeout_s",
+)
 
 
 class RankHost:
@@ -193,6 +198,8 @@ class RayProvider(Provider):
         self._actors: list[Any] = []
 
     async def provision(self, nodes: int, progress: Progress = no_progress) -> list[Node]:
+        for name in _CONNECT_LIMITS:  # read when ray is imported; a silent address otherwise
+            os.environ.setdefault(name, "10")  # holds ray.init for many minutes
         try:
             import ray
             from ray.util.placement_group import placement_group, placement_group_table
