@@ -39,19 +39,21 @@ if TYPE_CHECKING:
     from ..spec import PoolSpec
 
 _PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
+_STARTED = "sky-ranks-started"
 POLL = 1.0
 """Seconds between looks at a pending job."""
 KEEPER = """\
-# The pool's job: ends once its ranks (job steps) have been gone for 20 s, or never came.
-seen=0; idle=0; waited=0
+# The pool's job: ends once its ranks (job steps) have been gone for 20 s. The notebook marks the
+# job's comment when it starts ranks, so ranks that came and went between two looks count too.
+idle=0; waited=0
 while true; do
   if squeue -h -s -j "$SLURM_JOB_ID" -o %i | grep -qv -e '\\.batch$' -e '\\.extern$'; then
-    seen=1; idle=0
-  else
+    idle=0
+  elif [ "$waited" -ge 120 ] || squeue -h -j "$SLURM_JOB_ID" -o %k | grep -q sky-ranks-started
+  then
     idle=$((idle + 2))
   fi
-  if [ "$seen" = 1 ] && [ "$idle" -ge 20 ]; then exit 0; fi
-  if [ "$seen" = 0 ] && [ "$waited" -ge 180 ]; then exit 0; fi
+  if [ "$idle" -ge 20 ]; then exit 0; fi
   sleep 2; waited=$((waited + 2))
 done
 """
@@ -162,6 +164,7 @@ class SlurmProvider(Provider):
         self._pool_name = pool_name
         self._token = secrets.token_hex(4)
         self._srun: list[asyncio.subprocess.Process] = []
+        self._marked = False
 
     # ------------------------------------------------------------------------------ the job
 
@@ -232,6 +235,9 @@ class SlurmProvider(Provider):
     async def start_rank(self, node: Node, env: Mapping[str, str]) -> SlurmRank:
         if self.job is None:
             raise ProviderError("the Slurm job is not running")
+        if not self._marked:  # what the job's keeper counts from (see KEEPER)
+            await _run("scontrol", "update", f"JobId={self.job}", f"Comment={_STARTED}")
+            self._marked = True
         name = node.labels.get("slurm_node", node.address)
         step = f"sky-rank-{self._token}-{len(self._srun)}"
         python = self.options.python or sys.executable
