@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 
 from . import protocol as p
@@ -28,6 +29,7 @@ STACKS_TIMEOUT = 1.0
 IDLE_CPU_PERCENT = 20.0
 _BACKWARD = "backward"
 _requests = itertools.count(1)
+log = logging.getLogger(__name__)
 
 
 async def stacks(
@@ -122,10 +124,20 @@ async def heartbeats(ranks: Ranks) -> None:
         answers = await stacks(ranks, silent)
         for r in silent:
             if answers[r] is None and r.alive and r.process is not None:
-                quiet = time.monotonic() - r.last_heard
-                r.silenced = (
-                    f"stopped answering: no heartbeat for {quiet:.1f} s (a stopped process, a "
-                    "frozen host, or native code holding the GIL); the pool killed it"
-                )
-                ranks.set_state(r, RankState.LOST, f"silent for {quiet:.0f} s")
-                await r.process.kill()
+                await _declare_lost(ranks, r)
+
+
+async def _declare_lost(ranks: Ranks, r: Rank) -> None:
+    """Say why, then kill; a kill that fails is logged (the monitor must go on beating)."""
+    if r.process is None:
+        return
+    quiet = time.monotonic() - r.last_heard
+    r.silenced = (
+        f"stopped answering: no heartbeat for {quiet:.1f} s (a stopped process, a frozen host, "
+        "or native code holding the GIL); the pool killed it"
+    )
+    ranks.set_state(r, RankState.LOST, f"silent for {quiet:.0f} s")
+    try:
+        await r.process.kill()
+    except Exception:
+        log.exception("killing silent rank %d failed", r.index)

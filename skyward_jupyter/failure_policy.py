@@ -126,8 +126,8 @@ class Cell:
         """Some ranks finished: are the others waiting for them in a collective?"""
         stuck = await doctor.desynced(self.ranks, pending, self.desync_after)
         self.check_at = time.monotonic() + DESYNC_CHECK_EVERY
-        if stuck is None or self.stop_at is not None:
-            return
+        if stuck is None or self.stop_at is not None or any(self.futures[r].done() for r in stuck):
+            return  # (one that finished while asked is no longer stuck: look again)
         finished = [r for r, o in self.outcomes.items() if isinstance(o, p.CellDone)]
         message = doctor.desync_message(stuck, finished)
         self.desync = {r: message for r in stuck}

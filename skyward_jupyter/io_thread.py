@@ -11,6 +11,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import logging
 import threading
 import weakref
 from collections.abc import Callable, Coroutine
@@ -38,7 +39,10 @@ def close_at_exit(owner: Any, wanted: bool = True) -> None:
 @atexit.register
 def _close_owners() -> None:
     for owner in list(_owners):
-        owner.close()
+        try:
+            owner.close()
+        except Exception:
+            logging.getLogger(__name__).exception("closing %r at exit failed", owner)
 
 
 class IOThread:

@@ -230,13 +230,15 @@ class Pool:
             self._fanout.observers.pop(cell_id, None)
 
     def stacks(self) -> str:
-        """Every rank's Python stacks and the collective it waits in (``%sky stacks``); works
-        while a cell runs."""
+        """Every rank's stacks and what it waits in (``%sky stacks``), also while a cell runs."""
         io = self._io
         if io is None or self._closing:
             raise PoolError(f"pool {self.name!r} is not running")
         answers = io.submit(doctor.stacks(self._ranks, self._ranks.all))
-        return doctor.report(answers.result(timeout=doctor.STACKS_TIMEOUT + 10))
+        try:
+            return doctor.report(answers.result(timeout=doctor.STACKS_TIMEOUT + 10))
+        except TimeoutError:
+            raise PoolError(f"pool {self.name!r}: its IO thread did not answer") from None
 
     def interrupt(self) -> None:
         """Interrupt the running cell on every rank (a second call kills what is still running)."""

@@ -25,7 +25,7 @@ from typing import Any
 from . import protocol as p
 from . import wire
 from .events import PoolEvent, PoolMessage
-from .ranks import Rank, Ranks
+from .ranks import Rank, RankEnded, Ranks
 from .results import PoolError
 from .workdir import Manifest, Scanner, SyncError, bundle, human_bytes
 
@@ -69,10 +69,6 @@ class Transfer:
             return [scanner.scan() for scanner in self._scanners]
         except SyncError as exc:
             raise PoolError(str(exc)) from None
-
-    def forget(self) -> None:
-        """Ranks were restarted on fresh machines' terms: ask the nodes again next time."""
-        self._synced.clear()
 
     # -- on the IO thread ---------------------------------------------------------------------
 
@@ -140,7 +136,14 @@ class Transfer:
         frame = wire.encode(command)
         for r in ranks:
             self._ranks.send(r, frame)
-        answers = dict(zip(futures, await asyncio.gather(*futures.values()), strict=True))
+        try:
+            answers = dict(zip(futures, await asyncio.gather(*futures.values()), strict=True))
+        except RankEnded as exc:
+            gone = next((r for r in futures if not r.alive), ranks[0])
+            raise PoolError(
+                f"node {gone.node.index} ({gone.describe()}) ended while its files were synced: "
+                f"{exc.how}"
+            ) from None
         failed = [(r, a) for r, a in answers.items() if a.error]
         if failed:
             rank, answer = failed[0]

@@ -116,13 +116,21 @@ class SyncChannel:
     capture, metrics, heartbeats, the cell runner).
     """
 
-    def __init__(self, read_fd: int, write_fd: int, lines: bool = False) -> None:
+    def __init__(
+        self,
+        read_fd: int,
+        write_fd: int,
+        lines: bool = False,
+        progress: Callable[[], None] | None = None,
+    ) -> None:
         self._reader = io.FileIO(read_fd, "rb", closefd=False)
         self._write_fd = write_fd
         self._lock = threading.Lock()
         self._lines = io.BufferedReader(self._reader) if lines else None
         """Base64 lines on a transport that moves whole lines only (:mod:`.wire_lines`)."""
         self._decoded = bytearray()
+        self._progress = progress
+        """Called as parts of a frame arrive: a large one in transit is a live notebook."""
 
     def _read_into(self, buf: memoryview) -> None:
         if self._lines is not None:
@@ -131,6 +139,8 @@ class SyncChannel:
                 if not line:
                     raise EOFError("channel closed")
                 self._decoded += base64.b64decode(line)
+                if self._progress is not None:
+                    self._progress()
             buf[:] = self._decoded[: buf.nbytes]
             del self._decoded[: buf.nbytes]
             return
@@ -140,6 +150,8 @@ class SyncChannel:
             if not n:
                 raise EOFError("channel closed")
             done += n
+            if self._progress is not None:
+                self._progress()
 
     def _read_exact(self, n: int) -> bytearray:
         buf = bytearray(n)

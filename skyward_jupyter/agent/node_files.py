@@ -24,10 +24,14 @@ from pathlib import Path
 from types import ModuleType
 
 from .. import protocol as p
+from .relay import RelayError
 from .workdir import WorkdirCopy
 
 BASE = "~/.cache/skyward_jupyter/sync"
-_INSTALLED = tuple({os.path.join(p, "") for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)})
+_INSTALLED = tuple(
+    {os.path.join(p, "") for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    | {os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "")}
+)
 """Installed packages are not the user's modules, even in a venv inside the project."""
 Blob = bytes | bytearray | memoryview
 _CHUNK = 1 << 20
@@ -64,6 +68,8 @@ class NodeFiles:
             )
         except ValueError as exc:
             return p.Synced(command.key, error=f"the files of {command.root} were refused: {exc}")
+        except (RelayError, RuntimeError) as exc:
+            return p.Synced(command.key, error=f"the files of {command.root} did not arrive: {exc}")
 
     def _sees(self, command: p.SyncFiles) -> bool:
         """Whether the notebook's directory is here, at its own path, with the listed contents.
@@ -114,7 +120,12 @@ class NodeFiles:
         roots = tuple(os.path.join(r, "") for r in (self._entered or (os.getcwd(),)))
         for name, module in list(sys.modules.items()):
             file = getattr(module, "__file__", None)
-            if file and file.startswith(roots) and not file.startswith(_INSTALLED):
+            if (
+                file
+                and file.startswith(roots)
+                and not file.startswith(_INSTALLED)
+                and "site-packages" not in file
+            ):
                 try:
                     yield name, module, os.stat(file).st_mtime_ns
                 except OSError:

@@ -83,7 +83,8 @@ class Agent:
         os.dup2(devnull, 0)
         os.close(devnull)
         self._diag = os.dup(2)
-        self.channel = SyncChannel(wire_in, wire_out, os.environ.get("SKYWARD_WIRE") == "lines")
+        lines = os.environ.get("SKYWARD_WIRE") == "lines"
+        self.channel = SyncChannel(wire_in, wire_out, lines, progress=self._heard)
         self.namespace = Namespace()
         self.group = ProcessGroup(
             GroupSettings(
@@ -176,6 +177,9 @@ class Agent:
             rows, self._metrics = self._metrics, []
         if rows:
             self.channel.send(p.Metrics(self.cell_id, tuple(rows)))
+
+    def _heard(self) -> None:
+        self._last_heard = time.monotonic()
 
     def _read_loop(self) -> None:
         try:

@@ -13,7 +13,7 @@ import abc
 import asyncio
 import collections
 import contextlib
-from collections.abc import AsyncIterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -76,16 +76,27 @@ class StderrTail:
         self._lines: collections.deque[str] = collections.deque(maxlen=lines)
         self.task: asyncio.Task[None] | None = None
 
-    def follow(
-        self, stream: AsyncIterable[bytes], ends: tuple[type[BaseException], ...] = ()
-    ) -> None:
-        """Read ``stream`` to its end; the errors in ``ends`` end it too (a dropped channel:
-        how the rank ended is told elsewhere)."""
+    def follow(self, stream: Any, ends: tuple[type[BaseException], ...] = ()) -> None:
+        """Read ``stream`` to its end: a stream with ``read(n)`` in chunks (a line too long
+        for asyncio's line reader must not stop the draining), else by iterating it. The
+        errors in ``ends`` end it too (a dropped channel: how the rank ended is told elsewhere)."""
+
+        async def chunks() -> AsyncIterator[bytes]:
+            if hasattr(stream, "read"):
+                while chunk := await stream.read(1 << 16):
+                    yield chunk
+            else:
+                async for chunk in stream:
+                    yield chunk
 
         async def read() -> None:
+            partial = ""
             with contextlib.suppress(*ends):
-                async for chunk in stream:
-                    self._lines.extend(chunk.decode(errors="replace").splitlines())
+                async for chunk in chunks():
+                    *whole, partial = (partial + chunk.decode(errors="replace")).split("\n")
+                    self._lines.extend(whole)
+            if partial:
+                self._lines.append(partial)
 
         self.task = asyncio.get_running_loop().create_task(read())
 

@@ -45,11 +45,11 @@ _CONNECT_LIMITS = (
 class RankHost:
     """The actor that runs one rank's agent and carries its wire (runs on the node)."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self) -> None:
         import skyward_jupyter
 
         package_parent = str(Path(skyward_jupyter.__file__).resolve().parents[1])
-        child_env = {**os.environ, "PYTHONPATH": package_parent}
+        child_env = {**os.environ, "PYTHONPATH": _prepended(package_parent)}
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "skyward_jupyter.agent", "--env-from-stdin"],
             stdin=subprocess.PIPE,
@@ -57,9 +57,6 @@ class RankHost:
             stderr=subprocess.PIPE,
             env=child_env,
         )
-        assert self._proc.stdin is not None
-        self._proc.stdin.write(json.dumps({**env, "PYTHONUNBUFFERED": "1"}).encode() + b"\n")
-        self._proc.stdin.flush()
 
     def pid(self) -> int:
         return self._proc.pid
@@ -151,9 +148,10 @@ class RayRank:
     async def kill(self) -> None:
         import ray
 
-        with contextlib.suppress(ray.exceptions.RayError):
+        with contextlib.suppress(ray.exceptions.RayError, asyncio.TimeoutError):
             await asyncio.wait_for(self._actor.kill.remote(), 10)
-        ray.kill(self._actor)
+        with contextlib.suppress(ray.exceptions.RayError):
+            await asyncio.to_thread(ray.kill, self._actor)  # a frozen node: the actor goes too
 
     async def wait(self) -> str:
         import ray
@@ -267,10 +265,13 @@ class RayProvider(Provider):
                 self.group, placement_group_bundle_index=node.index
             ),
         )
-        actor = host.remote(dict(env))
+        actor = host.remote()
         self._actors.append(actor)
         try:
             pid = await actor.pid.remote()
+            # The environment (it may hold tokens) goes down the wire, not into Ray's records
+            # of the actor's arguments.
+            await actor.write.remote(json.dumps({**env, "PYTHONUNBUFFERED": "1"}).encode() + b"\n")
         except ray.exceptions.RayError as exc:
             raise ProviderError(f"ray node {node.address}: the rank did not start: {exc}") from None
         return RayRank(actor, pid, node.address)
@@ -300,3 +301,8 @@ class RayProvider(Provider):
         return ReapReport(
             notes=[f"Ray ended placement group {group} and its actors with the kernel's job"]
         )
+
+
+def _prepended(path: str) -> str:
+    """``PYTHONPATH`` with ``path`` first, the user's entries kept after it."""
+    return os.pathsep.join(p for p in (path, os.environ.get("PYTHONPATH", "")) if p)

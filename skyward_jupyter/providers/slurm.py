@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 
 _PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
 _STARTED = "sky-ranks-started"
+_EXPORT = "--export=PATH,HOME,USER,LANG,SLURM_CONF,PYTHONPATH"
+"""What the job and its steps take from the notebook's environment: not its secrets (Slurm
+keeps a job's environment on disk). A rank's own environment travels on its stdin."""
 POLL = 1.0
 """Seconds between looks at a pending job."""
 KEEPER = """\
@@ -171,7 +174,7 @@ class SlurmProvider(Provider):
     def _sbatch(self, nodes: int) -> list[str]:
         o = self.options
         argv = ["sbatch", "--parsable", f"--job-name=sky-{self._pool_name}-{self._token}"]
-        argv += [f"--nodes={nodes}", "--ntasks-per-node=1", "--output=/dev/null"]
+        argv += [f"--nodes={nodes}", "--ntasks-per-node=1", "--output=/dev/null", _EXPORT]
         for flag, value in (
             ("--partition", o.partition),
             ("--account", o.account),
@@ -241,10 +244,11 @@ class SlurmProvider(Provider):
         name = node.labels.get("slurm_node", node.address)
         step = f"sky-rank-{self._token}-{len(self._srun)}"
         python = self.options.python or sys.executable
-        argv = ["srun", f"--jobid={self.job}", "--overlap", "--nodes=1", "--ntasks=1"]
+        argv = ["srun", f"--jobid={self.job}", "--overlap", "--nodes=1", "--ntasks=1", _EXPORT]
         argv += [f"--nodelist={name}", f"--job-name={step}", "--quiet", "--kill-on-bad-exit=0"]
         argv += [python, "-m", "skyward_jupyter.agent", "--env-from-stdin"]
-        child_env = {**os.environ, "PYTHONPATH": _PACKAGE_PARENT}
+        path = os.pathsep.join(p for p in (_PACKAGE_PARENT, os.environ.get("PYTHONPATH")) if p)
+        child_env = {**os.environ, "PYTHONPATH": path}
         proc = await asyncio.create_subprocess_exec(
             *argv,
             stdin=subprocess.PIPE,
@@ -256,7 +260,7 @@ class SlurmProvider(Provider):
         )
         self._srun.append(proc)
         assert proc.stdin is not None
-        proc.stdin.write(_env_line({**env, "PYTHONPATH": _PACKAGE_PARENT, "SKYWARD_WIRE": MODE}))
+        proc.stdin.write(_env_line({**env, "PYTHONPATH": path, "SKYWARD_WIRE": MODE}))
         return SlurmRank(proc, self.job, name, step)
 
     async def release(self) -> None:
@@ -286,7 +290,12 @@ class SlurmProvider(Provider):
         env = dict(os.environ)
         if record.get("slurm_conf"):
             env["SLURM_CONF"] = str(record["slurm_conf"])
-        done = subprocess.run(["scancel", str(job)], capture_output=True, text=True, env=env)
+        try:
+            done = subprocess.run(
+                ["scancel", str(job)], capture_output=True, text=True, env=env, timeout=30
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return ReapReport(notes=[f"could not run scancel {job}: {exc}"])
         if done.returncode != 0:
             return ReapReport(notes=[f"scancel {job}: {done.stderr.strip()}"])
         return ReapReport(notes=[f"slurm job {job} cancelled"])
