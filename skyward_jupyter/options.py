@@ -32,14 +32,21 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
-    return value
+def _more_than_zero(unit: str, short: str) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {unit}, got {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be more than 0 {short}, got {text}")
+        return value
+
+    return parse
+
+
+_seconds = _more_than_zero("seconds", "seconds")
+_megabytes = _more_than_zero("megabytes", "MB")
 
 
 def _minutes(text: str) -> float:
@@ -71,16 +78,6 @@ def _directory(text: str) -> str:
     if not os.path.isdir(path):
         raise argparse.ArgumentTypeError(f"no such directory: {text} ({path})")
     return path
-
-
-def _megabytes(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected megabytes, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0 MB, got {text}")
-    return value
 
 
 def _gpu(text: str) -> str:

@@ -25,14 +25,10 @@ from types import ModuleType
 
 from .. import protocol as p
 from .relay import RelayError
+from .stacks import users_file
 from .workdir import WorkdirCopy
 
 BASE = "~/.cache/skyward_jupyter/sync"
-_INSTALLED = tuple(
-    {os.path.join(p, "") for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
-    | {os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "")}
-)
-"""Installed packages are not the user's modules, even in a venv inside the project."""
 Blob = bytes | bytearray | memoryview
 _CHUNK = 1 << 20
 
@@ -120,12 +116,7 @@ class NodeFiles:
         roots = tuple(os.path.join(r, "") for r in (self._entered or (os.getcwd(),)))
         for name, module in list(sys.modules.items()):
             file = getattr(module, "__file__", None)
-            if (
-                file
-                and file.startswith(roots)
-                and not file.startswith(_INSTALLED)
-                and "site-packages" not in file
-            ):
+            if file and file.startswith(roots) and users_file(file):
                 try:
                     yield name, module, os.stat(file).st_mtime_ns
                 except OSError:

@@ -29,8 +29,9 @@ from .. import protocol as p
 _AGENT_DIR = os.path.dirname(os.path.abspath(__file__))
 _INSTALLED = tuple(
     {os.path.join(p, "") for p in (sys.prefix, sys.base_prefix, *sysconfig.get_paths().values())}
+    | {os.path.join(os.path.dirname(_AGENT_DIR), "")}
 )
-"""Python's own library and installed packages: not the user's code."""
+"""Python's own library, installed packages and this package: not the user's code."""
 _C10D = os.path.join("torch", "distributed", "distributed_c10d.py")
 _AUTOGRAD = os.path.join("torch", "autograd", "graph.py")
 BACKWARD = "backward"
@@ -79,10 +80,13 @@ def _users(filename: str) -> bool:
     """A frame of the user's code: a cell, a script, a module of theirs (not torch, not ours)."""
     if filename.startswith("<sky-cell-"):
         return True
-    if filename.startswith("<"):
-        return False
+    return not filename.startswith("<") and users_file(filename)
+
+
+def users_file(filename: str) -> bool:
+    """A file of the user's: not Python's library, an installed package, or this package."""
     path = os.path.abspath(filename)
-    return not path.startswith((_AGENT_DIR, *_INSTALLED)) and "site-packages" not in path
+    return not path.startswith(_INSTALLED) and "site-packages" not in path
 
 
 class Watch:
