@@ -32,8 +32,8 @@ from . import doctor, wire
 from . import protocol as p
 from .events import PoolMessage, RankState
 from .providers.base import ProviderError
-from .ranks import Rank, RankEnded, Ranks
-from .results import PoolError, RankResult, RemoteError
+from .ranks import Rank, Ranks
+from .results import PoolError, RankEnded, RankResult, RemoteError
 
 DESYNC_AFTER = 1.5
 """Seconds a rank may wait in a collective after others finished the cell, before it is stuck."""

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .frameworks import FRAMEWORKS, KERAS_BACKENDS
 from .providers import names
 from .spec import SpecError, check_gpu_name
 
@@ -80,6 +81,22 @@ def _directory(text: str) -> str:
     return path
 
 
+def _frameworks(text: str) -> list[str]:
+    names = [n.strip().lower() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in FRAMEWORKS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown framework {', '.join(unknown) or text!r}; known: {', '.join(FRAMEWORKS)}"
+        )
+    return names
+
+
+def _variable(text: str) -> str:
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", text):
+        raise argparse.ArgumentTypeError(f"expected an environment variable's name, got {text!r}")
+    return text
+
+
 def _gpu(text: str) -> str:
     try:
         return check_gpu_name(text)
@@ -140,6 +157,23 @@ POOL_OPTIONS: tuple[Option, ...] = (
         "--env",
         "environment variable for every rank, set before torch starts (repeatable)",
         {"type": _env, "action": "append", "metavar": "KEY=VALUE"},
+    ),
+    Option(
+        "--framework",
+        "what the ranks set up: torch (default, when installed), jax (jax.distributed), "
+        "none; repeatable or comma-separated",
+        {"type": _frameworks, "action": "extend", "metavar": "NAME", "dest": "frameworks"},
+    ),
+    Option(
+        "--keras-backend",
+        "KERAS_BACKEND on every rank, before Keras is imported (jax also sets up JAX)",
+        {"choices": KERAS_BACKENDS},
+    ),
+    Option(
+        "--hf-token-env",
+        "the notebook's variable holding the Hugging Face token that the ranks get as "
+        "HF_TOKEN (default: HF_TOKEN, when set); it travels over the ranks' channel only",
+        {"type": _variable, "metavar": "VAR"},
     ),
     Option(
         "--heartbeat-timeout",

@@ -29,6 +29,7 @@ from .events import (
 )
 from .failure_policy import DESYNC_AFTER, Cell
 from .fanout import Fanout, Subscriber
+from .frameworks import TORCH_ONLY, Frameworks
 from .io_thread import IOThread, close_at_exit, wait
 from .prompts import Prompts
 from .providers.base import Node, Provider, ProviderError
@@ -72,6 +73,7 @@ class Pool:
         start_timeout: float = 180.0,
         sync: Sequence[str] = (),
         sync_cap_bytes: int | None = None,
+        frameworks: Frameworks = TORCH_ONLY,
     ) -> None:
         if not isinstance(nodes, int) or nodes < 1:
             raise ValueError(f"nodes must be a whole number of at least 1, got {nodes!r}")
@@ -104,6 +106,7 @@ class Pool:
             start_timeout=start_timeout,
             run_id=self.run_id,
             relay_token=secrets.token_hex(16),
+            frameworks=frameworks,
         )
         self._ranks = Ranks(provider, settings, self._emit, self._rank_ended)
         self._prompts = Prompts()
@@ -145,9 +148,9 @@ class Pool:
         return self._ranks.nodes
 
     @property
-    def torch_note(self) -> str | None:
-        """Set when the ranks have no torch: the pool runs cells without a process group."""
-        return self._ranks.torch_note
+    def worlds_note(self) -> str:
+        """What the ranks formed ("torch.distributed gloo, port 4242"), or why nothing."""
+        return self._ranks.worlds_note
 
     @property
     def group_backend(self) -> str | None:
@@ -290,7 +293,7 @@ class Pool:
         async with self._op_lock:
             await asyncio.gather(*(self._ranks.spawn(r) for r in everyone))
             await self._ranks.await_hellos(everyone)
-            await self._ranks.form_group()
+            await self._ranks.form_group(self._ranks.settings.frameworks.jax)
 
     # ---------------------------------------------------------------------- IO thread: cells
 

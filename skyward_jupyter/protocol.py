@@ -63,7 +63,8 @@ class Beat:
 
 @dataclass(frozen=True, slots=True)
 class FormGroup:
-    """Initialise torch.distributed. ``port`` None: this rank hosts the rendezvous store.
+    """Join the pool's worlds: torch.distributed's group, and JAX's when ``jax``. ``port`` and
+    ``jax_port`` both None: this rank is the head, which hosts them and says where.
 
     ``generation`` counts the formations of the pool's group; ``restarts`` those that followed
     a failure, the rank's ``TORCHELASTIC_RESTART_COUNT`` (as torchrun counts restarts)."""
@@ -71,6 +72,9 @@ class FormGroup:
     generation: int
     port: int | None
     restarts: int = 0
+    jax: bool = False
+    """Initialise ``jax.distributed`` (once per process: a pool with JAX replaces its ranks)."""
+    jax_port: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +193,10 @@ class Hello:
     cuda_devices: int
     relay_port: int | None = None
     """The head's relay for large values (None on other ranks, or when it cannot listen)."""
+    jax: str | None = None
+    """JAX's version, when the pool asked for JAX (None: not installed, or not asked)."""
+    problem: str | None = None
+    """What stops this rank from serving the pool as asked (e.g. Keras's backend)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,10 +235,12 @@ class InputRequest:
 
 @dataclass(frozen=True, slots=True)
 class GroupPort:
-    """The head's rendezvous store is listening on ``port``; the others may now join."""
+    """The head's rendezvous store listens on ``port`` and JAX's coordinator will on
+    ``jax_port`` (None: not set up); the others may now join."""
 
     generation: int
-    port: int
+    port: int | None
+    jax_port: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

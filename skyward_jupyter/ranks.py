@@ -28,24 +28,15 @@ from .events import (
     RankStateChanged,
     RankUsage,
 )
+from .formation import check_hellos, form_worlds
+from .frameworks import TORCH_ONLY, Frameworks
 from .launch_env import RankPlace, launcher_env
 from .providers.base import Node, Provider, RankProcess
-from .results import PoolError, RankInfo
+from .results import PoolError, RankEnded, RankInfo
 
 log = logging.getLogger(__name__)
-FORM_TIMEOUT = 60.0
-"""Seconds for the group to form (the ranks check their reach of each other within 10)."""
 NOTEBOOK_SILENCE = 30.0
 """Seconds a rank waits for the notebook's heartbeat before it ends itself (the kernel died)."""
-
-
-class RankEnded(Exception):
-    """A rank's process ended (or stopped answering) while the pool waited for it."""
-
-    def __init__(self, how: str, diagnostics: str) -> None:
-        super().__init__(how)
-        self.how = how
-        self.diagnostics = diagnostics
 
 
 class Rank:
@@ -122,6 +113,7 @@ class RankSettings:
     start_timeout: float
     run_id: str
     relay_token: str = ""
+    frameworks: Frameworks = TORCH_ONLY
 
 
 class Ranks:
@@ -140,12 +132,14 @@ class Ranks:
         self.on_ended = on_ended
         self.all: list[Rank] = []
         self.nodes: tuple[Node, ...] = ()
-        self.torch_note: str | None = None
+        self.worlds_note = ""
+        """What the ranks formed ("torch.distributed gloo, port 4242"), or why nothing."""
         self.group_problem: str | None = None
         """Why the process group cannot run a collective now (None: it can); a restart mends it."""
         self.group_backend: str | None = None
         self.master_port: int | None = None
-        self._generation = 0
+        self.generation = 0
+        """Formations of the worlds so far; answers from older ones are ignored."""
         self.restarts = 0
         """Formations after a failure: the ranks' ``TORCHELASTIC_RESTART_COUNT``."""
         self.beat = wire.encode(p.Beat())
@@ -201,6 +195,7 @@ class Ranks:
             "backend": s.backend,
             "pg_timeout": s.pg_timeout,
             "relay_token": s.relay_token,
+            **s.frameworks.agent_settings(),
         }
         place = RankPlace(
             rank=rank.index,
@@ -216,7 +211,7 @@ class Ranks:
             place,
             master_addr=self.nodes[0].address,
             run_id=s.run_id,
-            user_env=s.env,
+            user_env={**s.frameworks.rank_env(place.has_gpu, os.environ), **s.env},
             notebook_env=os.environ,
         )
         return {
@@ -246,13 +241,7 @@ class Ranks:
                 f"ranks {slow} did not start within {self.settings.start_timeout:.0f} s "
                 "(importing torch on a slow disk? raise start_timeout)"
             ) from None
-        missing = [r for r in ranks if r.hello is not None and r.hello.torch is None]
-        if missing and len(missing) < len(self.all):
-            where = ", ".join(f"rank {r.index} ({r.describe()})" for r in missing)
-            have = next(r.hello.torch for r in self.all if r.hello and r.hello.torch)
-            raise PoolError(
-                f"torch is missing on {where}; the other ranks have torch {have}: install it there"
-            )
+        check_hellos(self, ranks)
 
     def _start_failure(self, rank: Rank) -> str:
         diagnostics = rank.process.diagnostics() if rank.process else ""
@@ -268,65 +257,34 @@ class Ranks:
         self.restarts += after_failure
         dead = [r for r in self.all if not r.alive]
         notes = []
+        jax = self.settings.frameworks.jax and bool(dead)
+        if jax:
+            await self._retire([r for r in self.all if r.alive])
+            dead = self.all
         if dead:
             await asyncio.gather(*(self.spawn(r) for r in dead))
             await self.await_hellos(dead)
             notes.append(
                 f"ranks {[r.index for r in dead]} were restarted: their namespaces were lost"
+                + (" (JAX's world cannot be formed again in running processes)" * jax)
             )
             self.emit(PoolMessage(notes[-1]))
-        await self.form_group()
+        await self.form_group(jax)
         return notes
+
+    async def _retire(self, ranks: list[Rank]) -> None:
+        """End live ranks that are to be replaced (their end is no loss to report)."""
+        processes = [r.process for r in ranks if r.process is not None]
+        for r in ranks:
+            r.process, r.alive = None, False
+            r.fail_all(RankEnded("replaced", ""))
+        await asyncio.gather(*(process.kill() for process in processes))
 
     # -------------------------------------------------------------- process group
 
-    async def form_group(self) -> None:
-        """(Re-)form torch.distributed everywhere: the head hosts the store, then the rest join."""
-        if all(r.hello is not None and r.hello.torch is None for r in self.all):
-            self.torch_note = "torch is not installed on the ranks: torch.distributed setup skipped"
-            self.emit(PoolMessage(self.torch_note))
-            for r in self.all:
-                self.set_state(r, RankState.READY, self.torch_note)
-            return
-        timeout = FORM_TIMEOUT
-        self._generation += 1
-        generation = self._generation
-        head, others = self.all[0], self.all[1:]
-        for r in self.all:
-            self.set_state(r, RankState.CONNECTING)
-        states = {r: r.expect("group") for r in self.all}
-        port_future = head.expect("port")
-        self.send(head, wire.encode(p.FormGroup(generation, None, self.restarts)))
-        try:
-            await asyncio.wait(
-                [port_future, states[head]], timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-            )
-            if not port_future.done():
-                state = states[head].result() if states[head].done() else None
-                reason = state.message if state else "no answer"
-                raise PoolError(
-                    f"rank 0 ({head.describe()}) could not host the rendezvous: {reason}"
-                )
-            port = port_future.result()
-            frame = wire.encode(p.FormGroup(generation, port, self.restarts))
-            for r in others:
-                self.send(r, frame)
-            results = await asyncio.wait_for(asyncio.gather(*states.values()), timeout + 10)
-        except RankEnded as exc:
-            raise PoolError(f"a rank ended while the process group formed: {exc.how}") from None
-        except asyncio.TimeoutError:
-            raise PoolError(f"the process group did not form within {timeout:.0f} s") from None
-        failed = [(r, s) for r, s in zip(self.all, results, strict=True) if not s.ok]
-        if failed:
-            r, s = failed[0]
-            raise PoolError(
-                f"rank {r.index} ({r.describe()}) could not join the process group: {s.message}"
-            )
-        self.group_backend = results[0].backend
-        self.group_problem = None
-        self.master_port = port
-        for r in self.all:
-            self.set_state(r, RankState.READY, f"{self.group_backend}, port {port}")
+    async def form_group(self, jax: bool = False) -> None:
+        """(Re-)form the ranks' distributed worlds (see :mod:`.formation`); ``jax``: JAX's too."""
+        await form_worlds(self, jax)
 
     # ------------------------------------------------------------------- the wire
 
@@ -379,9 +337,9 @@ class Ranks:
         elif isinstance(message, p.Hello):
             rank.hello = message
             rank.resolve("hello", message)
-        elif isinstance(message, p.GroupPort) and message.generation == self._generation:
-            rank.resolve("port", message.port)
-        elif isinstance(message, p.GroupState) and message.generation == self._generation:
+        elif isinstance(message, p.GroupPort) and message.generation == self.generation:
+            rank.resolve("port", message)
+        elif isinstance(message, p.GroupState) and message.generation == self.generation:
             rank.resolve("group", message)
         elif isinstance(message, p.Synced):
             rank.resolve("synced", message)

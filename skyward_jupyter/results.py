@@ -19,6 +19,15 @@ class PoolError(Exception):
     """The pool could not do what was asked (start, form its process group, run)."""
 
 
+class RankEnded(Exception):
+    """A rank's process ended (or stopped answering) while the pool waited for it."""
+
+    def __init__(self, how: str, diagnostics: str) -> None:
+        super().__init__(how)
+        self.how = how
+        self.diagnostics = diagnostics
+
+
 class RemoteError(Exception):
     """An exception raised on a rank (or the rank's death), with its remote traceback.
 

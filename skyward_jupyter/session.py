@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .capture import CaptureError, Shipment, Shipper
+from .frameworks import FrameworkError
 from .idle import IdleStop
 from .observers import NoViews, PoolWatcher, Views
 from .options import StdoutMode, implied_provider
@@ -38,7 +39,15 @@ class SessionError(Exception):
     """Bad input or a state the user must change; shown as one line, nothing else changes."""
 
 
-USER_ERRORS = (SessionError, CaptureError, PoolError, ProviderError, SpecError, UnknownProvider)
+USER_ERRORS = (
+    SessionError,
+    CaptureError,
+    FrameworkError,
+    PoolError,
+    ProviderError,
+    SpecError,
+    UnknownProvider,
+)
 """What the magics show as a one-line usage error (nothing else changed)."""
 
 
@@ -88,10 +97,14 @@ class Session:
         changes = {k: v for k, v in options.items() if v is not None}
         if "env" in changes:
             changes["env"] = tuple(sorted(changes["env"]))
+        if "frameworks" in changes:
+            changes["frameworks"] = tuple(sorted(set(changes["frameworks"])))
         changes = {k: tuple(v) if isinstance(v, list) else v for k, v in changes.items()}
         if "provider" not in changes and (implied := implied_provider(changes)):
             changes["provider"] = implied
-        return replace(base or self.defaults, **changes).settled()
+        spec = replace(base or self.defaults, **changes).settled()
+        spec.framework_setup(os.environ)  # options that clash fail here, before any machine
+        return spec
 
     def _reusable(self, name: str | None, spec: PoolSpec | None) -> tuple[str, PoolEntry | None]:
         name = name or self.current or "default"
@@ -130,7 +143,7 @@ class Session:
             name=name,
             backend=wanted.backend,
             env=dict(wanted.env),
-            **wanted.pool_arguments(os.getcwd()),
+            **wanted.pool_arguments(os.getcwd(), os.environ),
         )
         entry = PoolEntry(name, wanted, pool, shipper or Shipper())
         self.views.pool_created(entry)
@@ -142,9 +155,7 @@ class Session:
             self._ended(entry)
             raise
         self._pools[name] = entry  # from here on the session owns it (and ends it with itself)
-        group = (
-            pool.torch_note or f"torch.distributed {pool.group_backend}, port {pool.master_port}"
-        )
+        group = pool.worlds_note
         self._announce(
             f"pool {name!r}: {pool.world_size} ranks ready in "
             f"{time.perf_counter() - started:.1f} s ({group})"

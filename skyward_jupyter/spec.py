@@ -8,9 +8,11 @@ what it implies, so nothing here knows a provider by name.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .frameworks import Frameworks
 from .providers import provider_class
 
 KNOWN_GPUS = ("T4", "A10G", "L4", "L40S", "V100", "A100", "H100")
@@ -58,23 +60,38 @@ class PoolSpec:
     no_sync: bool | None = None
     sync_cap: float | None = None
     """Megabytes a synced directory may hold (None: the default)."""
+    frameworks: tuple[str, ...] = ()
+    """``--framework`` names (): torch, when the ranks have it."""
+    keras_backend: str | None = None
+    hf_token_env: str | None = None
+    """The notebook's variable holding the Hugging Face token (its name only, never its value)."""
 
-    def pool_arguments(self, cwd: str) -> dict[str, Any]:
-        """The Pool's keyword arguments for the synced directories and the hang doctor's limits
-        (the pool's defaults stand for what was not given)."""
+    def pool_arguments(self, cwd: str, notebook_env: Mapping[str, str]) -> dict[str, Any]:
+        """The Pool's keyword arguments for the synced directories, the frameworks and the hang
+        doctor's limits (the pool's defaults stand for what was not given)."""
         given: dict[str, Any] = {
             "sync": () if self.no_sync else (self.sync or (cwd,)),
             "sync_cap_bytes": int(self.sync_cap * 2**20) if self.sync_cap else None,
             "heartbeat_timeout": self.heartbeat_timeout,
             "desync_after": self.desync_after,
+            "frameworks": self.framework_setup(notebook_env),
         }
         return {k: v for k, v in given.items() if v is not None}
+
+    def framework_setup(self, notebook_env: Mapping[str, str]) -> Frameworks:
+        """The frameworks the ranks set up; raises FrameworkError for options that clash."""
+        return Frameworks.from_options(
+            self.frameworks, self.keras_backend, self.hf_token_env, dict(self.env), notebook_env
+        )
 
     def describe(self) -> str:
         ranks = f"{self.procs_per_node} ranks" if self.procs_per_node else "1 rank per GPU or CPU"
         gpu = f", {self.gpu}" if self.gpu else ""
         where = provider_class(self.provider).where(self)
-        return f"{self.nodes} node{'s' * (self.nodes != 1)} x {ranks}, {where}{gpu}"
+        setup = [n for n in self.frameworks if n != "torch"]
+        setup += [f"keras on {self.keras_backend}"] if self.keras_backend else []
+        frameworks = f", {' + '.join(setup)}" if setup else ""
+        return f"{self.nodes} node{'s' * (self.nodes != 1)} x {ranks}, {where}{gpu}{frameworks}"
 
     def differences(self, other: PoolSpec) -> str:
         """What ``other`` changes, as options (``--env A=1 -> A=2``), for "replacing" messages."""

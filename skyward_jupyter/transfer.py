@@ -25,8 +25,8 @@ from typing import Any
 from . import protocol as p
 from . import wire
 from .events import PoolEvent, PoolMessage
-from .ranks import Rank, RankEnded, Ranks
-from .results import PoolError
+from .ranks import Rank, Ranks
+from .results import PoolError, RankEnded
 from .workdir import Manifest, Scanner, SyncError, bundle, human_bytes
 
 RELAY_MIN_BYTES = 1 << 20

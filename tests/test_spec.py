@@ -20,18 +20,28 @@ def test_each_provider_describes_its_own_pools() -> None:
     assert aws.describe().endswith("aws us-east-1 spot") and aws.idle_minutes() == 30
 
 
-def test_pool_arguments_carry_sync_and_the_hang_doctors_limits() -> None:
-    from skyward_jupyter.spec import PoolSpec
+def test_pool_arguments_carry_sync_frameworks_and_the_hang_doctors_limits() -> None:
+    from skyward_jupyter.frameworks import TORCH_ONLY, Frameworks
 
-    assert PoolSpec().pool_arguments("/nb") == {"sync": ("/nb",)}
-    given = PoolSpec(sync=("/a", "/b"), sync_cap=1.5, heartbeat_timeout=8, desync_after=0.5)
-    assert given.pool_arguments("/nb") == {
+    default = {"sync": ("/nb",), "frameworks": TORCH_ONLY}
+    assert PoolSpec().pool_arguments("/nb", {}) == default
+    given = PoolSpec(
+        sync=("/a", "/b"),
+        sync_cap=1.5,
+        heartbeat_timeout=8,
+        desync_after=0.5,
+        frameworks=("jax",),
+        hf_token_env="MY_TOKEN",
+    )
+    assert given.pool_arguments("/nb", {"MY_TOKEN": "t"}) == {
         "sync": ("/a", "/b"),
         "sync_cap_bytes": int(1.5 * 2**20),
         "heartbeat_timeout": 8,
         "desync_after": 0.5,
+        "frameworks": Frameworks(torch=False, jax=True, hf_token_env="MY_TOKEN"),
     }
-    assert PoolSpec(no_sync=True, sync=("/a",)).pool_arguments("/nb") == {"sync": ()}
+    no_sync = PoolSpec(no_sync=True, sync=("/a",)).pool_arguments("/nb", {})
+    assert no_sync["sync"] == ()
 
 
 def test_slurm_and_ray_options_make_their_providers() -> None:

@@ -47,8 +47,8 @@ from .console import Console
 from .output import FdCapture
 from .process import UsageMeter, flush_c_stdio, set_process_name
 from .stacks import Watch
-from .torch_setup import GroupError, GroupSettings, ProcessGroup, cuda_device_count, torch_version
-from .user_group import UserGroupCalls
+from .torch_setup import GroupSettings
+from .worlds import Worlds
 
 EXIT_CHANNEL_CLOSED = 0
 EXIT_HEARTBEAT_LOST = 75
@@ -67,10 +67,16 @@ class AgentSettings:
     backend: str | None = None
     pg_timeout: float = 1800.0
     relay_token: str | None = None
+    frameworks: tuple[str, ...] | None = None
+    """What the rank sets up (``--framework``); None: torch when it is installed."""
+    keras_backend: str | None = None
 
     @classmethod
     def from_env(cls) -> AgentSettings:
-        return cls(**json.loads(os.environ.get("SKYWARD_AGENT", "{}")))
+        given = json.loads(os.environ.get("SKYWARD_AGENT", "{}"))
+        if given.get("frameworks") is not None:
+            given["frameworks"] = tuple(given["frameworks"])
+        return cls(**given)
 
 
 class Agent:
@@ -86,26 +92,26 @@ class Agent:
         lines = os.environ.get("SKYWARD_WIRE") == "lines"
         self.channel = SyncChannel(wire_in, wire_out, lines, progress=self._heard)
         self.namespace = Namespace()
-        self.group = ProcessGroup(
-            GroupSettings(
-                rank=int(os.environ.get("RANK", "0")),
-                world_size=int(os.environ.get("WORLD_SIZE", "1")),
-                local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-                master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                backend=settings.backend,
-                timeout=settings.pg_timeout,
-            )
+        self._notes: list[str] = []
+        group = GroupSettings(
+            rank=int(os.environ.get("RANK", "0")),
+            world_size=int(os.environ.get("WORLD_SIZE", "1")),
+            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+            master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            backend=settings.backend,
+            timeout=settings.pg_timeout,
         )
+        self.worlds = Worlds(group, settings.frameworks, settings.keras_backend, self._notes.append)
         self.arrivals = Arrivals(
-            self.group.settings.rank,
+            group.rank,
             int(os.environ.get("GROUP_RANK", "0")),
-            self.group.settings.master_addr,
+            group.master_addr,
             settings.relay_token,
             self._diagnose,
         )
         self.watch = Watch(frozenset(_AGENT_THREADS | {"relay"}))
         self.console = Console(
-            self.group.settings.rank, self.channel.send, lambda: self.cell_id, self._sync_output
+            group.rank, self.channel.send, lambda: self.cell_id, self._sync_output
         )
         self.console.install()
         self.commands: queue.Queue[object] = queue.Queue()
@@ -122,16 +128,11 @@ class Agent:
         self._heartbeat_touched = 0.0
         self._metrics: list[tuple[int | None, dict[str, float]]] = []
         self._metrics_lock = threading.Lock()
-        self._torch: str | None = None
         self._usage = UsageMeter()
-        self._notes: list[str] = []
-        self.user_calls = UserGroupCalls(self.group, self._notes.append)
         os.environ.setdefault(
             "TORCHELASTIC_ERROR_FILE",
             error_file(
-                tempfile.gettempdir(),
-                os.environ.get("TORCHELASTIC_RUN_ID", "pool"),
-                self.group.settings.rank,
+                tempfile.gettempdir(), os.environ.get("TORCHELASTIC_RUN_ID", "pool"), group.rank
             ),
         )
 
@@ -239,7 +240,7 @@ class Agent:
             if now - last_beat >= s.heartbeat_interval:
                 # torch is read only once the main thread has finished importing it: a module
                 # half-imported by another thread has no attributes yet.
-                usage = self._usage.sample(torch_ready=self._torch is not None)
+                usage = self._usage.sample(torch_ready=self.worlds.torch is not None)
                 seen, waited = self.watch.sample()
                 if seen is not None:
                     usage = dataclasses.replace(
@@ -270,25 +271,18 @@ class Agent:
     # ------------------------------------------------------------------------------- main thread
 
     def serve(self) -> None:
-        self._torch = torch_version()
-        if self._torch:
-            self.user_calls.install()
-            # A rank forked from the warm template imported torch before this variable was
-            # set: apply it, as the OpenMP runtime of a freshly started process would.
-            threads = os.environ.get("OMP_NUM_THREADS", "")
-            if threads.isdigit() and int(threads) > 0:
-                import torch
-
-                torch.set_num_threads(int(threads))
+        self.worlds.prepare()
         self.channel.send(
             p.Hello(
                 pid=os.getpid(),
                 hostname=platform.node(),
                 python=platform.python_version(),
                 cloudpickle=cloudpickle.__version__,
-                torch=self._torch,
-                cuda_devices=cuda_device_count(),
+                torch=self.worlds.torch,
+                cuda_devices=self.worlds.cuda_devices(),
                 relay_port=self.arrivals.relay_port,
+                jax=self.worlds.jax_version,
+                problem=self.worlds.problem,
             )
         )
         while True:
@@ -298,7 +292,7 @@ class Agent:
             elif isinstance(command, p.SyncFiles):
                 self.channel.send(self.arrivals.sync(command))
             elif isinstance(command, p.FormGroup):
-                self._form_group(command)
+                self.worlds.form(command, self.channel.send)
             elif isinstance(command, p.LeaveGroup):
                 self._leave_group()
             elif isinstance(command, p.Shutdown):
@@ -308,38 +302,9 @@ class Agent:
 
     def _leave_group(self) -> None:
         try:
-            self.group.leave()
+            self.worlds.leave()
         except Exception as exc:  # noqa: BLE001 - a broken group is being discarded anyway
             self._diagnose(f"leaving the process group failed: {exc!r}")
-
-    def _form_group(self, command: p.FormGroup) -> None:
-        if self._torch is None:
-            self.channel.send(
-                p.GroupState(
-                    command.generation,
-                    ok=False,
-                    backend=None,
-                    message="torch is not installed on this rank: torch.distributed setup skipped",
-                )
-            )
-            return
-        os.environ["TORCHELASTIC_RESTART_COUNT"] = str(command.restarts)
-        try:
-            self.group.leave()
-            port = command.port
-            if port is None:
-                port = self.group.host()
-                self.channel.send(p.GroupPort(command.generation, port))
-            backend = self.group.join(port)
-        except GroupError as exc:
-            self.channel.send(p.GroupState(command.generation, False, None, str(exc)))
-            return
-        except Exception as exc:  # noqa: BLE001 - reported to the notebook with its type
-            self.channel.send(
-                p.GroupState(command.generation, False, None, f"{type(exc).__name__}: {exc}")
-            )
-            return
-        self.channel.send(p.GroupState(command.generation, True, backend, "ready"))
 
     def _sync_output(self) -> None:
         for stream in (sys.stdout, sys.stderr):
@@ -360,7 +325,7 @@ class Agent:
             for name, value in self.arrivals.prepare(command).items():
                 self.namespace.bind(name, value)
             before = dict(self.namespace.globals)  # holds the values, so ids cannot be reused
-            self.user_calls.reset()
+            self.worlds.user_calls.reset()
             with self._cell_lock:
                 self._interrupted = self._stop_cell == command.cell_id
                 self._in_cell = True
@@ -391,7 +356,7 @@ class Agent:
         done = cell_done(command.cell_id, value, error, seconds, after_interrupt)
         notes = tuple(self._notes)
         self._notes.clear()
-        destroyed = self.user_calls.destroyed or self.group.gone()
+        destroyed = self.worlds.destroyed()
         self.channel.send(
             dataclasses.replace(done, bound=bound, group_destroyed=destroyed, notes=notes)
         )

@@ -1,0 +1,119 @@
+"""The distributed worlds a rank belongs to: torch's process group and JAX's, as the pool asks.
+
+Which frameworks a rank sets up is the pool's ``--framework`` (torch by default, when it is
+installed). A formation is one :class:`~skyward_jupyter.protocol.FormGroup`: the head first
+starts what the others connect to (torch's store, JAX's coordinator port) and says where, then
+every rank joins torch's group, then JAX's, in that order everywhere, so nobody waits for a
+peer that is still in the other one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+
+from .. import protocol as p
+from .jax_setup import JaxWorld, jax_version, keras_conflict
+from .torch_setup import (
+    FORM_TIMEOUT,
+    GroupError,
+    GroupSettings,
+    ProcessGroup,
+    cuda_device_count,
+    torch_version,
+)
+from .user_group import UserGroupCalls
+
+
+def _accelerators(node: int) -> int:
+    """GPUs on this rank's node, as the pool's description (``SKYWARD_POOL``) gives them."""
+    pool = json.loads(os.environ.get("SKYWARD_POOL", "{}"))
+    return next((int(n["accelerators"]) for n in pool.get("nodes", ()) if n["node"] == node), 0)
+
+
+class Worlds:
+    def __init__(
+        self,
+        settings: GroupSettings,
+        frameworks: tuple[str, ...] | None,
+        keras_backend: str | None,
+        note: Callable[[str], None],
+    ) -> None:
+        self.wanted = frameworks
+        """The frameworks to set up; None: torch when it is installed."""
+        self.keras_backend = keras_backend
+        self.group = ProcessGroup(settings)
+        self.user_calls = UserGroupCalls(self.group, note)
+        node = int(os.environ.get("GROUP_RANK", "0"))
+        self.jax = JaxWorld(
+            settings.rank,
+            settings.world_size,
+            settings.local_rank,
+            int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+            _accelerators(node),
+            settings.master_addr,
+            note,
+        )
+        self.torch: str | None = None
+        self.jax_version: str | None = None
+        self.problem: str | None = None
+        """What stops this rank from serving the pool (the notebook shows it, naming the rank)."""
+
+    @property
+    def uses_torch(self) -> bool:
+        return self.torch is not None and (self.wanted is None or "torch" in self.wanted)
+
+    def prepare(self) -> None:
+        """Import the frameworks (the slow part of a start); note what stops this rank."""
+        self.torch = torch_version()
+        if self.uses_torch:
+            self.user_calls.install()
+            # A rank forked from the warm template imported torch before this variable was
+            # set: apply it, as the OpenMP runtime of a freshly started process would.
+            threads = os.environ.get("OMP_NUM_THREADS", "")
+            if threads.isdigit() and int(threads) > 0:
+                import torch
+
+                torch.set_num_threads(int(threads))
+        if self.wanted is not None and "jax" in self.wanted:
+            self.jax_version = jax_version()
+            if self.jax_version is not None:
+                self.jax.install()
+        self.problem = keras_conflict(self.keras_backend)
+
+    def cuda_devices(self) -> int:
+        return cuda_device_count() if self.torch else 0
+
+    def form(self, command: p.FormGroup, send: Callable[[object], None]) -> None:
+        """Join the pool's worlds; the head first says where the others connect."""
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = str(command.restarts)
+        try:
+            backend = None
+            if self.uses_torch:
+                self.group.leave()
+            port, jax_port = command.port, command.jax_port
+            if port is None and jax_port is None:
+                port = self.group.host() if self.uses_torch else None
+                jax_port = self.jax.host() if command.jax else None
+                send(p.GroupPort(command.generation, port, jax_port))
+            if self.uses_torch and port is not None:
+                backend = self.group.join(port)
+            if command.jax and jax_port is not None:
+                self.jax.join(jax_port, FORM_TIMEOUT)
+        except GroupError as exc:
+            send(p.GroupState(command.generation, False, None, str(exc)))
+            return
+        except Exception as exc:  # noqa: BLE001 - reported to the notebook with its type
+            send(p.GroupState(command.generation, False, None, f"{type(exc).__name__}: {exc}"))
+            return
+        send(p.GroupState(command.generation, True, backend, "ready"))
+
+    def leave(self) -> None:
+        """Leave torch's group (JAX's world ends with the process)."""
+        if self.uses_torch:
+            self.group.leave()
+
+    def destroyed(self) -> bool:
+        """The cell's code destroyed torch's group: the pool forms it again."""
+        return self.uses_torch and (self.user_calls.destroyed or self.group.gone())

@@ -1,0 +1,114 @@
+"""Forming the ranks' distributed worlds: torch's process group, and JAX's when the pool has it.
+
+The head goes first: it starts what the others connect to (torch's rendezvous store on a port it
+binds itself, a free port for JAX's coordinator) and says where; then every other rank is told,
+and all join, torch's group before JAX's everywhere. What the ranks said when they started is
+checked first, so a missing framework is named with its rank rather than found as a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from . import protocol as p
+from . import wire
+from .events import PoolMessage, RankState
+from .results import PoolError, RankEnded
+
+if TYPE_CHECKING:
+    from .ranks import Rank, Ranks
+
+FORM_TIMEOUT = 60.0
+"""Seconds for the worlds to form (the ranks check their reach of each other within 10)."""
+JAX_INSTALL = (
+    "install it where the ranks run (pip install 'skyward_jupyter[jax]', which brings "
+    "jax[cpu]; GPUs need jax[cuda12]), or leave out --framework jax"
+)
+
+
+def check_hellos(ranks: Ranks, started: list[Rank]) -> None:
+    """Fail the start, naming the rank, when a rank lacks what the pool sets up."""
+    wanted = ranks.settings.frameworks
+    for r in started:
+        assert r.hello is not None
+        if r.hello.problem:
+            raise PoolError(f"rank {r.index} ({r.describe()}): {r.hello.problem}")
+        if wanted.jax and r.hello.jax is None:
+            where = f"rank {r.index} ({r.describe()})"
+            raise PoolError(f"JAX is not installed on {where}: {JAX_INSTALL}")
+    missing = [r for r in started if r.hello is not None and r.hello.torch is None]
+    if missing and (wanted.torch or len(missing) < len(ranks.all)):
+        where = ", ".join(f"rank {r.index} ({r.describe()})" for r in missing)
+        have = next((r.hello.torch for r in ranks.all if r.hello and r.hello.torch), None)
+        others = f"; the other ranks have torch {have}" if have else ""
+        raise PoolError(f"torch is missing on {where}{others}: install it there")
+
+
+def _nothing_to_form(ranks: Ranks, jax: bool) -> str | None:
+    """Why no world is formed now (None: one is)."""
+    wanted = ranks.settings.frameworks
+    has_torch = wanted.torch is not False and all(
+        r.hello is not None and r.hello.torch is not None for r in ranks.all
+    )
+    if has_torch or jax:
+        return None
+    if not wanted.forms_worlds:
+        return "--framework none: no distributed setup"
+    if wanted.jax:
+        return ""  # JAX's world stands; torch is not set up
+    return "torch is not installed on the ranks: torch.distributed setup skipped"
+
+
+async def form_worlds(ranks: Ranks, jax: bool) -> None:
+    """(Re-)form torch.distributed everywhere, and JAX's world when ``jax``."""
+    skipped = _nothing_to_form(ranks, jax)
+    if skipped is not None:
+        if skipped:
+            ranks.worlds_note = skipped
+            ranks.emit(PoolMessage(skipped))
+        for r in ranks.all:
+            ranks.set_state(r, RankState.READY, skipped or ranks.worlds_note)
+        return
+    ranks.generation += 1
+    generation = ranks.generation
+    head, others = ranks.all[0], ranks.all[1:]
+    for r in ranks.all:
+        ranks.set_state(r, RankState.CONNECTING)
+    states = {r: r.expect("group") for r in ranks.all}
+    port_future = head.expect("port")
+    ranks.send(head, wire.encode(p.FormGroup(generation, None, ranks.restarts, jax)))
+    try:
+        await asyncio.wait(
+            [port_future, states[head]], timeout=FORM_TIMEOUT, return_when=asyncio.FIRST_COMPLETED
+        )
+        if not port_future.done():
+            state = states[head].result() if states[head].done() else None
+            reason = state.message if state else "no answer"
+            raise PoolError(f"rank 0 ({head.describe()}) could not host the rendezvous: {reason}")
+        where: p.GroupPort = port_future.result()
+        command = p.FormGroup(generation, where.port, ranks.restarts, jax, where.jax_port)
+        frame = wire.encode(command)
+        for r in others:
+            ranks.send(r, frame)
+        results = await asyncio.wait_for(asyncio.gather(*states.values()), FORM_TIMEOUT + 10)
+    except asyncio.TimeoutError:
+        raise PoolError(f"the process group did not form within {FORM_TIMEOUT:.0f} s") from None
+    except RankEnded as exc:
+        raise PoolError(f"a rank ended while the process group formed: {exc.how}") from None
+    failed = [(r, s) for r, s in zip(ranks.all, results, strict=True) if not s.ok]
+    if failed:
+        r, s = failed[0]
+        raise PoolError(
+            f"rank {r.index} ({r.describe()}) could not join the process group: {s.message}"
+        )
+    ranks.group_problem = None
+    parts = []
+    if where.port is not None:
+        ranks.group_backend, ranks.master_port = results[0].backend, where.port
+        parts.append(f"torch.distributed {ranks.group_backend}, port {where.port}")
+    if ranks.settings.frameworks.jax:
+        parts.append(f"jax.distributed, {len(ranks.all)} processes")
+    ranks.worlds_note = "; ".join(parts)
+    for r in ranks.all:
+        ranks.set_state(r, RankState.READY, ranks.worlds_note)
