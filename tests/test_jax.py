@@ -22,8 +22,6 @@ from skyward_jupyter.spec import PoolSpec
 
 from .conftest import _module_pool_pids, agent_pids, wait_for
 
-pytest.importorskip("jax")
-
 PSUM = """
 import jax, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P

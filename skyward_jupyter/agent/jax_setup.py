@@ -105,6 +105,10 @@ class JaxWorld:
                 "JAX_COORDINATOR_ADDRESS": coordinator,
                 "JAX_NUM_PROCESSES": str(self.world_size),
                 "JAX_PROCESS_ID": str(self.rank),
+                # What `keras.distribution.initialize()` reads, as a Keras launch script sets it
+                "KERAS_DISTRIBUTION_JOB_ADDRESSES": coordinator,
+                "KERAS_DISTRIBUTION_NUM_PROCESSES": str(self.world_size),
+                "KERAS_DISTRIBUTION_PROCESS_ID": str(self.rank),
             }
         )
         try:
@@ -128,6 +132,22 @@ class JaxWorld:
             ) from exc
         self.initialized = True
         os.environ["JAX_LOCAL_DEVICE_COUNT"] = str(len(jax.local_devices()))
+
+    def start_keras(self) -> None:
+        """Import Keras (on JAX) and agree on its random seed across the world, as
+        ``keras.distribution.initialize()`` does: otherwise each rank initialises its weights
+        from a seed of its own, and JAX refuses a replicated variable that differs."""
+        said = "jax.distributed.initialize() uses the pool's JAX world"
+        quiet = f"{said} ({self.world_size} processes)"
+        fresh = quiet not in self._noted
+        self._noted.add(quiet)  # Keras calls it; the user did not
+        try:
+            import keras
+
+            keras.distribution.initialize()
+        finally:
+            if fresh:
+                self._noted.discard(quiet)
 
     def install(self) -> None:
         """Route the user's ``jax.distributed`` calls to the pool's world (see the module)."""

@@ -101,6 +101,8 @@ class Worlds:
                 backend = self.group.join(port)
             if command.jax and jax_port is not None:
                 self.jax.join(jax_port, FORM_TIMEOUT)
+                if self.keras_backend == "jax":
+                    self.jax.start_keras()
         except GroupError as exc:
             send(p.GroupState(command.generation, False, None, str(exc)))
             return
