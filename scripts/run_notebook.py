@@ -26,9 +26,10 @@ def _text(output: nbformat.NotebookNode) -> str:
     return str(data.get("text/plain", "")) + "\n" if data else ""
 
 
-def main(path: str) -> int:
+def execute(path: str, timeout: float = 600) -> nbformat.NotebookNode:
+    """The notebook at ``path`` run in a fresh kernel, in its own directory, with its outputs;
+    raises CellExecutionError naming the first cell that failed."""
     nb = nbformat.read(path, as_version=4)
-    started = time.perf_counter()
     # IPC sockets in a private runtime dir: nothing listens on TCP, and the kernel does not warn
     # about unencrypted TCP on every run.
     runtime = tempfile.mkdtemp(prefix="skyward-demo-")
@@ -36,19 +37,26 @@ def main(path: str) -> int:
     client = NotebookClient(
         nb,
         km=km,
-        timeout=600,
+        timeout=timeout,
         kernel_name="python3",
         resources={"metadata": {"path": str(Path(path).parent)}},
     )
     try:
         client.execute()
-    except CellExecutionError as exc:
-        print(exc, file=sys.stderr)
-        return 1
     finally:
         if km.has_kernel:
             km.shutdown_kernel()  # a kernel we passed in is ours to end, not nbclient's
         shutil.rmtree(runtime, ignore_errors=True)
+    return nb
+
+
+def main(path: str) -> int:
+    started = time.perf_counter()
+    try:
+        nb = execute(path)
+    except CellExecutionError as exc:
+        print(exc, file=sys.stderr)
+        return 1
     for cell in nb.cells:
         if cell.cell_type != "code":
             continue
