@@ -23,6 +23,8 @@ OPTIONAL = {
     "jupyter_server": "the server extension is loaded only by a Jupyter server, which brings it",
     "tornado": "the server extension's handlers, loaded only by a Jupyter server",
     "ray": "only the ray provider needs it (the `ray` extra); without it, it says so",
+    "jax": "only --framework jax needs it on the ranks (the `jax` extra); without it, it says so",
+    "keras": "only --keras-backend jax imports it on the ranks (the `keras` extra)",
 }
 
 
