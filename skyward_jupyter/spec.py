@@ -8,6 +8,7 @@ what it implies, so nothing here knows a provider by name.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -122,9 +123,18 @@ def check_gpu_name(name: str) -> str:
     return match
 
 
+_SECRET = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL", re.I)
+"""Names whose ``--env`` values a message never shows."""
+
+
 def _shown(value: object) -> str:
     if value is None or value == ():
         return "(default)"
     if isinstance(value, tuple):
-        return ",".join("=".join(v) if isinstance(v, tuple) else str(v) for v in value)
+        return ",".join(_pair(v) if isinstance(v, tuple) else str(v) for v in value)
     return str(value)
+
+
+def _pair(pair: tuple[str, ...]) -> str:
+    name, text = pair
+    return f"{name}=***" if _SECRET.search(name) else f"{name}={text}"

@@ -10,6 +10,8 @@ def test_a_replacement_names_only_what_changed() -> None:
     assert two.differences(PoolSpec(nodes=2, env=(("A", "1"),))) == "--env (default) -> A=1"
     assert two.differences(PoolSpec(nodes=3, gpu="T4")) == "--nodes 2 -> 3, --gpu (default) -> T4"
     assert two.differences(PoolSpec(nodes=2)) == "nothing"
+    secret = PoolSpec(nodes=2, env=(("HF_TOKEN", "hf_abc"), ("MODE", "fast")))
+    assert two.differences(secret) == "--env (default) -> HF_TOKEN=***,MODE=fast"
 
 
 def test_each_provider_describes_its_own_pools() -> None:
