@@ -77,8 +77,8 @@ class Pool:
     ) -> None:
         if not isinstance(nodes, int) or nodes < 1:
             raise ValueError(f"nodes must be a whole number of at least 1, got {nodes!r}")
-        if procs_per_node is not None and (
-            not isinstance(procs_per_node, int) or procs_per_node < 1
+        if procs_per_node is not None and not (
+            isinstance(procs_per_node, int) and procs_per_node > 0
         ):
             raise ValueError(f"procs_per_node must be at least 1, got {procs_per_node!r}")
         if backend not in (None, "gloo", "nccl"):
@@ -250,10 +250,7 @@ class Pool:
 
     def close(self) -> None:
         """End every rank (leaving the process group first) and release the provider's resources.
-
-        A cell still running is ended: its ranks are killed and its ``run`` raises
-        :class:`PoolError`.
-        """
+        A cell still running is ended: its ranks are killed and its ``run`` raises PoolError."""
         io, self._io = self._io, None
         if io is None:
             return

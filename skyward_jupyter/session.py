@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from .capture import CaptureError, Shipment, Shipper
-from .frameworks import FrameworkError
 from .idle import IdleStop
 from .observers import NoViews, PoolWatcher, Views
 from .options import StdoutMode, implied_provider
@@ -39,15 +38,7 @@ class SessionError(Exception):
     """Bad input or a state the user must change; shown as one line, nothing else changes."""
 
 
-USER_ERRORS = (
-    SessionError,
-    CaptureError,
-    FrameworkError,
-    PoolError,
-    ProviderError,
-    SpecError,
-    UnknownProvider,
-)
+USER_ERRORS = (SessionError, CaptureError, PoolError, ProviderError, SpecError, UnknownProvider)
 """What the magics show as a one-line usage error (nothing else changed)."""
 
 
@@ -155,10 +146,9 @@ class Session:
             self._ended(entry)
             raise
         self._pools[name] = entry  # from here on the session owns it (and ends it with itself)
-        group = pool.worlds_note
         self._announce(
             f"pool {name!r}: {pool.world_size} ranks ready in "
-            f"{time.perf_counter() - started:.1f} s ({group})"
+            f"{time.perf_counter() - started:.1f} s ({pool.worlds_note})"
         )
         for warning in provider.warnings:
             self._announce(f"warning: {warning}")

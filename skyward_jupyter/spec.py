@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .frameworks import Frameworks
+from .frameworks import FrameworkError, Frameworks
 from .providers import provider_class
 
 KNOWN_GPUS = ("T4", "A10G", "L4", "L40S", "V100", "A100", "H100")
@@ -80,10 +80,13 @@ class PoolSpec:
         return {k: v for k, v in given.items() if v is not None}
 
     def framework_setup(self, notebook_env: Mapping[str, str]) -> Frameworks:
-        """The frameworks the ranks set up; raises FrameworkError for options that clash."""
-        return Frameworks.from_options(
-            self.frameworks, self.keras_backend, self.hf_token_env, dict(self.env), notebook_env
-        )
+        """The frameworks the ranks set up; raises SpecError for options that clash."""
+        try:
+            return Frameworks.from_options(
+                self.frameworks, self.keras_backend, self.hf_token_env, dict(self.env), notebook_env
+            )
+        except FrameworkError as exc:
+            raise SpecError(str(exc)) from None
 
     def describe(self) -> str:
         ranks = f"{self.procs_per_node} ranks" if self.procs_per_node else "1 rank per GPU or CPU"

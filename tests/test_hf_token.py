@@ -23,12 +23,12 @@ import pytest
 
 from skyward_jupyter import Pool
 from skyward_jupyter.events import PoolEvent
-from skyward_jupyter.frameworks import FrameworkError, Frameworks
+from skyward_jupyter.frameworks import Frameworks
 from skyward_jupyter.providers.base import ProviderError
 from skyward_jupyter.providers.ssh import Host, SSHOptions, SSHProvider
 from skyward_jupyter.registry.writer import Registry
 from skyward_jupyter.session import Session
-from skyward_jupyter.spec import PoolSpec
+from skyward_jupyter.spec import PoolSpec, SpecError
 
 from .hosts import Hosts, available, ssh_hosts
 
@@ -100,7 +100,7 @@ def test_the_notebooks_hf_token_is_the_default_and_a_missing_variable_is_named(
     setup = Frameworks.from_options((), None, None, {}, {"HF_TOKEN": "hf_x"})
     assert setup.rank_env(False, {"HF_TOKEN": "hf_x"}) == {"HF_TOKEN": "hf_x"}
     assert Frameworks().rank_env(False, {}) == {}
-    with pytest.raises(FrameworkError) as raised:
+    with pytest.raises(SpecError) as raised:
         PoolSpec(hf_token_env="NOT_SET_HERE").framework_setup({})
     assert "--hf-token-env NOT_SET_HERE: the notebook's environment has no NOT_SET_HERE" in str(
         raised.value

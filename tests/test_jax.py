@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from skyward_jupyter import Pool
-from skyward_jupyter.frameworks import FrameworkError, Frameworks
+from skyward_jupyter.frameworks import Frameworks
 from skyward_jupyter.results import PoolError
 from skyward_jupyter.session import Session
-from skyward_jupyter.spec import PoolSpec
+from skyward_jupyter.spec import PoolSpec, SpecError
 
 from .conftest import _module_pool_pids, agent_pids, wait_for
 
@@ -115,8 +115,9 @@ def test_an_interrupted_loop_of_collectives_leaves_a_working_world(pool: Pool) -
     ).raise_for_errors()
     stopped = pool.run(loop, timeout=2.0)
     assert stopped.errors and any("timed out" in n for n in stopped.notes)
-    after = pool.run(PSUM.replace("import jax", "import jax  # after the stop"))
-    assert after.raise_for_errors().values == [3.0, 3.0]
+    # A rank stopped inside a collective is killed and every rank replaced; either way the
+    # world works again.
+    assert pool.run(PSUM).raise_for_errors().values == [3.0, 3.0]
     assert pool.run("jax.process_count()").values == [2, 2]
 
 
@@ -179,8 +180,8 @@ def test_framework_options_are_checked_before_any_machine() -> None:
     assert spec.frameworks == ("jax", "torch") and spec.describe().endswith("local, jax")
     setup = session.spec_from({"keras_backend": "jax"}).framework_setup({})
     assert setup.jax and setup.torch is None and setup.rank_env(False, {})["KERAS_BACKEND"] == "jax"
-    with pytest.raises(FrameworkError, match="--framework none sets nothing up; it cannot go"):
+    with pytest.raises(SpecError, match="--framework none sets nothing up; it cannot go"):
         session.spec_from({"frameworks": ["none", "jax"]})
-    with pytest.raises(FrameworkError, match="KERAS_BACKEND=torch and --keras-backend jax"):
+    with pytest.raises(SpecError, match="KERAS_BACKEND=torch and --keras-backend jax"):
         session.spec_from({"env": [("KERAS_BACKEND", "torch")], "keras_backend": "jax"})
     assert PoolSpec().framework_setup({}).agent_settings()["frameworks"] is None
