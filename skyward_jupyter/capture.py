@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import ast
 import builtins
-import hashlib
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import xxhash
 
 from .protocol import Pickled
 
@@ -63,7 +64,9 @@ def names_used_by(value: Any) -> set[str]:
 
 
 def _digest(pickled: Pickled) -> bytes:
-    h = hashlib.sha1(usedforsecurity=False)  # a change detector; sha1 is the fastest here
+    """A change detector, not a security check: XXH3 reads 100 MB in a few milliseconds (sha1,
+    the fastest of hashlib's, took 50)."""
+    h = xxhash.xxh3_128()
     h.update(pickled.data)
     for buffer in pickled.buffers:
         h.update(buffer)
