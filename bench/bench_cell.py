@@ -89,7 +89,7 @@ def measure_unchanged(shell: Any, reps: int) -> dict[str, Any]:
     session = shell._skyward_session  # what %load_ext skyward_jupyter attached
     with quiet():
         shell.run_cell(f"import numpy as np\nbig = np.random.rand({MIB} * 2**20 // 8)")
-        timed(shell, "%%sky\nbig.shape")  # sent once
+        timed(shell, "%%sky --name default\nbig.shape")  # sent once
     shipper = session.pools["default"].shipper
     recognise: list[float] = []
     for _ in range(reps):
@@ -102,8 +102,14 @@ def measure_unchanged(shell: Any, reps: int) -> dict[str, Any]:
     if "big" not in shipper.prepare("big.shape", shell.user_ns).globals:
         raise BenchError("an in-place edit was not seen")
     with quiet():
-        timed(shell, "%%sky\nbig.shape")  # the edit travels
-    cells = interleaved(shell, {"unchanged": "%%sky\nbig.shape", "trivial": "%%sky\n1"}, reps, 2, 5)
+        timed(shell, "%%sky --name default\nbig.shape")  # the edit travels
+    cells = interleaved(
+        shell,
+        {"unchanged": "%%sky --name default\nbig.shape", "trivial": "%%sky --name default\n1"},
+        reps,
+        2,
+        5,
+    )
     return {
         "recognise": asdict(Summary.of(recognise)),
         **{name: asdict(Summary.of(s)) for name, s in cells.items()},

@@ -42,6 +42,9 @@ class NodeFiles:
         self._entered: tuple[str, ...] = ()
         self._roots: list[tuple[str, str]] = []
         self._mtimes: dict[str, int] = {}
+        self._known: tuple[object, ...] = ()
+        """What ``sys.modules`` and the roots were when ``_candidates`` was made."""
+        self._candidates: list[tuple[str, ModuleType, str]] = []
 
     # -- one rank per node: keep the copy in step --------------------------------------------
 
@@ -113,14 +116,29 @@ class NodeFiles:
     def _user_modules(self) -> Iterator[tuple[str, ModuleType, int]]:
         """The modules loaded from the directories the cells run in, with their files' times
         (a node's copy gives a changed file a new time: its content's)."""
+        for name, module, file in self._find_user_modules():
+            try:
+                yield name, module, os.stat(file).st_mtime_ns
+            except OSError:
+                continue
+
+    def _find_user_modules(self) -> list[tuple[str, ModuleType, str]]:
+        """Walking ``sys.modules`` (a thousand entries once torch is in) costs most of a trivial
+        cell, twice: it is walked again only when an import or a removal changed it (its size
+        or its newest entry) or the directories changed."""
         roots = tuple(os.path.join(r, "") for r in (self._entered or (os.getcwd(),)))
-        for name, module in list(sys.modules.items()):
-            file = getattr(module, "__file__", None)
-            if file and file.startswith(roots) and users_file(file):
-                try:
-                    yield name, module, os.stat(file).st_mtime_ns
-                except OSError:
-                    continue
+        modules = sys.modules
+        known = (len(modules), next(reversed(modules), None), roots)
+        if known != self._known or any(modules.get(n) is not m for n, m, _ in self._candidates):
+            self._known = known
+            self._candidates = [
+                (name, module, file)
+                for name, module in list(modules.items())
+                if (file := getattr(module, "__file__", None))
+                and file.startswith(roots)
+                and users_file(file)
+            ]
+        return self._candidates
 
     def here(self, path: str) -> str:
         """``path`` (the notebook's) as this node has it: inside a synced directory, the same

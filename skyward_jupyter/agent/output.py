@@ -9,9 +9,12 @@ sent as one chunk, which coalesces a flood of small writes.
 
 from __future__ import annotations
 
+import array
 import codecs
+import fcntl
 import os
 import select
+import termios
 import threading
 from collections.abc import Callable
 
@@ -26,6 +29,8 @@ class FdCapture:
         self._fd = fd
         self._emit = emit
         self._synced = threading.Event()
+        self._holding = False
+        """The pump has read text it has not emitted yet (or is reading it)."""
         read_end, write_end = os.pipe()
         os.dup2(write_end, fd)
         os.close(write_end)
@@ -37,8 +42,13 @@ class FdCapture:
         """Return once everything written to the descriptor so far has been emitted.
 
         Called at the end of a cell, so the cell's last output is sent before the cell's result
-        and lands in the cell that produced it.
+        and lands in the cell that produced it. When the pipe is empty and the pump holds
+        nothing, everything is out already: no round trip through the pump's thread (on a busy
+        machine, waiting for it to be scheduled costs milliseconds every cell).
         """
+        # Holding is read again after the pipe: the pump may have read it empty in between.
+        if not self._holding and _unread(self._read_end) == 0 and not self._holding:
+            return
         self._synced.clear()
         os.write(self._fd, _SYNC.encode())
         self._synced.wait(timeout)
@@ -53,7 +63,9 @@ class FdCapture:
             if not ready:
                 self._emit(self.stream, pending)
                 pending = ""
+                self._holding = False
                 continue
+            self._holding = True
             data = os.read(self._read_end, _READ_SIZE)
             if not data:
                 break
@@ -67,6 +79,7 @@ class FdCapture:
                 if pending:
                     self._emit(self.stream, pending)
                     pending = ""
+                self._holding = False
                 self._synced.set()
                 continue
             cut = max(pending.rfind("\n"), pending.rfind("\r")) + 1
@@ -75,5 +88,13 @@ class FdCapture:
             if cut:
                 self._emit(self.stream, pending[:cut])
                 pending = pending[cut:]
+            self._holding = bool(pending)
         if pending:
             self._emit(self.stream, pending)
+
+
+def _unread(fd: int) -> int:
+    """Bytes waiting in the pipe ``fd`` (FIONREAD)."""
+    count = array.array("i", [0])
+    fcntl.ioctl(fd, termios.FIONREAD, count)
+    return count[0]
