@@ -134,6 +134,9 @@ class PoolFacts(Protocol):
     def ranks(self) -> Sequence[RankFacts]: ...
 
     @property
+    def world_size(self) -> int: ...
+
+    @property
     def started_at(self) -> float | None: ...
 
     @property

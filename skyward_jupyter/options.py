@@ -278,9 +278,12 @@ CELL_OPTIONS: tuple[Option, ...] = (
 )
 
 
+_POOL_DESTS = tuple(o.dest for o in POOL_OPTIONS if o.dest != "name")
+
+
 def pool_options(args: argparse.Namespace) -> dict[str, Any]:
     """The pool options given in ``args`` (None where not given), ``--name`` aside."""
-    return {o.dest: getattr(args, o.dest) for o in POOL_OPTIONS if o.dest != "name"}
+    return {dest: getattr(args, dest) for dest in _POOL_DESTS}
 
 
 def implied_provider(given: dict[str, Any]) -> str | None:

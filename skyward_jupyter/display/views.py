@@ -150,7 +150,7 @@ class PoolViews:
 
     def cell(self, entry: EntryFacts, stdout: StdoutMode) -> _CellView:
         """A cell is about to run on ``entry``'s pool (kernel thread)."""
-        output = CellOutput(stdout, ranks=len(entry.pool.ranks))
+        output = CellOutput(stdout, ranks=entry.pool.world_size)
         view = self._views.get(entry.name)
         if view is None or view.pool is not entry.pool:
             return _CellView(self, None, output)
