@@ -54,7 +54,8 @@ def agent_pids(name: bytes = b"sky-rank-") -> set[int]:
 
 
 def agents_among(pids: Iterable[int]) -> list[int]:
-    """Which of ``pids`` run the rank agent (wherever they are: a host's namespace, a cluster)."""
+    """Which of ``pids`` run the package's agent: ranks, and a node's warm template (wherever
+    they are: a host's namespace, a cluster)."""
     found = []
     for pid in pids:
         try:
@@ -62,6 +63,18 @@ def agents_among(pids: Iterable[int]) -> list[int]:
                 found.append(pid)
         except OSError:
             continue  # ended while we looked
+    return found
+
+
+def ranks_among(pids: Iterable[int]) -> list[int]:
+    """Which of ``pids`` are ranks (a node's template forks them, so they share its command)."""
+    found = []
+    for pid in agents_among(pids):
+        try:
+            if not Path(f"/proc/{pid}/comm").read_bytes().startswith(b"sky-node-templ"):
+                found.append(pid)
+        except OSError:
+            continue
     return found
 
 

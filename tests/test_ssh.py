@@ -20,7 +20,7 @@ from skyward_jupyter.providers.base import ProviderError
 from skyward_jupyter.providers.ssh import Host, SSHOptions, SSHProvider
 from skyward_jupyter.providers.ssh_prepare import package_digest
 
-from .conftest import agents_among, wait_for
+from .conftest import agents_among, ranks_among, wait_for
 from .hosts import Hosts, available, ssh_hosts
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
@@ -58,7 +58,12 @@ def _provider(
 
 
 def _remote_agents(hosts: Hosts) -> list[int]:
+    """Every process of the package on the hosts: ranks and the hosts' warm templates."""
     return agents_among(pid for i in range(len(hosts)) for pid in hosts.pids(i))
+
+
+def _remote_ranks(hosts: Hosts) -> list[int]:
+    return ranks_among(pid for i in range(len(hosts)) for pid in hosts.pids(i))
 
 
 def test_ddp_across_three_hosts_and_the_package_ships_once(hosts: Hosts, tmp_path: Path) -> None:
@@ -160,7 +165,7 @@ def test_a_host_dying_mid_cell_ends_the_cell_and_names_it(hosts: Hosts, tmp_path
         killer_started = time.monotonic()
 
         def kill_host_one() -> None:
-            wait_for(lambda: len(_remote_agents(hosts)) == 2, 10, "both ranks")
+            wait_for(lambda: len(_remote_ranks(hosts)) == 2, 10, "both ranks")
             hosts.kill_sshd(1)
 
         killer = threading.Thread(target=kill_host_one)
@@ -193,7 +198,7 @@ def test_remote_ranks_end_when_the_notebook_is_killed(hosts: Hosts, tmp_path: Pa
     try:
         assert notebook.stdout is not None
         assert notebook.stdout.readline().strip() == "ready"
-        assert len(_remote_agents(hosts)) == 2
+        assert len(_remote_ranks(hosts)) == 2
     finally:
         notebook.kill()
         notebook.wait()
@@ -284,7 +289,7 @@ def test_a_network_drop_mid_cell_ends_the_cell_in_bounded_time(
         pool.run("import time, torch.distributed as dist")
 
         def drop_host_two() -> None:
-            wait_for(lambda: len(_remote_agents(hosts)) >= 2, 10, "both ranks")
+            wait_for(lambda: len(_remote_ranks(hosts)) >= 2, 10, "both ranks")
             hosts.down_link(2)
 
         dropper = threading.Thread(target=drop_host_two)
@@ -354,3 +359,37 @@ def test_a_host_allowing_few_sessions_gets_more_connections(tmp_path: Path) -> N
             again = pool.run("dist.get_world_size()")
             assert again.values == [3, 3, 3], again.errors
         wait_for(lambda: not _remote_agents(few), 10, "remote ranks to end")
+
+
+def _from_template(pid: int) -> bool:
+    ppid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+    return Path(f"/proc/{ppid}/comm").read_bytes().startswith(b"sky-node-templ")
+
+
+def test_ranks_are_forked_from_each_hosts_warm_template(hosts: Hosts, tmp_path: Path) -> None:
+    """Ranks, and a lost rank's replacement, come from the host's template (torch imported
+    once); an environment that changes what torch reads at import starts a rank directly."""
+    provider = _provider(hosts, 2, tmp_path, which=(0, 2))
+    with Pool(nodes=2, provider=provider, heartbeat_timeout=8) as pool:
+        first = [r.hello.pid for r in pool.ranks if r.hello]
+        assert all(_from_template(pid) for pid in first)
+        assert len(_remote_agents(hosts)) == 4  # two templates, two ranks
+        pool.run("kept = 1")
+        subprocess.run(hosts.inside_argv(2, "kill", "-9", str(first[1])), check=True)
+        wait_for(
+            lambda: (hello := pool.ranks[1].hello) is not None and hello.pid != first[1],
+            30,
+            "rank 1 to be replaced",
+        )
+        replaced = pool.ranks[1].hello
+        assert replaced is not None and _from_template(replaced.pid)
+        result = pool.run(ALL_REDUCE)
+        assert result.ok and [v[:2] for v in result.values] == [(3.0, 2)] * 2
+        assert result.lost == (1,)
+    wait_for(lambda: not _remote_agents(hosts), 10, "ranks and templates to end")
+    direct = _provider(hosts, 2, tmp_path, which=(0, 2))
+    with Pool(nodes=2, provider=direct, env={"MKL_NUM_THREADS": "1"}) as pool:
+        pids = [r.hello.pid for r in pool.ranks if r.hello]
+        assert not any(_from_template(pid) for pid in pids)
+        assert pool.run(ALL_REDUCE).ok
+    wait_for(lambda: not _remote_agents(hosts), 10, "ranks and templates to end")

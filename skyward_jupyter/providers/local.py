@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 from ..procs import end, is_agent, process_alive, process_start
 from .base import Node, Progress, Provider, ProviderError, ReapReport, StderrTail, no_progress
 from .local_template import (
-    IMPORT_TIME_PREFIXES,
     base_env,
+    differs_at_import,
     prewarm,
     shutdown_template,
     template,
@@ -48,12 +48,11 @@ if TYPE_CHECKING:
 __all__ = ["LocalProvider", "prewarm", "shutdown_template", "split_gpus", "template_pids"]
 
 _PIPE_BYTES = 1 << 20
+
+
 # Variables the template's import of torch does not read: the agent applies the thread count
 # itself (torch.set_num_threads); NCCL's error handling and flight recorder are read when a
 # group forms.
-_SET_AFTER_START = {"OMP_NUM_THREADS", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_FR_BUFFER_SIZE"}
-
-
 def visible_gpus() -> tuple[tuple[str, ...], str | None]:
     """GPU ids this process may use, and their model, without initialising CUDA here."""
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -342,12 +341,7 @@ class LocalProvider(Provider):
 
     def _template_can_serve(self, env: Mapping[str, str]) -> bool:
         """False when the rank's environment changes what torch reads when it is imported."""
-        base = base_env()
-        return self._use_template and not any(
-            k.startswith(IMPORT_TIME_PREFIXES) and base.get(k) != v
-            for k, v in env.items()
-            if k not in _SET_AFTER_START
-        )
+        return self._use_template and not differs_at_import(env, base_env())
 
     async def start_rank(self, node: Node, env: Mapping[str, str]) -> LocalRank:
         full_env = self._rank_env(node, env)

@@ -24,6 +24,21 @@ from .base import ProviderError
 _PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
 IMPORT_TIME_PREFIXES = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "TORCH_", "PYTORCH_", "LD_")
 """Environment variables a process reads at start-up or when torch is imported."""
+SET_AFTER_START = frozenset(
+    {"OMP_NUM_THREADS", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_FR_BUFFER_SIZE"}
+)
+"""Of those, the ones that still take effect in a forked rank (the agent sets the thread count;
+torch reads the others when the process group forms)."""
+
+
+def differs_at_import(env: Mapping[str, str], base: Mapping[str, str]) -> bool:
+    """Whether ``env`` changes what a process read at start-up or when torch was imported,
+    against ``base`` (the template's environment): then a rank cannot be forked from it."""
+    return any(
+        k.startswith(IMPORT_TIME_PREFIXES) and base.get(k) != v
+        for k, v in env.items()
+        if k not in SET_AFTER_START
+    )
 
 
 class Template:

@@ -30,6 +30,7 @@ from ..events import RankState
 from .base import Node, Progress, Provider, ProviderError, ReapReport, StderrTail, no_progress
 from .ssh_keys import changed_key, known_hosts_file, record_if_new
 from .ssh_prepare import check_versions, probe, ship
+from .ssh_template import HostTemplate
 
 if TYPE_CHECKING:
     from ..spec import PoolSpec
@@ -216,6 +217,7 @@ class SSHProvider(Provider):
         self._sessions: list[Sessions] = []
         self._remote_package: list[str] = []
         self._python: list[str] = []
+        self._templates: list[HostTemplate | None] = []
 
     async def provision(self, nodes: int, progress: Progress = no_progress) -> list[Node]:
         if nodes != len(self.hosts):
@@ -241,6 +243,20 @@ class SSHProvider(Provider):
             address = self.options.head_addr if index == 0 and self.options.head_addr else host.host
             gpus = tuple(str(i) for i in range(int(found.get("gpus") or 0)))
             out.append(Node(index, address, gpus, found.get("gpu_model")))
+        for index, host in enumerate(self.hosts):
+            progress(
+                f"warming a template on {host} (torch imported once)", index, RankState.BOOTING
+            )
+        started = await asyncio.gather(
+            *(
+                HostTemplate.start(s, python, package)
+                for s, python, package in zip(
+                    self._sessions, self._python, self._remote_package, strict=True
+                )
+            )
+        )
+        self._templates = [template for template, _ in started]
+        self.warnings.extend(why for _, why in started if why)
         return out
 
     async def _connect(self, host: Host) -> asyncssh.SSHClientConnection:
@@ -316,6 +332,16 @@ class SSHProvider(Provider):
     async def start_rank(self, node: Node, env: Mapping[str, str]) -> SSHRank:
         sessions = self._sessions[node.index]
         host = self.hosts[node.index]
+        template = self._templates[node.index] if self._templates else None
+        line = json.dumps({**env, "PYTHONUNBUFFERED": "1"}).encode() + b"\n"
+        if template is not None and template.serves(env):
+            # The spawner reads the environment first; the forked rank then prints its pid.
+            try:
+                process = await sessions.process(template.command())
+            except (asyncssh.Error, OSError) as exc:
+                raise ProviderError(f"{host}: cannot start a rank: {exc}") from None
+            process.stdin.write(line)
+            return SSHRank(host, sessions, process, await _pid(host, process))
         agent = shlex.join(
             [
                 "env",
@@ -330,16 +356,25 @@ class SSHProvider(Provider):
             process = await sessions.process(f"echo $$; exec {agent}")
         except (asyncssh.Error, OSError) as exc:
             raise ProviderError(f"{host}: cannot start a rank: {exc}") from None
-        try:
-            pid = int((await asyncio.wait_for(process.stdout.readline(), 30)).strip())
-        except (ValueError, asyncio.TimeoutError, asyncssh.Error) as exc:
-            process.close()
-            raise ProviderError(f"{host}: the rank did not start ({exc!r})") from None
-        process.stdin.write(json.dumps({**env, "PYTHONUNBUFFERED": "1"}).encode() + b"\n")
+        pid = await _pid(host, process)
+        process.stdin.write(line)
         return SSHRank(host, sessions, process, pid)
 
     async def release(self) -> None:
+        for template in self._templates:
+            if template is not None:
+                template.close()
+        self._templates.clear()
         for sessions in self._sessions:
             sessions.close()
         await asyncio.gather(*(s.wait_closed() for s in self._sessions))
         self._sessions.clear()
+
+
+async def _pid(host: Host, process: Any) -> int:
+    """The rank's first line: its pid, which ending it needs (a ``kill`` over the connection)."""
+    try:
+        return int((await asyncio.wait_for(process.stdout.readline(), 30)).strip())
+    except (ValueError, asyncio.TimeoutError, asyncssh.Error) as exc:
+        process.close()
+        raise ProviderError(f"{host}: the rank did not start ({exc!r})") from None
