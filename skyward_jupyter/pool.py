@@ -175,9 +175,7 @@ class Pool:
 
     def start(self, on_wait: Callable[[], None] | None = None) -> Pool:
         """Start every rank and form the process group; blocks until the pool is ready.
-
-        ``on_wait`` is called on the caller's thread while it waits (a view showing the boot).
-        """
+        ``on_wait`` is called on the caller's thread while it waits (a view showing the boot)."""
         if self._io is not None:
             return self
         self._transfer.scan()  # a directory that cannot be synced fails before any machine
@@ -207,9 +205,8 @@ class Pool:
         ``__main__``, argv and directory). A syntax error or an unpicklable global fails here.
         ``observer`` gets this cell's events only (on the IO thread); ``on_wait`` is called on
         the caller's thread about 20 times a second while it waits, so a view can draw output
-        from the thread that owns the notebook cell. Closing the pool meanwhile (from another
-        thread) ends the cell with a :class:`PoolError`.
-        """
+        from the thread that owns the notebook cell. Closing the pool meanwhile ends the cell
+        with a :class:`PoolError`."""
         io = self._io
         if io is None or self._closing:
             raise PoolError(f"pool {self.name!r} is not running; start it first")
@@ -231,6 +228,19 @@ class Pool:
             return wait(io.submit(self._run(command, files, timeout)), self.interrupt, waiting)
         finally:
             self._fanout.observers.pop(cell_id, None)
+
+    def restart(self) -> None:
+        """Fresh rank processes and worlds on the same machines (``%sky restart``): no machine
+        is provisioned again, and a node's warm template forks the ranks."""
+        if self._io is None or self._closing or self._op_lock is None:
+            raise PoolError(f"pool {self.name!r} is not running")
+        lock, ranks = self._op_lock, self._ranks
+
+        async def restart() -> None:
+            async with lock:
+                await ranks.restart_all()
+
+        wait(self._io.submit(restart()), self.interrupt)
 
     def stacks(self) -> str:
         """Every rank's stacks and what it waits in (``%sky stacks``), also while a cell runs."""
@@ -383,17 +393,7 @@ class Pool:
         cell_task = self._cell_task
         if self._cell is not None:
             self._cell.close()
-        bye = wire.encode(p.Shutdown())
-        live = [r for r in self._ranks.all if r.alive and r.process is not None]
-        for r in live:
-            self._ranks.send(r, bye)
-        readers = [r.reader for r in live if r.reader is not None]
-        if readers:
-            # Idle ranks leave the group and run their exit hooks; only stuck ones are killed.
-            _, stuck = await asyncio.wait(readers, timeout=max(self.interrupt_grace, 5.0))
-            if stuck:
-                await asyncio.gather(*(r.process.kill() for r in live if r.alive and r.process))
-                await asyncio.wait(stuck, timeout=5)
+        await self._ranks.shut_down(max(self.interrupt_grace, 5.0))
         if cell_task is not None:
             # The cell's ranks are gone: its run ends now, with the error that says why.
             await asyncio.wait([cell_task], timeout=5)

@@ -272,6 +272,27 @@ class Ranks:
         await self.form_group(jax)
         return notes
 
+    async def shut_down(self, grace: float) -> None:
+        """Ask every live rank to end; kill those still there after ``grace`` seconds (idle
+        ranks leave the group and run their exit hooks; only stuck ones are killed)."""
+        live = [r for r in self.all if r.alive and r.process is not None]
+        bye = wire.encode(p.Shutdown())
+        for r in live:
+            self.send(r, bye)
+        readers = [r.reader for r in live if r.reader is not None]
+        if readers:
+            _, stuck = await asyncio.wait(readers, timeout=grace)
+            if stuck:
+                await asyncio.gather(*(r.process.kill() for r in live if r.alive and r.process))
+                await asyncio.wait(stuck, timeout=5)
+
+    async def restart_all(self) -> None:
+        """Every rank afresh on its node (``%sky restart``): new namespaces, new worlds."""
+        await self._retire([r for r in self.all if r.alive])
+        await asyncio.gather(*(self.spawn(r) for r in self.all))
+        await self.await_hellos(self.all)
+        await self.form_group(self.settings.frameworks.jax)
+
     async def _retire(self, ranks: list[Rank]) -> None:
         """End live ranks that are to be replaced (their end is no loss to report)."""
         processes = [r.process for r in ranks if r.process is not None]

@@ -284,10 +284,19 @@ class Session:
         return result
 
     def restart(self, name: str | None = None) -> PoolEntry:
-        """Fresh processes and a fresh process group for the pool, same spec."""
-        entry = self._require(name)
-        self.down(entry.name, quiet=True)
-        return self.entry(entry.name, entry.spec)
+        """Fresh processes and worlds for the pool, on its machines (a pool that stopped, or
+        whose ranks cannot be restarted, is started afresh with the same spec)."""
+        entry, started = self._require(name), time.perf_counter()
+        try:
+            entry.pool.restart()
+        except (PoolError, ProviderError) as exc:
+            self._announce(f"pool {entry.name!r}: {exc}; starting it afresh")
+            self.down(entry.name, quiet=True)
+            return self.entry(entry.name, entry.spec)
+        entry.shipper.forget()
+        took = time.perf_counter() - started
+        self._announce(f"pool {entry.name!r}: {entry.pool.world_size} fresh ranks in {took:.1f} s")
+        return entry
 
     def down(self, name: str | None = None, *, quiet: bool = False) -> list[str]:
         """End a pool (the current one by default); returns the names ended."""
@@ -353,9 +362,8 @@ class Session:
     def sweep(
         self, *, yes: bool = False, region: str | None = None, all_owners: bool = False
     ) -> str:
-        """What each provider made that no live pool owns (EC2 instances and their pools' key
-        pairs and groups): listed, or with ``yes`` ended. Live pools are this session's and
-        the registry's whose owner process is alive (:func:`providers.sweep_all`)."""
+        """What providers made that no live pool (this session's, or the registry's with a live
+        owner) owns: EC2 instances, key pairs, groups; listed, or with ``yes`` ended."""
         from .registry import live_teardowns
 
         return sweep_all(
@@ -369,16 +377,9 @@ class Session:
 
     def status(self) -> str:
         """``%sky status``: every pool (``*`` the current one), its state and its ranks."""
-        return (
-            "\n".join(
-                line
-                for name, entry in self._pools.items()
-                for line in pool_status(
-                    name, entry.spec.describe(), entry.pool, name == self.current
-                )
-            )
-            or "no pools"
-        )
+        pools = self._pools.items()
+        lines = [pool_status(n, e.spec.describe(), e.pool, n == self.current) for n, e in pools]
+        return "\n".join(line for status in lines for line in status) or "no pools"
 
     def _require(self, name: str | None = None) -> PoolEntry:
         target = name or self.current

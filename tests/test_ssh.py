@@ -386,6 +386,13 @@ def test_ranks_are_forked_from_each_hosts_warm_template(hosts: Hosts, tmp_path: 
         result = pool.run(ALL_REDUCE)
         assert result.ok and [v[:2] for v in result.values] == [(3.0, 2)] * 2
         assert result.lost == (1,)
+        before = {r.hello.pid for r in pool.ranks if r.hello}
+        pool.restart()  # %sky restart: fresh ranks on the same hosts, from their templates
+        after = [r.hello.pid for r in pool.ranks if r.hello]
+        assert len(after) == 2 and not before & set(after)
+        assert all(_from_template(pid) for pid in after)
+        fresh = pool.run(ALL_REDUCE + "\n'kept' in globals()")
+        assert fresh.ok and fresh.values == [False, False]
     wait_for(lambda: not _remote_agents(hosts), 10, "ranks and templates to end")
     direct = _provider(hosts, 2, tmp_path, which=(0, 2))
     with Pool(nodes=2, provider=direct, env={"MKL_NUM_THREADS": "1"}) as pool:
