@@ -76,7 +76,7 @@ POOL_CHILD = textwrap.dedent(
     f"""
     import json, time
     from skyward_jupyter import Pool
-    from skyward_jupyter.providers import local
+    from skyward_jupyter.providers import local_template as local
 
     def first_cell():
         t0 = time.perf_counter()

@@ -55,6 +55,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import sys
 import tempfile
 import time
@@ -277,6 +279,42 @@ def round_trip(ssh_pool: Pool, local_pool: Pool, runs: int, warmup: int) -> dict
     }
 
 
+def _replace_rank_one(pool: Pool, timeout: float = 60.0) -> float:
+    """Kill rank 1 while idle; seconds until its replacement is ready (the group re-formed)."""
+    old = pool.ranks[1].hello
+    assert old is not None
+    t0 = time.perf_counter()
+    os.kill(old.pid, signal.SIGKILL)  # the hosts share this machine's process table
+    while time.perf_counter() - t0 < timeout:
+        now = pool.ranks[1]
+        if now.hello is not None and now.hello.pid != old.pid and now.state.value == "ready":
+            return time.perf_counter() - t0
+        time.sleep(0.002)
+    raise BenchError(f"rank 1 was not replaced within {timeout:.0f} s")
+
+
+def measure_restart(ssh_pool: Pool, local_pool: Pool, reps: int) -> dict[str, Any]:
+    """``%sky restart`` (``Pool.restart``) and a lost rank's replacement, both pools
+    interleaved; each checked with a cell across the fresh group."""
+    pools = {"ssh": ssh_pool, "local": local_pool}
+    restart: dict[str, list[float]] = {name: [] for name in pools}
+    replace: dict[str, list[float]] = {name: [] for name in pools}
+    for i in range(reps):
+        for name in list(pools) if i % 2 == 0 else list(pools)[::-1]:
+            pool = pools[name]
+            t0 = time.perf_counter()
+            pool.restart()
+            restart[name].append(time.perf_counter() - t0)
+            pool.run(FIRST_CELL).raise_for_errors()
+            replace[name].append(_replace_rank_one(pool))
+            pool.run(FIRST_CELL).raise_for_errors()
+    return {
+        "restart_s": {name: asdict(Summary.of(s)) for name, s in restart.items()},
+        "replace_s": {name: asdict(Summary.of(s)) for name, s in replace.items()},
+        "reps": reps,
+    }
+
+
 def remote_agents(hosts: Hosts) -> list[int]:
     """Rank processes still running on the hosts."""
     found = []
@@ -325,10 +363,18 @@ def run_all(args: Any) -> dict[str, Any]:
             )
             local_pool = pools.enter_context(Pool(nodes=NODES))
             rt = round_trip(ssh_pool, local_pool, args.runs, args.warmup)
+            print(f"(4) restart and replacement: {args.restarts} each", file=sys.stderr)
+            restarts = measure_restart(ssh_pool, local_pool, args.restarts)
         left = agents_left_after_close(hosts)
         if left:
             raise BenchError(f"SSH ranks still running on the hosts after close: {left}")
-    return {"start": start, "ship": ship, "round_trip": rt, "remote_ranks_left": len(left)}
+    return {
+        "start": start,
+        "ship": ship,
+        "round_trip": rt,
+        "restart": restarts,
+        "remote_ranks_left": len(left),
+    }
 
 
 # ------------------------------------------------------------------------------ markdown
@@ -368,11 +414,12 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"**{start['ratio_ssh_over_local_warm']:.0f}** vs warm template",
         ),
         row(
-            "*of which `provision`: connect, probe Python and package versions, check the cache*",
+            "*of which `provision`: connect, probe Python and package versions, check the cache, "
+            "start each host's template (it imports torch)*",
             "ssh_warm_provision_s",
         ),
         row(
-            "*of which the rest: start the ranks (each imports torch), form the group, first cell*",
+            "*of which the rest: fork the ranks from the templates, form the group, first cell*",
             "ssh_warm_after_provision_s",
         ),
         row(
@@ -391,8 +438,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         "The local figures are `bench_core.py`'s (its child process, run here interleaved with the "
         "SSH pools): cold is the first pool of a process without prewarm (it starts the rank "
         "template, which imports torch), warm template a later pool in the same process (as after "
-        "`%load_ext skyward_jupyter`). An SSH pool has no template: every start probes each "
-        "host's Python and starts fresh interpreters there that import torch.",
+        "`%load_ext skyward_jupyter`). An SSH pool starts a template on each host (it imports "
+        "torch once, for the pool's life) and forks its ranks from it.",
         "",
         f'### (2) Round trip of a trivial cell (`pool.run("1")`, {NODES} ranks, {rt["runs"]} '
         f"alternating pairs after {rt['warmup']} warm-up of each)",
@@ -447,6 +494,28 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"round {', '.join(map(str, shipped))} of them shipped. Separate machines would each "
         "get their own copy, in parallel.",
         "",
+        f"### (4) `%sky restart` and a lost rank's replacement ({NODES} ranks, "
+        f"{report['restart']['reps']} of each, the two pools alternating)",
+        "",
+        "| | median | min | max | goal |",
+        "|---|---:|---:|---:|---:|",
+        *(
+            range_row(label, report["restart"][key][name], fmt_s, goal)
+            for key, what in (
+                ("restart_s", "`pool.restart()` (`%sky restart`): fresh ranks and group"),
+                ("replace_s", "rank 1 killed while idle until its replacement is ready"),
+            )
+            for name, label, goal in (
+                ("ssh", f"SSH: {what}", "at most 0.5 s"),
+                ("local", f"local: {what}", ""),
+            )
+        ),
+        "",
+        "A restart keeps the pool's machines and connections; the ranks are forked from each "
+        "host's warm template (torch imported when the pool started). A replacement is counted "
+        "from the kill until the new rank is ready, which includes noticing the loss and "
+        "forming the group again on every rank.",
+        "",
         f"No SSH rank was left running on the hosts after the pools were closed "
         f"({report['remote_ranks_left']} found); hosts, pools and the local template were torn "
         "down at the end.",
@@ -461,6 +530,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=200, help="timed trivial-cell pairs")
     parser.add_argument("--warmup", type=int, default=20, help="untimed round trips of each first")
     parser.add_argument("--ship-runs", type=int, default=20, help="timed shipping steps of each")
+    parser.add_argument("--restarts", type=int, default=7, help="restarts and replacements each")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per local child")
     args = SCRIPT.parse_args(parser, argv)
     if min(args.repeat, args.runs, args.ship_runs) < 1 or min(args.warmup, args.start_warmup) < 0:

@@ -134,9 +134,7 @@ class NodeFiles:
             self._candidates = [
                 (name, module, file)
                 for name, module in list(modules.items())
-                if (file := getattr(module, "__file__", None))
-                and file.startswith(roots)
-                and users_file(file)
+                if (file := _file_of(module)) and file.startswith(roots) and users_file(file)
             ]
         return self._candidates
 
@@ -147,6 +145,16 @@ class NodeFiles:
             if path.startswith(root + os.sep):
                 return copy + path[len(root) :]
         return path
+
+
+def _file_of(module: object) -> str | None:
+    """A module's file, read without asking the module: an attribute access would load a module
+    imported lazily (importlib's LazyLoader), only to learn that it is not the user's."""
+    try:
+        file = object.__getattribute__(module, "__dict__").get("__file__")
+    except AttributeError:
+        return None
+    return file if isinstance(file, str) else None
 
 
 def _sha256(path: Path) -> str | None:

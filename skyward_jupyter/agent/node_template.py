@@ -18,6 +18,7 @@ The template exits when its own channel closes: the pool's release, or the noteb
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import socket
@@ -63,6 +64,10 @@ class NodeTemplate:
         del rank
         set_process_name("sky-node-template")
         torch_version()  # the point of the template
+        # What torch and the agent allocated is never garbage: frozen, a rank's first collection
+        # skips it (it took 100 ms, and copied every page it touched out of the template).
+        gc.collect()
+        gc.freeze()
         directory = tempfile.mkdtemp(prefix="skyward-template-")  # mode 0700
         path = os.path.join(directory, "spawn.sock")
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)

@@ -15,6 +15,7 @@ The template exits when the notebook's end of the socket closes.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -54,6 +55,10 @@ def serve(sock: socket.socket) -> None:
     set_process_name("sky-template")
 
     torch_version()  # the point of the template; without torch, ranks report it themselves
+    # What torch and the agent allocated is never garbage: frozen, a rank's first collection
+    # skips it (it took 100 ms, and copied every page it touched out of the template).
+    gc.collect()
+    gc.freeze()
     del rank
 
     send_lock = threading.Lock()
