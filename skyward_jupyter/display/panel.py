@@ -88,6 +88,7 @@ class SkyPanel:
         start: bool = True,
     ) -> None:
         self.pool = pool
+        self._widget_view: dict[str, Any] | None = None
         self._unsubscribe: Callable[[], None] | None = None
         if state is None:
             state = PanelState(pool.name)
@@ -296,7 +297,12 @@ class SkyPanel:
         """The widget view and a text/plain summary; ``metadata["skyward_jupyter"]`` marks it."""
         data: dict[str, Any] = {}
         if self.widget.comm is not None:
-            data.update(self.widget._repr_mimebundle_())
+            if self._widget_view is None:
+                # ipywidgets' bundle, without its text (the repr of every trait: a millisecond
+                # each time; the panel's own summary replaces it), kept for the panel's life.
+                view = self.widget._repr_mimebundle_()
+                self._widget_view = {k: v for k, v in view.items() if k != "text/plain"}
+            data.update(self._widget_view)
         data["text/plain"] = self.summary()
         return data, {"skyward_jupyter": {"panel": self.pool.name}}
 
