@@ -336,7 +336,7 @@ COMMANDS: tuple[Command, ...] = (
     Command(
         "restart",
         "[NAME]",
-        "fresh rank processes and process group, same pool",
+        "fresh rank processes and worlds on the same machines (forked from warm templates)",
         positionals=(("name", {"nargs": "?", "type": identifier}),),
     ),
     Command(
