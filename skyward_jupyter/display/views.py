@@ -158,7 +158,7 @@ class PoolViews:
             view.in_cell = True
         if view.panel is not None:
             view.state.sync(view.pool)
-            view.panel.refresh(force=True)
+            view.panel.refresh()  # what changed since the last cell (a full redraw: 1 ms a cell)
             self._show(view)
         if view.text is not None:
             view.text.flush()
@@ -171,7 +171,7 @@ class PoolViews:
         if view.text is not None:
             view.text.flush(final=True)
         if view.panel is not None:
-            view.panel.refresh(force=True)
+            view.panel.refresh()  # the cell's events moved the state: it is drawn
             self._update(view)
         if pending:
             self._down(view)
