@@ -33,6 +33,7 @@ run that was killed (SIGKILL, a crashed interpreter) is cleaned up by the next o
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import ipaddress
 import json
@@ -52,6 +53,8 @@ from pathlib import Path
 from typing import Any
 
 import asyncssh
+
+from skyward_jupyter.providers import ssh
 
 SSHD = Path("/usr/sbin/sshd")
 REGISTRY = Path("/run/sky-test-hosts")
@@ -615,3 +618,21 @@ def ssh_hosts(
             for proc in procs:  # killed by _teardown with the rest of its namespace; reap it
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout)
+
+
+def ssh_provider(
+    hosts: Hosts, count: int, tmp: Path, which: tuple[int, ...] = (), **changes: object
+) -> ssh.SSHProvider:
+    """An SSH provider on the first ``count`` hosts (or those in ``which``: a test that killed
+    host 1 leaves it dead for the rest of the module)."""
+    options = ssh.SSHOptions(
+        identity=str(hosts.client_key),
+        known_hosts=str(hosts.known_hosts),
+        python=sys.executable,
+        connect_timeout=5,
+        cache_dir=str(tmp / "cache"),
+    )
+    return ssh.SSHProvider(
+        [ssh.Host(hosts[i].address, hosts.user, hosts[i].port) for i in which or range(count)],
+        dataclasses.replace(options, **changes),  # type: ignore[arg-type]
+    )

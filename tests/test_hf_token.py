@@ -9,13 +9,11 @@ compare a digest of what they got, so the token never travels back.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import os
 import secrets
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,12 +23,11 @@ from skyward_jupyter import Pool
 from skyward_jupyter.events import PoolEvent
 from skyward_jupyter.frameworks import Frameworks
 from skyward_jupyter.providers.base import ProviderError
-from skyward_jupyter.providers.ssh import Host, SSHOptions, SSHProvider
 from skyward_jupyter.registry.writer import Registry
 from skyward_jupyter.session import Session
 from skyward_jupyter.spec import PoolSpec, SpecError
 
-from .hosts import Hosts, available, ssh_hosts
+from .hosts import Hosts, available, ssh_hosts, ssh_provider
 
 DIGEST = "import hashlib, os\nhashlib.sha256(os.environ.get('HF_TOKEN', '').encode()).hexdigest()"
 FAIL = "raise RuntimeError('the cell failed: ' + ' '.join(sorted(os.environ)))"
@@ -118,20 +115,6 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
         yield made
 
 
-def _provider(hosts: Hosts, tmp: Path, **changes: object) -> SSHProvider:
-    options = SSHOptions(
-        identity=str(hosts.client_key),
-        known_hosts=str(hosts.known_hosts),
-        python=sys.executable,
-        connect_timeout=5,
-        cache_dir=str(tmp / "cache"),
-    )
-    return SSHProvider(
-        [Host(h.address, hosts.user, h.port) for h in hosts],
-        dataclasses.replace(options, **changes),  # type: ignore[arg-type]
-    )
-
-
 def _host_files_holding(hosts: Hosts, token: str) -> list[str]:
     """Files on a host's own view (its /tmp and home) that hold the token."""
     found = []
@@ -148,7 +131,7 @@ def test_the_token_reaches_ssh_ranks_over_their_channel_only(
     caplog.set_level(logging.DEBUG)
     events: list[PoolEvent] = []
     frameworks = Frameworks(hf_token_env="TEAM_HF_TOKEN")
-    pool = Pool(nodes=2, provider=_provider(hosts, tmp_path), frameworks=frameworks)
+    pool = Pool(nodes=2, provider=ssh_provider(hosts, 2, tmp_path), frameworks=frameworks)
     pool.subscribe(events.append)
     with pool:
         assert pool.run(DIGEST).raise_for_errors().values == [digest(token)] * 2
@@ -158,7 +141,7 @@ def test_the_token_reaches_ssh_ranks_over_their_channel_only(
         assert not [t for t in seen if token in t]
         assert _host_files_holding(hosts, token) == []
     with pytest.raises(ProviderError) as raised:  # a failed start says why, not what it sent
-        bad = _provider(hosts, tmp_path, python="/nonexistent/python3")
+        bad = ssh_provider(hosts, 2, tmp_path, python="/nonexistent/python3")
         Pool(nodes=2, provider=bad, frameworks=frameworks).start()
     texts = [str(raised.value), repr(events), *(r.getMessage() for r in caplog.records)]
     assert not [t for t in texts if token in t]

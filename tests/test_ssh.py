@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 import re
@@ -21,7 +20,7 @@ from skyward_jupyter.providers.ssh import Host, SSHOptions, SSHProvider
 from skyward_jupyter.providers.ssh_prepare import package_digest
 
 from .conftest import agents_among, ranks_among, wait_for
-from .hosts import Hosts, available, ssh_hosts
+from .hosts import Hosts, available, ssh_hosts, ssh_provider
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
 
@@ -39,24 +38,6 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
         yield made
 
 
-def _provider(
-    hosts: Hosts, count: int, tmp: Path, which: tuple[int, ...] = (), **changes: object
-) -> SSHProvider:
-    """An SSH provider on the first ``count`` hosts (or those in ``which``: a test that killed
-    host 1 leaves it dead for the rest of the module)."""
-    options = SSHOptions(
-        identity=str(hosts.client_key),
-        known_hosts=str(hosts.known_hosts),
-        python=sys.executable,
-        connect_timeout=5,
-        cache_dir=str(tmp / "cache"),
-    )
-    return SSHProvider(
-        [Host(hosts[i].address, hosts.user, hosts[i].port) for i in which or range(count)],
-        dataclasses.replace(options, **changes),  # type: ignore[arg-type]
-    )
-
-
 def _remote_agents(hosts: Hosts) -> list[int]:
     """Every process of the package on the hosts: ranks and the hosts' warm templates."""
     return agents_among(pid for i in range(len(hosts)) for pid in hosts.pids(i))
@@ -67,7 +48,7 @@ def _remote_ranks(hosts: Hosts) -> list[int]:
 
 
 def test_ddp_across_three_hosts_and_the_package_ships_once(hosts: Hosts, tmp_path: Path) -> None:
-    provider = _provider(hosts, 3, tmp_path)
+    provider = ssh_provider(hosts, 3, tmp_path)
     with Pool(nodes=3, provider=provider, heartbeat_timeout=10) as pool:
         result = pool.run(ALL_REDUCE)
         assert result.ok, result.errors
@@ -94,7 +75,7 @@ def test_ddp_across_three_hosts_and_the_package_ships_once(hosts: Hosts, tmp_pat
             hosts.inside_argv(i, "ls", str(tmp_path / "cache")), capture_output=True, text=True
         )
         assert listing.stdout.split() == [package_digest()], listing
-    again = _provider(hosts, 2, tmp_path)
+    again = ssh_provider(hosts, 2, tmp_path)
     with Pool(nodes=2, provider=again) as pool:
         assert pool.run("1").values == [1, 1]
     assert again.shipped == []
@@ -124,7 +105,7 @@ def test_clear_errors(hosts: Hosts, tmp_path: Path, change: dict[str, str], mess
         change = {"known_hosts": str(other)}
     started = time.monotonic()
     with pytest.raises(ProviderError, match=message) as raised:
-        Pool(nodes=1, provider=_provider(hosts, 1, tmp_path, **change)).start()
+        Pool(nodes=1, provider=ssh_provider(hosts, 1, tmp_path, **change)).start()
     assert hosts[0].address in str(raised.value)
     assert time.monotonic() - started < 30
 
@@ -160,7 +141,7 @@ def _provider_for(hosts: Hosts, index: int, tmp: Path) -> SSHProvider:
 
 
 def test_a_host_dying_mid_cell_ends_the_cell_and_names_it(hosts: Hosts, tmp_path: Path) -> None:
-    with Pool(nodes=2, provider=_provider(hosts, 2, tmp_path), heartbeat_timeout=8) as pool:
+    with Pool(nodes=2, provider=ssh_provider(hosts, 2, tmp_path), heartbeat_timeout=8) as pool:
         pool.run("import time, torch.distributed as dist")
         killer_started = time.monotonic()
 
@@ -313,7 +294,7 @@ def test_hosts_whose_hostname_is_loopback_form_a_group_on_the_route_to_the_head(
     the interface that routes to the head, gloo would advertise that and never connect."""
     probe = hosts.inside_argv(2, "getent", "hosts", hosts.hostnames[2])
     assert subprocess.run(probe, capture_output=True, text=True).stdout.startswith("127.0.1.1")
-    with Pool(nodes=2, provider=_provider(hosts, 2, tmp_path, which=(0, 2))) as pool:
+    with Pool(nodes=2, provider=ssh_provider(hosts, 2, tmp_path, which=(0, 2))) as pool:
         result = pool.run(ALL_REDUCE + ", __import__('os').environ.get('GLOO_SOCKET_IFNAME')")
         assert result.ok, result.errors
         assert [v[0][0] for v in result.values] == [3.0, 3.0]
@@ -328,7 +309,7 @@ def test_a_group_that_cannot_connect_fails_in_seconds_naming_who_and_what_to_set
     the port and the variable to set, never a bare exit status or an unretrieved task."""
     caplog.set_level(logging.ERROR)
     started = time.monotonic()
-    provider = _provider(hosts, 2, tmp_path, which=(0, 2))
+    provider = ssh_provider(hosts, 2, tmp_path, which=(0, 2))
     pool = Pool(nodes=2, provider=provider, env={"GLOO_SOCKET_IFNAME": "lo"})
     with pytest.raises(PoolError) as raised:
         pool.start()
@@ -347,7 +328,7 @@ def test_a_host_allowing_few_sessions_gets_more_connections(tmp_path: Path) -> N
     """sshd's MaxSessions 2, three ranks on the host: each rank's session (and the kill of a
     stuck one) still opens, on a further connection."""
     with ssh_hosts(1, tmp_path, max_sessions=2) as few:
-        provider = _provider(few, 1, tmp_path)
+        provider = ssh_provider(few, 1, tmp_path)
         with Pool(nodes=1, procs_per_node=3, provider=provider) as pool:
             result = pool.run(ALL_REDUCE)
             assert result.ok, result.errors
@@ -369,7 +350,7 @@ def _from_template(pid: int) -> bool:
 def test_ranks_are_forked_from_each_hosts_warm_template(hosts: Hosts, tmp_path: Path) -> None:
     """Ranks, and a lost rank's replacement, come from the host's template (torch imported
     once); an environment that changes what torch reads at import starts a rank directly."""
-    provider = _provider(hosts, 2, tmp_path, which=(0, 2))
+    provider = ssh_provider(hosts, 2, tmp_path, which=(0, 2))
     with Pool(nodes=2, provider=provider, heartbeat_timeout=8) as pool:
         first = [r.hello.pid for r in pool.ranks if r.hello]
         assert all(_from_template(pid) for pid in first)
@@ -394,7 +375,7 @@ def test_ranks_are_forked_from_each_hosts_warm_template(hosts: Hosts, tmp_path: 
         fresh = pool.run(ALL_REDUCE + "\n'kept' in globals()")
         assert fresh.ok and fresh.values == [False, False]
     wait_for(lambda: not _remote_agents(hosts), 10, "ranks and templates to end")
-    direct = _provider(hosts, 2, tmp_path, which=(0, 2))
+    direct = ssh_provider(hosts, 2, tmp_path, which=(0, 2))
     with Pool(nodes=2, provider=direct, env={"MKL_NUM_THREADS": "1"}) as pool:
         pids = [r.hello.pid for r in pool.ranks if r.hello]
         assert not any(_from_template(pid) for pid in pids)
