@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from skyward_jupyter import CellError, Pool, PoolError
-from skyward_jupyter.events import CellStarted, OutputReceived, PoolEvent
+from skyward_jupyter.events import CellFinished, CellStarted, OutputReceived, PoolEvent
 
 from .conftest import TEMPLATE, agent_pids, wait_for
 
@@ -116,6 +116,28 @@ def test_unpicklable_global_fails_before_anything_runs(pool2: Pool) -> None:
     finally:
         unsubscribe()
     assert not [e for e in seen if isinstance(e, CellStarted)]
+
+
+def test_a_cells_unfinished_last_line_arrives_before_its_result(pool2: Pool) -> None:
+    """The end-of-cell sync skips its round trip only when nothing is pending: a last line
+    without its newline (held by the capture briefly) must still come before the result."""
+    seen: list[str] = []
+    unsubscribe = pool2.subscribe(
+        lambda e: (
+            seen.append(e.text)
+            if isinstance(e, OutputReceived) and e.rank == 0
+            else seen.append("FINISHED")
+            if isinstance(e, CellFinished)
+            else None
+        )
+    )
+    try:
+        for i in range(5):
+            assert pool2.run(f"print('tail {i}', end='')").ok
+    finally:
+        unsubscribe()
+    text = "".join(seen)
+    assert text == "".join(f"tail {i}FINISHED" for i in range(5)), seen
 
 
 def test_output_is_captured_at_the_descriptor_level(pool2: Pool) -> None:
