@@ -83,6 +83,7 @@ class JaxWorld:
         self.master_addr = master_addr
         self._note = note
         self._noted: set[str] = set()
+        self._quiet = False
         self.initialized = False
 
     def host(self) -> int:
@@ -137,17 +138,13 @@ class JaxWorld:
         """Import Keras (on JAX) and agree on its random seed across the world, as
         ``keras.distribution.initialize()`` does: otherwise each rank initialises its weights
         from a seed of its own, and JAX refuses a replicated variable that differs."""
-        said = "jax.distributed.initialize() uses the pool's JAX world"
-        quiet = f"{said} ({self.world_size} processes)"
-        fresh = quiet not in self._noted
-        self._noted.add(quiet)  # Keras calls it; the user did not
+        self._quiet = True  # Keras calls initialize() here; the user did not
         try:
             import keras
 
             keras.distribution.initialize()
         finally:
-            if fresh:
-                self._noted.discard(quiet)
+            self._quiet = False
 
     def install(self) -> None:
         """Route the user's ``jax.distributed`` calls to the pool's world (see the module)."""
@@ -157,7 +154,7 @@ class JaxWorld:
         jax.distributed.shutdown = self.shutdown
 
     def _say_once(self, text: str) -> None:
-        if text not in self._noted:
+        if not self._quiet and text not in self._noted:
             self._noted.add(text)
             self._note(text)
 
