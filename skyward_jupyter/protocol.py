@@ -17,6 +17,9 @@ from typing import Any
 
 import cloudpickle
 
+_PLAIN = frozenset({type(None), bool, int, float, complex, str, bytes})
+"""Types whose pickle cannot refer to the notebook's ``__main__``."""
+
 
 def _restore(data: memoryview | bytes, *buffers: memoryview | bytes) -> Pickled:
     return Pickled(data, buffers)
@@ -31,6 +34,8 @@ class Pickled:
 
     @classmethod
     def dump(cls, obj: object) -> Pickled:
+        if type(obj) in _PLAIN:  # most cells' value: the C pickler, not cloudpickle's set-up
+            return cls(pickle.dumps(obj, protocol=5))
         buffers: list[pickle.PickleBuffer] = []
         data = cloudpickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
         return cls(data, tuple(buffers))

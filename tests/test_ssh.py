@@ -156,7 +156,9 @@ def test_a_host_dying_mid_cell_ends_the_cell_and_names_it(hosts: Hosts, tmp_path
         assert time.monotonic() - killer_started < 40
         lost = {e.rank: e for e in result.errors}
         assert 1 in lost and hosts[1].address in (lost[1].where + lost[1].message)
-    assert not _remote_agents(hosts)
+    # The dead host's rank ends on its own, when its channel closes (at the latest when the
+    # notebook's heartbeats stop, 8 s): on a loaded machine that can come after close() returns.
+    wait_for(lambda: not _remote_agents(hosts), 20, "every agent on the hosts to end")
 
 
 def test_remote_ranks_end_when_the_notebook_is_killed(hosts: Hosts, tmp_path: Path) -> None:

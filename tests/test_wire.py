@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -73,3 +74,37 @@ def test_closed_stream_raises_eof() -> None:
             channel.recv()
     finally:
         os.close(r)
+
+
+def test_sync_channel_sends_a_frame_larger_than_the_pipe_in_many_segments() -> None:
+    """More buffers than one ``writev`` takes, and more bytes than the pipe holds (the writer
+    blocks while the reader drains it): the frame arrives whole and in order."""
+    arrays = [np.full(700 + i, i, dtype=np.int32) for i in range(1500)]
+    big = np.arange(3_000_000, dtype=np.float64)  # 24 MB
+    r, w = os.pipe()
+    sender, receiver = SyncChannel(r, w), SyncChannel(r, w)  # one writes, the other reads
+    sent = threading.Thread(target=lambda: sender.send({"many": arrays, "big": big}))
+    try:
+        sent.start()
+        got = receiver.recv()
+        sent.join(timeout=30)
+        assert not sent.is_alive()
+        assert len(got["many"]) == 1500
+        assert all(np.array_equal(a, b) for a, b in zip(got["many"], arrays, strict=True))
+        assert np.array_equal(got["big"], big)
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_sync_channel_reads_frames_sent_back_to_back() -> None:
+    """The reader buffers what the pipe holds: frames written together come out one by one."""
+    r, w = os.pipe()
+    channel = SyncChannel(r, w)
+    try:
+        for i in range(50):
+            channel.send(p.Output(i, "stdout", f"line {i}\n"))
+        assert [channel.recv().cell_id for _ in range(50)] == list(range(50))
+    finally:
+        os.close(r)
+        os.close(w)

@@ -40,6 +40,8 @@ class NodeFiles:
         self._seen: dict[str, set[tuple[str, str]]] = {}
         """Per key: (path, digest) pairs found in the notebook's own directory on this node."""
         self._entered: tuple[str, ...] = ()
+        self._stamps: tuple[int, ...] = ()
+        """The entered directories' modification times: a changed one has files added or gone."""
         self._roots: list[tuple[str, str]] = []
         self._mtimes: dict[str, int] = {}
         self._known: tuple[object, ...] = ()
@@ -102,9 +104,14 @@ class NodeFiles:
             for path in reversed(paths):
                 if path not in sys.path:
                     sys.path.insert(0, path)
-            self._entered = paths
             self._roots = list(zip(workdir.roots, paths, strict=False))  # type: ignore[union-attr]
-            importlib.invalidate_caches()
+            stamps = tuple(_mtime_ns(path) for path in paths)
+            if (paths, stamps) != (self._entered, self._stamps):
+                # New directories, or files added or removed in them: forget what the import
+                # system listed (it walks every cached finder, so not for a cell that changed
+                # nothing).
+                importlib.invalidate_caches()
+            self._entered, self._stamps = paths, stamps
         for name, module, mtime in self._user_modules():
             if self._mtimes.get(name, mtime) != mtime:
                 importlib.reload(module)
@@ -155,6 +162,13 @@ def _file_of(module: object) -> str | None:
     except AttributeError:
         return None
     return file if isinstance(file, str) else None
+
+
+def _mtime_ns(path: str) -> int:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return -1
 
 
 def _sha256(path: Path) -> str | None:
