@@ -24,7 +24,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 @functools.cache
-@functools.cache
 def _cell_parser() -> _Parser:
     parser = _Parser(prog="%sky", add_help=False, description="Run the cell on every rank.")
     for option in (*POOL_OPTIONS, *CELL_OPTIONS):

@@ -281,8 +281,24 @@ def test_in_a_kernel_each_cell_shows_the_panel_once_and_its_buttons_act() -> Non
         assert updates and "loss  step 2: 2.5 (2 - 3), 2 ranks" in updates[-1], updates
 
         again = kernel.ok("%%sky\n1 + 1")
-        assert len(_panel_displays(again.messages)) == 1, "once per pool per cell"
+        (shown_again,) = _panel_displays(again.messages)
         assert again.shown == ["2"]
+        repeated = [
+            m
+            for m in again.messages
+            if m["msg_type"] == "update_display_data"
+            and m["content"]["data"]["text/plain"] == shown_again["data"]["text/plain"]
+        ]
+        assert not repeated, "a quick cell's panel is not sent again with the same text"
+
+        # The panel comes first, above the output of the cell.
+        printed = kernel.ok("%%sky\nprint('from the ranks')")
+        kinds = [
+            "panel" if "skyward_jupyter" in m["content"].get("metadata", {}) else m["msg_type"]
+            for m in printed.messages
+            if m["msg_type"] in ("display_data", "stream")
+        ]
+        assert kinds[:2] == ["panel", "stream"], kinds
 
         metrics = kernel.ok("%sky metrics")
         # step, name, mean, min, max, ranks (a DataFrame also shows its index first)

@@ -8,11 +8,14 @@ import time
 from ..events import RankState
 from ..model import GONE
 from .format import format_bytes, format_number, format_seconds
-from .snapshot import PanelSnapshot
+from .snapshot import NodeRow, PanelSnapshot
 
 
-def summary_text(snap: PanelSnapshot, now: float | None = None) -> str:
-    """The pool line, a line per node, the latest metrics and the last notes."""
+def summary_text(snap: PanelSnapshot, now: float | None = None, live: bool = True) -> str:
+    """The pool line, a line per node, the latest metrics and the last notes.
+
+    ``live=False`` leaves out the figures that tick by themselves (uptime, cost, usage,
+    heartbeat ages): what is left changes only when the pool's state does."""
     now = time.time() if now is None else now
     h = snap.header
     size = f"{h.nodes} node{'s' * (h.nodes != 1)}"
@@ -21,25 +24,17 @@ def summary_text(snap: PanelSnapshot, now: float | None = None) -> str:
             f" x {h.ranks_per_node} rank{'s' * (h.ranks_per_node != '1')} per node "
             f"({h.ranks} rank{'s' * (h.ranks != 1)})"
         )
-    line = (
-        f"pool {h.name!r} ({h.provider or '?'}): {size}, {h.state.value}, "
-        f"up {format_seconds(h.uptime(now))}"
-    )
+    line = f"pool {h.name!r} ({h.provider or '?'}): {size}, {h.state.value}"
+    if live:
+        line += f", up {format_seconds(h.uptime(now))}"
     cost = h.cost(now)
-    if h.price_per_hour is not None and cost is not None:
+    if live and h.price_per_hour is not None and cost is not None:
         line += f", ${h.price_per_hour:.2f}/hour, ${cost:.2f} so far"
     lines = [line]
     for node in snap.nodes:
         parts = [f"  node {node.index}", node.address or "-", node.kind or "-", node.state.value]
-        if node.cpu_percent is not None:
-            parts.append(f"cpu {node.cpu_percent:.0f}%")
-        if node.rss_bytes is not None:
-            parts.append(f"mem {format_bytes(node.rss_bytes)}")
-        if node.gpu_memory_bytes is not None:
-            parts.append(f"gpu mem {format_bytes(node.gpu_memory_bytes)}")
-        age = node.heartbeat_age(now)
-        if age is not None and node.state not in GONE:
-            parts.append(f"heartbeat {age:.1f} s ago")
+        if live:
+            parts.extend(_usage(node, now))
         if node.detail and node.state in (RankState.FAILED, RankState.LOST):
             parts.append(node.detail)
         parts.extend(w.label for w in node.waiting)
@@ -60,3 +55,17 @@ def summary_text(snap: PanelSnapshot, now: float | None = None) -> str:
     for message in snap.messages[-3:]:
         lines.append(f"  note: {message}")
     return "\n".join(lines)
+
+
+def _usage(node: NodeRow, now: float) -> list[str]:
+    parts = []
+    if node.cpu_percent is not None:
+        parts.append(f"cpu {node.cpu_percent:.0f}%")
+    if node.rss_bytes is not None:
+        parts.append(f"mem {format_bytes(node.rss_bytes)}")
+    if node.gpu_memory_bytes is not None:
+        parts.append(f"gpu mem {format_bytes(node.gpu_memory_bytes)}")
+    age = node.heartbeat_age(now)
+    if age is not None and node.state not in GONE:
+        parts.append(f"heartbeat {age:.1f} s ago")
+    return parts

@@ -20,6 +20,7 @@ from __future__ import annotations
 import html
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -53,7 +54,9 @@ class _View:
     state: PanelState
     panel: SkyPanel | None = None
     text: TextReport | None = None
-    handles: list[Any] = field(default_factory=list)  # displays made in the current cell
+    handles: list[list[Any]] = field(default_factory=list)
+    """The displays made in the current cell: [handle, its text without the ticking figures,
+    when it was drawn]."""
     shown_in: object = None  # the cell it was last displayed in
     in_cell: bool = False
     shutdown_pending: bool = False
@@ -157,9 +160,7 @@ class PoolViews:
         with view.lock:
             view.in_cell = True
         if view.panel is not None:
-            view.state.sync(view.pool)
-            view.panel.refresh()  # what changed since the last cell (a full redraw: 1 ms a cell)
-            self._show(view)
+            self._show(view)  # as its timer drew it last (a quarter second ago at most)
         if view.text is not None:
             view.text.flush()
         return _CellView(self, view, output)
@@ -171,7 +172,8 @@ class PoolViews:
         if view.text is not None:
             view.text.flush(final=True)
         if view.panel is not None:
-            view.panel.refresh()  # the cell's events moved the state: it is drawn
+            # The widgets: their timer draws what the cell changed within a quarter second
+            # (drawing here too sent them twice a cell, clocks and all); the text: now.
             self._update(view)
         if pending:
             self._down(view)
@@ -226,25 +228,40 @@ class PoolViews:
         self._display(view)
 
     def _display(self, view: _View) -> None:
-        from IPython.display import display
+        """Publish the panel's own bundle: ``display()`` would ask each of IPython's formatters
+        in turn for it, on every cell's path."""
+        from IPython.display import DisplayHandle, publish_display_data
 
+        if view.panel is None:
+            return
         try:
-            handle = display(view.panel, display_id=True)  # type: ignore[no-untyped-call]
+            handle = DisplayHandle()  # type: ignore[no-untyped-call]
+            data, metadata = view.panel._repr_mimebundle_()
+            transient = {"display_id": handle.display_id}
+            publish_display_data(data, metadata, transient=transient)  # type: ignore[no-untyped-call]
         except Exception:  # the cell runs on without its panel
             log.exception("the panel of pool %r could not be displayed", view.name)
             return
-        if handle is not None:
-            view.handles.append(handle)
+        view.handles.append([handle, view.panel.shown, time.monotonic()])
 
     def _update(self, view: _View) -> None:
-        """Bring this cell's displays' text/plain up to date (the widget view draws itself)."""
-        if view.shown_in != self._cell_key():
+        """Bring this cell's displays' text/plain up to date (the widget view draws itself).
+
+        A display made less than a second ago whose text would change only in its ticking
+        figures (uptime, usage, heartbeat ages) is left alone: a quick cell's panel says at its
+        end what it said at its start, and a message to the frontend would only repeat it."""
+        if view.shown_in != self._cell_key() or view.panel is None:
             return
-        for handle in view.handles:
+        text, now = summary_text(view.state.snapshot(), live=False), time.monotonic()
+        for shown in view.handles:
+            if shown[1] == text and now - shown[2] < 1.0:
+                continue
             try:
-                handle.update(view.panel)
+                shown[0].update(view.panel)
             except Exception:
                 log.exception("the panel of pool %r could not be updated", view.name)
+            else:
+                shown[1:] = [view.panel.shown, now]
 
     # ---------------------------------------------------------------- shut down
 
