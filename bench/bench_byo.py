@@ -310,6 +310,9 @@ def compare_steps(
             n: asdict(Summary.of([1e3 * r["cpu_s_per_step"] for r in runs]))
             for n, runs in extra.items()
         },
+        "agent_share_pct": {
+            n: asdict(Summary.of([_agent_share(r) for r in runs])) for n, runs in extra.items()
+        },
         "ratios": {n: _ratios(samples[base], samples[n]) for n in names if n != base},
         "threads": threads,
         "samples_steps_per_s": samples,
@@ -318,6 +321,12 @@ def compare_steps(
         "argv": list(argv),
         "reps": reps,
     }
+
+
+def _agent_share(report: dict[str, Any]) -> float:
+    """The pool agent's threads' part of rank 0's CPU time over the timed steps, in percent."""
+    total = sum(report["threads_cpu_s"].values())
+    return 100.0 * report["pool_agent_cpu_s"] / total if total else 0.0
 
 
 def _bootstrap_ratio(base: list[float], other: list[float], seed: int = 0) -> list[float]:
@@ -387,6 +396,10 @@ def run_benchmark(args: Any) -> dict[str, Any]:
         def torchrun(script: Path, argv: Sequence[str]) -> float:
             return run_torchrun(script, argv, args.timeout)
 
+        # The notebook sits beside the scripts, as a user's would: the cells import what the
+        # scripts import from their directory (thread_cpu.py), and torchrun runs there too.
+        notebook_dir = os.getcwd()
+        os.chdir(DDP_SCRIPT.parent)
         try:
             print(f"starting a {NODES}-rank pool", file=sys.stderr)
             pool.start()
@@ -416,6 +429,7 @@ def run_benchmark(args: Any) -> dict[str, Any]:
             wall = compare_wall(pool, DDP_SCRIPT, wall_argv, args.wall_reps, args.timeout, out)
         finally:
             pool.close()
+            os.chdir(notebook_dir)
     return {"hf": hf, "ddp": ddp, "short": wall, "pool_start_s": pool.start_s}
 
 
@@ -456,6 +470,10 @@ def _ratio_cell(ratio: dict[str, Any]) -> str:
     )
 
 
+def _share_cell(s: dict[str, Any]) -> str:
+    return f"{s['median']:.2f}% ({s['max']:.2f}%)"
+
+
 def _threads_cell(t: dict[str, Any]) -> str:
     return (
         f"{t['torch_threads']} / {t['torch_interop_threads']} / "
@@ -476,6 +494,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         return [
             spread_row(labels[n], s, _rate)
             + f" {fmt_ms(block['cpu_ms_per_step'][n]['median'])} "
+            + f"| {_share_cell(block['agent_share_pct'][n])} "
             + f"| {_threads_cell(block['threads'][n])} |"
             for n, s in block["steps_per_s"].items()
         ]
@@ -487,8 +506,9 @@ def render_markdown(report: dict[str, Any]) -> str:
 
     steps_head = [
         "| launcher | median | p10 | p90 | min | max | rank 0 CPU time per step, median "
+        "| the pool agent's threads' share of it, median (max) "
         "| torch threads / interop / `OMP_NUM_THREADS` / OS threads of rank 0 |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     ratio_head = [
         "| ratio | of the medians (bootstrap 95%) | per round: median (min / max) |",
@@ -516,7 +536,11 @@ def render_markdown(report: dict[str, Any]) -> str:
         "thread settings torchrun chooses (the table's last column, read inside the scripts). "
         "Rank 0's CPU time per step (`time.process_time()` over the same steps: all its threads, "
         "the pool agent's included) shows whether a side does more work per step, apart from "
-        "time spent waiting for the CPU. "
+        "time spent waiting for the CPU; the next column is the part of it that the pool's own "
+        "threads in the rank (reader, watchdog, output capture: "
+        "`bench/scripts/thread_cpu.py` reads each thread's CPU time from `/proc`) used over the "
+        "timed steps, which is what the pool can take from training (none of them exist under "
+        "torchrun). "
         "With 2 cores for 2 ranks, anything else running on the machine moves these figures; "
         "the load average above says how busy it was.",
         "",
@@ -597,7 +621,7 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = SCRIPT.parser(__doc__)
-    parser.add_argument("--reps", type=int, default=7, help="counted rounds of (a) and (b)")
+    parser.add_argument("--reps", type=int, default=21, help="counted rounds of (a) and (b)")
     parser.add_argument("--wall-reps", type=int, default=8, help="counted rounds of (c)")
     parser.add_argument("--hf-steps", type=int, default=300, help="Trainer max_steps in (a)")
     parser.add_argument("--hf-warmup", type=int, default=20, help="untimed steps in (a)")

@@ -16,6 +16,7 @@ import os
 import threading
 import time
 
+import thread_cpu
 import torch
 import torch.nn.functional as F
 from torch.distributed import barrier, destroy_process_group, get_world_size, init_process_group
@@ -57,14 +58,17 @@ class Trainer:
                 if done == steps:
                     return
 
-    def train(self, steps: int, warmup: int) -> tuple[float, float]:
-        """Run ``warmup`` steps, then time ``steps`` more: wall and CPU seconds (this process)."""
+    def train(self, steps: int, warmup: int) -> tuple[float, float, dict[str, float]]:
+        """Run ``warmup`` steps, then time ``steps`` more: wall and CPU seconds (this process),
+        and the CPU seconds of each of its threads."""
         self._run_steps(warmup)
         barrier()
+        threads = thread_cpu.per_thread()
         started, cpu_started = time.perf_counter(), time.process_time()
         self._run_steps(steps)
         barrier()
-        return time.perf_counter() - started, time.process_time() - cpu_started
+        seconds, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+        return seconds, cpu, thread_cpu.spent(threads)
 
 
 def load_train_objs(samples: int):
@@ -104,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     dataset, model, optimizer = load_train_objs(BATCH * get_world_size() * 32)
     trainer = Trainer(model, prepare_dataloader(dataset, BATCH), optimizer)
-    seconds, cpu_seconds = trainer.train(args.steps, args.warmup)
+    seconds, cpu_seconds, threads_cpu = trainer.train(args.steps, args.warmup)
     if trainer.rank == 0:
         with open(args.out, "w") as f:
             json.dump(
@@ -112,6 +116,8 @@ def main(argv: list[str] | None = None) -> None:
                     "steps_per_s": args.steps / seconds,
                     "seconds": seconds,
                     "cpu_s_per_step": cpu_seconds / args.steps,
+                    "threads_cpu_s": threads_cpu,
+                    "pool_agent_cpu_s": thread_cpu.pool_agent(threads_cpu),
                     "timed_steps": args.steps,
                     "warmup_steps": args.warmup,
                     "world_size": get_world_size(),

@@ -22,6 +22,7 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import thread_cpu
 import torch
 import torch.distributed as dist
 from transformers import (
@@ -56,15 +57,23 @@ class RandomTokens(torch.utils.data.Dataset):
 
 
 class StepClock(TrainerCallback):
-    """``time.perf_counter()`` (and this process's CPU time) at the end of every optimiser step."""
+    """``time.perf_counter()`` (and this process's CPU time) at the end of every optimiser step;
+    each thread's CPU time from the end of step ``warmup`` to the last."""
 
-    def __init__(self) -> None:
+    def __init__(self, warmup: int) -> None:
         self.ends: list[float] = []
         self.cpu: list[float] = []
+        self.warmup = warmup
+        self.threads: dict[int, tuple[str, float]] = {}
+        self.threads_cpu: dict[str, float] = {}
 
     def on_step_end(self, args, state, control, **kwargs):
         self.ends.append(time.perf_counter())
         self.cpu.append(time.process_time())
+        if len(self.ends) == self.warmup + 1:
+            self.threads = thread_cpu.per_thread()
+        elif len(self.ends) == args.max_steps:
+            self.threads_cpu = thread_cpu.spent(self.threads)
 
 
 def main() -> None:
@@ -101,7 +110,7 @@ def main() -> None:
         ddp_find_unused_parameters=False,
         seed=0,
     )
-    clock = StepClock()
+    clock = StepClock(args.warmup)
     trainer = Trainer(model=model, args=training_args, train_dataset=data, callbacks=[clock])
     metrics = trainer.train().metrics
     ends = clock.ends
@@ -111,6 +120,8 @@ def main() -> None:
     report = {
         "steps_per_s": (len(timed) - 1) / (timed[-1] - timed[0]),
         "cpu_s_per_step": (cpu[-1] - cpu[0]) / (len(cpu) - 1),
+        "threads_cpu_s": clock.threads_cpu,
+        "pool_agent_cpu_s": thread_cpu.pool_agent(clock.threads_cpu),
         "timed_steps": len(timed) - 1,
         "warmup_steps": args.warmup,
         "train_runtime_s": metrics["train_runtime"],
