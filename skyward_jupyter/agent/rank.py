@@ -114,7 +114,7 @@ class Agent:
             group.rank, self.channel.send, lambda: self.cell_id, self._sync_output
         )
         self.console.install()
-        self.commands: queue.Queue[object] = queue.Queue()
+        self.commands: queue.SimpleQueue[object] = queue.SimpleQueue()  # C, without a Condition
         self.cell_id: int | None = None
         self._in_cell = False
         self._interrupted = False
