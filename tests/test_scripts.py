@@ -253,7 +253,10 @@ def test_init_process_group_that_differs_is_a_clear_error(
 ) -> None:
     result = pool2.run(f"import torch.distributed as dist\n{call}")
     errors = result.errors
-    assert errors and all(e.type_name == "ValueError" for e in errors)
+    # The rank that fails first leads; a peer the pool stopped before it raised the same error
+    # itself ends as a secondary KeyboardInterrupt.
+    assert errors and all(e.type_name == "ValueError" or e.secondary for e in errors), errors
+    assert any(not e.secondary for e in errors), errors
     first = CellError(errors).summary().splitlines()[0]
     assert says in first, first
     assert pool2.run(ALL_REDUCE, timeout=20).raise_for_errors().values == [3.0, 3.0]
