@@ -114,6 +114,7 @@ data_parallel = keras.distribution.DataParallel(devices=devices)
 data_parallel.auto_shard_dataset = False     # each rank feeds its own shard
 keras.distribution.set_distribution(data_parallel)
 
+keras.utils.set_random_seed(0)               # the same on every rank: a reproducible run
 rng = np.random.default_rng(0)
 x = rng.normal(size=(2048, 20)).astype("float32")
 y = (x[:, :5].sum(axis=1) > 0).astype("int32")
@@ -121,7 +122,8 @@ x_mine, y_mine = shard(x, y)
 
 model = keras.Sequential([keras.Input((20,)), keras.layers.Dense(32, activation="relu"),
                           keras.layers.Dense(2, activation="softmax")])
-model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+model.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy",
+              metrics=["accuracy"])
 history = model.fit(x_mine, y_mine, batch_size=64, epochs=5,
                     verbose=2 if instance_info().is_head else 0)
 """,

@@ -101,7 +101,7 @@ def jax(result: Result, nb: nbformat.NotebookNode) -> None:
 def keras_jax(result: Result, nb: nbformat.NotebookNode) -> None:
     assert len(result) == 2 and result[0] == result[1]  # one model on both ranks
     assert result[0]["backend"] == "jax" and result[0]["devices"] == 2
-    assert result[0]["accuracy"] > 0.6, result
+    assert result[0]["accuracy"] > 0.9, result  # seeded: the same run every time
 
 
 GALLERY: dict[str, Callable[[Result, nbformat.NotebookNode], None]] = {
