@@ -91,15 +91,17 @@ def test_a_scripts_own_initialize_finds_the_pools_world(pool: Pool) -> None:
     assert any("uses the pool's JAX world (2 processes)" in n for n in result.notes)
     assert any("shutdown() is left to the pool" in n for n in result.notes)
     wrong = pool.run("jax.distributed.initialize(num_processes=4)")
-    assert {e.type_name for e in wrong.errors} == {"ValueError"}
-    assert "the pool's JAX world has 2 processes" in wrong.errors[0].message
+    causes = [e for e in wrong.errors if not e.secondary]  # a peer may be stopped first
+    assert causes and {e.type_name for e in causes} == {"ValueError"}, wrong.errors
+    assert "the pool's JAX world has 2 processes" in causes[0].message
     assert pool.run(PSUM).raise_for_errors().values == [3.0, 3.0]
 
 
 def test_a_failing_rank_leaves_the_world_and_the_namespaces(pool: Pool) -> None:
     pool.run("kept = 'here'").raise_for_errors()
     failed = pool.run("if jax.process_index() == 1:\n    raise ValueError('rank 1 fails')\n")
-    assert [e.rank for e in failed.errors] == [1] and failed.errors[0].type_name == "ValueError"
+    causes = [e for e in failed.errors if not e.secondary]  # rank 0 may be stopped by the pool
+    assert [e.rank for e in causes] == [1] and causes[0].type_name == "ValueError", failed.errors
     assert pool.run(PSUM).raise_for_errors().values == [3.0, 3.0]
     assert pool.run("kept").values == ["here", "here"]
 

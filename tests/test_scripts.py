@@ -202,7 +202,8 @@ def test_exit_statuses_of_a_script(pool2: Pool, tmp_path: Path) -> None:
         "import sys, torch.distributed as dist\nsys.exit(0 if dist.get_rank() == 0 else 3)\n",
     )
     result = run_script(pool2, mixed)
-    assert [e.rank for e in result.errors] == [1]
+    # Rank 0 may be stopped by the pool, after rank 1's failure, before its own exit: secondary.
+    assert [e.rank for e in result.errors if not e.secondary] == [1], result.errors
     summary = CellError(result.errors).summary().splitlines()[0]
     assert summary.startswith("cell failed on rank 1 ("), summary
     assert summary.endswith("ScriptExit: mixed.py exited with status 3"), summary
