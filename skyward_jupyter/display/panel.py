@@ -89,8 +89,6 @@ class SkyPanel:
     ) -> None:
         self.pool = pool
         self._widget_view: dict[str, Any] | None = None
-        self.shown: str | None = None
-        """The text/plain of the latest display or update, without its ticking figures."""
         self._unsubscribe: Callable[[], None] | None = None
         if state is None:
             state = PanelState(pool.name)
@@ -305,9 +303,7 @@ class SkyPanel:
                 view = self.widget._repr_mimebundle_()
                 self._widget_view = {k: v for k, v in view.items() if k != "text/plain"}
             data.update(self._widget_view)
-        snap = self.state.snapshot()
-        data["text/plain"] = summary_text(snap)
-        self.shown = summary_text(snap, live=False)
+        data["text/plain"] = self.summary()
         return data, {"skyward_jupyter": {"panel": self.pool.name}}
 
     def __repr__(self) -> str:

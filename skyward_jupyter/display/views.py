@@ -48,15 +48,22 @@ def has_widget_frontend(shell: Any) -> bool:
 
 
 @dataclass
+class _Shown:
+    """A display of the panel in this cell: what its text said (less the ticking figures)."""
+
+    handle: Any
+    text: str
+    at: float
+
+
+@dataclass
 class _View:
     name: str
     pool: PoolFacts
     state: PanelState
     panel: SkyPanel | None = None
     text: TextReport | None = None
-    handles: list[list[Any]] = field(default_factory=list)
-    """The displays made in the current cell: [handle, its text without the ticking figures,
-    when it was drawn]."""
+    shown: list[_Shown] = field(default_factory=list)  # displays made in the current cell
     shown_in: object = None  # the cell it was last displayed in
     in_cell: bool = False
     shutdown_pending: bool = False
@@ -224,7 +231,7 @@ class PoolViews:
         if view.shown_in == key:
             return
         view.shown_in = key
-        view.handles.clear()
+        view.shown.clear()
         self._display(view)
 
     def _display(self, view: _View) -> None:
@@ -242,7 +249,7 @@ class PoolViews:
         except Exception:  # the cell runs on without its panel
             log.exception("the panel of pool %r could not be displayed", view.name)
             return
-        view.handles.append([handle, view.panel.shown, time.monotonic()])
+        view.shown.append(_Shown(handle, _settled_text(view), time.monotonic()))
 
     def _update(self, view: _View) -> None:
         """Bring this cell's displays' text/plain up to date (the widget view draws itself).
@@ -252,16 +259,16 @@ class PoolViews:
         end what it said at its start, and a message to the frontend would only repeat it."""
         if view.shown_in != self._cell_key() or view.panel is None:
             return
-        text, now = summary_text(view.state.snapshot(), live=False), time.monotonic()
-        for shown in view.handles:
-            if shown[1] == text and now - shown[2] < 1.0:
+        text, now = _settled_text(view), time.monotonic()
+        for shown in view.shown:
+            if shown.text == text and now - shown.at < 1.0:
                 continue
             try:
-                shown[0].update(view.panel)
+                shown.handle.update(view.panel)
             except Exception:
                 log.exception("the panel of pool %r could not be updated", view.name)
             else:
-                shown[1:] = [view.panel.shown, now]
+                shown.text, shown.at = text, now
 
     # ---------------------------------------------------------------- shut down
 
@@ -331,3 +338,8 @@ def metrics_table(rows: list[MetricRow]) -> Any:
     except ImportError:
         return records
     return pd.DataFrame.from_records(list(records), columns=list(_COLUMNS))
+
+
+def _settled_text(view: _View) -> str:
+    """The panel's text without its ticking figures: it changes only when the pool's does."""
+    return summary_text(view.state.snapshot(), live=False)
