@@ -120,6 +120,11 @@ class CellOutput:
         self._drain(everything=True)
 
     @property
+    def pending(self) -> bool:
+        """Whether output arrived that is not written yet (held stderr lines included)."""
+        return bool(self._queue or self._held)
+
+    @property
     def held_lines(self) -> int:
         """How many stderr lines are held, waiting for other ranks."""
         return len(self._held)

@@ -6,8 +6,11 @@ replaces it). On top of it:
 
 - in a kernel with a frontend (``ZMQInteractiveShell``: JupyterLab, Notebook, VS Code, nbclient),
   a :class:`~.panel.SkyPanel`, displayed once per pool per cell: as the pool starts (so starting
-  shows), else before the cell runs; and by ``%sky panel``. When the cell ends its display is
-  updated once, so the saved notebook's ``text/plain`` says how the cell left the pool;
+  shows), else as soon as the cell has run :data:`QUICK_CELL_S` or its ranks wrote output
+  (above that output); and by ``%sky panel``. A quicker cell that printed nothing shows only its
+  result: its panel would have nothing live to show, and in a kernel that display was most of a
+  trivial cell's cost. When the cell ends its display is updated once, so the saved notebook's
+  ``text/plain`` says how the cell left the pool;
 - elsewhere (terminal IPython), a :class:`~.text.TextReport` written from the kernel's thread
   while a cell waits, like the cell's own output.
 
@@ -39,6 +42,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 Mode = Literal["auto", "widgets", "text", "off"]
+
+QUICK_CELL_S = 0.25
+"""A cell done within this many seconds, with no output, is not given the panel."""
 
 
 def has_widget_frontend(shell: Any) -> bool:
@@ -79,18 +85,31 @@ class _CellView:
         self._view = view
         self._output = output
         self.on_event = output.on_event
+        self._started = time.monotonic()
+        self._panel_due = view is not None and view.panel is not None
 
     def flush(self) -> None:
+        self._show_panel_if_due()
         self._output.flush()
         view = self._view
         if view is not None and view.text is not None:
             view.text.flush()
 
     def finish(self) -> None:
+        self._show_panel_if_due()
         self._output.finish()  # also writes the stderr lines still held for other ranks
         view = self._view
         if view is not None:
             self._views._cell_finished(view)
+
+    def _show_panel_if_due(self) -> None:
+        """Display the panel (as its timer drew it last) once the cell has output to write
+        below it or has run long enough to be watched."""
+        if not self._panel_due or self._view is None:
+            return
+        if self._output.pending or time.monotonic() - self._started >= QUICK_CELL_S:
+            self._panel_due = False
+            self._views._show(self._view)
 
 
 class PoolViews:
@@ -166,8 +185,6 @@ class PoolViews:
             return _CellView(self, None, output)
         with view.lock:
             view.in_cell = True
-        if view.panel is not None:
-            self._show(view)  # as its timer drew it last (a quarter second ago at most)
         if view.text is not None:
             view.text.flush()
         return _CellView(self, view, output)
