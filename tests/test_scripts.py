@@ -114,6 +114,31 @@ def test_a_script_sees_argv_main_its_directory_and_leaves_the_cells_alone(
     assert pool2.run("import os, sys; (os.getcwd(), sys.argv, sys.path[0])").values == cwd_before
 
 
+def test_a_scripts_objects_do_not_outlive_its_run(pool2: Pool, tmp_path: Path) -> None:
+    """A script's namespace is a cycle (its functions hold its globals): on a GPU, a model left
+    to a later collection would still hold its memory when the next run builds one."""
+    script = write(
+        tmp_path,
+        "cyclic.py",
+        """
+        import builtins, gc, weakref
+
+        class Model:
+            pass
+
+        def train():
+            return model
+
+        model = Model()
+        builtins._sky_test_model = weakref.ref(model)
+        gc.collect()  # the namespace is old now: only a full collection would free it
+        """,
+    )
+    run_script(pool2, script).raise_for_errors()
+    gone = pool2.run("import builtins; builtins._sky_test_model() is None").raise_for_errors()
+    assert gone.values == [True, True]
+
+
 def test_an_edited_module_beside_the_script_is_imported_afresh(pool2: Pool, tmp_path: Path) -> None:
     (tmp_path / "helper_mod.py").write_text("ANSWER = 42\n")
     script = write(

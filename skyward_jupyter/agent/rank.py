@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
 import os
 import platform
@@ -361,3 +362,11 @@ class Agent:
             dataclasses.replace(done, bound=bound, group_destroyed=destroyed, notes=notes)
         )
         self.cell_id = None
+        if command.script is not None:
+            # A script's namespace is a cycle (its functions hold its globals): without a full
+            # collection its model, optimiser and data (on a GPU, its memory) would outlive the
+            # run into the next one, as they never do under torchrun. Its group is retired, not
+            # destroyed here (see ProcessGroup.retire).
+            value = error = None
+            del done
+            gc.collect()
