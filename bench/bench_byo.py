@@ -39,7 +39,10 @@ same working directory (the script's, as ``%sky run`` sets it) and inherit the b
 environment (``HF_HUB_OFFLINE=1`` set). The pool is started once, before anything is timed. The
 sides are interleaved one repetition at a time, the order rotating from one repetition to the
 next, after one uncounted warm-up round (on the pool it imports ``transformers`` on the ranks, as
-a notebook's first run would), so machine noise and drift hit each alike. Reported:
+a notebook's first run would), so machine noise and drift hit each alike. 40 rounds by default:
+on this machine the speed drifts by 10-40% over tens of seconds (three 300-step runs in one
+torchrun process agree within 5%, successive torchrun runs differ by up to 40%), so the ratio's
+precision comes from the number of rounds, not from longer runs. Reported:
 medians, p10/p90, min/max, the ratio of the medians and, for (a) and (b), a bootstrap 95%
 interval of it (repetitions resampled as rounds). Any failed run (a non-zero exit, an error on a
 rank, a run past ``--timeout``, a missing or inconsistent report) stops the benchmark with
@@ -621,7 +624,7 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = SCRIPT.parser(__doc__)
-    parser.add_argument("--reps", type=int, default=21, help="counted rounds of (a) and (b)")
+    parser.add_argument("--reps", type=int, default=40, help="counted rounds of (a) and (b)")
     parser.add_argument("--wall-reps", type=int, default=8, help="counted rounds of (c)")
     parser.add_argument("--hf-steps", type=int, default=300, help="Trainer max_steps in (a)")
     parser.add_argument("--hf-warmup", type=int, default=20, help="untimed steps in (a)")
