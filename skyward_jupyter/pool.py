@@ -111,9 +111,8 @@ class Pool:
         self._ranks = Ranks(provider, settings, self._emit, self._rank_ended)
         self._prompts = Prompts()
         self._ranks.on_input = self._prompts.ask
-        shares = provider.shares_files
         cap = sync_cap_bytes or DEFAULT_SYNC_CAP
-        self._transfer = Transfer(self._ranks, sync, cap, shares, self._emit)
+        self._transfer = Transfer(self._ranks, sync, cap, provider, self._emit)
         self._fanout = Fanout()
         self._io: IOThread | None = None
         self._op_lock: asyncio.Lock | None = None

@@ -7,9 +7,10 @@ rank gets names it by digest, and the other ranks fetch it from the head's relay
 way: one rank per node says which contents it lacks, those go to the head once as a bundle, and
 each node fetches the bundle from the head and switches its copy.
 
-Nodes that share the notebook's filesystem get no copy: when the provider says so (local),
-nothing is scanned or sent; when a node finds every listed file at the notebook's own path (a
-shared home over NFS), its cells run in the notebook's directory.
+Ranks on the notebook's own machine (local) get every global over their own pipes: the relay
+would only add a hop. Nodes that share the notebook's filesystem get no copy: when the provider
+says so (local), nothing is scanned or sent; when a node finds every listed file at the
+notebook's own path (a shared home over NFS), its cells run in the notebook's directory.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 from . import protocol as p
 from . import wire
 from .events import PoolEvent, PoolMessage
+from .providers.base import Provider
 from .ranks import Rank, Ranks
 from .results import PoolError, RankEnded
 from .workdir import Manifest, Scanner, SyncError, bundle, human_bytes
@@ -48,13 +50,15 @@ class Transfer:
         ranks: Ranks,
         roots: Sequence[str],
         cap_bytes: int,
-        shares_files: bool,
+        provider: Provider,
         emit: Callable[[PoolEvent], None],
     ) -> None:
         self._ranks = ranks
         # Nodes that share the notebook's files run in its directories: nothing to scan or send.
-        self._scanners = [] if shares_files else [Scanner(root, cap_bytes) for root in roots]
-        self._shared = tuple(roots) if shares_files else ()
+        shares = provider.shares_files
+        self._scanners = [] if shares else [Scanner(root, cap_bytes) for root in roots]
+        self._shared = tuple(roots) if shares else ()
+        self._relays = not provider.on_notebook_machine
         self._emit = emit
         self._synced: dict[str, Manifest] = {}
         self.sent: list[tuple[str, int, int]] = []
@@ -177,7 +181,7 @@ class Transfer:
     async def relay_globals(self, command: p.RunCell, live: list[Rank]) -> p.RunCell:
         """``command`` with its large globals replaced by references to a stash on the head."""
         relay = self._relay()
-        if relay is None or len(live) < 2:
+        if relay is None or len(live) < 2 or not self._relays:
             return command
         shipped: dict[str, p.Pickled | p.Relayed] = {}
         for name, value in command.globals.items():

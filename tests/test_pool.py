@@ -14,6 +14,7 @@ import pytest
 
 from skyward_jupyter import CellError, Pool, PoolError
 from skyward_jupyter.events import CellFinished, CellStarted, OutputReceived, PoolEvent
+from skyward_jupyter.transfer import RELAY_MIN_BYTES, Transfer
 
 from .conftest import TEMPLATE, agent_pids, wait_for
 
@@ -103,6 +104,25 @@ def test_globals_travel_and_large_arrays_arrive_intact(pool2: Pool) -> None:
     result = pool2.run("scale(data)", {"data": data, "scale": scale})
     assert result.values == [float(data.sum()) * 2] * 2
     assert result.shipped_bytes >= data.nbytes
+
+
+def test_a_large_global_goes_to_local_ranks_over_their_own_pipes(
+    pool2: Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Relaying it through the head (for remote nodes: it leaves the notebook once) would only
+    add a hop, a copy and two digests on the notebook's own machine."""
+    stashed: list[int] = []
+    stash = Transfer.stash
+
+    async def spy(self: Transfer, blob: bytes, readers: list[object]) -> object:
+        stashed.append(len(blob))
+        return await stash(self, blob, readers)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Transfer, "stash", spy)
+    data = np.arange(4 * RELAY_MIN_BYTES // 8, dtype=np.float64)
+    result = pool2.run("float(data.sum())", {"data": data}).raise_for_errors()
+    assert result.values == [float(data.sum())] * 2
+    assert stashed == []
 
 
 def test_unpicklable_global_fails_before_anything_runs(pool2: Pool) -> None:

@@ -160,6 +160,9 @@ class Provider(abc.ABC):
     shares_files: ClassVar[bool] = False
     """The nodes see the notebook's files at their own paths (the working directory is then not
     copied; a provider that cannot promise it leaves this False and the nodes check)."""
+    on_notebook_machine: ClassVar[bool] = False
+    """The ranks run on the notebook's own machine: a large global goes to each over its own
+    pipe, since relaying it through the head would only add a hop, a copy and two digests."""
     release_timeout: float = 0.0
     """Seconds :meth:`release` may take beyond the pool's own shutdown (instances to go)."""
 

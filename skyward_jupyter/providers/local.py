@@ -250,6 +250,7 @@ class LocalRank:
 class LocalProvider(Provider):
     name = "local"
     shares_files = True
+    on_notebook_machine = True
 
     def __init__(
         self,
