@@ -63,13 +63,19 @@ def launcher_env(
         # The store at MASTER_ADDR:MASTER_PORT is hosted by the head's agent, not by each worker.
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": notebook_env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-        # NCCL's flight recorder, read by the hang doctor (``%sky stacks``, desyncs): NCCL
-        # collectives return at once, so only it knows which ones a rank still waits for.
-        "TORCH_FR_BUFFER_SIZE": notebook_env.get("TORCH_FR_BUFFER_SIZE", "2000"),
         # What `accelerate launch` says about the machine: Accelerate and the HF Trainer
         # distribute over CPU processes only when told so.
         "ACCELERATE_USE_CPU": str(not place.has_gpu),
     }
+    # NCCL's flight recorder, read by the hang doctor (``%sky stacks``, desyncs): NCCL
+    # collectives return at once, so only it knows which ones a rank still waits for. Not on
+    # ranks without a GPU (gloo): there the doctor reads the cell's stack, and the recorder would
+    # capture a Python stack at every collective of the training loop, as torchrun's workers
+    # never do.
+    if place.has_gpu:
+        env["TORCH_FR_BUFFER_SIZE"] = notebook_env.get("TORCH_FR_BUFFER_SIZE", "2000")
+    elif "TORCH_FR_BUFFER_SIZE" in notebook_env:
+        env["TORCH_FR_BUFFER_SIZE"] = notebook_env["TORCH_FR_BUFFER_SIZE"]
     # torchrun: one OpenMP thread per worker when several share a machine, unless the user chose.
     threads = notebook_env.get("OMP_NUM_THREADS")
     if threads is None and place.ranks_on_machine > 1:

@@ -372,6 +372,11 @@ def test_a_rank_has_the_environment_torchrun_gives_a_worker(project: Path) -> No
         launcher = set(their_env) - set(os.environ) - LAUNCHER_ONLY
         assert launcher - set(our_env) == set(), "torchrun sets these, the pool does not"
         assert {k: our_env[k] for k in SAME_VALUE} == {k: their_env[k] for k in SAME_VALUE}
+        # Nor does the pool set torch variables of its own on a CPU rank: a flight recorder there
+        # would capture a Python stack at every collective of the training loop. (The socket
+        # interface variables are the pool's choice of route, set where the user left them.)
+        torch_settings = {k for k in our_env if k.startswith("TORCH_")}
+        assert torch_settings - set(their_env) - set(os.environ) == set()
         # Same meaning, different value by nature: the address names this machine, the port is
         # the port of the store the group was formed through, one run id for every rank, and an
         # error file per rank in a directory that exists.

@@ -154,8 +154,8 @@ def _format(frame: FrameType, from_user: bool) -> list[str]:
 
 def nccl_pending() -> list[tuple[Waiting, float]]:
     """The NCCL collectives this rank issued that have not completed, oldest first, from torch's
-    flight recorder (on when ``TORCH_FR_BUFFER_SIZE`` > 0, which the pool sets). Not run here:
-    the project's machines have no GPU."""
+    flight recorder (on when ``TORCH_FR_BUFFER_SIZE`` > 0, which the pool sets on GPU ranks). Not
+    run here: the project's machines have no GPU."""
     if "torch" not in sys.modules:
         return []
     try:
