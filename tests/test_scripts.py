@@ -114,6 +114,32 @@ def test_a_script_sees_argv_main_its_directory_and_leaves_the_cells_alone(
     assert pool2.run("import os, sys; (os.getcwd(), sys.argv, sys.path[0])").values == cwd_before
 
 
+def test_a_script_beside_the_notebook_is_on_sys_path_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``python show.py`` puts the script's directory on ``sys.path`` once; the pool's cells
+    already have the notebook's directory there, which must not make it twice."""
+    monkeypatch.chdir(tmp_path)
+    script = write(
+        tmp_path,
+        "where.py",
+        """
+        import os, sys
+        here = os.path.dirname(__file__)
+        assert sys.path[0] == here and sys.path.count(here) == 1, list(sys.path)
+        """,
+    )
+    session = Session(announce=lambda text: None)
+    try:
+        paths = "import sys; list(sys.path)"
+        before = session.run_cell(paths, {}, spec=PoolSpec(nodes=2)).raise_for_errors().values
+        assert str(tmp_path) in before[0]
+        session.run_script(str(script), []).raise_for_errors()
+        assert session.run_cell(paths, {}).raise_for_errors().values == before
+    finally:
+        session.down_all()
+
+
 def test_a_scripts_objects_do_not_outlive_its_run(pool2: Pool, tmp_path: Path) -> None:
     """A script's namespace is a cycle (its functions hold its globals): on a GPU, a model left
     to a later collection would still hold its memory when the next run builds one."""

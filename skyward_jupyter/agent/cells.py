@@ -89,7 +89,9 @@ def run_script(source: str, path: str, argv: tuple[str, ...], main: types.Module
     loaded = set(sys.modules)
     linecache.cache[path] = (len(source), None, source.splitlines(True), path)
     sys.argv = [path, *argv]
-    sys.path.insert(0, directory)
+    # First and once, as ``python PATH`` has it: the notebook's own directory may be the same
+    # one, and a second entry would be searched again by every import that misses.
+    sys.path[:] = [directory, *(entry for entry in sys.path if entry != directory)]
     sys.modules["__main__"] = module
     try:
         if os.path.isdir(directory):
