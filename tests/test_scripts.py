@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from skyward_jupyter.protocol import Script
 from skyward_jupyter.results import CellError, PoolError, RunResult
 from skyward_jupyter.session import PoolSpec, Session
 
+from .conftest import wait_for
 from .test_magics import Kernel
 
 BYO = Path(__file__).resolve().parent / "byo"
@@ -138,6 +140,40 @@ def test_a_script_beside_the_notebook_is_on_sys_path_once(
         assert session.run_cell(paths, {}).raise_for_errors().values == before
     finally:
         session.down_all()
+
+
+def test_torch_distributed_nn_uses_the_group_formed_again(tmp_path: Path) -> None:
+    """``torch.distributed.nn.functional`` takes the default group at its import as its
+    functions' default, and DDP imports it. Imported while the pool's first group was up, it
+    kept that group for the rank's life: once a lost rank was replaced and the group formed
+    again, its collectives went to the dead peer."""
+    script = write(
+        tmp_path,
+        "ddp_once.py",
+        """
+        import torch, torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        dist.init_process_group("gloo")
+        DDP(torch.nn.Linear(2, 2))(torch.ones(1, 2)).sum().backward()
+        """,
+    )
+    with Pool(nodes=2) as pool:
+        run_script(pool, script).raise_for_errors()
+        victim = pool.ranks[1].hello
+        assert victim is not None
+        os.kill(victim.pid, signal.SIGKILL)
+        wait_for(
+            lambda: (
+                pool.ranks[1].hello is not None
+                and pool.ranks[1].hello.pid != victim.pid
+                and pool.ranks[1].state.value == "ready"
+            ),
+            30,
+            "rank 1 to be replaced",
+        )
+        cell = "import torch\nimport torch.distributed.nn.functional as F\n"
+        cell += "F.all_reduce(torch.ones(1)).item()"
+        assert pool.run(cell, timeout=30).raise_for_errors().values == [2.0, 2.0]
 
 
 def test_a_scripts_objects_do_not_outlive_its_run(pool2: Pool, tmp_path: Path) -> None:

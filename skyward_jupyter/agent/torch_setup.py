@@ -49,6 +49,12 @@ def torch_version() -> str | None:
         import torch
     except ImportError:
         return None
+    if torch.distributed.is_available():
+        # Its functions take the default group at this import as their default ``group=``, and
+        # DDP imports it. Imported now, before any group, that default is None (the group of the
+        # moment); imported later, it would keep the pool's first group for the rank's life,
+        # long after the group was formed again.
+        import torch.distributed.nn.functional
     return str(torch.__version__)
 
 
