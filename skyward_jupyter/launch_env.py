@@ -72,10 +72,9 @@ def launcher_env(
     # ranks without a GPU (gloo): there the doctor reads the cell's stack, and the recorder would
     # capture a Python stack at every collective of the training loop, as torchrun's workers
     # never do.
-    if place.has_gpu:
-        env["TORCH_FR_BUFFER_SIZE"] = notebook_env.get("TORCH_FR_BUFFER_SIZE", "2000")
-    elif "TORCH_FR_BUFFER_SIZE" in notebook_env:
-        env["TORCH_FR_BUFFER_SIZE"] = notebook_env["TORCH_FR_BUFFER_SIZE"]
+    recorder = notebook_env.get("TORCH_FR_BUFFER_SIZE", "2000" if place.has_gpu else None)
+    if recorder is not None:
+        env["TORCH_FR_BUFFER_SIZE"] = recorder
     # torchrun: one OpenMP thread per worker when several share a machine, unless the user chose.
     threads = notebook_env.get("OMP_NUM_THREADS")
     if threads is None and place.ranks_on_machine > 1:

@@ -14,6 +14,7 @@ import logging
 import os
 import queue
 import shutil
+import signal
 import tempfile
 import time
 import uuid
@@ -85,6 +86,22 @@ def wait_for(condition: Callable[[], object], timeout: float, what: str) -> None
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.02)
+
+
+def kill_and_await_replacement(pool: Any, index: int) -> None:
+    """SIGKILL rank ``index`` of ``pool`` and wait until the pool has a new one ready."""
+    victim = pool.ranks[index].hello
+    assert victim is not None
+    os.kill(victim.pid, signal.SIGKILL)
+    wait_for(
+        lambda: (
+            pool.ranks[index].hello is not None
+            and pool.ranks[index].hello.pid != victim.pid
+            and pool.ranks[index].state.value == "ready"
+        ),
+        30,
+        f"rank {index} to be replaced",
+    )
 
 
 class _Unretrieved(logging.Handler):

@@ -16,7 +16,7 @@ from skyward_jupyter import CellError, Pool, PoolError
 from skyward_jupyter.events import CellFinished, CellStarted, OutputReceived, PoolEvent
 from skyward_jupyter.transfer import RELAY_MIN_BYTES, Transfer
 
-from .conftest import TEMPLATE, agent_pids, wait_for
+from .conftest import TEMPLATE, agent_pids, kill_and_await_replacement, wait_for
 
 
 def src(text: str) -> str:
@@ -414,18 +414,7 @@ def test_timeout_stops_the_cell() -> None:
 def test_rank_lost_while_idle_is_restarted_and_reported() -> None:
     with Pool(nodes=2) as pool:
         pool.run("keep = 1")
-        victim = pool.ranks[0].hello
-        assert victim is not None
-        os.kill(victim.pid, signal.SIGKILL)
-        wait_for(
-            lambda: (
-                pool.ranks[0].hello is not None
-                and pool.ranks[0].hello.pid != victim.pid
-                and pool.ranks[0].state.value == "ready"
-            ),
-            30,
-            "rank 0 to be restarted",
-        )
+        kill_and_await_replacement(pool, 0)
         result = pool.run(ALL_REDUCE)
         assert result.values == [3.0, 3.0]
         assert result.lost == (0,)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -29,7 +28,7 @@ from skyward_jupyter.protocol import Script
 from skyward_jupyter.results import CellError, PoolError, RunResult
 from skyward_jupyter.session import PoolSpec, Session
 
-from .conftest import wait_for
+from .conftest import kill_and_await_replacement
 from .test_magics import Kernel
 
 BYO = Path(__file__).resolve().parent / "byo"
@@ -159,18 +158,7 @@ def test_torch_distributed_nn_uses_the_group_formed_again(tmp_path: Path) -> Non
     )
     with Pool(nodes=2) as pool:
         run_script(pool, script).raise_for_errors()
-        victim = pool.ranks[1].hello
-        assert victim is not None
-        os.kill(victim.pid, signal.SIGKILL)
-        wait_for(
-            lambda: (
-                pool.ranks[1].hello is not None
-                and pool.ranks[1].hello.pid != victim.pid
-                and pool.ranks[1].state.value == "ready"
-            ),
-            30,
-            "rank 1 to be replaced",
-        )
+        kill_and_await_replacement(pool, 1)
         cell = "import torch\nimport torch.distributed.nn.functional as F\n"
         cell += "F.all_reduce(torch.ones(1)).item()"
         assert pool.run(cell, timeout=30).raise_for_errors().values == [2.0, 2.0]
