@@ -94,19 +94,23 @@ class Cell:
         self.wake.set()
 
     async def drive(self) -> None:
-        """Wait for every rank's answer, applying the policy as answers and deadlines come."""
+        """Wait for every rank's answer, applying the policy as answers and deadlines come.
+
+        An answer, a command and the next deadline each set ``wake``: one wait a round,
+        whatever the number of ranks (waiting on every rank's future again each round cost
+        the pool's thread more with every rank)."""
+        loop = asyncio.get_running_loop()
+        for future in self.futures.values():
+            future.add_done_callback(lambda _: self.wake.set())
         pending = dict(self.futures)
         while pending:
             now = time.monotonic()
             check = self.check_at if self.stop_at is None else None
             limits = [t - now for t in (self.stop_at, self.deadline, check) if t is not None]
-            waker: asyncio.Future[Any] = asyncio.ensure_future(self.wake.wait())
-            await asyncio.wait(
-                [*pending.values(), waker],
-                timeout=max(0.0, min(limits)) if limits else None,
-                return_when=asyncio.FIRST_COMPLETED,
-            )
-            waker.cancel()
+            timer = loop.call_later(max(0.0, min(limits)), self.wake.set) if limits else None
+            await self.wake.wait()
+            if timer is not None:
+                timer.cancel()
             self.wake.clear()
             for r, future in list(pending.items()):
                 if not future.done():

@@ -11,14 +11,40 @@ arrives, and only that value reports its error. Its buffers stay out-of-band in 
 
 from __future__ import annotations
 
+import operator
 import pickle
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar, cast, dataclass_transform
 
 import cloudpickle
 
+M = TypeVar("M", bound=type)
+
 _PLAIN = frozenset({type(None), bool, int, float, complex, str, bytes})
 """Types whose pickle cannot refer to the notebook's ``__main__``."""
+
+
+@dataclass_transform(frozen_default=True)
+def message(cls: M) -> M:
+    """A frozen, slotted dataclass that pickles as a call of its constructor.
+
+    A slotted dataclass otherwise pickles through Python-level ``__getstate__`` and
+    ``__setstate__`` that list its fields each time: on the hottest path, a trivial cell, both
+    sides paid that for every message."""
+    made: type = dataclass(frozen=True, slots=True)(cls)
+    names = [f.name for f in fields(made)]
+    args: Callable[[object], tuple[Any, ...]] = (
+        operator.attrgetter(*names)
+        if len(names) > 1
+        else lambda self: tuple(getattr(self, name) for name in names)
+    )
+
+    def __reduce__(self: object) -> tuple[type, tuple[Any, ...]]:
+        return made, args(self)
+
+    setattr(made, "__reduce__", __reduce__)  # noqa: B010 - a method mypy will not let be assigned
+    return cast(M, made)
 
 
 def _restore(data: memoryview | bytes, *buffers: memoryview | bytes) -> Pickled:
@@ -59,14 +85,14 @@ class Pickled:
 # ---------------------------------------------------------------- commands (pool -> rank)
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class Beat:
     """The notebook's heartbeat; a rank that hears none for a while exits by itself.
 
     (A rank's own heartbeat is its :class:`Usage`, sent at the same rhythm.)"""
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class FormGroup:
     """Join the pool's worlds: torch.distributed's group, and JAX's when ``jax``. ``port`` and
     ``jax_port`` both None: this rank is the head, which hosts them and says where.
@@ -82,12 +108,12 @@ class FormGroup:
     jax_port: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class LeaveGroup:
     """Destroy the process group; peers blocked in a collective with this rank then fail fast."""
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class Script:
     """Run the source as a script (``%sky run``): its own ``__main__``, argv and directory."""
 
@@ -95,7 +121,7 @@ class Script:
     argv: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class Relayed:
     """A large value the notebook sent once, to the head; the other ranks fetch it from the
     head's relay (see :mod:`.agent.relay`) and check it against ``digest`` (sha256 hex)."""
@@ -104,7 +130,7 @@ class Relayed:
     nbytes: int
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class Stash:
     """To the head: keep ``blob`` (its sha256 is ``digest``) for the other ranks to fetch."""
 
@@ -112,14 +138,14 @@ class Stash:
     blob: Pickled
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class Drop:
     """To the head: the other ranks have what these blobs held."""
 
     digests: tuple[str, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class SyncFiles:
     """To one rank per node: bring the node's copy of a notebook directory to this state.
 
@@ -133,7 +159,7 @@ class SyncFiles:
     relay: tuple[str, int] | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class Workdir:
     """Where a cell runs: per node, the directories to put on ``sys.path`` (the first is the
     working directory)."""
@@ -143,7 +169,7 @@ class Workdir:
     """The notebook's directories the paths stand for (a script's path is mapped through)."""
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class RunCell:
     cell_id: int
     source: str
@@ -155,7 +181,7 @@ class RunCell:
     """The head's relay (address, port), where the ranks fetch :class:`Relayed` values."""
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class Interrupt:
     """Raise KeyboardInterrupt in cell ``cell_id`` (SIGINT to the rank's main thread); when it
     arrives before that cell started on the rank, the cell stops as it starts."""
@@ -163,14 +189,14 @@ class Interrupt:
     cell_id: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class StackRequest:
     """Answer with :class:`Stacks` now (the reader thread answers, also mid-cell)."""
 
     request: int
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class InputReply:
     """The notebook's answer to :class:`InputRequest`: the line typed, or why there is none."""
 
@@ -178,7 +204,7 @@ class InputReply:
     error: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class Shutdown:
     """Leave the process group and exit."""
 
@@ -186,7 +212,7 @@ class Shutdown:
 # ---------------------------------------------------------------- events (rank -> pool)
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class Hello:
     """First message of a rank: what it runs on, for version checks and the views."""
 
@@ -204,7 +230,7 @@ class Hello:
     """What stops this rank from serving the pool as asked (e.g. Keras's backend)."""
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class Usage:
     """What the rank's process uses, sent with its heartbeat (about once a second)."""
 
@@ -217,7 +243,7 @@ class Usage:
     waited: float = 0.0
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class Stacks:
     """Where a rank is: every thread's stack (the cell's first), and the collective the cell's
     thread has waited in for ``waited`` seconds, called from ``where`` (a cell or file line)."""
@@ -229,7 +255,7 @@ class Stacks:
     request: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class InputRequest:
     """The head rank's cell asks for a line (``input()``, ``breakpoint()``, pdb)."""
 
@@ -238,7 +264,7 @@ class InputRequest:
     password: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class GroupPort:
     """The head's rendezvous store listens on ``port`` and JAX's coordinator will on
     ``jax_port`` (None: not set up); the others may now join."""
@@ -248,7 +274,7 @@ class GroupPort:
     jax_port: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class GroupState:
     generation: int
     ok: bool
@@ -256,7 +282,7 @@ class GroupState:
     message: str
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class Synced:
     """A node's answer to :class:`SyncFiles`: the contents it lacks, or where the directory now
     is (its copy, or the notebook's own path when the node shares the notebook's files), or an
@@ -268,20 +294,20 @@ class Synced:
     error: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class Output:
     cell_id: int | None
     stream: str
     text: str
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class Metrics:
     cell_id: int | None
     rows: tuple[tuple[int | None, dict[str, float]], ...]
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class ErrorInfo:
     """A remote exception as text (always readable) plus the exception itself when it pickles."""
 
@@ -294,7 +320,7 @@ class ErrorInfo:
     user's interrupt), not the rank's own error."""
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class CellDone:
     cell_id: int
     value: Pickled | None

@@ -172,7 +172,13 @@ class SyncChannel:
                 self._progress()
 
     def _read_exact(self, n: int) -> bytearray:
+        """``n`` bytes, writable (a numpy array loaded from them must be too)."""
         buf = bytearray(n)
+        if n <= _CHUNK and self._lines is None:
+            # One call, no progress: a small part (the frame's reader notes its arrival).
+            if self._reader.readinto(buf) < n:
+                raise EOFError("channel closed")
+            return buf
         self._read_into(memoryview(buf))
         return buf
 

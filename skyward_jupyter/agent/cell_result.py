@@ -19,19 +19,25 @@ _REPR_LIMIT = 20_000
 
 
 def cell_done(
-    cell_id: int, value: Any, error: BaseException | None, seconds: float, after_interrupt: bool
+    cell_id: int,
+    value: Any,
+    error: BaseException | None,
+    seconds: float,
+    after_interrupt: bool,
+    **rest: Any,
 ) -> p.CellDone:
-    """The :class:`~skyward_jupyter.protocol.CellDone` for a cell that ended this way."""
+    """The :class:`~skyward_jupyter.protocol.CellDone` for a cell that ended this way;
+    ``rest`` are its other fields (what the cell bound, whether it destroyed the group, ...)."""
     if error is not None:
         info = dataclasses.replace(_error_info(error), after_interrupt=after_interrupt)
-        return p.CellDone(cell_id, None, None, info, seconds)
+        return p.CellDone(cell_id, None, None, info, seconds, **rest)
     if value is None:
-        return p.CellDone(cell_id, None, None, None, seconds)
+        return p.CellDone(cell_id, None, None, None, seconds, **rest)
     try:
         pickled: p.Pickled | None = p.Pickled.dump(value)
     except Exception:  # noqa: BLE001 - an unpicklable value still shows as its repr
         pickled = None
-    return p.CellDone(cell_id, pickled, _safe_repr(value), None, seconds)
+    return p.CellDone(cell_id, pickled, _safe_repr(value), None, seconds, **rest)
 
 
 def _safe_repr(value: Any) -> str:

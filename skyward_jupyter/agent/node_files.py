@@ -133,11 +133,12 @@ class NodeFiles:
         """Walking ``sys.modules`` (a thousand entries once torch is in) costs most of a trivial
         cell, twice: it is walked again only when an import or a removal changed it (its size
         or its newest entry) or the directories changed."""
-        roots = tuple(os.path.join(r, "") for r in (self._entered or (os.getcwd(),)))
+        directories = self._entered or (os.getcwd(),)
         modules = sys.modules
-        known = (len(modules), next(reversed(modules), None), roots)
+        known = (len(modules), next(reversed(modules), None), directories)
         if known != self._known or any(modules.get(n) is not m for n, m, _ in self._candidates):
             self._known = known
+            roots = tuple(os.path.join(d, "") for d in directories)
             self._candidates = [
                 (name, module, file)
                 for name, module in list(modules.items())

@@ -354,13 +354,18 @@ class Agent:
         self._sync_output()
         self._flush_metrics()
         self.arrivals.files.note_modules()  # before the answer: an edit may follow it at once
-        done = cell_done(command.cell_id, value, error, seconds, after_interrupt)
-        notes = tuple(self._notes)
-        self._notes.clear()
-        destroyed = self.worlds.destroyed()
-        self.channel.send(
-            dataclasses.replace(done, bound=bound, group_destroyed=destroyed, notes=notes)
+        done = cell_done(
+            command.cell_id,
+            value,
+            error,
+            seconds,
+            after_interrupt,
+            bound=bound,
+            group_destroyed=self.worlds.destroyed(),
+            notes=tuple(self._notes),
         )
+        self._notes.clear()
+        self.channel.send(done)
         self.cell_id = None
         if command.script is not None:
             # A script's namespace is a cycle (its functions hold its globals): without a full
