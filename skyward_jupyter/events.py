@@ -36,6 +36,17 @@ class RankStateChanged:
 
 
 @dataclass(frozen=True, slots=True)
+class RanksStateChanged:
+    """Several ranks entered ``state`` at once, with no detail: a cell starting on every rank,
+    the answers of one round coming in. One event, not one per rank: every subscriber hears
+    each event, and a trivial cell on 16 ranks would otherwise be 32 of them."""
+
+    ranks: tuple[tuple[int, int], ...]
+    """(rank, node) of each."""
+    state: RankState
+
+
+@dataclass(frozen=True, slots=True)
 class RankUsage:
     """A rank's resource use, with its heartbeat; ``at`` (epoch seconds) is when it arrived."""
 
@@ -97,6 +108,7 @@ class PoolMessage:
 
 PoolEvent = Union[  # noqa: UP007 - a runtime alias, usable in isinstance() on 3.10
     RankStateChanged,
+    RanksStateChanged,
     NodeStateChanged,
     RankUsage,
     OutputReceived,

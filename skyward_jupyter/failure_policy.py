@@ -112,11 +112,14 @@ class Cell:
             if timer is not None:
                 timer.cancel()
             self.wake.clear()
+            finished: list[Rank] = []
             for r, future in list(pending.items()):
                 if not future.done():
                     continue
                 del pending[r]
-                self._answered(r, future.exception() or future.result())
+                if self._answered(r, future.exception() or future.result()):
+                    finished.append(r)
+            self.ranks.set_states(finished, RankState.IDLE)
             now = time.monotonic()
             if self.deadline is not None and now >= self.deadline and self.stop_at is None:
                 self.notes.append(f"timed out after {self.timeout} s")
@@ -143,14 +146,14 @@ class Cell:
 
     # ------------------------------------------------------------------ the policy
 
-    def _answered(self, r: Rank, outcome: p.CellDone | BaseException) -> None:
+    def _answered(self, r: Rank, outcome: p.CellDone | BaseException) -> bool:
+        """Apply the policy to ``r``'s answer; True when it finished the cell (now idle)."""
         self.outcomes[r] = outcome
         failed = isinstance(outcome, BaseException) or outcome.error is not None
         if not failed:
-            self.ranks.set_state(r, RankState.IDLE)
             if self.check_at is None:
                 self.check_at = time.monotonic() + DESYNC_CHECK_EVERY
-            return
+            return True
         self.ranks.set_state(r, RankState.FAILED if r.alive else RankState.LOST)
         # A rank the pool killed (stuck after the interrupt, or at shutdown) is no cause.
         ended_on_its_own = (
@@ -163,6 +166,7 @@ class Cell:
             self._stop()
         elif isinstance(outcome, p.CellDone):
             self._leave(r)
+        return False
 
     def _stop(self) -> None:
         """Interrupt the ranks still running; make failed ranks leave the group to free peers."""

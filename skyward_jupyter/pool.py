@@ -327,8 +327,8 @@ class Pool:
             cell = Cell(command.cell_id, self._ranks, live, timeout, self.interrupt_grace)
             self._cell, self._cell_task = cell, asyncio.current_task()
             frame = wire.encode(command)
+            self._ranks.set_states(live, RankState.RUNNING)
             for r in live:
-                self._ranks.set_state(r, RankState.RUNNING)
                 self._ranks.send(r, frame)
             shipped = sum(v.nbytes for v in command.globals.values())
             self._emit(CellStarted(command.cell_id, len(live), shipped))
@@ -349,9 +349,9 @@ class Pool:
                 self._cell = self._cell_task = None
                 relayed = [v.digest for v in command.globals.values() if isinstance(v, p.Relayed)]
                 self._transfer.drop(relayed)
-            for r in everyone:
-                if r.state is RankState.RUNNING:
-                    self._ranks.set_state(r, RankState.IDLE)
+            self._ranks.set_states(
+                [r for r in everyone if r.state is RankState.RUNNING], RankState.IDLE
+            )
             result = RunResult(
                 command.cell_id,
                 results,

@@ -19,6 +19,7 @@ from skyward_jupyter.events import (
     NodeStateChanged,
     OutputReceived,
     PoolMessage,
+    RanksStateChanged,
     RankState,
     RankStateChanged,
     RankUsage,
@@ -125,6 +126,18 @@ def test_a_group_of_ranks_shows_trouble_first_then_the_slowest_start_then_activi
     states: list[RankState], shown: RankState
 ) -> None:
     assert aggregate_state(states) is shown
+
+
+def test_ranks_that_change_state_together_are_each_shown_in_it() -> None:
+    """A cell starts on every rank with one event; a waiting mark is cleared as with one rank's."""
+    state = state_with({0: 0, 1: 0, 2: 1, 3: 1})
+    state.apply(beat(2, 1, "all_reduce at train.py:3", 30.0))
+    state.apply(RanksStateChanged(((0, 0), (1, 0), (2, 1)), S.RUNNING))
+    node0, node1 = state.snapshot().nodes
+    assert (node0.state, node1.state) == (S.RUNNING, S.RUNNING)
+    state.apply(RanksStateChanged(((2, 1),), S.IDLE))
+    assert [n.state for n in state.snapshot().nodes] == [S.RUNNING, S.IDLE]
+    assert state.snapshot().nodes[1].waiting == ()
 
 
 def test_a_node_shows_the_state_aggregated_from_its_ranks() -> None:

@@ -34,6 +34,7 @@ from ..events import (
     OutputReceived,
     PoolEvent,
     PoolMessage,
+    RanksStateChanged,
     RankState,
     RankStateChanged,
     RankUsage,
@@ -179,14 +180,10 @@ class PanelState:
         """Fold one event (the pool's IO thread calls this through ``Pool.subscribe``)."""
         with self._lock:
             if isinstance(event, RankStateChanged):
-                rank = self._rank(event.rank, event.node)
-                rank.node, rank.state, rank.detail = event.node, event.state, event.detail
-                if event.state is not RankState.RUNNING:
-                    rank.waiting, rank.waited = None, 0.0
-                if event.state is RankState.LOST:
-                    rank.lost_at, rank.lost_detail = self._clock(), event.detail
-                elif event.state not in _RESTARTING:
-                    rank.lost_at = None
+                self._set_state(event.rank, event.node, event.state, event.detail)
+            elif isinstance(event, RanksStateChanged):
+                for index, node in event.ranks:
+                    self._set_state(index, node, event.state, "")
             elif isinstance(event, NodeStateChanged):
                 self._booting[event.node] = (event.state, event.detail)
             elif isinstance(event, RankUsage):
@@ -213,6 +210,16 @@ class PanelState:
             self._version += 1
 
     __call__ = apply  # so the state itself can be given to Pool.subscribe
+
+    def _set_state(self, index: int, node: int, state: RankState, detail: str) -> None:
+        rank = self._rank(index, node)
+        rank.node, rank.state, rank.detail = node, state, detail
+        if state is not RankState.RUNNING:
+            rank.waiting, rank.waited = None, 0.0
+        if state is RankState.LOST:
+            rank.lost_at, rank.lost_detail = self._clock(), detail
+        elif state not in _RESTARTING:
+            rank.lost_at = None
 
     def _rank(self, rank: int, node: int) -> _RankState:
         state = self._ranks.get(rank)
