@@ -18,7 +18,6 @@ boundary.
 from __future__ import annotations
 
 import base64
-import io
 import os
 import pickle
 import struct
@@ -34,6 +33,9 @@ _HEADER = struct.Struct("!3sBI")
 _LENGTH = struct.Struct("!Q")
 _MAX_SEGMENTS = 1 << 20
 _CHUNK = 1 << 20
+_FILL = 1 << 16
+"""Bytes one read of the agent's channel asks for: a pipe's capacity (a larger request costs
+an allocation of its size on every read)."""
 _JOIN_BELOW = 1 << 16
 """Frames up to this size are copied into one write."""
 _IOV_MAX = 1024
@@ -139,32 +141,51 @@ class SyncChannel:
         lines: bool = False,
         progress: Callable[[], None] | None = None,
     ) -> None:
-        raw = io.FileIO(read_fd, "rb", closefd=False)
-        self._reader = io.BufferedReader(raw, _CHUNK)
-        """Buffered: a small frame's header, table and body come in one system call."""
+        self.read_fd = read_fd
+        self._buffered = bytearray()
+        """Read from the descriptor, not yet taken: a small frame's parts come in one read."""
         self._write_fd = write_fd
         self._lock = threading.Lock()
-        self._lines = io.BufferedReader(raw) if lines else None
+        self._lines = lines
         """Base64 lines on a transport that moves whole lines only (:mod:`.wire_lines`)."""
         self._decoded = bytearray()
         self._progress = progress
         """Called as parts of a frame arrive: a large one in transit is a live notebook."""
 
+    def pending(self) -> bool:
+        """Part of the stream is read already: a message may wait here while a poll of the
+        descriptor says there is nothing to read."""
+        return bool(self._buffered or self._decoded)
+
+    def _fill(self) -> None:
+        data = os.read(self.read_fd, _FILL)
+        if not data:
+            raise EOFError("channel closed")
+        self._buffered += data
+
+    def _readline(self) -> bytearray:
+        searched = 0
+        while (end := self._buffered.find(b"\n", searched)) < 0:
+            searched = len(self._buffered)
+            self._fill()
+        line = self._buffered[: end + 1]
+        del self._buffered[: end + 1]
+        return line
+
     def _read_into(self, buf: memoryview) -> None:
-        if self._lines is not None:
+        if self._lines:
             while len(self._decoded) < buf.nbytes:
-                line = self._lines.readline()
-                if not line:
-                    raise EOFError("channel closed")
-                self._decoded += base64.b64decode(line)
+                self._decoded += base64.b64decode(self._readline())
                 if self._progress is not None:
                     self._progress()
             buf[:] = self._decoded[: buf.nbytes]
             del self._decoded[: buf.nbytes]
             return
-        done = 0
-        while done < buf.nbytes:
-            n = self._reader.readinto(buf[done:])
+        done = min(len(self._buffered), buf.nbytes)
+        buf[:done] = self._buffered[:done]
+        del self._buffered[:done]
+        while done < buf.nbytes:  # straight into place, never through the buffer
+            n = os.readv(self.read_fd, [buf[done : done + _CHUNK]])
             if not n:
                 raise EOFError("channel closed")
             done += n
@@ -173,12 +194,14 @@ class SyncChannel:
 
     def _read_exact(self, n: int) -> bytearray:
         """``n`` bytes, writable (a numpy array loaded from them must be too)."""
+        if n <= _FILL and not self._lines:
+            # A small part, without progress calls (the frame's reader notes its arrival).
+            while len(self._buffered) < n:
+                self._fill()
+            part = self._buffered[:n]
+            del self._buffered[:n]
+            return part
         buf = bytearray(n)
-        if n <= _CHUNK and self._lines is None:
-            # One call, no progress: a small part (the frame's reader notes its arrival).
-            if self._reader.readinto(buf) < n:
-                raise EOFError("channel closed")
-            return buf
         self._read_into(memoryview(buf))
         return buf
 
@@ -191,7 +214,7 @@ class SyncChannel:
 
     def send(self, obj: object) -> None:
         frame = encode(obj)
-        if self._lines is not None:
+        if self._lines:
             frame = [encode_line(segment) for segment in frame]
         views = [memoryview(segment).cast("B") for segment in frame]
         first = 0

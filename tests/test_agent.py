@@ -130,3 +130,15 @@ def test_an_interrupt_that_overtakes_its_cell_stops_it_as_it_starts(
     second = _until_done(channel, 2)
     assert second.error is not None and second.error.type_name == "KeyboardInterrupt"
     assert second.error.after_interrupt and second.seconds < 5
+
+
+def test_an_interrupt_sent_as_its_cell_starts_stops_it(
+    agent: tuple[subprocess.Popen[bytes], SyncChannel],
+) -> None:
+    """While the rank's main thread runs a cell, another thread must read the wire: an
+    interrupt sent right behind the cell (before it printed anything) still stops it."""
+    _, channel = agent
+    channel.send(p.RunCell(1, "import time\ntime.sleep(600)", "<sky-cell-1>"))
+    channel.send(p.Interrupt(1))
+    done = _until_done(channel, 1)
+    assert done.error is not None and done.error.type_name == "KeyboardInterrupt"

@@ -79,6 +79,45 @@ def test_a_small_array_arrives_whole_and_writable_over_a_pipe() -> None:
         os.close(w)
 
 
+def test_a_frame_read_ahead_is_said_to_be_pending() -> None:
+    """Two frames in one write: after the first, the second is already read here, where a poll
+    of the descriptor would not see it (the agent's reader asks before it polls)."""
+    r, w = os.pipe()
+    channel = SyncChannel(r, -1)
+    try:
+        os.write(w, b"".join(bytes(memoryview(s)) for m in (1, 2) for s in encode(p.Interrupt(m))))
+        assert not channel.pending()
+        assert channel.recv() == p.Interrupt(1)
+        assert channel.pending()
+        assert channel.recv() == p.Interrupt(2)
+        assert not channel.pending()
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_base64_lines_carry_frames_larger_than_a_pipe() -> None:
+    """Slurm's step I/O moves whole lines: a frame travels as base64 lines, one larger than
+    the pipe holds arriving over many reads, and what follows it is read after it."""
+    r, w = os.pipe()
+    array = np.arange(300_000, dtype=np.float64)  # a line of 3 MiB
+    sender, receiver = SyncChannel(-1, w, lines=True), SyncChannel(r, -1, lines=True)
+    try:
+
+        def send() -> None:
+            sender.send({"a": array})
+            sender.send(p.Beat())
+
+        writer = threading.Thread(target=send)
+        writer.start()
+        assert np.array_equal(receiver.recv()["a"], array)
+        assert receiver.recv() == p.Beat()
+        writer.join()
+    finally:
+        os.close(r)
+        os.close(w)
+
+
 def test_every_message_survives_pickling_as_its_constructor_call() -> None:
     """Messages pickle as a call of their class (see ``protocol.message``): each field comes
     back, whatever the number of fields."""

@@ -3,11 +3,15 @@
 Threads and their jobs:
 
 - main: runs commands one at a time (cells, process-group changes); user code runs here, so a
-  SIGINT aimed at this thread interrupts it like Ctrl-C in a terminal;
-- reader: reads commands; answers heartbeats and interrupts at once, even while a cell runs; exits
-  the process when the channel closes;
-- watchdog: sends heartbeats and batched metrics; exits the process when the notebook's heartbeat
-  has been silent too long (its machine may be gone without closing the channel);
+  SIGINT aimed at this thread interrupts it like Ctrl-C in a terminal; while idle, it reads the
+  wire itself (see :mod:`.inbox`);
+- reader: reads the wire while main runs a command, so heartbeats and interrupts are answered at
+  once, even while a cell runs;
+- watchdog: sends heartbeats and batched metrics; lets the reader read when main is busy; exits
+  the process when the notebook's heartbeat has been silent too long (its machine may be gone
+  without closing the channel);
+
+Whichever thread reads exits the process when the channel closes.
 - two capture threads (see :mod:`.output`).
 
 What a finished cell sends back is built in :mod:`.cell_result`; the process's name, C stdio and
@@ -25,15 +29,15 @@ import gc
 import json
 import os
 import platform
-import queue
 import signal
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 import cloudpickle
 
@@ -45,12 +49,14 @@ from .arrivals import Arrivals
 from .cell_result import cell_done
 from .cells import Namespace, run_script
 from .console import Console
+from .inbox import Inbox
 from .output import FdCapture
 from .process import UsageMeter, flush_c_stdio, set_process_name
 from .stacks import Watch
 from .torch_setup import GroupSettings
 from .worlds import Worlds
 
+T = TypeVar("T")
 EXIT_CHANNEL_CLOSED = 0
 EXIT_HEARTBEAT_LOST = 75
 EXIT_AGENT_FAILED = 70
@@ -115,7 +121,7 @@ class Agent:
             group.rank, self.channel.send, lambda: self.cell_id, self._sync_output
         )
         self.console.install()
-        self.commands: queue.SimpleQueue[object] = queue.SimpleQueue()  # C, without a Condition
+        self.inbox = Inbox(self.channel, self._route)
         self.cell_id: int | None = None
         self._in_cell = False
         self._interrupted = False
@@ -183,29 +189,34 @@ class Agent:
     def _heard(self) -> None:
         self._last_heard = time.monotonic()
 
+    def _route(self, message: object) -> bool:
+        """Answer ``message`` at once, whichever thread read it (True); False for a command."""
+        self._last_heard = time.monotonic()
+        if isinstance(message, p.Beat):
+            self._touch_heartbeat_file()
+            return True
+        if isinstance(message, p.Interrupt):
+            self._interrupt_cell(message.cell_id)
+            return True
+        if isinstance(message, p.StackRequest):
+            stacks = self.watch.stacks()
+            self.channel.send(dataclasses.replace(stacks, request=message.request))
+            return True
+        if isinstance(message, p.InputReply):
+            self.console.answer(message)
+            return True
+        if self.arrivals.on_wire(message):
+            return True
+        if isinstance(message, p.Shutdown):
+            self._interrupt_main()  # a cell still running stops
+        return False
+
     def _read_loop(self) -> None:
+        self._reading(self.inbox.read_while_busy)
+
+    def _reading(self, read: Callable[[], T]) -> T:
         try:
-            while True:
-                message = self.channel.recv()
-                self._last_heard = time.monotonic()
-                if isinstance(message, p.Beat):
-                    self._touch_heartbeat_file()
-                    continue
-                if isinstance(message, p.Interrupt):
-                    self._interrupt_cell(message.cell_id)
-                    continue
-                if isinstance(message, p.StackRequest):
-                    stacks = self.watch.stacks()
-                    self.channel.send(dataclasses.replace(stacks, request=message.request))
-                    continue
-                if isinstance(message, p.InputReply):
-                    self.console.answer(message)
-                    continue
-                if self.arrivals.on_wire(message):
-                    continue
-                if isinstance(message, p.Shutdown):
-                    self._interrupt_main()
-                self.commands.put(message)
+            return read()
         except EOFError:
             os._exit(EXIT_CHANNEL_CLOSED)
         except BaseException as exc:  # noqa: BLE001 - an unreadable wire leaves nothing to serve
@@ -238,6 +249,7 @@ class Agent:
                 )
                 os._exit(EXIT_HEARTBEAT_LOST)
             self._flush_metrics()
+            self.inbox.tick()
             if now - last_beat >= s.heartbeat_interval:
                 # torch is read only once the main thread has finished importing it: a module
                 # half-imported by another thread has no attributes yet.
@@ -287,7 +299,7 @@ class Agent:
             )
         )
         while True:
-            command = self.commands.get()
+            command = self._reading(self.inbox.next_command)
             if isinstance(command, p.RunCell):
                 self._run_cell(command)
             elif isinstance(command, p.SyncFiles):
