@@ -61,13 +61,17 @@ class AsyncByteWriter(Protocol):
 
 
 def encode(obj: object) -> list[Segment]:
-    """Serialise ``obj`` into the segments of one frame (header first)."""
+    """Serialise ``obj`` into the segments of one frame (header first).
+
+    A small frame (a cell, a heartbeat) comes joined into one segment: it is written at once,
+    so its reader wakes once for it, and a frame sent to every rank is joined only once."""
     buffers: list[pickle.PickleBuffer] = []
     body = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
     segments: list[Segment] = [body, *(b.raw() for b in buffers)]
-    head = _HEADER.pack(MAGIC, VERSION, len(segments)) + b"".join(
-        _LENGTH.pack(len(s) if not isinstance(s, memoryview) else s.nbytes) for s in segments
-    )
+    lengths = [len(s) if not isinstance(s, memoryview) else s.nbytes for s in segments]
+    head = _HEADER.pack(MAGIC, VERSION, len(segments)) + b"".join(map(_LENGTH.pack, lengths))
+    if len(head) + sum(lengths) <= _JOIN_BELOW:
+        return [b"".join([head, *segments])]
     return [head, *segments]
 
 
@@ -95,8 +99,12 @@ async def read_message(reader: AsyncByteReader, progress: Callable[[], None] | N
 
     ``progress`` is called as each megabyte of a large frame arrives: a peer sending a value
     that takes longer than its heartbeat timeout is busy, not silent."""
-    count = _check_header(await reader.readexactly(_HEADER.size))
-    table = await reader.readexactly(_LENGTH.size * count)
+    # Every frame has a body: its header and first length come in one read.
+    start = await reader.readexactly(_HEADER.size + _LENGTH.size)
+    count = _check_header(start[: _HEADER.size])
+    table = start[_HEADER.size :]
+    if count > 1:
+        table += await reader.readexactly(_LENGTH.size * (count - 1))
     lengths = [_LENGTH.unpack_from(table, i * _LENGTH.size)[0] for i in range(count)]
     segments: list[bytes | bytearray] = []
     for n in lengths:
@@ -112,19 +120,10 @@ async def read_message(reader: AsyncByteReader, progress: Callable[[], None] | N
 
 
 def write_segments(writer: AsyncByteWriter, frame: Sequence[Segment]) -> None:
-    """Queue a pre-encoded frame (the same frame can go to many ranks without re-pickling).
-
-    A small frame (a cell, a heartbeat) is joined and written at once, so that the rank wakes
-    once for it, not once per segment; a large one is written from its own buffers."""
-    if sum(_nbytes(s) for s in frame) <= _JOIN_BELOW:
-        writer.write(b"".join(frame))
-        return
+    """Queue a pre-encoded frame (the same frame can go to many ranks without re-pickling);
+    a large one is written from its own buffers, never copied."""
     for segment in frame:
         writer.write(segment)
-
-
-def _nbytes(segment: Segment) -> int:
-    return segment.nbytes if isinstance(segment, memoryview) else len(segment)
 
 
 class SyncChannel:
@@ -207,8 +206,11 @@ class SyncChannel:
 
     def recv(self) -> Any:
         """Read one message; raises EOFError when the other side has gone."""
-        count = _check_header(bytes(self._read_exact(_HEADER.size)))
-        table = self._read_exact(_LENGTH.size * count)
+        start = self._read_exact(_HEADER.size + _LENGTH.size)  # every frame has a body
+        count = _check_header(bytes(start[: _HEADER.size]))
+        table = start[_HEADER.size :]
+        if count > 1:
+            table += self._read_exact(_LENGTH.size * (count - 1))
         lengths = [_LENGTH.unpack_from(table, i * _LENGTH.size)[0] for i in range(count)]
         return decode([self._read_exact(n) for n in lengths])
 

@@ -142,3 +142,24 @@ def test_an_interrupt_sent_as_its_cell_starts_stops_it(
     channel.send(p.Interrupt(1))
     done = _until_done(channel, 1)
     assert done.error is not None and done.error.type_name == "KeyboardInterrupt"
+
+
+def test_a_cell_run_again_names_its_own_run_in_tracebacks(
+    agent: tuple[subprocess.Popen[bytes], SyncChannel],
+) -> None:
+    """The same source run as two cells is compiled once, yet each run's code, the functions
+    it defines included, carries that run's name, and its traceback shows the cell's line."""
+    _, channel = agent
+    source = "def f():\n    return 1 / 0\n\nf.__code__.co_filename, f()"
+    for cell_id in (1, 2):
+        channel.send(p.RunCell(cell_id, source, f"<sky-cell-{cell_id}>"))
+        done = _until_done(channel, cell_id)
+        assert done.error is not None and done.error.type_name == "ZeroDivisionError"
+        assert f'File "<sky-cell-{cell_id}>", line 2, in f\n    return 1 / 0' in (
+            done.error.traceback
+        )
+        assert f"<sky-cell-{3 - cell_id}>" not in done.error.traceback
+    channel.send(p.RunCell(3, "def g():\n    pass\n\ng.__code__.co_filename", "<sky-cell-3>"))
+    channel.send(p.RunCell(4, "def g():\n    pass\n\ng.__code__.co_filename", "<sky-cell-4>"))
+    assert _until_done(channel, 3).value_repr == "'<sky-cell-3>'"
+    assert _until_done(channel, 4).value_repr == "'<sky-cell-4>'"

@@ -21,6 +21,7 @@ from typing import Any
 
 class Namespace:
     def __init__(self) -> None:
+        self._compiled_by_source: dict[str, tuple[types.CodeType, types.CodeType | None]] = {}
         self.module = types.ModuleType("__main__")
         self.module.__dict__["__builtins__"] = __builtins__
         sys.modules["__main__"] = self.module
@@ -57,16 +58,46 @@ class Namespace:
 
     def run(self, source: str, filename: str) -> Any:
         """Execute ``source``; return the value of its last expression (None when it has none)."""
-        tree = ast.parse(source, filename, "exec")
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-        last: ast.expr | None = None
-        if tree.body and isinstance(final := tree.body[-1], ast.Expr):
-            tree.body.pop()
-            last = final.value
-        exec(compile(tree, filename, "exec"), self.globals)
+        body, last = self._compiled(source, filename)
+        exec(_named(body, filename), self.globals)
         if last is None:
             return None
-        return eval(compile(ast.Expression(last), filename, "eval"), self.globals)
+        return eval(_named(last, filename), self.globals)
+
+    def _compiled(self, source: str, filename: str) -> tuple[types.CodeType, types.CodeType | None]:
+        """The cell's statements and its final expression (if any), compiled once per source:
+        a cell run again (a training loop, a benchmark) is not parsed and compiled again; on a
+        trivial cell that was a quarter of a rank's work."""
+        known = self._compiled_by_source.pop(source, None)
+        if known is None:
+            tree = ast.parse(source, filename, "exec")
+            last: ast.expr | None = None
+            if tree.body and isinstance(final := tree.body[-1], ast.Expr):
+                tree.body.pop()
+                last = final.value
+            known = (
+                compile(tree, filename, "exec"),
+                None if last is None else compile(ast.Expression(last), filename, "eval"),
+            )
+            while len(self._compiled_by_source) >= _COMPILED_KEPT:
+                del self._compiled_by_source[next(iter(self._compiled_by_source))]
+        self._compiled_by_source[source] = known  # the most recent last: the oldest goes first
+        return known
+
+
+_COMPILED_KEPT = 64
+
+
+def _named(code: types.CodeType, filename: str) -> types.CodeType:
+    """``code`` as if compiled from ``filename``, functions and classes defined in it too (a
+    traceback names the cell that ran, and shows its lines from ``linecache``)."""
+    return code.replace(
+        co_filename=filename,
+        co_consts=tuple(
+            _named(c, filename) if isinstance(c, types.CodeType) else c for c in code.co_consts
+        ),
+    )
 
 
 class ScriptExit(Exception):
