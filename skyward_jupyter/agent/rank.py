@@ -5,14 +5,14 @@ Threads and their jobs:
 - main: runs commands one at a time (cells, process-group changes); user code runs here, so a
   SIGINT aimed at this thread interrupts it like Ctrl-C in a terminal; while idle, it reads the
   wire itself (see :mod:`.inbox`);
-- reader: reads the wire while main runs a command, so heartbeats and interrupts are answered at
-  once, even while a cell runs;
+- reader: reads the wire while main runs a command (from the watchdog's next tick on), so
+  heartbeats, interrupts and stack requests are still answered while a cell runs;
 - watchdog: sends heartbeats and batched metrics; lets the reader read when main is busy; exits
   the process when the notebook's heartbeat has been silent too long (its machine may be gone
   without closing the channel);
-
-Whichever thread reads exits the process when the channel closes.
 - two capture threads (see :mod:`.output`).
+
+Whichever thread reads the wire exits the process when the channel closes.
 
 What a finished cell sends back is built in :mod:`.cell_result`; the process's name, C stdio and
 usage sampling are in :mod:`.process`.
