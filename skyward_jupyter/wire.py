@@ -31,6 +31,8 @@ MAGIC = b"SKY"
 VERSION = 1
 _HEADER = struct.Struct("!3sBI")
 _LENGTH = struct.Struct("!Q")
+_START = _HEADER.size + _LENGTH.size
+"""A frame's header and its first length, read together: every frame has a body."""
 _MAX_SEGMENTS = 1 << 20
 _CHUNK = 1 << 20
 _FILL = 1 << 16
@@ -94,18 +96,23 @@ def _check_header(raw: bytes) -> int:
     return int(count)
 
 
+def _more_lengths(start: bytes | bytearray) -> int:
+    """From a frame's start: the bytes of its length table still to read."""
+    return _LENGTH.size * (_check_header(bytes(start[: _HEADER.size])) - 1)
+
+
+def _lengths(start: bytes | bytearray, more: bytes | bytearray) -> list[int]:
+    return [n for (n,) in _LENGTH.iter_unpack(bytes(start[_HEADER.size :]) + bytes(more))]
+
+
 async def read_message(reader: AsyncByteReader, progress: Callable[[], None] | None = None) -> Any:
     """Read one frame; raises asyncio.IncompleteReadError at a clean end of stream.
 
     ``progress`` is called as each megabyte of a large frame arrives: a peer sending a value
     that takes longer than its heartbeat timeout is busy, not silent."""
-    # Every frame has a body: its header and first length come in one read.
-    start = await reader.readexactly(_HEADER.size + _LENGTH.size)
-    count = _check_header(start[: _HEADER.size])
-    table = start[_HEADER.size :]
-    if count > 1:
-        table += await reader.readexactly(_LENGTH.size * (count - 1))
-    lengths = [_LENGTH.unpack_from(table, i * _LENGTH.size)[0] for i in range(count)]
+    start = await reader.readexactly(_START)
+    more = _more_lengths(start)
+    lengths = _lengths(start, await reader.readexactly(more) if more else b"")
     segments: list[bytes | bytearray] = []
     for n in lengths:
         if n <= _CHUNK or progress is None:
@@ -206,12 +213,9 @@ class SyncChannel:
 
     def recv(self) -> Any:
         """Read one message; raises EOFError when the other side has gone."""
-        start = self._read_exact(_HEADER.size + _LENGTH.size)  # every frame has a body
-        count = _check_header(bytes(start[: _HEADER.size]))
-        table = start[_HEADER.size :]
-        if count > 1:
-            table += self._read_exact(_LENGTH.size * (count - 1))
-        lengths = [_LENGTH.unpack_from(table, i * _LENGTH.size)[0] for i in range(count)]
+        start = self._read_exact(_START)
+        more = _more_lengths(start)
+        lengths = _lengths(start, self._read_exact(more) if more else b"")
         return decode([self._read_exact(n) for n in lengths])
 
     def send(self, obj: object) -> None:

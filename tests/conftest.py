@@ -90,6 +90,8 @@ def wait_for(condition: Callable[[], object], timeout: float, what: str) -> None
 
 def kill_and_await_replacement(pool: Any, index: int) -> None:
     """SIGKILL rank ``index`` of ``pool`` and wait until the pool has a new one ready."""
+    from skyward_jupyter.events import RankState
+
     victim = pool.ranks[index].hello
     assert victim is not None
     os.kill(victim.pid, signal.SIGKILL)
@@ -97,7 +99,7 @@ def kill_and_await_replacement(pool: Any, index: int) -> None:
         lambda: (
             pool.ranks[index].hello is not None
             and pool.ranks[index].hello.pid != victim.pid
-            and pool.ranks[index].state.value == "ready"
+            and pool.ranks[index].state is RankState.READY
         ),
         30,
         f"rank {index} to be replaced",

@@ -129,6 +129,8 @@ def test_every_message_survives_pickling_as_its_constructor_call() -> None:
         p.RunCell(2, "y", "<sky-cell-2>", {"y": p.Pickled.dump([1])}, p.Script("s.py", ("-v",))),
     ]
     for message in messages:
+        cls, args = message.__reduce__()  # type: ignore[misc]
+        assert cls is type(message) and cls(*args) == message
         assert _through_asyncio(encode(message)) == message
 
 

@@ -24,20 +24,24 @@ def cell_done(
     error: BaseException | None,
     seconds: float,
     after_interrupt: bool,
-    **rest: Any,
+    *,
+    bound: tuple[str, ...] = (),
+    group_destroyed: bool = False,
+    notes: tuple[str, ...] = (),
 ) -> p.CellDone:
-    """The :class:`~skyward_jupyter.protocol.CellDone` for a cell that ended this way;
-    ``rest`` are its other fields (what the cell bound, whether it destroyed the group, ...)."""
+    """The :class:`~skyward_jupyter.protocol.CellDone` for a cell that ended this way."""
+    pickled: p.Pickled | None = None
+    shown: str | None = None
+    info: p.ErrorInfo | None = None
     if error is not None:
         info = dataclasses.replace(_error_info(error), after_interrupt=after_interrupt)
-        return p.CellDone(cell_id, None, None, info, seconds, **rest)
-    if value is None:
-        return p.CellDone(cell_id, None, None, None, seconds, **rest)
-    try:
-        pickled: p.Pickled | None = p.Pickled.dump(value)
-    except Exception:  # noqa: BLE001 - an unpicklable value still shows as its repr
-        pickled = None
-    return p.CellDone(cell_id, pickled, _safe_repr(value), None, seconds, **rest)
+    elif value is not None:
+        try:
+            pickled = p.Pickled.dump(value)
+        except Exception:  # noqa: BLE001 - an unpicklable value still shows as its repr
+            pickled = None
+        shown = _safe_repr(value)
+    return p.CellDone(cell_id, pickled, shown, info, seconds, bound, group_destroyed, notes)
 
 
 def _safe_repr(value: Any) -> str:

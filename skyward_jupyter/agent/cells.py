@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import builtins
 import contextlib
+import functools
 import linecache
 import os
 import sys
@@ -21,7 +22,6 @@ from typing import Any
 
 class Namespace:
     def __init__(self) -> None:
-        self._compiled_by_source: dict[str, tuple[types.CodeType, types.CodeType | None]] = {}
         self.module = types.ModuleType("__main__")
         self.module.__dict__["__builtins__"] = __builtins__
         sys.modules["__main__"] = self.module
@@ -59,34 +59,39 @@ class Namespace:
     def run(self, source: str, filename: str) -> Any:
         """Execute ``source``; return the value of its last expression (None when it has none)."""
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-        body, last = self._compiled(source, filename)
+        body, last = _compiled(source, filename)
         exec(_named(body, filename), self.globals)
         if last is None:
             return None
         return eval(_named(last, filename), self.globals)
 
-    def _compiled(self, source: str, filename: str) -> tuple[types.CodeType, types.CodeType | None]:
-        """The cell's statements and its final expression (if any), compiled once per source:
-        a cell run again (a training loop, a benchmark) is not parsed and compiled again; on a
-        trivial cell that was a quarter of a rank's work."""
-        known = self._compiled_by_source.pop(source, None)
-        if known is None:
-            tree = ast.parse(source, filename, "exec")
-            last: ast.expr | None = None
-            if tree.body and isinstance(final := tree.body[-1], ast.Expr):
-                tree.body.pop()
-                last = final.value
-            known = (
-                compile(tree, filename, "exec"),
-                None if last is None else compile(ast.Expression(last), filename, "eval"),
-            )
-            while len(self._compiled_by_source) >= _COMPILED_KEPT:
-                del self._compiled_by_source[next(iter(self._compiled_by_source))]
-        self._compiled_by_source[source] = known  # the most recent last: the oldest goes first
-        return known
+
+def _compiled(source: str, filename: str) -> tuple[types.CodeType, types.CodeType | None]:
+    """The cell's statements and its final expression (if any), compiled under ``filename``."""
+    try:
+        return _compiled_once(source)
+    except SyntaxError as exc:
+        exc.filename = filename  # the error names the cell, as the code would
+        raise
 
 
-_COMPILED_KEPT = 64
+@functools.lru_cache(maxsize=64)
+def _compiled_once(source: str) -> tuple[types.CodeType, types.CodeType | None]:
+    """Compiled once per source: a cell run again (a training loop, a benchmark) is not parsed
+    and compiled again; on a trivial cell that was a quarter of a rank's work. Each run gets
+    the code renamed for it (:func:`_named`)."""
+    tree = ast.parse(source, _UNNAMED, "exec")
+    last: ast.expr | None = None
+    if tree.body and isinstance(final := tree.body[-1], ast.Expr):
+        tree.body.pop()
+        last = final.value
+    return (
+        compile(tree, _UNNAMED, "exec"),
+        None if last is None else compile(ast.Expression(last), _UNNAMED, "eval"),
+    )
+
+
+_UNNAMED = "<sky-cell>"
 
 
 def _named(code: types.CodeType, filename: str) -> types.CodeType:

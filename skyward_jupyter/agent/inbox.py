@@ -23,7 +23,7 @@ from ..wire import SyncChannel
 
 class Inbox:
     def __init__(self, channel: SyncChannel, route: Callable[[object], bool]) -> None:
-        self.channel = channel
+        self._channel = channel
         self._route = route
         """Answers a message at once and says True; says False for a command (main's to run)."""
         self._wire = threading.Lock()
@@ -49,7 +49,7 @@ class Inbox:
                 with self._wire:
                     if not self._queued.empty():  # queued while this thread waited for the wire
                         continue
-                    command = self.channel.recv()
+                    command = self._channel.recv()
                 if self._route(command):
                     continue
             self._busy = True
@@ -69,14 +69,14 @@ class Inbox:
                 self._reader_reads = True
                 try:
                     while self._busy:
-                        if not self.channel.pending():
+                        if not self._channel.pending():
                             ready, _, _ = select.select(
-                                [self.channel.read_fd, self._give_back_r], [], []
+                                [self._channel.read_fd, self._give_back_r], [], []
                             )
                             if self._give_back_r in ready:
                                 os.read(self._give_back_r, 64)
                                 continue  # the main thread may be idle now: look again
-                        message = self.channel.recv()
+                        message = self._channel.recv()
                         if not self._route(message):
                             self._queued.put(message)
                 finally:
