@@ -179,8 +179,8 @@ class PoolSide:
             RankState.FAILED,
         ):
             self._troubles.append(
-                f"{time.strftime('%H:%M:%S')} rank {event.rank}: {event.state.value}, "
-                f"{event.detail}"
+                f"{time.strftime('%H:%M:%S')} ranks {[r for r, _ in event.ranks]}: "
+                f"{event.state.value}, {event.detail}"
             )
 
     def start(self) -> None:

@@ -29,21 +29,20 @@ class RankState(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class RankStateChanged:
-    rank: int
-    node: int
-    state: RankState
-    detail: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class RanksStateChanged:
-    """Several ranks entered ``state`` at once, with no detail: a cell starting on every rank,
-    the answers of one round coming in. One event, not one per rank: every subscriber hears
-    each event, and a trivial cell on 16 ranks would otherwise be 32 of them."""
+    """Ranks entered ``state``: one, with its detail (a loss, a failure, a restart), or several
+    at once (a cell starting on every rank, the answers of one round coming in). One event for
+    several: every subscriber hears each event, and a trivial cell on 16 ranks would otherwise
+    be 32 of them."""
 
     ranks: tuple[tuple[int, int], ...]
     """(rank, node) of each."""
     state: RankState
+    detail: str = ""
+
+    @classmethod
+    def of(cls, rank: int, node: int, state: RankState, detail: str = "") -> RankStateChanged:
+        """One rank's change."""
+        return cls(((rank, node),), state, detail)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +107,6 @@ class PoolMessage:
 
 PoolEvent = Union[  # noqa: UP007 - a runtime alias, usable in isinstance() on 3.10
     RankStateChanged,
-    RanksStateChanged,
     NodeStateChanged,
     RankUsage,
     OutputReceived,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from .events import PoolEvent, RanksStateChanged, RankStateChanged
+from .events import PoolEvent, RankStateChanged
 
 Subscriber = Callable[[PoolEvent], None]
 log = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ class Fanout:
     def emit(self, event: PoolEvent, running: int | None) -> None:
         """Deliver ``event``; a rank's state change during cell ``running`` is that cell's too."""
         cell_id = getattr(event, "cell_id", None)
-        if cell_id is None and isinstance(event, RankStateChanged | RanksStateChanged):
+        if cell_id is None and isinstance(event, RankStateChanged):
             cell_id = running
         observer = self.observers.get(cell_id) if cell_id is not None else None
         for callback in [*self._subscribers, *([observer] if observer else [])]:

@@ -24,7 +24,6 @@ from .events import (
     OutputReceived,
     PoolEvent,
     PoolMessage,
-    RanksStateChanged,
     RankState,
     RankStateChanged,
     RankUsage,
@@ -149,14 +148,14 @@ class Ranks:
 
     def set_state(self, rank: Rank, state: RankState, detail: str = "") -> None:
         rank.state = state
-        self.emit(RankStateChanged(rank.index, rank.node.index, state, detail))
+        self.emit(RankStateChanged.of(rank.index, rank.node.index, state, detail))
 
     def set_states(self, ranks: Sequence[Rank], state: RankState) -> None:
         """Several ranks into ``state`` with one event (none for no ranks)."""
         for rank in ranks:
             rank.state = state
         if ranks:
-            self.emit(RanksStateChanged(tuple((r.index, r.node.index) for r in ranks), state))
+            self.emit(RankStateChanged(tuple((r.index, r.node.index) for r in ranks), state))
 
     async def provision(self, nodes: int) -> None:
         """Get the machines and lay out one rank per GPU (or ``procs_per_node``) on each."""

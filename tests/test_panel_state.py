@@ -19,7 +19,6 @@ from skyward_jupyter.events import (
     NodeStateChanged,
     OutputReceived,
     PoolMessage,
-    RanksStateChanged,
     RankState,
     RankStateChanged,
     RankUsage,
@@ -38,7 +37,7 @@ def state_with(ranks: dict[int, int], **kw: Any) -> PanelState:
         "p", "test", nodes=[NodeInfo(n, f"10.0.0.{n}", "T4", 1) for n in nodes], **kw
     )
     for rank, node in ranks.items():
-        state.apply(RankStateChanged(rank, node, S.IDLE))
+        state.apply(RankStateChanged.of(rank, node, S.IDLE))
     return state
 
 
@@ -132,18 +131,18 @@ def test_ranks_that_change_state_together_are_each_shown_in_it() -> None:
     """A cell starts on every rank with one event; a waiting mark is cleared as with one rank's."""
     state = state_with({0: 0, 1: 0, 2: 1, 3: 1})
     state.apply(beat(2, 1, "all_reduce at train.py:3", 30.0))
-    state.apply(RanksStateChanged(((0, 0), (1, 0), (2, 1)), S.RUNNING))
+    state.apply(RankStateChanged(((0, 0), (1, 0), (2, 1)), S.RUNNING))
     node0, node1 = state.snapshot().nodes
     assert (node0.state, node1.state) == (S.RUNNING, S.RUNNING)
-    state.apply(RanksStateChanged(((2, 1),), S.IDLE))
+    state.apply(RankStateChanged(((2, 1),), S.IDLE))
     assert [n.state for n in state.snapshot().nodes] == [S.RUNNING, S.IDLE]
     assert state.snapshot().nodes[1].waiting == ()
 
 
 def test_a_node_shows_the_state_aggregated_from_its_ranks() -> None:
     state = state_with({0: 0, 1: 0, 2: 1, 3: 1})
-    state.apply(RankStateChanged(1, 0, S.RUNNING))
-    state.apply(RankStateChanged(3, 1, S.LOST, "killed by SIGKILL"))
+    state.apply(RankStateChanged.of(1, 0, S.RUNNING))
+    state.apply(RankStateChanged.of(3, 1, S.LOST, "killed by SIGKILL"))
     node0, node1 = state.snapshot().nodes
     assert (node0.state, node0.ranks) == (S.RUNNING, (0, 1))
     assert (node1.state, node1.detail, node1.ranks) == (S.LOST, "killed by SIGKILL", (2, 3))
@@ -154,17 +153,17 @@ def test_a_node_shows_the_state_aggregated_from_its_ranks() -> None:
 def test_a_lost_rank_shows_as_lost_for_a_moment_while_it_restarts() -> None:
     now = [0.0]
     state = state_with({0: 0, 1: 1}, lost_hold=5.0, clock=lambda: now[0])
-    state.apply(RankStateChanged(1, 1, S.LOST, "killed by SIGKILL"))
-    state.apply(RankStateChanged(1, 1, S.BOOTING))
+    state.apply(RankStateChanged.of(1, 1, S.LOST, "killed by SIGKILL"))
+    state.apply(RankStateChanged.of(1, 1, S.BOOTING))
     node = state.snapshot().nodes[1]
     assert (node.state, node.detail) == (S.LOST, "killed by SIGKILL; restarting (booting)")
-    state.apply(RankStateChanged(1, 1, S.READY))
+    state.apply(RankStateChanged.of(1, 1, S.READY))
     now[0] = 4.9
     assert state.snapshot().nodes[1].detail == "killed by SIGKILL; restarted"
     now[0] = 5.0
     assert state.snapshot().nodes[1].state is S.READY
-    state.apply(RankStateChanged(1, 1, S.LOST, "exited with status 1"))
-    state.apply(RankStateChanged(1, 1, S.RUNNING))
+    state.apply(RankStateChanged.of(1, 1, S.LOST, "exited with status 1"))
+    state.apply(RankStateChanged.of(1, 1, S.RUNNING))
     assert state.snapshot().nodes[1].state is S.RUNNING, "a running rank is not held"
 
 
@@ -177,7 +176,7 @@ def test_usage_is_summed_over_a_nodes_live_ranks() -> None:
     assert (node0.cpu_percent, node0.rss_bytes, node0.gpu_memory_bytes) == (75.0, 300, 1000)
     assert node0.last_heartbeat == 11.0 and node0.heartbeat_age(13.0) == 2.0
     assert (node1.cpu_percent, node1.gpu_memory_bytes) == (10.0, None)
-    state.apply(RankStateChanged(1, 0, S.LOST, "exited with status 1"))
+    state.apply(RankStateChanged.of(1, 0, S.LOST, "exited with status 1"))
     node0 = state.snapshot().nodes[0]
     assert (node0.cpu_percent, node0.rss_bytes) == (50.0, 100), "a lost rank uses nothing"
 
@@ -234,7 +233,7 @@ def test_a_rank_long_in_a_collective_is_marked_until_a_heartbeat_says_it_left() 
     state = state_with({0: 0, 1: 0, 2: 1})
     state.apply(CellStarted(1, 3, 0))
     for rank, node in ((0, 0), (1, 0), (2, 1)):
-        state.apply(RankStateChanged(rank, node, S.RUNNING))
+        state.apply(RankStateChanged.of(rank, node, S.RUNNING))
     assert WAITING_MARK_AFTER == 3.0
     state.apply(beat(0, 0, "all_reduce at cell line 3", 2.9))
     assert marks(state) == ({}, {0: [], 1: []}), "a moment in a collective is normal"
@@ -267,7 +266,7 @@ def test_a_rank_long_in_a_collective_is_marked_until_a_heartbeat_says_it_left() 
         {0: "waiting 12 s in all_reduce at cell line 3"},
         {0: ["rank 0 waiting 12 s in all_reduce at cell line 3"], 1: []},
     )
-    state.apply(RankStateChanged(0, 0, S.LOST, "killed by SIGKILL"))
+    state.apply(RankStateChanged.of(0, 0, S.LOST, "killed by SIGKILL"))
     assert marks(state) == ({}, {0: [], 1: []}), "a lost rank waits for nothing"
     state.apply(beat(0, 0, "all_reduce at cell line 3", 13.2))  # its last words, heard late
     assert marks(state) == ({}, {0: [], 1: []})
@@ -279,7 +278,7 @@ def test_the_marks_go_when_the_cell_ends() -> None:
     state.apply(beat(0, 0, "barrier at cell line 4", 8.0))
     state.apply(beat(1, 1, "barrier at cell line 4", 8.0))
     assert len(marks(state)[0]) == 2
-    state.apply(RankStateChanged(1, 1, S.IDLE))  # rank 1 is done with the cell
+    state.apply(RankStateChanged.of(1, 1, S.IDLE))  # rank 1 is done with the cell
     assert marks(state)[0] == {0: "waiting 8 s in barrier at cell line 4"}
     v = state.version
     state.apply(CellFinished(4, None))  # type: ignore[arg-type]
@@ -459,7 +458,7 @@ def test_nodes_show_the_providers_progress_until_their_ranks_take_over() -> None
         (1, RankState.BOOTING, "i-1 pending"),
     ]
     state.apply(NodeStateChanged(0, RankState.CONNECTING, "i-0 running, waiting for SSH"))
-    state.apply(RankStateChanged(1, 1, RankState.READY))
+    state.apply(RankStateChanged.of(1, 1, RankState.READY))
     rows = state.snapshot().nodes
     assert [(r.state, r.detail) for r in rows] == [
         (RankState.CONNECTING, "i-0 running, waiting for SSH"),

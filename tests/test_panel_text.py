@@ -54,12 +54,12 @@ def lines(out: io.StringIO) -> list[str]:
 def test_notable_state_changes_are_lines_and_routine_ones_are_not() -> None:
     text, out, _ = report()
     for state in (S.BOOTING, S.CONNECTING, S.READY, S.RUNNING, S.IDLE):
-        text.on_event(RankStateChanged(0, 0, state))
-    text.on_event(RankStateChanged(1, 1, S.LOST, "killed by SIGKILL"))
-    text.on_event(RankStateChanged(1, 1, S.BOOTING))
-    text.on_event(RankStateChanged(1, 1, S.READY, "gloo, port 1234"))
-    text.on_event(RankStateChanged(0, 0, S.FAILED))
-    text.on_event(RankStateChanged(0, 0, S.READY))
+        text.on_event(RankStateChanged.of(0, 0, state))
+    text.on_event(RankStateChanged.of(1, 1, S.LOST, "killed by SIGKILL"))
+    text.on_event(RankStateChanged.of(1, 1, S.BOOTING))
+    text.on_event(RankStateChanged.of(1, 1, S.READY, "gloo, port 1234"))
+    text.on_event(RankStateChanged.of(0, 0, S.FAILED))
+    text.on_event(RankStateChanged.of(0, 0, S.READY))
     assert out.getvalue() == "", "nothing is written from the IO thread"
     text.flush()
     assert lines(out) == [
@@ -67,6 +67,17 @@ def test_notable_state_changes_are_lines_and_routine_ones_are_not() -> None:
         "rank 1 (node 1): ready again",
         "rank 0 (node 0): failed",
     ]
+
+
+def test_lost_ranks_back_in_one_batched_event_are_each_said_ready_again() -> None:
+    """A round's answers come as one event for several ranks: each lost one among them is
+    told, the others stay routine."""
+    text, out, _ = report()
+    text.on_event(RankStateChanged.of(2, 1, S.LOST, "killed by SIGKILL"))
+    text.on_event(RankStateChanged.of(3, 1, S.LOST, "killed by SIGKILL"))
+    text.on_event(RankStateChanged(((0, 0), (2, 1), (3, 1)), S.READY))
+    text.flush()
+    assert lines(out)[2:] == ["rank 2 (node 1): ready again", "rank 3 (node 1): ready again"]
 
 
 def test_nodes_being_provisioned_are_a_line_per_step() -> None:
@@ -84,7 +95,7 @@ def test_nodes_being_provisioned_are_a_line_per_step() -> None:
 
 def test_no_escape_codes_even_when_a_detail_carries_them() -> None:
     text, out, _ = report()
-    text.on_event(RankStateChanged(1, 1, S.LOST, "\x1b[31mkilled\x1b[0m by SIGKILL\r\n"))
+    text.on_event(RankStateChanged.of(1, 1, S.LOST, "\x1b[31mkilled\x1b[0m by SIGKILL\r\n"))
     text.on_event(CellStarted(1, 1, 0))
     text.on_event(MetricsLogged(0, 1, ((0, {"lo\x1bss": 1.0}),)))
     text.flush(final=True)

@@ -34,7 +34,6 @@ from ..events import (
     OutputReceived,
     PoolEvent,
     PoolMessage,
-    RanksStateChanged,
     RankState,
     RankStateChanged,
     RankUsage,
@@ -180,10 +179,8 @@ class PanelState:
         """Fold one event (the pool's IO thread calls this through ``Pool.subscribe``)."""
         with self._lock:
             if isinstance(event, RankStateChanged):
-                self._set_state(event.rank, event.node, event.state, event.detail)
-            elif isinstance(event, RanksStateChanged):
                 for index, node in event.ranks:
-                    self._set_state(index, node, event.state, "")
+                    self._set_state(index, node, event.state, event.detail)
             elif isinstance(event, NodeStateChanged):
                 self._booting[event.node] = (event.state, event.detail)
             elif isinstance(event, RankUsage):

@@ -147,17 +147,21 @@ class TextReport:
             out.write("".join(line + "\n" for line in lines))
             out.flush()
 
+    def _rank_state(self, rank: int, node: int, event: RankStateChanged, lines: list[str]) -> None:
+        where = f"rank {rank} (node {node})"
+        if event.state in (RankState.LOST, RankState.FAILED):
+            if event.state is RankState.LOST:
+                self._lost.add(rank)
+            detail = f", {event.detail}" if event.detail else ""
+            lines.append(plain(f"{where}: {event.state.value}{detail}"))
+        elif event.state is RankState.READY and rank in self._lost:
+            self._lost.discard(rank)
+            lines.append(plain(f"{where}: ready again"))
+
     def _take(self, event: PoolEvent, lines: list[str]) -> None:
         if isinstance(event, RankStateChanged):
-            where = f"rank {event.rank} (node {event.node})"
-            if event.state in (RankState.LOST, RankState.FAILED):
-                if event.state is RankState.LOST:
-                    self._lost.add(event.rank)
-                detail = f", {event.detail}" if event.detail else ""
-                lines.append(plain(f"{where}: {event.state.value}{detail}"))
-            elif event.state is RankState.READY and event.rank in self._lost:
-                self._lost.discard(event.rank)
-                lines.append(plain(f"{where}: ready again"))
+            for rank, node in event.ranks:
+                self._rank_state(rank, node, event, lines)
         elif isinstance(event, NodeStateChanged):
             detail = f", {event.detail}" if event.detail else ""
             lines.append(plain(f"node {event.node}: {event.state.value}{detail}"))

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..events import PoolEvent, RanksStateChanged, RankStateChanged
+from ..events import PoolEvent, RankStateChanged
 from ..model import EntryFacts
 from .files import (
     ensure_dir,
@@ -140,7 +140,7 @@ class Registry:
     @staticmethod
     def _on_event(tracked: _Tracked, event: PoolEvent) -> None:
         """The pool's IO thread: only mark the record stale; the writer thread rewrites it."""
-        if isinstance(event, RankStateChanged | RanksStateChanged):
+        if isinstance(event, RankStateChanged):
             tracked.dirty = True
 
     def _ensure_thread(self) -> None:
