@@ -571,6 +571,30 @@ def test_notebook_functions_see_the_ranks_namespace(pool2: Pool) -> None:
     assert result.values == [(10, 10), (11, 11)]
 
 
+def test_a_rank_waits_as_a_batch_task_and_runs_cells_as_a_normal_one(pool2: Pool) -> None:
+    """An idle rank waking for a cell must not preempt the notebook while it still writes the
+    cell to the other ranks; the user's code and the threads it starts run as normal tasks."""
+    result = pool2.run(
+        src(
+            """
+            import os, threading
+            seen = []
+            t = threading.Thread(target=lambda: seen.append(os.sched_getscheduler(0)))
+            t.start(); t.join()
+            (os.getpid(), os.sched_getscheduler(0), seen[0])
+            """
+        )
+    )
+    assert result.ok, result.errors
+    for pid, in_cell, in_thread in result.values:
+        assert in_cell == os.SCHED_OTHER and in_thread == os.SCHED_OTHER
+        wait_for(
+            lambda pid=pid: os.sched_getscheduler(pid) == os.SCHED_BATCH,
+            10,
+            f"rank pid {pid} to wait for its next command as a batch task",
+        )
+
+
 def test_ranks_report_their_resource_use(pool2: Pool) -> None:
     from skyward_jupyter.events import RankUsage
 
