@@ -573,7 +573,13 @@ def test_notebook_functions_see_the_ranks_namespace(pool2: Pool) -> None:
 
 def test_a_rank_waits_as_a_batch_task_and_runs_cells_as_a_normal_one(pool2: Pool) -> None:
     """An idle rank waking for a cell must not preempt the notebook while it still writes the
-    cell to the other ranks; the user's code and the threads it starts run as normal tasks."""
+    cell to the other ranks; the user's code and the threads it starts run as normal tasks, and
+    a policy a cell chose is left alone."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    except (AttributeError, OSError) as exc:
+        pytest.skip(f"this system does not let a thread switch to SCHED_BATCH and back: {exc!r}")
     result = pool2.run(
         src(
             """
@@ -593,6 +599,13 @@ def test_a_rank_waits_as_a_batch_task_and_runs_cells_as_a_normal_one(pool2: Pool
             10,
             f"rank pid {pid} to wait for its next command as a batch task",
         )
+    chosen = "import os\nos.sched_setscheduler(0, os.SCHED_{}, os.sched_param(0))\n"
+    try:
+        assert pool2.run(chosen.format("BATCH")).ok
+        kept = pool2.run("import os\nos.sched_getscheduler(0)\n")
+        assert kept.ok and kept.values == [os.SCHED_BATCH] * 2, "a cell's own policy was reset"
+    finally:
+        assert pool2.run(chosen.format("OTHER")).ok
 
 
 def test_ranks_report_their_resource_use(pool2: Pool) -> None:

@@ -12,7 +12,9 @@ is longer hears an interrupt a tick later at most.
 While it waits, the main thread is a batch task (Linux's ``SCHED_BATCH``), and a normal one again
 as soon as a command is in: a waking rank then does not preempt the notebook thread that is still
 writing the same cell to the other ranks (a trivial cell's round trip measured 6% shorter on 2
-and on 16 ranks). The user's code, and every thread it starts, runs as a normal task.
+and on 16 ranks). The user's code and the threads it starts run as normal tasks; only what the
+main thread runs while it waits (a signal handler, a finaliser) runs as a batch one. A policy
+other than the normal one (set by whoever started the rank, or by a cell) is left as it is.
 """
 
 from __future__ import annotations
@@ -27,15 +29,31 @@ from collections.abc import Callable
 from ..wire import SyncChannel
 
 
-def _policy(policy: int | None) -> None:
-    """This thread's scheduling policy, where the system has them and lets it change."""
-    if policy is not None:
-        with contextlib.suppress(OSError):  # a sandbox may refuse; waiting still works
-            os.sched_setscheduler(0, policy, os.sched_param(0))
+class _BatchWhileWaiting:
+    """The calling thread as a batch task for a wait, and normal again after it: only from the
+    normal policy, and only where the system has the call and allows it."""
 
+    def __init__(self) -> None:
+        self._usable = hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_BATCH")
+        self._switched = False
 
-_WAITING = getattr(os, "SCHED_BATCH", None)
-_RUNNING = getattr(os, "SCHED_OTHER", None)
+    def begin(self) -> None:
+        if not self._usable or self._switched:
+            return
+        try:
+            if os.sched_getscheduler(0) != os.SCHED_OTHER:
+                return  # chosen by someone: left alone
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        except OSError:
+            self._usable = False  # refused (a sandbox): wait as before, and stop asking
+            return
+        self._switched = True
+
+    def end(self) -> None:
+        if self._switched:
+            self._switched = False
+            with contextlib.suppress(OSError):  # allowed a moment ago; still, never fail a cell
+                os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
 
 
 class Inbox:
@@ -53,17 +71,18 @@ class Inbox:
         self._take_over = threading.Event()
         self._give_back_r, self._give_back_w = os.pipe()
         """A byte here stops the reader's wait on the channel: the main thread is idle."""
+        self._batch = _BatchWhileWaiting()
 
     def next_command(self) -> object:
         """Main thread: the next command, answering whatever comes before it."""
         self._busy = False
         if self._reader_reads:
             os.write(self._give_back_w, b"\0")
-        _policy(_WAITING)
         while True:
             try:
                 command = self._queued.get_nowait()
             except queue.Empty:
+                self._batch.begin()
                 with self._wire:
                     if not self._queued.empty():  # queued while this thread waited for the wire
                         continue
@@ -71,7 +90,7 @@ class Inbox:
                 if self._route(command):
                     continue
             self._busy = True
-            _policy(_RUNNING)
+            self._batch.end()
             return command
 
     def tick(self) -> None:
