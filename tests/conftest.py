@@ -16,6 +16,7 @@ import queue
 import shutil
 import signal
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -129,6 +130,19 @@ def no_unretrieved_task_exceptions() -> Iterator[None]:
         assert not handler.found, "\n".join(handler.found)
     finally:
         logging.getLogger("asyncio").removeHandler(handler)
+
+
+@pytest.fixture
+def ctrl_c() -> Iterator[Callable[[], None]]:
+    """Press Ctrl-C in the notebook: SIGINT to the main thread, which raises KeyboardInterrupt
+    there as in a kernel. A process started in the background by a shell without job control
+    inherits SIGINT ignored (Python then keeps it ignored): the test installs Python's handler
+    for its duration rather than depend on how pytest was launched."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield lambda: signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 TEMPLATE = b"sky-template"

@@ -11,12 +11,11 @@ import base64
 import email
 import http.server
 import json
-import signal
 import stat
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -421,17 +420,16 @@ def test_instances_that_never_answer_ssh_are_torn_down(
 
 
 def test_ctrl_c_while_instances_boot_tears_down_what_was_created(
-    stand: Ec2Stand, dlami: str, address_url: str
+    stand: Ec2Stand, dlami: str, address_url: str, ctrl_c: Callable[[], None]
 ) -> None:
     """Ctrl-C (SIGINT to the notebook's main thread) while the pool waits for SSH."""
     provider = AWSProvider(_options(stand, address_url, reachable_timeout=120))
     before = len(stand.calls)
-    main = threading.main_thread().ident or 0
 
     def interrupt_once_booted() -> None:
         wait_for(lambda: stand.calls_of("RunInstances", before), 30, "the instances requested")
         wait_for(lambda: len(provider.instances) == 2, 30, "both instances running")
-        signal.pthread_kill(main, signal.SIGINT)
+        ctrl_c()
 
     interrupter = threading.Thread(target=interrupt_once_booted)
     interrupter.start()

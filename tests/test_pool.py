@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-import signal
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -376,7 +376,7 @@ def test_stuck_rank_is_killed_after_the_grace_period() -> None:
         assert pool.run(ALL_REDUCE).values == [3.0, 3.0]
 
 
-def test_keyboard_interrupt_in_the_caller_reaches_every_rank() -> None:
+def test_keyboard_interrupt_in_the_caller_reaches_every_rank(ctrl_c: Callable[[], None]) -> None:
     with Pool(nodes=2, interrupt_grace=5.0) as pool:
         pool.run("import time\nkeep = 1")
         asleep: set[int] = set()
@@ -389,7 +389,7 @@ def test_keyboard_interrupt_in_the_caller_reaches_every_rank() -> None:
 
         def interrupt_when_asleep() -> None:
             wait_for(lambda: asleep == {0, 1}, 30, "both ranks to sleep")
-            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+            ctrl_c()
 
         helper = threading.Thread(target=interrupt_when_asleep)
         helper.start()
