@@ -147,15 +147,16 @@ class Ranks:
         """Where the head's prompts go (the pool answers them on the caller's thread)."""
 
     def set_state(self, rank: Rank, state: RankState, detail: str = "") -> None:
-        rank.state = state
-        self.emit(RankStateChanged.of(rank.index, rank.node.index, state, detail))
+        self.set_states((rank,), state, detail)
 
-    def set_states(self, ranks: Sequence[Rank], state: RankState) -> None:
-        """Several ranks into ``state`` with one event (none for no ranks)."""
+    def set_states(self, ranks: Sequence[Rank], state: RankState, detail: str = "") -> None:
+        """Ranks into ``state`` with one event (none for no ranks)."""
         for rank in ranks:
             rank.state = state
         if ranks:
-            self.emit(RankStateChanged(tuple((r.index, r.node.index) for r in ranks), state))
+            self.emit(
+                RankStateChanged(tuple((r.index, r.node.index) for r in ranks), state, detail)
+            )
 
     async def provision(self, nodes: int) -> None:
         """Get the machines and lay out one rank per GPU (or ``procs_per_node``) on each."""

@@ -132,17 +132,17 @@ def no_unretrieved_task_exceptions() -> Iterator[None]:
         logging.getLogger("asyncio").removeHandler(handler)
 
 
-@pytest.fixture
-def ctrl_c() -> Iterator[Callable[[], None]]:
-    """Press Ctrl-C in the notebook: SIGINT to the main thread, which raises KeyboardInterrupt
-    there as in a kernel. A process started in the background by a shell without job control
-    inherits SIGINT ignored (Python then keeps it ignored): the test installs Python's handler
-    for its duration rather than depend on how pytest was launched."""
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        yield lambda: signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
-    finally:
-        signal.signal(signal.SIGINT, before)
+def pytest_configure(config: pytest.Config) -> None:
+    """Ctrl-C raises KeyboardInterrupt in the main thread, as in a kernel, however pytest was
+    started: one started in the background by a shell without job control inherits SIGINT
+    ignored, and Python keeps it so (a test pressing Ctrl-C then waited out its deadlines)."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def ctrl_c() -> None:
+    """Press Ctrl-C in the notebook: SIGINT to the main thread."""
+    signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
 
 
 TEMPLATE = b"sky-template"

@@ -15,7 +15,7 @@ import stat
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from skyward_jupyter.providers.ssh import Host
 from skyward_jupyter.spec import KNOWN_GPUS
 
 from .aws_server import Ec2Stand, NamespaceResolver, running
-from .conftest import wait_for
+from .conftest import ctrl_c, wait_for
 from .hosts import Hosts, available, ssh_hosts
 
 REGION = "us-east-1"
@@ -420,7 +420,7 @@ def test_instances_that_never_answer_ssh_are_torn_down(
 
 
 def test_ctrl_c_while_instances_boot_tears_down_what_was_created(
-    stand: Ec2Stand, dlami: str, address_url: str, ctrl_c: Callable[[], None]
+    stand: Ec2Stand, dlami: str, address_url: str
 ) -> None:
     """Ctrl-C (SIGINT to the notebook's main thread) while the pool waits for SSH."""
     provider = AWSProvider(_options(stand, address_url, reachable_timeout=120))

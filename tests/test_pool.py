@@ -6,7 +6,6 @@ import os
 import textwrap
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +15,7 @@ from skyward_jupyter import CellError, Pool, PoolError
 from skyward_jupyter.events import CellFinished, CellStarted, OutputReceived, PoolEvent
 from skyward_jupyter.transfer import RELAY_MIN_BYTES, Transfer
 
-from .conftest import TEMPLATE, agent_pids, kill_and_await_replacement, wait_for
+from .conftest import TEMPLATE, agent_pids, ctrl_c, kill_and_await_replacement, wait_for
 
 
 def src(text: str) -> str:
@@ -376,7 +375,7 @@ def test_stuck_rank_is_killed_after_the_grace_period() -> None:
         assert pool.run(ALL_REDUCE).values == [3.0, 3.0]
 
 
-def test_keyboard_interrupt_in_the_caller_reaches_every_rank(ctrl_c: Callable[[], None]) -> None:
+def test_keyboard_interrupt_in_the_caller_reaches_every_rank() -> None:
     with Pool(nodes=2, interrupt_grace=5.0) as pool:
         pool.run("import time\nkeep = 1")
         asleep: set[int] = set()
