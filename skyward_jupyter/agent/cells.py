@@ -77,17 +77,20 @@ def _compiled(source: str, filename: str) -> tuple[types.CodeType, types.CodeTyp
 
 @functools.lru_cache(maxsize=64)
 def _compiled_once(source: str) -> tuple[types.CodeType, types.CodeType | None]:
-    """Compiled once per source: a cell run again (a training loop, a benchmark) is not parsed
-    and compiled again; on a trivial cell that was a quarter of a rank's work. Each run gets
-    the code renamed for it (:func:`_named`)."""
+    """Compiled once per source, with the cell's own ``__future__`` imports only (not this
+    module's: a cell's annotations are evaluated, as Python does). A cell run again (a training
+    loop, a benchmark) is not parsed and compiled again; on a trivial cell that was a quarter
+    of a rank's work. Each run gets the code renamed for it (:func:`_named`)."""
     tree = ast.parse(source, _UNNAMED, "exec")
     last: ast.expr | None = None
     if tree.body and isinstance(final := tree.body[-1], ast.Expr):
         tree.body.pop()
         last = final.value
     return (
-        compile(tree, _UNNAMED, "exec"),
-        None if last is None else compile(ast.Expression(last), _UNNAMED, "eval"),
+        compile(tree, _UNNAMED, "exec", dont_inherit=True),
+        None
+        if last is None
+        else compile(ast.Expression(last), _UNNAMED, "eval", dont_inherit=True),
     )
 
 
@@ -132,7 +135,7 @@ def run_script(source: str, path: str, argv: tuple[str, ...], main: types.Module
     try:
         if os.path.isdir(directory):
             os.chdir(directory)
-        exec(compile(source, path, "exec"), module.__dict__)
+        exec(compile(source, path, "exec", dont_inherit=True), module.__dict__)
     except SystemExit as exc:
         if exc.code is None or exc.code == 0:
             return
