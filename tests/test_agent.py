@@ -163,3 +163,20 @@ def test_a_cell_run_again_names_its_own_run_in_tracebacks(
     channel.send(p.RunCell(4, "def g():\n    pass\n\ng.__code__.co_filename", "<sky-cell-4>"))
     assert _until_done(channel, 3).value_repr == "'<sky-cell-3>'"
     assert _until_done(channel, 4).value_repr == "'<sky-cell-4>'"
+
+
+def test_a_future_import_holds_for_later_cells_as_in_ipython(
+    agent: tuple[subprocess.Popen[bytes], SyncChannel],
+) -> None:
+    """Annotations are evaluated until a cell imports ``annotations`` from ``__future__``; from
+    then on they are strings, in that cell and the cells after it, as IPython has it."""
+    _, channel = agent
+    check = "def f(x: int): ...\n\nf.__annotations__['x']"
+    cells = [check, f"from __future__ import annotations\n{check}", check]
+    for cell_id, source in enumerate(cells, 1):
+        channel.send(p.RunCell(cell_id, source, f"<sky-cell-{cell_id}>"))
+    assert [_until_done(channel, i).value_repr for i in (1, 2, 3)] == [
+        "<class 'int'>",
+        "'int'",
+        "'int'",
+    ]

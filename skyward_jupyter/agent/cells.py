@@ -7,6 +7,7 @@ classes and functions a cell defines pickle the way they would in a notebook.
 """
 
 from __future__ import annotations
+import __future__
 
 import ast
 import builtins
@@ -25,6 +26,9 @@ class Namespace:
         self.module = types.ModuleType("__main__")
         self.module.__dict__["__builtins__"] = __builtins__
         sys.modules["__main__"] = self.module
+        self._future = 0
+        """``__future__`` features earlier cells imported: they hold for later cells, as in
+        IPython (``from __future__ import annotations`` in one cell applies to the next)."""
 
     @property
     def globals(self) -> dict[str, Any]:
@@ -59,38 +63,49 @@ class Namespace:
     def run(self, source: str, filename: str) -> Any:
         """Execute ``source``; return the value of its last expression (None when it has none)."""
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-        body, last = _compiled(source, filename)
+        body, last = _compiled(source, filename, self._future)
+        self._future |= body.co_flags & _FUTURE_FLAGS
         exec(_named(body, filename), self.globals)
         if last is None:
             return None
         return eval(_named(last, filename), self.globals)
 
 
-def _compiled(source: str, filename: str) -> tuple[types.CodeType, types.CodeType | None]:
-    """The cell's statements and its final expression (if any), compiled under ``filename``."""
+_FUTURE_FLAGS = functools.reduce(
+    int.__or__,
+    (getattr(__future__, name).compiler_flag for name in __future__.all_feature_names),
+)
+
+
+def _compiled(
+    source: str, filename: str, future: int
+) -> tuple[types.CodeType, types.CodeType | None]:
+    """The cell's statements and its final expression (if any), compiled under ``filename``
+    with the ``future`` features earlier cells imported."""
     try:
-        return _compiled_once(source)
+        return _compiled_once(source, future)
     except SyntaxError as exc:
         exc.filename = filename  # the error names the cell, as the code would
         raise
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled_once(source: str) -> tuple[types.CodeType, types.CodeType | None]:
-    """Compiled once per source, with the cell's own ``__future__`` imports only (not this
-    module's: a cell's annotations are evaluated, as Python does). A cell run again (a training
-    loop, a benchmark) is not parsed and compiled again; on a trivial cell that was a quarter
-    of a rank's work. Each run gets the code renamed for it (:func:`_named`)."""
+def _compiled_once(source: str, future: int) -> tuple[types.CodeType, types.CodeType | None]:
+    """Compiled once per source and ``__future__`` features (the cell's and earlier cells'
+    only, not this module's: a cell's annotations are evaluated, as Python does). A cell run
+    again (a training loop, a benchmark) is not parsed and compiled again; on a trivial cell
+    that was a quarter of a rank's work. Each run gets the code renamed for it
+    (:func:`_named`)."""
     tree = ast.parse(source, _UNNAMED, "exec")
     last: ast.expr | None = None
     if tree.body and isinstance(final := tree.body[-1], ast.Expr):
         tree.body.pop()
         last = final.value
     return (
-        compile(tree, _UNNAMED, "exec", dont_inherit=True),
+        compile(tree, _UNNAMED, "exec", future, dont_inherit=True),
         None
         if last is None
-        else compile(ast.Expression(last), _UNNAMED, "eval", dont_inherit=True),
+        else compile(ast.Expression(last), _UNNAMED, "eval", future, dont_inherit=True),
     )
 
 
