@@ -211,7 +211,7 @@ class Pool:
             raise PoolError(f"pool {self.name!r} is not running; start it first")
         cell_id = next(self._cell_ids)
         filename = filename or f"<sky-cell-{cell_id}>"
-        compile(source, filename, "exec")
+        compile(source, filename, "exec", dont_inherit=True)
         shipped = {name: pickle_global(name, value) for name, value in (globals or {}).items()}
         command = p.RunCell(cell_id, source, filename, dict(shipped), script)
         files = self._transfer.scan()

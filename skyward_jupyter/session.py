@@ -205,7 +205,7 @@ class Session:
         """
         script, source = _read_script(path)
         try:
-            compile(source, script, "exec")
+            compile(source, script, "exec", dont_inherit=True)
         except SyntaxError as exc:
             raise SessionError(
                 f"{path}, line {exc.lineno}: SyntaxError: {exc.msg}; nothing was run"

@@ -180,3 +180,8 @@ def test_a_future_import_holds_for_later_cells_as_in_ipython(
         "'int'",
         "'int'",
     ]
+    # A script (%sky run) has only its own: python would run it so.
+    script = "def f(x: int): ...\n\nassert f.__annotations__['x'] is int, 'inherited'"
+    path = os.path.join(os.getcwd(), "typed.py")
+    channel.send(p.RunCell(4, script, path, script=p.Script(path)))
+    assert _until_done(channel, 4).error is None

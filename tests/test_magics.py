@@ -457,6 +457,14 @@ def test_the_heads_last_value_is_the_cells_value(nb: Kernel) -> None:
     assert cell.stdout == ""
 
 
+def test_a_cell_is_checked_and_run_as_python_compiles_it(nb: Kernel) -> None:
+    """Valid Python that string annotations would reject (a walrus in an annotation) passes the
+    notebook's syntax check and runs, with its annotations evaluated, on the ranks."""
+    nb.ok(POOL2)
+    cell = nb.ok("%%sky --nodes 2\ndef f(x: (y := int)) -> None: ...\nf.__annotations__['x'] is y")
+    assert cell.shown == ["True"], str(cell)
+
+
 def test_all_shows_every_ranks_value(nb: Kernel) -> None:
     nb.ok(POOL2)
     cell = nb.ok("%%sky --all\nimport torch.distributed as dist\ndist.get_rank() * 10")

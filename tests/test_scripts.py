@@ -108,13 +108,14 @@ def test_a_script_sees_argv_main_its_directory_and_leaves_the_cells_alone(
         assert helper_mod.ANSWER == 42
         def typed(x: int) -> None: ...
         assert typed.__annotations__["x"] is int, "annotations are evaluated, as python runs it"
+        def walrus(x: (y := int)) -> None: ...  # valid, though not with string annotations
         """,
     )
     cwd_before = pool2.run("import os, sys; (os.getcwd(), sys.argv, sys.path[0])").values
     run_script(pool2, script, "--lr", "0.1", "x y").raise_for_errors()
     after = pool2.run("(kept, 'leaked' in globals(), __name__)").raise_for_errors().values
     assert after == [(41, False, "__main__")] * 2
-    annotated = pool2.run("def typed(x: int) -> None: ...\ntyped.__annotations__['x'] is int")
+    annotated = pool2.run("def typed(x: (y := int)) -> None: ...\ntyped.__annotations__['x'] is y")
     assert annotated.raise_for_errors().values == [True, True]
     assert pool2.run("import os, sys; (os.getcwd(), sys.argv, sys.path[0])").values == cwd_before
 
@@ -132,6 +133,7 @@ def test_a_script_beside_the_notebook_is_on_sys_path_once(
         import os, sys
         here = os.path.dirname(__file__)
         assert sys.path[0] == here and sys.path.count(here) == 1, list(sys.path)
+        def walrus(x: (y := int)) -> None: ...  # valid, though not with string annotations
         """,
     )
     session = Session(announce=lambda text: None)

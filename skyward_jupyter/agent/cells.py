@@ -96,17 +96,16 @@ def _compiled_once(source: str, future: int) -> tuple[types.CodeType, types.Code
     again (a training loop, a benchmark) is not parsed and compiled again; on a trivial cell
     that was a quarter of a rank's work. Each run gets the code renamed for it
     (:func:`_named`)."""
-    tree = ast.parse(source, _UNNAMED, "exec")
+    tree = compile(source, _UNNAMED, "exec", future | ast.PyCF_ONLY_AST, dont_inherit=True)
     last: ast.expr | None = None
     if tree.body and isinstance(final := tree.body[-1], ast.Expr):
         tree.body.pop()
         last = final.value
-    return (
-        compile(tree, _UNNAMED, "exec", future, dont_inherit=True),
-        None
-        if last is None
-        else compile(ast.Expression(last), _UNNAMED, "eval", future, dont_inherit=True),
-    )
+    body = compile(tree, _UNNAMED, "exec", future, dont_inherit=True)
+    if last is None:
+        return body, None
+    future |= body.co_flags & _FUTURE_FLAGS  # the cell's own imports hold for its last line
+    return body, compile(ast.Expression(last), _UNNAMED, "eval", future, dont_inherit=True)
 
 
 _UNNAMED = "<sky-cell>"
