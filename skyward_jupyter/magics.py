@@ -89,7 +89,6 @@ class SkyMagics(Magics):
 
     def _cell(self, line: str, cell: str) -> RunResult | None:
         args = _cell_parser().parse_args(shlex.split(line))
-        compile(cell, "<%%sky cell>", "exec", dont_inherit=True)  # a syntax error fails here
         result = self.session.run_cell(
             cell,
             self._user_ns,

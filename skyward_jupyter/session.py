@@ -21,7 +21,7 @@ from .capture import CaptureError, Shipment, Shipper
 from .idle import IdleStop
 from .observers import NoViews, PoolWatcher, Views
 from .options import StdoutMode, implied_provider
-from .pool import Pool
+from .pool import Pool, check_syntax
 from .protocol import Script
 from .providers import UnknownProvider, provider_class, sweep_all
 from .providers.base import ProviderError
@@ -37,6 +37,9 @@ Announce = Callable[[str], None]
 class SessionError(Exception):
     """Bad input or a state the user must change; shown as one line, nothing else changes."""
 
+
+CELL_FILENAME = "<%%sky cell>"
+"""What a syntax error in a cell names (the ranks name each run ``<sky-cell-N>``)."""
 
 USER_ERRORS = (SessionError, CaptureError, PoolError, ProviderError, SpecError, UnknownProvider)
 """What the magics show as a one-line usage error (nothing else changed)."""
@@ -174,8 +177,10 @@ class Session:
         """Ship what the cell needs, run it, stream its output into this cell.
 
         The globals are pickled before any pool starts or is replaced, so a global that cannot
-        be sent costs nothing but the error.
+        be sent costs nothing but the error; so is the source checked, so a syntax error starts
+        no pool either.
         """
+        check_syntax(source, CELL_FILENAME)
         _, reusable = self._reusable(name, spec)
         shipper = reusable.shipper if reusable else Shipper()
         shipment = shipper.prepare(source, user_ns)
@@ -205,7 +210,7 @@ class Session:
         """
         script, source = _read_script(path)
         try:
-            compile(source, script, "exec", dont_inherit=True)
+            check_syntax(source, script)
         except SyntaxError as exc:
             raise SessionError(
                 f"{path}, line {exc.lineno}: SyntaxError: {exc.msg}; nothing was run"

@@ -465,6 +465,13 @@ def test_a_cell_is_checked_and_run_as_python_compiles_it(nb: Kernel) -> None:
     assert cell.shown == ["True"], str(cell)
 
 
+def test_a_syntax_error_in_a_cell_starts_no_pool(nb: Kernel) -> None:
+    cell = nb.fails("%%sky --name never --nodes 1\nprint('fine')\ndef broken(:\n")
+    assert cell.reply["ename"] == "SyntaxError", str(cell)
+    assert cell.reply["evalue"] == "invalid syntax (<%%sky cell>, line 2)", str(cell)
+    assert "never" not in nb.status()
+
+
 def test_all_shows_every_ranks_value(nb: Kernel) -> None:
     nb.ok(POOL2)
     cell = nb.ok("%%sky --all\nimport torch.distributed as dist\ndist.get_rank() * 10")
