@@ -47,13 +47,6 @@ in seconds, so it only has to let real training's long collectives (and a peer i
 log = logging.getLogger(__name__)
 
 
-def check_syntax(source: str, filename: str) -> None:
-    """Raise the SyntaxError the ranks would, before anything is sent: compiled with the
-    source's own ``__future__`` imports only, not this module's (string annotations reject
-    valid code, such as a walrus in an annotation)."""
-    compile(source, filename, "exec", dont_inherit=True)
-
-
 class Pool:
     """N nodes x P ranks of persistent, DDP-ready processes.
 
@@ -218,7 +211,7 @@ class Pool:
             raise PoolError(f"pool {self.name!r} is not running; start it first")
         cell_id = next(self._cell_ids)
         filename = filename or f"<sky-cell-{cell_id}>"
-        check_syntax(source, filename)
+        p.check_syntax(source, filename)
         shipped = {name: pickle_global(name, value) for name, value in (globals or {}).items()}
         command = p.RunCell(cell_id, source, filename, dict(shipped), script)
         files = self._transfer.scan()

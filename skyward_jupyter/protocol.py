@@ -181,6 +181,13 @@ class RunCell:
     """The head's relay (address, port), where the ranks fetch :class:`Relayed` values."""
 
 
+def check_syntax(source: str, filename: str) -> None:
+    """Raise the SyntaxError a rank would for a :class:`RunCell`'s source, before it is sent:
+    compiled with the source's own ``__future__`` imports only, not the sender's (string
+    annotations reject valid code, such as a walrus in an annotation)."""
+    compile(source, filename, "exec", dont_inherit=True)
+
+
 @message
 class Interrupt:
     """Raise KeyboardInterrupt in cell ``cell_id`` (SIGINT to the rank's main thread); when it

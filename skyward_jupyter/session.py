@@ -21,8 +21,8 @@ from .capture import CaptureError, Shipment, Shipper
 from .idle import IdleStop
 from .observers import NoViews, PoolWatcher, Views
 from .options import StdoutMode, implied_provider
-from .pool import Pool, check_syntax
-from .protocol import Script
+from .pool import Pool
+from .protocol import Script, check_syntax
 from .providers import UnknownProvider, provider_class, sweep_all
 from .providers.base import ProviderError
 from .results import CellError, CellInterrupted, PoolError, RunResult
@@ -37,9 +37,6 @@ Announce = Callable[[str], None]
 class SessionError(Exception):
     """Bad input or a state the user must change; shown as one line, nothing else changes."""
 
-
-CELL_FILENAME = "<%%sky cell>"
-"""What a syntax error in a cell names (the ranks name each run ``<sky-cell-N>``)."""
 
 USER_ERRORS = (SessionError, CaptureError, PoolError, ProviderError, SpecError, UnknownProvider)
 """What the magics show as a one-line usage error (nothing else changed)."""
@@ -176,11 +173,9 @@ class Session:
     ) -> RunResult:
         """Ship what the cell needs, run it, stream its output into this cell.
 
-        The globals are pickled before any pool starts or is replaced, so a global that cannot
-        be sent costs nothing but the error; so is the source checked, so a syntax error starts
-        no pool either.
+        A syntax error, or a global that cannot be sent, fails before any pool starts or changes.
         """
-        check_syntax(source, CELL_FILENAME)
+        check_syntax(source, "<%%sky cell>")
         _, reusable = self._reusable(name, spec)
         shipper = reusable.shipper if reusable else Shipper()
         shipment = shipper.prepare(source, user_ns)
@@ -209,12 +204,6 @@ class Session:
         see the notebook's files; a missing file or a syntax error fails before a pool starts.
         """
         script, source = _read_script(path)
-        try:
-            check_syntax(source, script)
-        except SyntaxError as exc:
-            raise SessionError(
-                f"{path}, line {exc.lineno}: SyntaxError: {exc.msg}; nothing was run"
-            ) from None
         with self._lock:
             entry = self.entry(name, spec)
             entry.busy += 1
@@ -394,12 +383,18 @@ class Session:
 
 
 def _read_script(path: str) -> tuple[str, str]:
-    """The script's absolute path (its name in tracebacks) and its source."""
+    """The script's absolute path (its name in tracebacks) and its source, checked."""
     script = Path(path).expanduser()
     if not script.is_file():
         where = "" if script.is_absolute() else f" (looked in {Path.cwd()})"
         raise SessionError(f"no such script: {path}{where}")
     try:
-        return str(script.resolve()), script.read_text()
+        resolved, source = str(script.resolve()), script.read_text()
+        check_syntax(source, resolved)
     except (OSError, UnicodeDecodeError) as exc:
         raise SessionError(f"cannot read {path}: {exc}") from None
+    except SyntaxError as exc:
+        raise SessionError(
+            f"{path}, line {exc.lineno}: SyntaxError: {exc.msg}; nothing was run"
+        ) from None
+    return resolved, source
