@@ -106,6 +106,10 @@ HF_SCRIPT = SCRIPTS / "hf_trainer.py"
 DDP_SCRIPT = SCRIPTS / "ddp_mlp.py"
 MAIN_GUARD = '\nif __name__ == "__main__":'
 THREAD_KEYS = ("torch_threads", "torch_interop_threads", "omp_num_threads", "os_threads")
+STEP_THREADS = ("main", "gloo_tcp_loop")  # "main": scripts/thread_cpu.py's MAIN
+"""Rank 0's threads whose CPU time per step the tables show: the training thread, and gloo's
+TCP event loop, which busy-waits while a peer's bytes wait for a buffer not yet posted (gloo's
+``Pair::getBuffer``), so its time grows when the ranks reach their collectives out of step."""
 
 # Nothing may be downloaded: the Trainer builds its model from a config. Set here, before the
 # pool starts, so the ranks inherit it as torchrun's workers do from child_env().
@@ -316,6 +320,10 @@ def compare_steps(
         "agent_share_pct": {
             n: asdict(Summary.of([_agent_share(r) for r in runs])) for n, runs in extra.items()
         },
+        "thread_ms_per_step": {
+            n: {t: asdict(Summary.of([_thread_ms(r, t) for r in runs])) for t in STEP_THREADS}
+            for n, runs in extra.items()
+        },
         "ratios": {n: _ratios(samples[base], samples[n]) for n in names if n != base},
         "threads": threads,
         "samples_steps_per_s": samples,
@@ -330,6 +338,11 @@ def _agent_share(report: dict[str, Any]) -> float:
     """The pool agent's threads' part of rank 0's CPU time over the timed steps, in percent."""
     total = sum(report["threads_cpu_s"].values())
     return 100.0 * report["pool_agent_cpu_s"] / total if total else 0.0
+
+
+def _thread_ms(report: dict[str, Any], name: str) -> float:
+    """Milliseconds of CPU per timed step that rank 0's threads called ``name`` used."""
+    return 1e3 * report["threads_cpu_s"].get(name, 0.0) / report["timed_steps"]
 
 
 def _bootstrap_ratio(base: list[float], other: list[float], seed: int = 0) -> list[float]:
@@ -477,6 +490,10 @@ def _share_cell(s: dict[str, Any]) -> str:
     return f"{s['median']:.2f}% ({s['max']:.2f}%)"
 
 
+def _step_threads_cell(t: dict[str, Any]) -> str:
+    return " / ".join(fmt_ms(t[name]["median"]) for name in STEP_THREADS)
+
+
 def _threads_cell(t: dict[str, Any]) -> str:
     return (
         f"{t['torch_threads']} / {t['torch_interop_threads']} / "
@@ -498,6 +515,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             spread_row(labels[n], s, _rate)
             + f" {fmt_ms(block['cpu_ms_per_step'][n]['median'])} "
             + f"| {_share_cell(block['agent_share_pct'][n])} "
+            + f"| {_step_threads_cell(block['thread_ms_per_step'][n])} "
             + f"| {_threads_cell(block['threads'][n])} |"
             for n, s in block["steps_per_s"].items()
         ]
@@ -510,8 +528,9 @@ def render_markdown(report: dict[str, Any]) -> str:
     steps_head = [
         "| launcher | median | p10 | p90 | min | max | rank 0 CPU time per step, median "
         "| the pool agent's threads' share of it, median (max) "
+        "| of which the training thread / gloo's event loop, medians "
         "| torch threads / interop / `OMP_NUM_THREADS` / OS threads of rank 0 |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     ratio_head = [
         "| ratio | of the medians (bootstrap 95%) | per round: median (min / max) |",

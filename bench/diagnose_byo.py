@@ -5,8 +5,10 @@ three sides with ``bench_byo.compare_steps`` (interleaved, the order rotating, o
 warm-up round): under ``torchrun``; with ``%sky run`` in the ranks of a warm 2-rank pool; and
 with ``%sky run`` of ``scripts/in_fresh_processes.py``, whose ranks each start the script in a
 fresh process beside them. It prints each side's median steps per second and its ratio to
-torchrun's with a bootstrap 95% interval. A gap that the fresh processes do not show is in the
-ranks' own process state, not in the machine, the pool's neighbours or its environment. On this
+torchrun's with a bootstrap 95% interval, and rank 0's CPU time per step in the training thread
+and in gloo's TCP event loop: far less noisy than steps per second, they show where a side's
+time goes. A gap that the fresh processes do not show is in the ranks' own process state, not in
+the machine, the pool's neighbours or its environment. On this
 machine single runs vary by 10-20%, so telling a 5% gap apart takes tens of rounds (30 by
 default: about 20 minutes). Nothing goes to ``BENCHMARKS.md``.
 """
@@ -18,7 +20,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench_byo import HF_SCRIPT, SCRIPTS, PoolSide, compare_steps, run_torchrun
+from bench_byo import HF_SCRIPT, SCRIPTS, STEP_THREADS, PoolSide, compare_steps, run_torchrun
 from common import machine_info, machine_line
 
 FRESH = SCRIPTS / "in_fresh_processes.py"
@@ -62,7 +64,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             ratio = result["ratios"][name]
             low, high = ratio["of_medians_bootstrap_95"]
             line += f", {ratio['of_medians']:.3f} of torchrun's (95%: {low:.3f} to {high:.3f})"
-        print(line)
+        threads = result["thread_ms_per_step"][name]
+        cpu = ", ".join(f"{t} {threads[t]['median']:.2f} ms" for t in STEP_THREADS)
+        print(f"{line}; rank 0's CPU per step, medians: {cpu}")
     return 0
 
 

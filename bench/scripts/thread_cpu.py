@@ -13,11 +13,16 @@ import threading
 
 POOL_AGENT = ("reader", "watchdog", "capture-stdout", "capture-stderr")
 """The threads a pool's rank runs beside the user's code (``skyward_jupyter.agent.rank``)."""
+MAIN = "main"
+"""The name :func:`per_thread` gives the process's first thread, which runs the script."""
 
 
 def per_thread() -> dict[int, tuple[str, float]]:
     """Thread id -> (name, seconds on a CPU so far)."""
     names = {t.native_id: t.name for t in threading.enumerate()}
+    # The process's first thread, where both launchers run the script, by its role: a pool's
+    # rank is forked by a template's helper thread, so there ``threading`` names it after that.
+    names[os.getpid()] = MAIN
     seen: dict[int, tuple[str, float]] = {}
     for tid in os.listdir("/proc/self/task"):
         try:
