@@ -20,8 +20,9 @@ MAIN = "main"
 def per_thread() -> dict[int, tuple[str, float]]:
     """Thread id -> (name, seconds on a CPU so far)."""
     names = {t.native_id: t.name for t in threading.enumerate()}
-    # The process's first thread, where both launchers run the script, by its role: a pool's
-    # rank is forked by a template's helper thread, so there ``threading`` names it after that.
+    # The process's first thread, where both launchers run the script, by its role: in a pool's
+    # rank, forked from a template, Python 3.11's record of the main thread keeps the template
+    # thread's native id, so the name would go to no thread of this process.
     names[os.getpid()] = MAIN
     seen: dict[int, tuple[str, float]] = {}
     for tid in os.listdir("/proc/self/task"):
