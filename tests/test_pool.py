@@ -607,6 +607,57 @@ def test_a_rank_waits_as_a_batch_task_and_runs_cells_as_a_normal_one(pool2: Pool
         assert pool2.run(chosen.format("OTHER")).ok
 
 
+NICES_BY_THREAD = src(
+    """
+    import os
+    def nices_by_thread():
+        seen = {}
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            seen.setdefault(name, []).append(os.getpriority(os.PRIO_PROCESS, int(tid)))
+        return {name: sorted(nices) for name, nices in seen.items()}
+    """
+)
+
+
+def test_gloo_event_loop_threads_run_below_the_training_thread(pool2: Pool) -> None:
+    """gloo's event loop spins while a peer's bytes wait for this rank: it must yield the CPU to
+    the rank's training. The pool's group's loop is lowered as the group forms (checked in the
+    cell that forms it again, before the watchdog's next tick could), and one of a group the
+    cell forms itself at the next tick; the training thread and gloo's workers stay as they are."""
+    assert pool2.run(NICES_BY_THREAD).ok
+    rank = pool2.run("import os\nos.getpriority(os.PRIO_PROCESS, os.getpid())").values
+    lowered = [min(nice + 5, 19) for nice in rank]
+
+    def lowered_loops(seen: list[dict[str, list[int]]]) -> bool:
+        return [set(s.get("gloo_tcp_loop", ())) for s in seen] == [{low} for low in lowered]
+
+    seen = pool2.run("nices_by_thread()").values
+    assert lowered_loops(seen), seen
+    for threads, nice in zip(seen, rank, strict=True):
+        assert set(threads["pt_gloo_runloop"]) == {nice}, threads
+    formed_again = pool2.run(
+        src(
+            """
+            import torch.distributed as dist
+            dist.destroy_process_group()
+            dist.init_process_group("gloo")
+            nices_by_thread()
+            """
+        )
+    )
+    assert formed_again.ok and lowered_loops(formed_again.values), formed_again
+    own = pool2.run("g = dist.new_group(backend='gloo')\nnices_by_thread()['gloo_tcp_loop']")
+    assert own.ok and all(len(nices) >= 2 for nices in own.values), own
+    wait_for(
+        lambda: lowered_loops(pool2.run("nices_by_thread()").values),
+        10,
+        "the loop thread of the cell's own group to be lowered",
+    )
+    assert pool2.run("del g\ndist.destroy_process_group()").ok
+
+
 def test_ranks_report_their_resource_use(pool2: Pool) -> None:
     from skyward_jupyter.events import RankUsage
 

@@ -250,6 +250,7 @@ class Agent:
                 os._exit(EXIT_HEARTBEAT_LOST)
             self._flush_metrics()
             self.inbox.tick()
+            self.worlds.tick()
             if now - last_beat >= s.heartbeat_interval:
                 # torch is read only once the main thread has finished importing it: a module
                 # half-imported by another thread has no attributes yet.

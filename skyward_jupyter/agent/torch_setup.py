@@ -15,6 +15,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
+from .gloo_loop import LoopPriority
 from .network import CONNECT_TIMEOUT, Route, check_peers, choose_interfaces, reach
 
 
@@ -97,6 +98,8 @@ class ProcessGroup:
         self._retired: list[Any] = []
         self._routed = False
         self._route_found: Route | None = None
+        self.loop_priority = LoopPriority()
+        """gloo's event-loop threads, lowered as each group forms (see :mod:`.gloo_loop`)."""
 
     @property
     def store(self) -> Any:
@@ -198,6 +201,7 @@ class ProcessGroup:
         if before or os.path.isdir("/proc/self/fd"):
             after = _socket_inodes()
             self._sockets = {k: fd for k, fd in after.items() if k not in before}
+        self.loop_priority.lower()
 
     def retire(self, group: Any) -> None:
         """Keep a group the user's code destroyed alive until the next formation.

@@ -116,6 +116,11 @@ class Worlds:
         if self.uses_torch:
             self.group.leave()
 
+    def tick(self) -> None:
+        """The watchdog's tick: lower gloo's threads of groups the user's code formed."""
+        if self.uses_torch:
+            self.group.loop_priority.lower()
+
     def destroyed(self) -> bool:
         """The cell's code destroyed torch's group: the pool forms it again."""
         return self.uses_torch and (self.user_calls.destroyed or self.group.gone())
