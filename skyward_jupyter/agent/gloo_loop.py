@@ -34,7 +34,7 @@ class LoopPriority:
         self._usable = os.path.isdir(_TASKS) and hasattr(os, "setpriority")
         self._lock = threading.Lock()
         self._settled: set[int] = set()
-        """Threads lowered, or seen twice under another name (a thread names itself as it
+        """Threads lowered, or seen twice under another name (a thread is named as it
         starts, so one seen a scan ago under another name is not gloo's loop)."""
         self._seen_once: set[int] = set()
 
