@@ -613,9 +613,12 @@ NICES_BY_THREAD = src(
     def nices_by_thread():
         seen = {}
         for tid in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                name = f.read().strip()
-            seen.setdefault(name, []).append(os.getpriority(os.PRIO_PROCESS, int(tid)))
+            try:
+                with open(f"/proc/self/task/{tid}/comm", "rb") as f:
+                    name = f.read().strip().decode(errors="replace")
+                seen.setdefault(name, []).append(os.getpriority(os.PRIO_PROCESS, int(tid)))
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # the thread ended meanwhile
         return {name: sorted(nices) for name, nices in seen.items()}
     """
 )
@@ -634,9 +637,11 @@ def test_gloo_event_loop_threads_run_below_the_training_thread(pool2: Pool) -> N
         return [set(s.get("gloo_tcp_loop", ())) for s in seen] == [{low} for low in lowered]
 
     seen = pool2.run("nices_by_thread()").values
+    if not all("gloo_tcp_loop" in threads for threads in seen):
+        pytest.skip(f"this torch's gloo does not name its loop thread: {seen}")
     assert lowered_loops(seen), seen
-    for threads, nice in zip(seen, rank, strict=True):
-        assert set(threads["pt_gloo_runloop"]) == {nice}, threads
+    for threads, nice in zip(seen, rank, strict=True):  # the training thread, gloo's workers, ...
+        assert all(set(v) == {nice} for k, v in threads.items() if k != "gloo_tcp_loop"), threads
     formed_again = pool2.run(
         src(
             """

@@ -13,31 +13,39 @@ second to 1.18-1.23, the Hugging Face Trainer from 0.93 to 0.96-1.02 (two runs);
 used 0.47 ms of CPU per DDP step against torchrun's 0.75.
 
 The rank lowers the threads of its own group as it forms and, at each watchdog tick, those of
-groups the user's code forms. Raising a thread's own nice value needs no privilege; a system
-that refuses it anyway is asked no more.
+groups the user's code forms. It finds the thread by the name gloo gives it in the torch this
+project pins (2.13); a build whose gloo leaves it unnamed keeps it as it is. Raising a thread's
+own nice value needs no privilege; a system that refuses it, or lacks the calls, is asked no
+more. Nothing here may raise: the watchdog thread that calls it ends the rank when it dies.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
+import time
 
-LOOP_THREAD = "gloo_tcp_loop"
-"""The name gloo's TCP transport gives its event-loop thread (``Loop`` in ``tcp/loop.cc``)."""
+LOOP_THREAD = b"gloo_tcp_loop"
+"""The name gloo's TCP transport gives its event-loop thread, as ``/proc`` shows it."""
 NICE_ABOVE_RANK = 5
+NAMED_WITHIN = 0.2
+"""Seconds after a thread is first seen by which it has its name (a thread is named as it
+starts): one still under another name then is not gloo's loop."""
 _TASKS = "/proc/self/task"
 
 
 class LoopPriority:
-    """Keeps every gloo event-loop thread of this process at the rank's nice value + 5."""
+    """Lowers each gloo event-loop thread of this process once, to the rank's nice value at that
+    moment + 5."""
 
     def __init__(self) -> None:
         self._usable = os.path.isdir(_TASKS) and hasattr(os, "setpriority")
         self._lock = threading.Lock()
         self._settled: set[int] = set()
-        """Threads lowered, or seen twice under another name (a thread is named as it
-        starts, so one seen a scan ago under another name is not gloo's loop)."""
-        self._seen_once: set[int] = set()
+        """Threads lowered, or known not to be a loop thread."""
+        self._first_seen: dict[int, float] = {}
+        """Threads seen under another name, and when they were first seen."""
 
     def lower(self) -> None:
         """Lower the loop threads not lowered yet: any thread may call this, at any time; a
@@ -45,28 +53,28 @@ class LoopPriority:
         if not self._usable:
             return
         with self._lock:
-            tids = {int(tid) for tid in os.listdir(_TASKS)}
-            self._settled &= tids
-            self._seen_once &= tids
-            for tid in tids - self._settled:
-                try:
-                    if self._lower(tid) or tid in self._seen_once:
-                        self._settled.add(tid)
-                    else:
-                        self._seen_once.add(tid)
-                except (FileNotFoundError, ProcessLookupError):
-                    continue  # the thread ended meanwhile (its group was destroyed)
-                except PermissionError:
-                    self._usable = False  # a sandbox that refuses: threads stay as gloo made them
-                    return
+            try:
+                tids = {int(tid) for tid in os.listdir(_TASKS)}
+                now = time.monotonic()
+                self._settled &= tids
+                self._first_seen = {t: s for t, s in self._first_seen.items() if t in tids}
+                for tid in tids - self._settled:
+                    self._look_at(tid, now)
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+                    return  # out of descriptors or memory for now: the next tick tries again
+                self._usable = False  # refused or unsupported (a sandbox): gloo's as they are
 
-    @staticmethod
-    def _lower(tid: int) -> bool:
-        """Lower ``tid`` if it is a loop thread (True), else leave it (False)."""
-        with open(f"{_TASKS}/{tid}/comm") as f:
-            if f.read().strip() != LOOP_THREAD:
-                return False
-        target = min(os.getpriority(os.PRIO_PROCESS, os.getpid()) + NICE_ABOVE_RANK, 19)
-        if os.getpriority(os.PRIO_PROCESS, tid) < target:
-            os.setpriority(os.PRIO_PROCESS, tid, target)
-        return True
+    def _look_at(self, tid: int, now: float) -> None:
+        try:
+            with open(f"{_TASKS}/{tid}/comm", "rb") as f:
+                name = f.read().strip()
+            if name == LOOP_THREAD:
+                target = min(os.getpriority(os.PRIO_PROCESS, os.getpid()) + NICE_ABOVE_RANK, 19)
+                if os.getpriority(os.PRIO_PROCESS, tid) < target:
+                    os.setpriority(os.PRIO_PROCESS, tid, target)
+                self._settled.add(tid)
+            elif now - self._first_seen.setdefault(tid, now) >= NAMED_WITHIN:
+                self._settled.add(tid)
+        except (FileNotFoundError, ProcessLookupError):
+            self._settled.add(tid)  # it ended meanwhile (its group was destroyed)

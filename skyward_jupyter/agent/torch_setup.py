@@ -98,8 +98,7 @@ class ProcessGroup:
         self._retired: list[Any] = []
         self._routed = False
         self._route_found: Route | None = None
-        self.loop_priority = LoopPriority()
-        """gloo's event-loop threads, lowered as each group forms (see :mod:`.gloo_loop`)."""
+        self._loop_priority = LoopPriority()
 
     @property
     def store(self) -> Any:
@@ -201,7 +200,12 @@ class ProcessGroup:
         if before or os.path.isdir("/proc/self/fd"):
             after = _socket_inodes()
             self._sockets = {k: fd for k, fd in after.items() if k not in before}
-        self.loop_priority.lower()
+        self.lower_gloo_loops()
+
+    def lower_gloo_loops(self) -> None:
+        """gloo's event-loop threads below the training (see :mod:`.gloo_loop`): as each group
+        forms, and at every watchdog tick for groups the user's code forms."""
+        self._loop_priority.lower()
 
     def retire(self, group: Any) -> None:
         """Keep a group the user's code destroyed alive until the next formation.

@@ -119,7 +119,7 @@ class Worlds:
     def tick(self) -> None:
         """The watchdog's tick: lower gloo's threads of groups the user's code formed."""
         if self.uses_torch:
-            self.group.loop_priority.lower()
+            self.group.lower_gloo_loops()
 
     def destroyed(self) -> bool:
         """The cell's code destroyed torch's group: the pool forms it again."""
