@@ -95,6 +95,12 @@ from common import (
     version,
 )
 
+sys.path.insert(0, str(REPO / "bench" / "scripts"))  # for thread_cpu, as the scripts import it
+
+import thread_cpu
+
+from skyward_jupyter.agent.gloo_loop import LOOP_THREAD
+
 SCRIPT = Script("byo")
 NODES = 2
 GOAL_STEPS_RATIO = 0.98  # pool steps/s at least this share of torchrun's, (a) and (b)
@@ -106,7 +112,7 @@ HF_SCRIPT = SCRIPTS / "hf_trainer.py"
 DDP_SCRIPT = SCRIPTS / "ddp_mlp.py"
 MAIN_GUARD = '\nif __name__ == "__main__":'
 THREAD_KEYS = ("torch_threads", "torch_interop_threads", "omp_num_threads", "os_threads")
-STEP_THREADS = ("main", "gloo_tcp_loop")  # "main": scripts/thread_cpu.py's MAIN
+STEP_THREADS = (thread_cpu.MAIN, LOOP_THREAD.decode())
 """Rank 0's threads whose CPU time per step the tables show: the training thread, and gloo's
 TCP event loop, which busy-waits while a peer's bytes wait for a buffer not yet posted (gloo's
 ``Pair::getBuffer``), so its time grows when the ranks reach their collectives out of step."""
