@@ -15,7 +15,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from . import limits
 from .frameworks import FRAMEWORKS, KERAS_BACKENDS
+from .limits import LimitError, Range
 from .providers import names
 from .spec import SpecError, check_gpu_name
 
@@ -33,31 +35,16 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-def _more_than_zero(unit: str, short: str) -> Callable[[str], float]:
+def _ranged(limit: Range) -> Callable[[str], float]:
+    """A parser for a number option, checked against its range (finite, within bounds)."""
+
     def parse(text: str) -> float:
         try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {unit}, got {text!r}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be more than 0 {short}, got {text}")
-        return value
+            return limit.parse(text)
+        except LimitError as exc:
+            raise argparse.ArgumentTypeError(exc.why) from None
 
     return parse
-
-
-_seconds = _more_than_zero("seconds", "seconds")
-_megabytes = _more_than_zero("megabytes", "MB")
-
-
-def _minutes(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected minutes, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 (never) or more minutes, got {text}")
-    return value
 
 
 def _env(text: str) -> tuple[str, str]:
@@ -139,11 +126,11 @@ def _flag(**kwargs: Any) -> dict[str, Any]:
 
 
 POOL_OPTIONS: tuple[Option, ...] = (
-    Option("--nodes", "nodes in the pool (default 1)", {"type": _int_at_least(1)}),
+    Option("--nodes", "nodes in the pool (default 1)", {"type": _ranged(limits.NODES)}),
     Option(
         "--procs-per-node",
         "ranks per node (default: one per GPU, or 1)",
-        {"type": _int_at_least(1)},
+        {"type": _ranged(limits.PROCS_PER_NODE)},
     ),
     Option(
         "--provider",
@@ -178,13 +165,13 @@ POOL_OPTIONS: tuple[Option, ...] = (
     Option(
         "--heartbeat-timeout",
         "declare a rank lost after S seconds without its heartbeat (default 5)",
-        {"type": _seconds, "metavar": "S"},
+        {"type": _ranged(limits.HEARTBEAT_TIMEOUT), "metavar": "S"},
     ),
     Option(
         "--desync-after",
         "fail a cell when ranks wait S seconds in a collective that finished ranks will not "
         "join (default 1.5)",
-        {"type": _seconds, "metavar": "S"},
+        {"type": _ranged(limits.DESYNC_AFTER), "metavar": "S"},
     ),
     Option(
         "--sync",
@@ -196,12 +183,12 @@ POOL_OPTIONS: tuple[Option, ...] = (
     Option(
         "--sync-cap",
         "the most a synced directory may hold, in MB (default 200)",
-        {"type": _megabytes, "metavar": "MB"},
+        {"type": _ranged(limits.SYNC_CAP), "metavar": "MB"},
     ),
     Option(
         "--idle-timeout",
         "stop the pool after MIN minutes without a cell (0: never; aws: 30 by default)",
-        {"type": _minutes, "metavar": "MIN"},
+        {"type": _ranged(limits.IDLE_TIMEOUT), "metavar": "MIN"},
     ),
     Option(
         "--hosts",
@@ -246,7 +233,12 @@ POOL_OPTIONS: tuple[Option, ...] = (
     Option("--account", "Slurm account to charge", {"metavar": "A"}, provider="slurm"),
     Option("--time", "Slurm time limit (e.g. 1:00:00)", {"metavar": "T"}, provider="slurm"),
     Option("--qos", "Slurm quality of service", {"metavar": "Q"}, provider="slurm"),
-    Option("--gpus-per-node", "GPUs per Slurm node", {"type": _int_at_least(0)}, provider="slurm"),
+    Option(
+        "--gpus-per-node",
+        "GPUs per Slurm node",
+        {"type": _ranged(limits.GPUS_PER_NODE)},
+        provider="slurm",
+    ),
     Option("--constraint", "Slurm node features", {"metavar": "C"}, provider="slurm"),
     Option(
         "--ray-address",
@@ -269,7 +261,9 @@ STDOUT = Option(
     "whose stdout the cell shows: the head's (default), every rank's, or none",
     {"choices": ("head", "all", "none")},
 )
-TIMEOUT = Option("--timeout", "stop the cell (or script) after SECONDS", {"type": _seconds})
+TIMEOUT = Option(
+    "--timeout", "stop the cell (or script) after SECONDS", {"type": _ranged(limits.TIMEOUT)}
+)
 CELL_OPTIONS: tuple[Option, ...] = (
     STDOUT,
     Option("--all", "display every rank's last value", {"action": "store_true"}),

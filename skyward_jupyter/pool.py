@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from . import doctor, wire
+from . import doctor, limits, wire
 from . import protocol as p
 from .events import (
     CellFinished,
@@ -75,12 +75,12 @@ class Pool:
         sync_cap_bytes: int | None = None,
         frameworks: Frameworks = TORCH_ONLY,
     ) -> None:
-        if not isinstance(nodes, int) or nodes < 1:
-            raise ValueError(f"nodes must be a whole number of at least 1, got {nodes!r}")
-        if procs_per_node is not None and not (
-            isinstance(procs_per_node, int) and procs_per_node > 0
-        ):
-            raise ValueError(f"procs_per_node must be at least 1, got {procs_per_node!r}")
+        limits.NODES.check(nodes)
+        if procs_per_node is not None:
+            limits.PROCS_PER_NODE.check(procs_per_node)
+            limits.check_layout(nodes, procs_per_node)
+        limits.HEARTBEAT_TIMEOUT.check(heartbeat_timeout)
+        limits.DESYNC_AFTER.check(desync_after)
         if backend not in (None, "gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         if provider is None:
@@ -206,6 +206,8 @@ class Pool:
         the caller's thread about 20 times a second while it waits, so a view can draw output
         from the thread that owns the notebook cell. Closing the pool meanwhile ends the cell
         with a :class:`PoolError`."""
+        if timeout is not None:
+            limits.TIMEOUT.check(timeout)
         io = self._io
         if io is None or self._closing:
             raise PoolError(f"pool {self.name!r} is not running; start it first")

@@ -8,6 +8,7 @@ a rank's process ends, through ``on_ended``: the pool decides what a lost rank m
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import os
@@ -16,8 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from . import limits, wire
 from . import protocol as p
-from . import wire
 from .events import (
     MetricsLogged,
     NodeStateChanged,
@@ -37,6 +38,14 @@ from .results import PoolError, RankEnded, RankInfo
 log = logging.getLogger(__name__)
 NOTEBOOK_SILENCE = 30.0
 """Seconds a rank waits for the notebook's heartbeat before it ends itself (the kernel died)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    pool: str
+    """``SKYWARD_POOL``: the pool's nodes and their ranks, as JSON."""
+    per_address: collections.Counter[str]
+    """How many of the pool's ranks share each machine (address)."""
 
 
 class Rank:
@@ -138,6 +147,7 @@ class Ranks:
         """Why the process group cannot run a collective now (None: it can); a restart mends it."""
         self.group_backend: str | None = None
         self.master_port: int | None = None
+        self._layout = _Layout("{}", collections.Counter())
         self.generation = 0
         """Formations of the worlds so far; answers from older ones are ignored."""
         self.restarts = 0
@@ -172,26 +182,34 @@ class Ranks:
             loop.call_soon_threadsafe(self.emit, event)
 
         self.nodes = tuple(await self.provider.provision(nodes, progress))
-        for node in self.nodes:
-            per_node = self.settings.procs_per_node or len(node.gpus) or 1
-            for local in range(per_node):
-                self.all.append(Rank(len(self.all), node, local, per_node))
+        per_node = [self.settings.procs_per_node or len(node.gpus) or 1 for node in self.nodes]
+        limits.check_world(sum(per_node), f"{len(self.nodes)} nodes with one rank per GPU")
+        for node, count in zip(self.nodes, per_node, strict=True):
+            for local in range(count):
+                self.all.append(Rank(len(self.all), node, local, count))
+        self._layout = self._describe_layout()
 
     # ------------------------------------------------------------------ processes
 
-    def _pool_description(self) -> str:
+    def _describe_layout(self) -> _Layout:
+        """What every rank's environment says of the whole pool, worked out once: per rank it
+        would cost a pass over every rank, hundreds of times over for a large pool."""
+        ranks: dict[int, list[int]] = {n.index: [] for n in self.nodes}
+        per_address: collections.Counter[str] = collections.Counter()
+        for r in self.all:
+            ranks[r.node.index].append(r.index)
+            per_address[r.node.address] += 1
         nodes = [
             {
                 "node": n.index,
                 "addr": n.address,
-                "ranks": [r.index for r in self.all if r.node is n],
+                "ranks": ranks[n.index],
                 "accelerators": len(n.gpus),
             }
             for n in self.nodes
         ]
-        return json.dumps(
-            {"name": self.settings.pool_name, "provider": self.provider.name, "nodes": nodes}
-        )
+        pool = {"name": self.settings.pool_name, "provider": self.provider.name, "nodes": nodes}
+        return _Layout(json.dumps(pool), per_address)
 
     def _rank_env(self, rank: Rank) -> dict[str, str]:
         s = self.settings
@@ -212,7 +230,7 @@ class Ranks:
             local_world_size=rank.local_world,
             node=rank.node.index,
             nodes=len(self.nodes),
-            ranks_on_machine=sum(r.node.address == rank.node.address for r in self.all),
+            ranks_on_machine=self._layout.per_address[rank.node.address],
             has_gpu=bool(rank.node.gpus),
         )
         env = launcher_env(
@@ -224,7 +242,7 @@ class Ranks:
         )
         return {
             **env,
-            "SKYWARD_POOL": self._pool_description(),
+            "SKYWARD_POOL": self._layout.pool,
             "SKYWARD_AGENT": json.dumps(agent),
         }
 

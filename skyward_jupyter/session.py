@@ -19,6 +19,7 @@ from typing import Any
 
 from .capture import CaptureError, Shipment, Shipper
 from .idle import IdleStop
+from .limits import LimitError
 from .observers import NoViews, PoolWatcher, Views
 from .options import StdoutMode, implied_provider
 from .pool import Pool
@@ -38,7 +39,15 @@ class SessionError(Exception):
     """Bad input or a state the user must change; shown as one line, nothing else changes."""
 
 
-USER_ERRORS = (SessionError, CaptureError, PoolError, ProviderError, SpecError, UnknownProvider)
+USER_ERRORS = (
+    SessionError,
+    CaptureError,
+    PoolError,
+    ProviderError,
+    SpecError,
+    UnknownProvider,
+    LimitError,
+)
 """What the magics show as a one-line usage error (nothing else changed)."""
 
 

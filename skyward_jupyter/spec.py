@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from . import limits
 from .frameworks import FrameworkError, Frameworks
 from .providers import provider_class
 
@@ -67,6 +68,16 @@ class PoolSpec:
     hf_token_env: str | None = None
     """The notebook's variable holding the Hugging Face token (its name only, never its value)."""
 
+    def __post_init__(self) -> None:
+        """Every number in range (finite, within bounds) whichever way the spec was made, so
+        that nothing is started, replaced or torn down for a ``nan`` or a typo's 100000."""
+        for name, limit in _RANGES.items():
+            value = getattr(self, name)
+            if value is not None:
+                limit.check(value)
+        if self.procs_per_node:
+            limits.check_layout(self.nodes, self.procs_per_node)
+
     def pool_arguments(self, cwd: str, notebook_env: Mapping[str, str]) -> dict[str, Any]:
         """The Pool's keyword arguments for the synced directories, the frameworks and the hang
         doctor's limits (the pool's defaults stand for what was not given)."""
@@ -117,6 +128,18 @@ class PoolSpec:
     def settled(self) -> PoolSpec:
         """The spec as its provider completes it (SSH: one node per host)."""
         return provider_class(self.provider).settle(self)
+
+
+_RANGES = {
+    "nodes": limits.NODES,
+    "procs_per_node": limits.PROCS_PER_NODE,
+    "gpus_per_node": limits.GPUS_PER_NODE,
+    "heartbeat_timeout": limits.HEARTBEAT_TIMEOUT,
+    "desync_after": limits.DESYNC_AFTER,
+    "sync_cap": limits.SYNC_CAP,
+    "idle_timeout": limits.IDLE_TIMEOUT,
+}
+"""The spec's numbers and the ranges they must be in."""
 
 
 def check_gpu_name(name: str) -> str:

@@ -286,7 +286,19 @@ POOL2 = "%%sky --nodes 2\npass"  # the shared 2-rank pool: reused when it is alr
 # ------------------------------------------------------------------------------ 1. options
 
 BAD_OPTIONS = [
-    ("--nodes 0", "must be at least 1"),
+    ("--nodes 0", "must be from 1 to 1024 (MAX_RANKS"),
+    ("--nodes 100000", "must be from 1 to 1024 (MAX_RANKS, the most a pool may have), got 100000"),
+    ("--nodes 100 --procs-per-node 100", "10000 ranks; a pool has at most 1024"),
+    ("--nodes 1000", "local ranks would need about"),
+    ("--heartbeat-timeout nan", "--heartbeat-timeout: expected a finite number of seconds"),
+    ("--heartbeat-timeout 0.5", "must be from 2 to 3600 seconds"),
+    ("--desync-after inf", "--desync-after: expected a finite number of seconds, got inf"),
+    ("--sync-cap nan", "--sync-cap: expected a finite number of MB, got nan"),
+    ("--sync-cap inf", "--sync-cap: expected a finite number of MB, got inf"),
+    ("--sync-cap 1e300", "must be more than 0 to 1.04858e+06 MB"),
+    ("--timeout nan", "--timeout: expected a finite number of seconds, got nan"),
+    ("--timeout -5", "--timeout: must be more than 0 to"),
+    ("--idle-timeout inf", "--idle-timeout: expected a finite number of minutes"),
     ("--nodes x", "expected a whole number"),
     ("--provider nope", "unknown provider 'nope'; known: local, ssh, aws"),
     ("--gpu NOPE", "unknown GPU 'NOPE'"),
@@ -294,7 +306,7 @@ BAD_OPTIONS = [
     ("--provider ssh", "needs --hosts"),
     ("--hosts alice@gpu1:99999", "bad port"),
     ("--provider aws --ssh-cidr 0.0.0.0/0", "refusing to open SSH to the whole internet"),
-    ("--provider aws --idle-timeout -1", "must be 0 (never) or more minutes"),
+    ("--provider aws --idle-timeout -1", "must be from 0 to 43200 minutes"),
 ]
 
 
@@ -323,6 +335,38 @@ def test_bad_options_are_one_line_usage_errors_that_change_nothing(nb: Kernel) -
     nb.ok(POOL2)
     assert len(nb.pool_pids()) == 2
     _check_bad_options(nb)  # with a pool: it is neither replaced nor restarted
+
+
+def test_line_commands_check_numbers_before_touching_the_pool(nb: Kernel, tmp_path: Path) -> None:
+    nb.ok(POOL2)
+    before, ranks_before = normalised(nb.status()), agent_pids()
+    script = tmp_path / "train.py"
+    script.write_text("print('THE SCRIPT RAN')\n")
+    for line, fragment in [
+        ("%sky up --nodes 100000", "got 100000"),
+        ("%sky config --heartbeat-timeout nan", "finite number of seconds, got nan"),
+        ("%sky config --sync-cap inf", "finite number of MB, got inf"),
+        (f"%sky run --timeout nan {script}", "--timeout: expected a finite number"),
+        (f"%sky run --nodes 2 --procs-per-node 1000 {script}", "2000 ranks"),
+    ]:
+        cell = nb.fails(line)
+        assert cell.reply["ename"] == "UsageError", str(cell)
+        assert fragment in cell.reply["evalue"], str(cell)
+        assert "THE SCRIPT RAN" not in cell.stdout
+        assert normalised(nb.status()) == before, f"{line} changed the pools"
+        assert agent_pids() == ranks_before, f"{line} started or ended rank processes"
+    nb.ok("%%sky --nodes 2\npass")  # the defaults were left as they were
+
+
+def test_a_starting_pool_stops_at_once_on_interrupt(nb: Kernel) -> None:
+    """Ctrl-C while many ranks start ends the start within 2 s and leaves no rank behind."""
+    nb.ok("%sky down --all")
+    before = agent_pids()
+    cell, took = nb.interrupted("%%sky --nodes 12 --name many\npass", when="starting")
+    assert cell.reply.get("ename") == "KeyboardInterrupt", str(cell)
+    assert took < 2, f"the start ended {took:.1f} s after the interrupt"
+    assert "many" not in nb.status()
+    wait_for(lambda: agent_pids() <= before, GONE_TIMEOUT, "the interrupted start's ranks to end")
 
 
 def test_help_documents_every_option(nb: Kernel) -> None:

@@ -47,6 +47,9 @@ if TYPE_CHECKING:
 
 __all__ = ["LocalProvider", "prewarm", "shutdown_template", "split_gpus", "template_pids"]
 
+RANK_FOOTPRINT = 256 << 20
+"""About what one rank with torch imported takes of this machine's memory (its own pages; what
+it shares with its template aside): a local pool that could never fit is refused up front."""
 _PIPE_BYTES = 1 << 20
 
 
@@ -267,7 +270,9 @@ class LocalProvider(Provider):
 
     @classmethod
     def from_spec(cls, spec: PoolSpec, pool_name: str, extra: Mapping[str, Any]) -> LocalProvider:
-        """This machine; ``--gpu`` must name the GPUs it has (the nodes split them)."""
+        """This machine; ``--gpu`` must name the GPUs it has (the nodes split them), and the
+        ranks must fit in its memory."""
+        _check_fits(spec.nodes * (spec.procs_per_node or 1))
         if spec.gpu:
             ids, model = visible_gpus()
             if not ids:
@@ -398,3 +403,30 @@ class LocalProvider(Provider):
     async def release(self) -> None:
         await asyncio.gather(*(r.kill() for r in self._ranks))
         self._ranks.clear()
+
+
+def _check_fits(ranks: int) -> None:
+    """Refuse a local pool whose ranks alone would take more memory than this machine has."""
+    available = _available_memory()
+    if available is None or ranks <= 16:
+        return  # a few ranks always start: a small machine may still run a small pool
+    fits = max(16, available // RANK_FOOTPRINT)
+    if ranks > fits:
+        raise ProviderError(
+            f"{ranks} local ranks would need about {ranks * RANK_FOOTPRINT / 2**30:.0f} GiB of "
+            f"memory ({RANK_FOOTPRINT >> 20} MiB a rank with torch loaded); this machine has "
+            f"{available / 2**30:.1f} GiB available, room for {fits} ranks: ask for fewer "
+            "--nodes or --procs-per-node"
+        )
+
+
+def _available_memory() -> int | None:
+    """``MemAvailable`` of /proc/meminfo in bytes (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
