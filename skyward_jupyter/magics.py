@@ -126,7 +126,10 @@ class SkyMagics(Magics):
                 timeout=args.timeout,
             ).raise_for_errors()
         elif command == "down":
-            session.down_all() if args.all else session.down(args.name)
+            if args.all:
+                session.down_all(keep_files=args.keep_files)
+            else:
+                session.down(args.name, keep_files=args.keep_files)
         elif command == "status":
             print(session.status())
         elif command == "stacks":

@@ -320,9 +320,18 @@ COMMANDS: tuple[Command, ...] = (
     ),
     Command(
         "down",
-        "[NAME | --all]",
-        "shut a pool down (the current one by default)",
-        extra=(Option("--all", "every pool of this kernel", {"action": "store_true"}),),
+        "[NAME | --all] [--keep-files]",
+        "shut a pool down (the current one by default); its nodes remove their copy of the "
+        "synced directories unless --keep-files",
+        extra=(
+            Option("--all", "every pool of this kernel", {"action": "store_true"}),
+            Option(
+                "--keep-files",
+                "leave the copy of the synced directories on the nodes (the next pool of this "
+                "directory then sends only what changed)",
+                {"action": "store_true"},
+            ),
+        ),
         positionals=(("name", {"nargs": "?", "type": identifier}),),
     ),
     Command("status", "", "list pools and their ranks"),

@@ -292,14 +292,17 @@ class Session:
         self._announce(f"pool {entry.name!r}: {entry.pool.world_size} fresh ranks in {took:.1f} s")
         return entry
 
-    def down(self, name: str | None = None, *, quiet: bool = False) -> list[str]:
-        """End a pool (the current one by default); returns the names ended."""
+    def down(
+        self, name: str | None = None, *, quiet: bool = False, keep_files: bool = False
+    ) -> list[str]:
+        """End a pool (the current one by default); returns the names ended. Its nodes remove
+        their copy of the synced directories unless ``keep_files``."""
         target = name or self.current
         if target is None or target not in self._pools:
             if quiet:
                 return []
             raise SessionError(f"no pool named {target!r}" if target else "no pool is running")
-        self._close(self._forget(target))
+        self._close(self._forget(target), keep_files)
         if not quiet:
             self._announce(f"pool {target!r}: shut down")
         return [target]
@@ -311,9 +314,9 @@ class Session:
             self.current = next(iter(self._pools), None)
         return entry
 
-    def _close(self, entry: PoolEntry) -> None:
+    def _close(self, entry: PoolEntry, keep_files: bool = False) -> None:
         try:
-            entry.pool.close()
+            entry.pool.close(keep_files)
         finally:
             self._ended(entry)
 
@@ -332,8 +335,9 @@ class Session:
         else:
             pool.close()
 
-    def down_all(self) -> list[str]:
-        return [n for name in list(self._pools) for n in self.down(name, quiet=True)]
+    def down_all(self, keep_files: bool = False) -> list[str]:
+        names = list(self._pools)
+        return [n for name in names for n in self.down(name, quiet=True, keep_files=keep_files)]
 
     def panel(self, name: str | None = None) -> None:
         """Show the live panel of a pool (the current one by default)."""
