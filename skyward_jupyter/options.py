@@ -304,6 +304,13 @@ class Command:
     positionals: Sequence[tuple[str, dict[str, Any]]] = ()
 
 
+CLEAN_OPTIONS = tuple(
+    o
+    for o in POOL_OPTIONS
+    if o.flag in {"--hosts", "--identity", "--known-hosts", "--accept-new-host-keys", "--python"}
+)
+"""What ``%sky clean`` needs to reach hosts that no pool is using."""
+
 COMMANDS: tuple[Command, ...] = (
     Command("up", "[pool options]", "start a pool without running code", pool=True),
     Command(
@@ -335,6 +342,13 @@ COMMANDS: tuple[Command, ...] = (
         positionals=(("name", {"nargs": "?", "type": identifier}),),
     ),
     Command("status", "", "list pools and their ranks"),
+    Command(
+        "clean",
+        "[--hosts USER@HOST,... [SSH options]]",
+        "remove from the current pool's hosts (or the hosts named) the package cache and the "
+        "copies of synced directories that no running pool uses, and say how much went",
+        extra=CLEAN_OPTIONS,
+    ),
     Command(
         "stacks",
         "[NAME]",

@@ -8,11 +8,13 @@ when the extension is unloaded; the views and watchers hear of every pool's life
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -372,6 +374,18 @@ class Session:
             all_owners=all_owners,
             extra=self.provider_options,
         )
+
+    def clean(self, given: Mapping[str, Any]) -> list[str]:
+        """``%sky clean``: on the hosts named in ``given`` (SSH options), or else the current
+        pool's, remove the caches no running pool uses; one line per host."""
+        if any(v is not None for v in given.values()):
+            spec = self.spec_from(given)
+            extra = self.provider_options.get(spec.provider, {})
+            provider = provider_class(spec.provider).from_spec(spec, "clean", extra)
+        else:
+            provider = self._require().pool.provider
+        with ThreadPoolExecutor(1, "skyward-clean") as worker:
+            return worker.submit(asyncio.run, provider.clean()).result()
 
     def status(self) -> str:
         """``%sky status``: every pool (``*`` the current one), its state and its ranks."""

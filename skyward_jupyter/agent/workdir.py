@@ -84,7 +84,7 @@ def _naming(path: Path | str) -> Iterator[None]:
         raise OSError(e.errno, e.strerror or str(e), str(path)) from e
 
 
-def _remove_tree(path: Path) -> None:
+def remove_tree(path: Path) -> None:
     """Remove a directory the user's code may have left read-only inside."""
 
     def retry(func: Callable[..., object], name: str, _exc: object) -> None:
@@ -203,7 +203,7 @@ class WorkdirCopy:
             if fd is not None:
                 os.close(fd)
         size = tree_bytes(self.dir)
-        _remove_tree(self.dir)
+        remove_tree(self.dir)
         return size
 
     @contextlib.contextmanager
@@ -342,7 +342,7 @@ class WorkdirCopy:
             if keep is not None and item.name in {keep, f"{keep}.json"}:
                 continue
             if item.is_dir() and not item.is_symlink():
-                _remove_tree(item)
+                remove_tree(item)
             else:
                 item.unlink()
 
