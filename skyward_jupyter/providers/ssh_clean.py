@@ -22,7 +22,7 @@ from .ssh_prepare import probe, ship
 if TYPE_CHECKING:
     from .ssh import Host
 
-Connect = Callable[[Host], Awaitable[asyncssh.SSHClientConnection]]
+Connect = Callable[["Host"], Awaitable[asyncssh.SSHClientConnection]]
 
 
 async def clean_host(host: Host, connect: Connect, python: str, cache_dir: str) -> str:
