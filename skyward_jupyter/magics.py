@@ -14,7 +14,7 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
-from .options import CELL_OPTIONS, COMMANDS, POOL_OPTIONS, Command, pool_options
+from .options import CELL_OPTIONS, CLEAN_OPTIONS, COMMANDS, POOL_OPTIONS, Command, pool_options
 from .session import USER_ERRORS, CellInterrupted, RunResult, Session
 
 
@@ -126,9 +126,14 @@ class SkyMagics(Magics):
                 timeout=args.timeout,
             ).raise_for_errors()
         elif command == "down":
-            session.down_all() if args.all else session.down(args.name)
+            if args.all:
+                session.down_all(keep_files=args.keep_files)
+            else:
+                session.down(args.name, keep_files=args.keep_files)
         elif command == "status":
             print(session.status())
+        elif command == "clean":
+            print("\n".join(session.clean({o.dest: getattr(args, o.dest) for o in CLEAN_OPTIONS})))
         elif command == "stacks":
             print(session.stacks(args.name))
         elif command == "restart":

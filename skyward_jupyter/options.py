@@ -298,6 +298,13 @@ class Command:
     positionals: Sequence[tuple[str, dict[str, Any]]] = ()
 
 
+CLEAN_OPTIONS = tuple(
+    o
+    for o in POOL_OPTIONS
+    if o.flag in {"--hosts", "--identity", "--known-hosts", "--accept-new-host-keys", "--python"}
+)
+"""What ``%sky clean`` needs to reach hosts that no pool is using."""
+
 COMMANDS: tuple[Command, ...] = (
     Command("up", "[pool options]", "start a pool without running code", pool=True),
     Command(
@@ -314,12 +321,28 @@ COMMANDS: tuple[Command, ...] = (
     ),
     Command(
         "down",
-        "[NAME | --all]",
-        "shut a pool down (the current one by default)",
-        extra=(Option("--all", "every pool of this kernel", {"action": "store_true"}),),
+        "[NAME | --all] [--keep-files]",
+        "shut a pool down (the current one by default); its nodes remove their copy of the "
+        "synced directories unless --keep-files",
+        extra=(
+            Option("--all", "every pool of this kernel", {"action": "store_true"}),
+            Option(
+                "--keep-files",
+                "leave the copy of the synced directories on the nodes (the next pool of this "
+                "directory then sends only what changed)",
+                {"action": "store_true"},
+            ),
+        ),
         positionals=(("name", {"nargs": "?", "type": identifier}),),
     ),
     Command("status", "", "list pools and their ranks"),
+    Command(
+        "clean",
+        "[--hosts USER@HOST,... [SSH options]]",
+        "remove from the current pool's hosts (or the hosts named) the package cache and the "
+        "copies of synced directories that no running pool uses, and say how much went",
+        extra=CLEAN_OPTIONS,
+    ),
     Command(
         "stacks",
         "[NAME]",

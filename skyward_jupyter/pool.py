@@ -73,6 +73,7 @@ class Pool:
         start_timeout: float = 180.0,
         sync: Sequence[str] = (),
         sync_cap_bytes: int | None = None,
+        sync_chosen: bool = True,
         frameworks: Frameworks = TORCH_ONLY,
     ) -> None:
         limits.NODES.check(nodes)
@@ -112,7 +113,8 @@ class Pool:
         self._prompts = Prompts()
         self._ranks.on_input = self._prompts.ask
         cap = sync_cap_bytes or DEFAULT_SYNC_CAP
-        self._transfer = Transfer(self._ranks, sync, cap, provider, self._emit)
+        # sync_chosen: the user named the directories (a home directory is then fine to sync)
+        self._transfer = Transfer(self._ranks, sync, cap, provider, self._emit, sync_chosen)
         self._fanout = Fanout()
         self._io: IOThread | None = None
         self._op_lock: asyncio.Lock | None = None
@@ -259,9 +261,11 @@ class Pool:
         if self._io is not None:
             self._io.call_soon(self._request_stop)
 
-    def close(self) -> None:
+    def close(self, keep_files: bool = False) -> None:
         """End every rank (leaving the process group first) and release the provider's resources.
-        A cell still running is ended: its ranks are killed and its ``run`` raises PoolError."""
+        A cell still running is ended: its ranks are killed and its ``run`` raises PoolError.
+        The nodes remove their copy of the synced directories (one no other pool uses) unless
+        ``keep_files``."""
         io, self._io = self._io, None
         if io is None:
             return
@@ -269,7 +273,8 @@ class Pool:
         # A cloud provider waits for its instances to be gone: give it the time it asks for.
         release = self.provider.release_timeout
         try:
-            io.submit(self._shutdown()).result(timeout=self.interrupt_grace + 30 + release)
+            shutdown = io.submit(self._shutdown(keep_files))
+            shutdown.result(timeout=self.interrupt_grace + 30 + release)
         finally:
             io.stop(PoolError(f"pool {self.name!r} was closed before it could answer"))
 
@@ -324,9 +329,13 @@ class Pool:
                     f"pool {self.name!r} has no working process group "
                     f"({self._ranks.group_problem}); restart it (%sky restart)"
                 )
-            workdir = await self._transfer.workdir(files)
+            try:
+                workdir = await self._transfer.workdir(files)
+            finally:
+                said = self._transfer.take_notes()
             command = await self._transfer.relay_globals(replace(command, workdir=workdir), live)
             cell = Cell(command.cell_id, self._ranks, live, timeout, self.interrupt_grace)
+            cell.notes.extend(said)
             self._cell, self._cell_task = cell, asyncio.current_task()
             frame = wire.encode(command)
             self._ranks.set_states(live, RankState.RUNNING)
@@ -387,14 +396,14 @@ class Pool:
                 return
             self._lost_while_idle.append(rank.index)
 
-    async def _shutdown(self) -> None:
+    async def _shutdown(self, keep_files: bool) -> None:
         self._closing = True
         if self._monitor is not None:
             self._monitor.cancel()
         cell_task = self._cell_task
         if self._cell is not None:
             self._cell.close()
-        await self._ranks.shut_down(max(self.interrupt_grace, 5.0))
+        await self._ranks.shut_down(max(self.interrupt_grace, 5.0), keep_files)
         if cell_task is not None:
             # The cell's ranks are gone: its run ends now, with the error that says why.
             await asyncio.wait([cell_task], timeout=5)

@@ -226,7 +226,10 @@ class InputReply:
 
 @message
 class Shutdown:
-    """Leave the process group and exit."""
+    """Leave the process group and exit; the node's copy of the synced directories goes with
+    the last rank using it, unless ``keep_files``."""
+
+    keep_files: bool = False
 
 
 # ---------------------------------------------------------------- events (rank -> pool)

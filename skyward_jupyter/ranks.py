@@ -298,11 +298,12 @@ class Ranks:
         await self.form_group(jax)
         return notes
 
-    async def shut_down(self, grace: float) -> None:
+    async def shut_down(self, grace: float, keep_files: bool = False) -> None:
         """Ask every live rank to end; kill those still there after ``grace`` seconds (idle
-        ranks leave the group and run their exit hooks; only stuck ones are killed)."""
+        ranks leave the group and run their exit hooks; only stuck ones are killed).
+        ``keep_files``: the nodes keep their copy of the synced directories."""
         live = [r for r in self.all if r.alive and r.process is not None]
-        bye = wire.encode(p.Shutdown())
+        bye = wire.encode(p.Shutdown(keep_files))
         for r in live:
             self.send(r, bye)
         readers = [r.reader for r in live if r.reader is not None]

@@ -8,11 +8,13 @@ when the extension is unloaded; the views and watchers hear of every pool's life
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -301,14 +303,17 @@ class Session:
         self._announce(f"pool {entry.name!r}: {entry.pool.world_size} fresh ranks in {took:.1f} s")
         return entry
 
-    def down(self, name: str | None = None, *, quiet: bool = False) -> list[str]:
-        """End a pool (the current one by default); returns the names ended."""
+    def down(
+        self, name: str | None = None, *, quiet: bool = False, keep_files: bool = False
+    ) -> list[str]:
+        """End a pool (the current one by default); returns the names ended. Its nodes remove
+        their copy of the synced directories unless ``keep_files``."""
         target = name or self.current
         if target is None or target not in self._pools:
             if quiet:
                 return []
             raise SessionError(f"no pool named {target!r}" if target else "no pool is running")
-        self._close(self._forget(target))
+        self._close(self._forget(target), keep_files)
         if not quiet:
             self._announce(f"pool {target!r}: shut down")
         return [target]
@@ -320,9 +325,9 @@ class Session:
             self.current = next(iter(self._pools), None)
         return entry
 
-    def _close(self, entry: PoolEntry) -> None:
+    def _close(self, entry: PoolEntry, keep_files: bool = False) -> None:
         try:
-            entry.pool.close()
+            entry.pool.close(keep_files)
         finally:
             self._ended(entry)
 
@@ -341,8 +346,9 @@ class Session:
         else:
             pool.close()
 
-    def down_all(self) -> list[str]:
-        return [n for name in list(self._pools) for n in self.down(name, quiet=True)]
+    def down_all(self, keep_files: bool = False) -> list[str]:
+        names = list(self._pools)
+        return [n for name in names for n in self.down(name, quiet=True, keep_files=keep_files)]
 
     def panel(self, name: str | None = None) -> None:
         """Show the live panel of a pool (the current one by default)."""
@@ -377,6 +383,18 @@ class Session:
             all_owners=all_owners,
             extra=self.provider_options,
         )
+
+    def clean(self, given: Mapping[str, Any]) -> list[str]:
+        """``%sky clean``: on the hosts named in ``given`` (SSH options), or else the current
+        pool's, remove the caches no running pool uses; one line per host."""
+        if any(v is not None for v in given.values()):
+            spec = self.spec_from(given)
+            extra = self.provider_options.get(spec.provider, {})
+            provider = provider_class(spec.provider).from_spec(spec, "clean", extra)
+        else:
+            provider = self._require().pool.provider
+        with ThreadPoolExecutor(1, "skyward-clean") as worker:
+            return worker.submit(asyncio.run, provider.clean()).result()
 
     def status(self) -> str:
         """``%sky status``: every pool (``*`` the current one), its state and its ranks."""

@@ -83,6 +83,7 @@ class PoolSpec:
         doctor's limits (the pool's defaults stand for what was not given)."""
         given: dict[str, Any] = {
             "sync": () if self.no_sync else (self.sync or (cwd,)),
+            "sync_chosen": bool(self.sync),
             "sync_cap_bytes": int(self.sync_cap * 2**20) if self.sync_cap else None,
             "heartbeat_timeout": self.heartbeat_timeout,
             "desync_after": self.desync_after,

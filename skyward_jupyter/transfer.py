@@ -11,12 +11,16 @@ Ranks on the notebook's own machine (local) get every global over their own pipe
 would only add a hop. Nodes that share the notebook's filesystem get no copy: when the provider
 says so (local), nothing is scanned or sent; when a node finds every listed file at the
 notebook's own path (a shared home over NFS), its cells run in the notebook's directory.
+
+The first sync of a directory to a pool says what it sends (how many files, how much, the
+largest), and what it left out: keys and credentials, symlinks leading out of the directory.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import heapq
 import pickle
 import socket
 import time
@@ -36,7 +40,9 @@ RELAY_MIN_BYTES = 1 << 20
 DEFAULT_SYNC_CAP = 200 << 20
 """The most a synced directory may hold (``--sync-cap``): past it, the user says what to leave."""
 SAY_AFTER_BYTES = 8 << 20
-"""A sync sending more than this says what it sends, and how long it took."""
+"""A later sync sending more than this says what it sends, and how long it took."""
+NAMED = 5
+"""How many files (largest, left out) a message names."""
 
 
 def sync_key(root: str) -> str:
@@ -52,15 +58,22 @@ class Transfer:
         cap_bytes: int,
         provider: Provider,
         emit: Callable[[PoolEvent], None],
+        chosen: bool = True,
     ) -> None:
         self._ranks = ranks
         # Nodes that share the notebook's files run in its directories: nothing to scan or send.
         shares = provider.shares_files
-        self._scanners = [] if shares else [Scanner(root, cap_bytes) for root in roots]
+        self._scanners = [] if shares else [Scanner(root, cap_bytes, chosen) for root in roots]
         self._shared = tuple(roots) if shares else ()
         self._relays = not provider.on_notebook_machine
         self._emit = emit
-        self._synced: dict[str, Manifest] = {}
+        self._synced: dict[str, tuple[str, tuple[int, ...]]] = {}
+        """Per key: the manifest digest the nodes hold, and the pids of the ranks that keep it
+        (a new rank may find its node's copy gone: it is asked again)."""
+        self._left: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+        """Per key: what the last message said was left out."""
+        self.notes: list[str] = []
+        """What the syncs said since the last cell took them (the cell's result repeats it)."""
         self.sent: list[tuple[str, int, int]] = []
         """(directory, files, bytes) of every bundle that left the notebook."""
         self._paths: dict[str, dict[int, str]] = {}
@@ -82,29 +95,48 @@ class Transfer:
             return p.Workdir({n.index: self._shared for n in self._ranks.nodes}, self._shared)
         if not manifests:
             return None
+        keepers = tuple(r.hello.pid if r.hello else 0 for r in self._leaders())
         for manifest in manifests:
             key = sync_key(manifest.root)
-            before = self._synced.get(key)
-            if before is not None and before.digest == manifest.digest:
+            first = key not in self._synced
+            if first:
+                self._say(_listing(manifest))
+            left = (manifest.secrets, manifest.outside)
+            if left != self._left.get(key, ((), ())):
+                self._say(*_left_out(manifest))
+            self._left[key] = left
+            if self._synced.get(key) == (manifest.digest, keepers):
                 continue
-            self._paths[key] = await self._sync(key, manifest)
-            self._synced[key] = manifest
+            self._paths[key] = await self._sync(key, manifest, first)
+            self._synced[key] = (manifest.digest, keepers)
         keys = [sync_key(m.root) for m in manifests]
         paths = {n.index: tuple(self._paths[k][n.index] for k in keys) for n in self._ranks.nodes}
         return p.Workdir(paths, tuple(m.root for m in manifests))
 
-    async def _sync(self, key: str, manifest: Manifest) -> dict[int, str]:
-        leaders = [r for r in self._ranks.all if r.local_rank == 0]
+    def _leaders(self) -> list[Rank]:
+        """One rank per node: the one that keeps the node's copy in step."""
+        return [r for r in self._ranks.all if r.local_rank == 0]
+
+    def _say(self, *lines: str) -> None:
+        for line in lines:
+            self.notes.append(line)
+            self._emit(PoolMessage(line))
+
+    def take_notes(self) -> list[str]:
+        notes, self.notes = self.notes, []
+        return notes
+
+    async def _sync(self, key: str, manifest: Manifest, first: bool) -> dict[int, str]:
         relay = self._relay()
         ask = p.SyncFiles(key, manifest.root, manifest.entries, None, relay)
-        answers = await self._ask(leaders, ask)
+        answers = await self._ask(self._leaders(), ask)
         lacking = {r: a for r, a in answers.items() if a.missing}
         if lacking:
             digests = {d for a in lacking.values() for d in a.missing}
             sizes = {f.digest: f.size for f in manifest.files}
             size = sum(sizes[d] for d in digests)
             started = time.monotonic()
-            if size > SAY_AFTER_BYTES:
+            if size > SAY_AFTER_BYTES and not first:
                 self._emit(
                     PoolMessage(
                         f"sending {len(digests)} files ({human_bytes(size)}) of "
@@ -199,6 +231,42 @@ class Transfer:
             command.workdir,
             relay,
         )
+
+
+def _listing(manifest: Manifest) -> str:
+    """What the first sync of a directory sends: count, size, largest files."""
+    largest = heapq.nlargest(NAMED, manifest.files, key=lambda f: f.size)
+    named = ", ".join(f"{f.path} ({human_bytes(f.size)})" for f in largest)
+    count = len(manifest.files)
+    return (
+        f"syncing {manifest.root} to the nodes: {count} file{'s' * (count != 1)}, "
+        f"{human_bytes(manifest.total_bytes)}" + (f"; largest: {named}" if named else "")
+    )
+
+
+def _left_out(manifest: Manifest) -> list[str]:
+    """What a sync left out, and how to send it after all."""
+    lines = []
+    root = manifest.root
+    if manifest.secrets:
+        n = len(manifest.secrets)
+        lines.append(
+            f"left out of {root} as keys or credentials: {n} file{'s' * (n != 1)} "
+            f"({_some(manifest.secrets)}); to send one, add a line !PATH to {root}/.skyignore"
+        )
+    if manifest.outside:
+        n = len(manifest.outside)
+        lines.append(
+            f"warning: {n} symlink{'s' * (n != 1)} in {root} lead{'s' * (n == 1)} out of it "
+            f"and {'were' if n != 1 else 'was'} not followed: {_some(manifest.outside)}; "
+            "copy what the nodes need into the directory, or --sync its own directory"
+        )
+    return lines
+
+
+def _some(names: Sequence[str]) -> str:
+    shown = ", ".join(names[:NAMED])
+    return shown + (f" and {len(names) - NAMED} more" if len(names) > NAMED else "")
 
 
 def pickle_global(name: str, value: Any) -> p.Pickled:

@@ -5,6 +5,11 @@ plus a ``.skyignore`` at the root that has the last word), with each file's sha2
 before every cell, so it keeps a stat cache: a second scan hashes only the files whose stat
 changed, and "nothing changed" costs a walk. :func:`bundle` packs the contents a node lacks;
 ``skyward_jupyter.agent.workdir`` keeps the node's copy in step.
+
+Keys and credentials (:data:`SECRETS`) stay behind unless the user names them: a ``.skyignore``
+line ``!PATTERN`` whose pattern is the last to match the file, or a ``--sync`` of a directory
+that is itself one of them (``--sync ~/.aws``). Symlinks are followed only to files inside the
+directory. A home directory travels only when ``--sync`` names it.
 """
 
 from __future__ import annotations
@@ -27,6 +32,35 @@ from .agent.workdir import Entry, manifest_digest
 IGNORE_FILE = ".skyignore"
 SKIPPED_DIRS = frozenset({".git", "__pycache__", ".ipynb_checkpoints"})
 """Directories never synced, wherever they are (``*.pyc`` files neither)."""
+SECRETS: tuple[str, ...] = (
+    # private keys (a public key may travel)
+    "id_*",
+    "!id_*.pub",
+    "*.pem",
+    "*.key",
+    # credentials and the directories that hold them
+    ".ssh/",
+    ".gnupg/",
+    ".aws/",
+    ".azure/",
+    "**/.config/gcloud/",
+    "**/.kube/config",
+    "**/.docker/config.json",
+    ".netrc",
+    ".git-credentials",
+    ".pypirc",
+    ".pgpass",
+    ".env*",
+    # shell and IPython history
+    ".bash_history",
+    ".zsh_history",
+    ".python_history",
+    "history.sqlite",
+    ".ipython/",
+)
+"""What never travels unless named (gitignore syntax, matched from the synced directory's root)."""
+_SECRET_SPEC = GitIgnoreSpec.from_lines(SECRETS)
+_SECRET_DIRS = GitIgnoreSpec.from_lines(p for p in SECRETS if p.endswith("/"))
 RACY_NS = 2_000_000_000
 """A file modified this recently before a scan is hashed again on the next one: a write in the
 same clock tick as the scan would otherwise leave its stat unchanged (git's "racy" files)."""
@@ -51,6 +85,11 @@ class Manifest:
     root: str
     files: tuple[FileEntry, ...]
     """Sorted by path."""
+
+    secrets: tuple[str, ...] = ()
+    """Files left out for being keys or credentials (see :data:`SECRETS`)."""
+    outside: tuple[str, ...] = ()
+    """Symlinks not followed because they lead out of the directory: ``link -> target``."""
 
     @property
     def digest(self) -> str:
@@ -79,13 +118,23 @@ patterns."""
 class Scanner:
     """Lists the files of ``root`` that travel, refusing more than ``cap_bytes`` in all.
 
-    Symlinks to files travel as the file's content; symlinks to directories, FIFOs, sockets and
-    devices are left out (a FIFO would block the scan; a link to a directory may lead anywhere).
+    Symlinks to files inside ``root`` travel as the file's content; symlinks that lead out of
+    it, symlinks to directories, FIFOs, sockets and devices are left out (a FIFO would block the
+    scan; a link to a directory may lead anywhere). ``chosen``: the user named ``root``
+    (``--sync``), rather than it being the notebook's working directory by default.
     """
 
-    def __init__(self, root: str | Path, cap_bytes: int) -> None:
+    def __init__(self, root: str | Path, cap_bytes: int, chosen: bool = True) -> None:
         self.root = Path(os.path.abspath(os.path.expanduser(root)))
         self.cap_bytes = cap_bytes
+        self.chosen = chosen
+        self._real = os.path.realpath(self.root)
+        parts = self.root.parts[1:]
+        # A --sync of a secret directory itself (--sync ~/.aws) sends what it holds.
+        self._secrets_named = chosen and any(
+            _SECRET_DIRS.match_file("/".join(parts[i:]) + "/") for i in range(len(parts))
+        )
+        self._left: tuple[list[str], list[str]] = ([], [])
         self.hashed = 0
         """How many files the last scan read and hashed (the others came from the cache)."""
         self._cache: dict[str, tuple[int, int, int, int, str]] = {}
@@ -115,7 +164,8 @@ class Scanner:
                 cache[rel] = (*key, digest)
             files.append(FileEntry(rel, st.st_size, stat.S_IMODE(st.st_mode), digest))
         self._cache = cache
-        return Manifest(str(self.root), tuple(files))
+        secrets, outside = self._left
+        return Manifest(str(self.root), tuple(files), tuple(secrets), tuple(outside))
 
     def _walk(self) -> list[tuple[str, os.stat_result]]:
         """(relative path, stat) of every file that travels, sorted by path."""
@@ -130,10 +180,20 @@ class Scanner:
             raise SyncError(f"Cannot read the working directory {self.root}: {e}") from e
         if not stat.S_ISDIR(st.st_mode):
             raise SyncError(f"The working directory {self.root} is not a directory.")
+        if not self.chosen and self._real == os.path.realpath(Path.home()):
+            raise SyncError(
+                f"The notebook's working directory is the home directory {self.root}: say "
+                f"what the nodes get with --sync DIR (e.g. %%sky --sync {self.root}/project), "
+                f"--sync {self.root} for all of it (keys and credentials stay behind), or "
+                "--no-sync."
+            )
         sky = self._spec(self.root / IGNORE_FILE)
         found: list[tuple[str, os.stat_result]] = []
+        self._left = ([], [])
         self._visit("", [], sky, found)
         found.sort(key=lambda item: item[0])
+        for names in self._left:
+            names.sort()
         return found
 
     def _visit(
@@ -162,6 +222,17 @@ class Scanner:
                 continue
             if item.name.endswith(".pyc") or _ignored(rel, specs, sky):
                 continue
+            target = rel
+            if item.is_symlink():
+                real = os.path.realpath(item.path)
+                if not real.startswith(os.path.join(self._real, "")):
+                    if os.path.exists(real):
+                        self._left[1].append(f"{rel} -> {real}")
+                    continue
+                target = os.path.relpath(real, self._real)
+            if self._secret(rel, sky) or (target != rel and self._secret(target, sky)):
+                self._left[0].append(rel)
+                continue
             try:
                 st = item.stat()  # through a symlink: its target's size, mode, content
             except (FileNotFoundError, NotADirectoryError):
@@ -170,6 +241,13 @@ class Scanner:
                 raise SyncError(self._unreadable(rel, e)) from e
             if stat.S_ISREG(st.st_mode):
                 found.append((rel, st))
+
+    def _secret(self, rel: str, sky: GitIgnoreSpec | None) -> bool:
+        """Whether ``rel`` is a key or credential the user did not name (a ``.skyignore``
+        negation that is the last pattern to match it, or a --sync of a secret directory)."""
+        if self._secrets_named or not _SECRET_SPEC.match_file(rel):
+            return False
+        return sky is None or sky.check_file(rel).include is not False
 
     def _spec(self, path: Path) -> GitIgnoreSpec | None:
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from skyward_jupyter import Pool, PoolError
+from skyward_jupyter.events import PoolMessage
 from skyward_jupyter.providers.ssh import Host, SSHOptions, SSHProvider
 
 from .conftest import agents_among, wait_for
@@ -233,3 +235,157 @@ def test_a_script_in_the_synced_directory_runs_from_the_nodes_copy(
         )
         assert result.ok, result.errors
     assert "script 1 ['x', '1', '2'] ['--epochs', '1'] train.py" in "".join(seen)
+
+
+def _copies(hosts: Hosts, i: int) -> list[str]:
+    """The sync copies on host i, seen from inside it (no network needed)."""
+    home = f"/home/{hosts.user}/.cache/skyward_jupyter/sync"
+    out = subprocess.run(
+        hosts.inside_argv(i, "sh", "-c", f"ls -1 {home} 2>/dev/null || true"),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return out.stdout.split()
+
+
+def test_secrets_and_links_out_stay_behind_and_the_first_sync_says_so(
+    hosts: Hosts, tmp_path: Path
+) -> None:
+    root = _project(tmp_path / "project")
+    (root / ".ssh").mkdir()
+    (root / ".ssh" / "id_ed25519").write_text("PRIVATE KEY")
+    (root / ".aws").mkdir()
+    (root / ".aws" / "credentials").write_text("aws_secret_access_key = x")
+    (root / ".env").write_text("TOKEN=x")
+    (root / "server.pem").write_text("PRIVATE KEY")
+    (root / "weights.bin").write_bytes(b"\1" * 50_000)
+    (root / "passwd").symlink_to("/etc/passwd")
+    messages: list[str] = []
+    with Pool(nodes=2, provider=_provider(hosts), sync=[str(root)]) as pool:
+        pool.subscribe(lambda e: messages.append(e.text) if isinstance(e, PoolMessage) else None)
+        result = pool.run(
+            "import os\nsorted(os.path.join(d, f)[2:] for d, _, fs in os.walk('.') for f in fs)"
+        )
+        assert result.ok, result.errors
+        for listing in result.values:
+            assert listing == [
+                ".gitignore", ".skyignore", "data.csv", "mymod.py", "pkg/__init__.py",
+                "pkg/tool.py", "weights.bin",
+            ]  # fmt: skip
+        said = "\n".join(messages)
+        assert f"syncing {root} to the nodes: 7 files" in said
+        assert "largest: weights.bin (48.8 KiB)" in said
+        assert "4 files (.aws/credentials, .env, .ssh/id_ed25519, server.pem)" in said
+        assert "passwd -> /etc/passwd" in said and "not followed" in said
+        assert list(result.notes) == messages  # the text fallback: the cell's result says it
+        # Later syncs say nothing unless what is left out changes.
+        (root / "more.txt").write_text("x")
+        assert pool.run("1").notes == ()
+        (root / "id_rsa").write_text("PRIVATE KEY")
+        assert any("id_rsa" in note for note in pool.run("1").notes)
+
+
+def test_the_copy_goes_with_the_last_pool_using_it_unless_kept(
+    hosts: Hosts, tmp_path: Path
+) -> None:
+    root = _project(tmp_path / "project")
+    first = Pool(nodes=1, provider=_provider(hosts, (0,)), sync=[str(root)]).start()
+    second = Pool(nodes=1, provider=_provider(hosts, (0,)), sync=[str(root)]).start()
+    try:
+        assert first.run("__import__('mymod').f()").values == [1]
+        assert second.run("__import__('mymod').f()").values == [1]
+        assert len(_copies(hosts, 0)) == 1  # one copy per notebook directory, shared
+        first.close()
+        # The other pool of the same directory still works in it.
+        assert second.run("open('data.csv').read().split()").values == [["x", "1", "2"]]
+        assert len(_copies(hosts, 0)) == 1
+    finally:
+        first.close()
+        second.close()
+    wait_for(lambda: not _copies(hosts, 0), 10, "the copy to be removed")
+
+    with Pool(nodes=1, provider=_provider(hosts, (0,)), sync=[str(root)]) as kept:
+        assert kept.run("1").ok
+        kept.close(keep_files=True)
+    assert len(_copies(hosts, 0)) == 1
+    # %sky clean on a named host removes it, and says so
+    from skyward_jupyter.session import Session
+
+    lines = Session().clean(
+        {
+            "hosts": (f"{hosts.user}@{hosts[0].address}:{hosts[0].port}",),
+            "identity": str(hosts.client_key),
+            "known_hosts": str(hosts.known_hosts),
+            "accept_new_host_keys": None,
+            "python": hosts.python,
+        }
+    )
+    assert len(lines) == 1 and "removed 1 synced directory and 1 package version" in lines[0]
+    assert not _copies(hosts, 0)
+
+
+def test_a_node_removes_its_copy_when_the_notebook_is_gone(hosts: Hosts, tmp_path: Path) -> None:
+    """The notebook's process is killed (no shutdown reaches the ranks): the node's rank sees
+    its channel close and removes the copy on its way out."""
+    root = _project(tmp_path / "project")
+    h = hosts[1]
+    notebook = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys\n"
+            "from skyward_jupyter import Pool\n"
+            "from skyward_jupyter.providers.ssh import Host, SSHOptions, SSHProvider\n"
+            f"options = SSHOptions(identity={str(hosts.client_key)!r}, "
+            f"known_hosts={str(hosts.known_hosts)!r}, python={hosts.python!r})\n"
+            f"provider = SSHProvider([Host({h.address!r}, {hosts.user!r}, {h.port})], options)\n"
+            f"pool = Pool(nodes=1, provider=provider, sync=[{str(root)!r}]).start()\n"
+            "assert pool.run('1').ok\n"
+            "print('ready', flush=True)\n"
+            "sys.stdin.read()\n",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
+    try:
+        assert notebook.stdout is not None and notebook.stdout.readline() == "ready\n"
+        assert len(_copies(hosts, 1)) == 1
+        notebook.kill()
+        notebook.wait(10)
+        wait_for(lambda: not _copies(hosts, 1), 20, "the node to remove its copy")
+    finally:
+        notebook.kill()
+        notebook.wait(10)
+
+
+def test_a_home_directory_synced_by_default_asks_for_sync(
+    hosts: Hosts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from skyward_jupyter.session import USER_ERRORS, Session
+
+    home = _project(tmp_path / "home")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(home)
+    session = Session(announce=lambda _: None)
+    spec = session.spec_from(
+        {
+            "hosts": (f"{hosts.user}@{hosts[0].address}:{hosts[0].port}",),
+            "identity": str(hosts.client_key),
+            "known_hosts": str(hosts.known_hosts),
+            "python": hosts.python,
+        }
+    )
+    with pytest.raises(USER_ERRORS) as raised:
+        session.entry(None, spec)
+    message = str(raised.value)
+    assert "\n" not in message and str(home) in message and "--sync" in message
+    assert not _agents(hosts)  # no machine was started
+    chosen = session.spec_from({"sync": (str(home),)}, spec)
+    try:
+        entry = session.entry(None, chosen)
+        assert entry.pool.run("__import__('mymod').f()").values == [1]
+    finally:
+        session.down_all()

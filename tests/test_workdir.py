@@ -157,18 +157,104 @@ def test_git_caches_and_checkpoints_never_travel(tmp_path: Path) -> None:
     assert paths(Scanner(tmp_path, CAP).scan()) == ["pkg/__init__.py"]
 
 
-def test_symlinks_to_files_travel_as_content_and_special_files_do_not(tmp_path: Path) -> None:
+def test_symlinks_inside_travel_as_content_and_those_leading_out_are_named(
+    tmp_path: Path,
+) -> None:
     outside = tmp_path / "outside"
     write(outside, "real.txt", "content")
     root = tmp_path / "root"
     write(root, "a.txt")
+    write(root, "data/rows.csv", "x,y\n")
+    (root / "rows.csv").symlink_to(root / "data" / "rows.csv")
     (root / "link.txt").symlink_to(outside / "real.txt")
+    (root / "passwd").symlink_to("/etc/passwd")
     (root / "dirlink").symlink_to(outside)
     (root / "dangling").symlink_to(tmp_path / "nowhere")
     os.mkfifo(root / "fifo")  # reading it would block the scan
     manifest = Scanner(root, CAP).scan()
-    assert paths(manifest) == ["a.txt", "link.txt"]
-    assert manifest.files[1].size == len("content")
+    assert paths(manifest) == ["a.txt", "data/rows.csv", "rows.csv"]
+    assert manifest.files[2].size == len("x,y\n")
+    assert manifest.outside == (
+        f"dirlink -> {outside.resolve()}",
+        f"link.txt -> {(outside / 'real.txt').resolve()}",
+        "passwd -> /etc/passwd",
+    )
+
+
+SECRET_FILES = (
+    ".ssh/id_ed25519",
+    ".ssh/config",
+    ".aws/credentials",
+    ".gnupg/private-keys-v1.d/k.key",
+    ".netrc",
+    ".git-credentials",
+    ".env",
+    ".env.local",
+    "deploy/server.pem",
+    "certs/tls.key",
+    "keys/id_rsa",
+    ".config/gcloud/application_default_credentials.json",
+    "work/.config/gcloud/credentials.db",
+    ".azure/accessTokens.json",
+    ".kube/config",
+    ".docker/config.json",
+    ".bash_history",
+    ".zsh_history",
+    ".python_history",
+    ".ipython/profile_default/history.sqlite",
+    "notes/history.sqlite",
+)
+
+
+def test_keys_and_credentials_stay_behind_and_are_listed(tmp_path: Path) -> None:
+    for rel in SECRET_FILES:
+        write(tmp_path, rel, "secret")
+    write(tmp_path, "train.py")
+    write(tmp_path, "keys/id_rsa.pub", "a public key")
+    write(tmp_path, ".config/other/settings.json")
+    write(tmp_path, ".gitignore", ".bash_history\n")  # ignored: not a secret left out, just out
+    (tmp_path / "innocent.txt").symlink_to(tmp_path / ".ssh" / "id_ed25519")
+    manifest = Scanner(tmp_path, CAP).scan()
+    assert paths(manifest) == [
+        ".config/other/settings.json",
+        ".gitignore",
+        "keys/id_rsa.pub",
+        "train.py",
+    ]
+    secrets = set(SECRET_FILES) - {".bash_history"} | {"innocent.txt"}
+    assert set(manifest.secrets) == secrets
+
+
+def test_a_skyignore_negation_sends_a_secret(tmp_path: Path) -> None:
+    for rel in (".env", ".env.local", ".aws/credentials", ".aws/config", "deploy/server.pem"):
+        write(tmp_path, rel, "secret")
+    write(tmp_path, ".skyignore", "!.env\n!.aws/\n")
+    manifest = Scanner(tmp_path, CAP).scan()
+    assert paths(manifest) == [".aws/config", ".aws/credentials", ".env", ".skyignore"]
+    assert manifest.secrets == (".env.local", "deploy/server.pem")
+
+
+def test_a_sync_of_a_secret_directory_itself_sends_it(tmp_path: Path) -> None:
+    write(tmp_path, ".aws/credentials", "secret")
+    write(tmp_path, ".ssh/id_ed25519", "secret")
+    named = Scanner(tmp_path / ".aws", CAP).scan()
+    assert (paths(named), named.secrets) == (["credentials"], ())
+    # The notebook's working directory by default is not a choice: id_* still stays behind.
+    default = Scanner(tmp_path / ".ssh", CAP, chosen=False).scan()
+    assert (paths(default), default.secrets) == ([], ("id_ed25519",))
+
+
+def test_a_home_directory_is_synced_only_when_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    home = tmp_path / "home"
+    write(home, "notes.txt")
+    monkeypatch.setenv("HOME", str(home))
+    with pytest.raises(SyncError) as raised:
+        Scanner(home, CAP, chosen=False).scan()
+    message = str(raised.value)
+    assert "\n" not in message and str(home) in message and "--sync" in message
+    assert paths(Scanner(home, CAP, chosen=True).scan()) == ["notes.txt"]
 
 
 def test_over_the_cap_names_the_largest_files_and_the_way_out(tmp_path: Path) -> None:
@@ -188,13 +274,13 @@ def test_over_the_cap_names_the_largest_files_and_the_way_out(tmp_path: Path) ->
 
 def test_an_unreadable_file_is_named_with_the_way_out(shared_tmp: Path) -> None:
     write(shared_tmp, "ok.txt")
-    write(shared_tmp, "secret.key", mode=0o000)
+    write(shared_tmp, "private.bin", mode=0o000)
     scanner = Scanner(shared_tmp, CAP)
     with unprivileged(), pytest.raises(SyncError) as err:
         scanner.scan()
-    assert str(shared_tmp / "secret.key") in str(err.value)
-    assert "`secret.key`" in str(err.value) and ".skyignore" in str(err.value)
-    write(shared_tmp, ".skyignore", "secret.key\n")
+    assert str(shared_tmp / "private.bin") in str(err.value)
+    assert "`private.bin`" in str(err.value) and ".skyignore" in str(err.value)
+    write(shared_tmp, ".skyignore", "private.bin\n")
     with unprivileged():
         assert paths(scanner.scan()) == [".skyignore", "ok.txt"]
 
@@ -481,3 +567,19 @@ def test_a_write_error_names_the_path(tmp_path: Path) -> None:
     )
     kind, name = done.stdout.decode().split()
     assert kind == "OSError" and name.startswith(str(tmp_path / "store" / "k" / "objects"))
+
+
+def test_a_copy_goes_with_the_last_process_holding_it(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    write(root, "a.txt", "a" * 100)
+    copy = WorkdirCopy(tmp_path / "base", "key")
+    sync(Scanner(root, CAP).scan(), copy)
+    first, second = copy.hold(), copy.hold()  # two ranks (or two pools) working in it
+    assert copy.release(first, remove=True) is None and copy.dir.is_dir()
+    assert copy.remove_if_unused() is None and copy.dir.is_dir()
+    assert (copy.release(second, remove=True) or 0) >= 100
+    assert not copy.dir.exists()
+    kept = WorkdirCopy(tmp_path / "base", "kept")
+    sync(Scanner(root, CAP).scan(), kept)
+    assert kept.release(kept.hold(), remove=False) is None and kept.dir.is_dir()
+    assert (kept.remove_if_unused() or 0) >= 100 and not kept.dir.exists()

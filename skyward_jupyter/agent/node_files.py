@@ -10,6 +10,10 @@ cell reloaded (as ``%autoreload`` does in the notebook; also on the local provid
 ranks run in the notebook's directory), so ``import mymod`` and ``open("data.csv")`` behave the
 same everywhere.
 
+Every rank working in a copy holds it (:meth:`.workdir.WorkdirCopy.hold`); when a rank ends
+(the pool shut down, or the notebook gone) it lets go, and the last one removes the copy unless
+the pool was shut down with ``keep_files``.
+
 Standard library only: this runs on the nodes.
 """
 
@@ -47,6 +51,8 @@ class NodeFiles:
         self._known: tuple[object, ...] = ()
         """What ``sys.modules`` and the roots were when ``_candidates`` was made."""
         self._candidates: list[tuple[str, ModuleType, str]] = []
+        self._held: dict[str, int] = {}
+        """Per key of a copy this rank uses: the descriptor that holds it."""
 
     # -- one rank per node: keep the copy in step --------------------------------------------
 
@@ -56,6 +62,7 @@ class NodeFiles:
             if self._sees(command):
                 return p.Synced(command.key, path=command.root)
             copy = WorkdirCopy(self.base, command.key)
+            self._hold(command.key)
             if command.bundle is not None:
                 copy.add_objects(bytes(blob(command.bundle)))
             missing = copy.missing(d for _, _, d in command.entries)
@@ -96,6 +103,10 @@ class NodeFiles:
         """Run in this node's directories (the current one when the node shares the notebook's
         files); reload the modules from them whose files changed since the last cell."""
         paths = workdir.paths.get(self.node, ()) if workdir is not None else ()
+        for path in paths:
+            inside = os.path.relpath(path, self.base)
+            if not inside.startswith(".."):
+                self._hold(inside.split(os.sep)[0])
         if paths:
             os.chdir(paths[0])
             for old in self._entered:
@@ -145,6 +156,22 @@ class NodeFiles:
                 if (file := _file_of(module)) and file.startswith(roots) and users_file(file)
             ]
         return self._candidates
+
+    def _hold(self, key: str) -> None:
+        if key not in self._held:
+            self._held[key] = WorkdirCopy(self.base, key).hold()
+
+    def leave(self, keep: bool) -> list[str]:
+        """Let go of the copies this rank used; unless ``keep``, remove those no other rank
+        holds. What could not be removed, in words (the rank is ending: it only says so)."""
+        problems = []
+        held, self._held = self._held, {}
+        for key, fd in held.items():
+            try:
+                WorkdirCopy(self.base, key).release(fd, remove=not keep)
+            except OSError as exc:
+                problems.append(f"could not remove the copy {self.base / key}: {exc}")
+        return problems
 
     def here(self, path: str) -> str:
         """``path`` (the notebook's) as this node has it: inside a synced directory, the same

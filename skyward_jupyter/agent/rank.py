@@ -128,6 +128,8 @@ class Agent:
         """An interrupt arrived during the current cell (its error is then a consequence)."""
         self._stop_cell: int | None = None
         """A cell the pool stopped before it started here (its interrupt came first)."""
+        self._keep_files = False
+        """The pool asked the node to keep its copy of the synced directories."""
         self._cell_lock = threading.Lock()
         """Orders an interrupt against the start of a cell (reader thread against main)."""
         self._last_heard = time.monotonic()
@@ -208,6 +210,7 @@ class Agent:
         if self.arrivals.on_wire(message):
             return True
         if isinstance(message, p.Shutdown):
+            self._keep_files = message.keep_files
             self._interrupt_main()  # a cell still running stops
         return False
 
@@ -218,10 +221,18 @@ class Agent:
         try:
             return read()
         except EOFError:
+            self._leave_files()
             os._exit(EXIT_CHANNEL_CLOSED)
         except BaseException as exc:  # noqa: BLE001 - an unreadable wire leaves nothing to serve
             self._diagnose(f"channel failed: {exc!r}")
+            self._leave_files()
             os._exit(EXIT_CHANNEL_CLOSED)
+
+    def _leave_files(self) -> None:
+        """As the rank ends: the node's copy of the synced directories goes with its last
+        rank, unless the pool keeps it."""
+        for problem in self.arrivals.files.leave(self._keep_files):
+            self._diagnose(problem)
 
     def _touch_heartbeat_file(self) -> None:
         """Tell the machine's watchdog that the notebook is alive (cloud instances only)."""
@@ -247,6 +258,7 @@ class Agent:
                 self._diagnose(
                     f"no heartbeat from the notebook for {s.heartbeat_timeout:.0f} s; exiting"
                 )
+                self._leave_files()
                 os._exit(EXIT_HEARTBEAT_LOST)
             self._flush_metrics()
             self.inbox.tick()
@@ -312,6 +324,7 @@ class Agent:
             elif isinstance(command, p.Shutdown):
                 self._leave_group()
                 self._sync_output()
+                self._leave_files()
                 return
 
     def _leave_group(self) -> None:

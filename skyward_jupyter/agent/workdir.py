@@ -10,7 +10,9 @@ to them. Under ``<base>/<key>/``:
   entries, and ``trees/<id>.json`` beside it: those entries, so the next switch knows which files
   were synced ones and which the user's code on the ranks made;
 - ``current``: a symlink to the tree in use, replaced atomically (ranks chdir to it and put it
-  on ``sys.path``).
+  on ``sys.path``);
+- ``.users``: every rank working in the copy holds a shared ``flock`` on it (:meth:`hold`), so
+  the copy is removed (:meth:`remove_if_unused`) only once no rank of any pool uses it.
 
 Modes: a hard link shares its inode, mode included, so an object is stored once per mode it is
 used with. A file on a node keeps the read and execute bits of the notebook's file, never write
@@ -82,7 +84,7 @@ def _naming(path: Path | str) -> Iterator[None]:
         raise OSError(e.errno, e.strerror or str(e), str(path)) from e
 
 
-def _remove_tree(path: Path) -> None:
+def remove_tree(path: Path) -> None:
     """Remove a directory the user's code may have left read-only inside."""
 
     def retry(func: Callable[..., object], name: str, _exc: object) -> None:
@@ -167,18 +169,73 @@ class WorkdirCopy:
 
     # -- the store ---------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        """Ranks of one node (and pools sharing a base) take turns: one flock per copy."""
-        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.objects.mkdir(exist_ok=True)
-        self.trees.mkdir(exist_ok=True)
-        fd = os.open(self.dir / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
+    def hold(self) -> int:
+        """Mark the copy as in use by this process until the descriptor returned is closed."""
+        with self._locked():
+            fd = os.open(self.dir / ".users", os.O_RDONLY | os.O_CREAT, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            return fd
+
+    def release(self, fd: int, remove: bool) -> int | None:
+        """Close a :meth:`hold`; with ``remove``, remove the copy if no one else holds it."""
+        with self._locked(create=False) as present:
             os.close(fd)
+            if remove and present:
+                return self._remove_unused()
+        return None
+
+    def remove_if_unused(self) -> int | None:
+        """Remove the copy unless a process holds it; the bytes removed (None: kept, or gone)."""
+        with self._locked(create=False) as present:
+            return self._remove_unused() if present else None
+
+    def _remove_unused(self) -> int | None:
+        try:
+            fd = os.open(self.dir / ".users", os.O_RDONLY)
+        except FileNotFoundError:
+            fd = None  # never held: a copy from before holds were taken
+        try:
+            if fd is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return None
+        finally:
+            if fd is not None:
+                os.close(fd)
+        size = tree_bytes(self.dir)
+        remove_tree(self.dir)
+        return size
+
+    @contextlib.contextmanager
+    def _locked(self, create: bool = True) -> Iterator[bool]:
+        """Ranks of one node (and pools sharing a base) take turns: one flock per copy. Yields
+        whether the copy exists (without ``create``, a missing one is not made). A lock taken
+        on a copy that was removed meanwhile is taken again on the new one."""
+        lock = self.dir / ".lock"
+        while True:
+            if create:
+                self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            try:
+                fd = os.open(lock, os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
+            except FileNotFoundError:
+                if create:
+                    continue
+                yield False
+                return
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                try:
+                    current = os.stat(lock).st_ino == os.fstat(fd).st_ino
+                except FileNotFoundError:
+                    current = False
+                if current:
+                    if create:
+                        self.objects.mkdir(exist_ok=True)
+                        self.trees.mkdir(exist_ok=True)
+                    yield True
+                    return
+            finally:
+                os.close(fd)
 
     def _valid(self, path: Path, digest: str) -> bool:
         """Whether ``path`` holds the object unchanged; a damaged one is removed."""
@@ -285,7 +342,7 @@ class WorkdirCopy:
             if keep is not None and item.name in {keep, f"{keep}.json"}:
                 continue
             if item.is_dir() and not item.is_symlink():
-                _remove_tree(item)
+                remove_tree(item)
             else:
                 item.unlink()
 
@@ -296,6 +353,22 @@ class WorkdirCopy:
             if name[:64] in kept and (len(name) == 64 or name[64] == "."):
                 continue
             item.unlink()
+
+
+def tree_bytes(path: Path) -> int:
+    """What the files under ``path`` hold (each inode once: trees are hard links)."""
+    seen: set[int] = set()
+    total = 0
+    for directory, _, files in os.walk(path):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(directory, name))
+            except FileNotFoundError:
+                continue
+            if st.st_ino not in seen:
+                seen.add(st.st_ino)
+                total += st.st_size
+    return total
 
 
 @contextlib.contextmanager

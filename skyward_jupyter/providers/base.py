@@ -206,6 +206,14 @@ class Provider(abc.ABC):
     async def release(self) -> None:
         """End everything the provider made for the pool; raise what could not be ended."""
 
+    async def clean(self) -> list[str]:
+        """``%sky clean``: remove, on the nodes, the caches no running pool uses (the shipped
+        package, copies of synced directories); one line per node saying what went."""
+        raise ProviderError(
+            f"%sky clean reaches hosts over SSH; the {self.name} provider's nodes are not "
+            "reachable that way (name SSH hosts with --hosts)"
+        )
+
     # ------------------------------------------------------------- after the notebook is gone
 
     def record(self, pids: Mapping[int, Sequence[int]]) -> dict[str, Any]:

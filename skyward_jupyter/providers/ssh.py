@@ -28,6 +28,7 @@ import asyncssh
 
 from ..events import RankState
 from .base import Node, Progress, Provider, ProviderError, ReapReport, StderrTail, no_progress
+from .ssh_clean import clean_host
 from .ssh_keys import changed_key, known_hosts_file, record_if_new
 from .ssh_prepare import check_versions, probe, ship
 from .ssh_template import HostTemplate
@@ -359,6 +360,18 @@ class SSHProvider(Provider):
         pid = await _pid(host, process)
         process.stdin.write(line)
         return SSHRank(host, sessions, process, pid)
+
+    async def clean(self) -> list[str]:
+        """``%sky clean``: on every host, remove the package's cache and the sync copies that
+        no running pool uses; one line per host saying what went and how much."""
+        return list(
+            await asyncio.gather(
+                *(
+                    clean_host(h, self._connect, self.options.python, self.options.cache_dir)
+                    for h in self.hosts
+                )
+            )
+        )
 
     async def release(self) -> None:
         for template in self._templates:

@@ -1,0 +1,80 @@
+"""``%sky clean`` on a node: remove what this package left in the user's cache and no live
+process uses.
+
+Two kinds of things live under ``~/.cache/skyward_jupyter/``: the package itself, shipped by the
+SSH provider once per content hash (``<hash>/``, and ``<hash>.<tag>/`` left by an interrupted
+unpack), and the copies of notebook directories (``sync/<key>/``, see :mod:`.workdir`). A copy
+goes only when no rank holds it; a package version only when no process of this user runs
+from it (its path in the process's environment or command line: templates and ranks have it in
+``PYTHONPATH``). Run as ``python -m skyward_jupyter.agent.caches [CACHE]``; it prints one JSON
+line: ``{"removed": [[path, bytes], ...], "kept": [path, ...]}``.
+
+Standard library only: this runs on the nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+from .workdir import WorkdirCopy, remove_tree, tree_bytes
+
+CACHE = "~/.cache/skyward_jupyter"
+_PACKAGE = re.compile(r"[0-9a-f]{16,64}(\.[0-9a-f]+)?")
+
+
+def clean(cache: str = CACHE) -> tuple[list[tuple[str, int]], list[str]]:
+    """(path, bytes) of what was removed, and the paths kept because they are in use."""
+    base = Path(os.path.expanduser(cache))
+    removed: list[tuple[str, int]] = []
+    kept: list[str] = []
+    copies = base / "sync"
+    if copies.is_dir():
+        for item in sorted(copies.iterdir()):
+            if not item.is_dir() or item.is_symlink():
+                continue
+            size = WorkdirCopy(copies, item.name).remove_if_unused()
+            if size is None:
+                kept.append(str(item))
+            else:
+                removed.append((str(item), size))
+    if base.is_dir():
+        running = _running_paths()
+        for item in sorted(base.iterdir()):
+            if not (_PACKAGE.fullmatch(item.name) and item.is_dir()) or item.is_symlink():
+                continue
+            if str(item).encode() in running:
+                kept.append(str(item))
+                continue
+            size = tree_bytes(item)
+            remove_tree(item)
+            removed.append((str(item), size))
+    return removed, kept
+
+
+def _running_paths() -> bytes:
+    """The environments and command lines of this user's other processes, joined (a path found
+    in them, even as the start of a longer one, is taken as in use: kept rather than lost)."""
+    seen = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        for name in ("environ", "cmdline"):
+            try:
+                with open(f"/proc/{pid}/{name}", "rb") as f:
+                    seen.append(f.read())
+            except OSError:
+                continue  # another user's, or gone
+    return b"\0".join(seen)
+
+
+def main() -> None:
+    removed, kept = clean(sys.argv[1] if len(sys.argv) > 1 else CACHE)
+    print(json.dumps({"removed": removed, "kept": kept}))
+
+
+if __name__ == "__main__":
+    main()

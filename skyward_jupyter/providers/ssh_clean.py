@@ -1,0 +1,65 @@
+"""``%sky clean`` over SSH: what this package left on a host, removed where nothing uses it.
+
+The host gets the package as a pool would (:func:`.ssh_prepare.ship`) and runs
+:mod:`skyward_jupyter.agent.caches` from it, which removes the sync copies no rank holds and the
+package versions no process runs from (the one it runs from included, unless a pool uses it).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import asyncssh
+
+from ..agent.caches import CACHE
+from ..workdir import human_bytes
+from .base import ProviderError
+from .ssh_prepare import probe, ship
+
+if TYPE_CHECKING:
+    from .ssh import Host
+
+Connect = Callable[["Host"], Awaitable[asyncssh.SSHClientConnection]]
+
+
+async def clean_host(host: Host, connect: Connect, python: str, cache_dir: str) -> str:
+    """One line for ``host``: what was removed (and how much), what was kept as in use."""
+    conn = await connect(host)
+    try:
+        found = await probe(host, conn, python)
+        package, _ = await ship(host, conn, cache_dir, str(found["home"]))
+        command = shlex.join(
+            [
+                "env",
+                f"PYTHONPATH={package}",
+                str(found["executable"]),
+                "-m",
+                "skyward_jupyter.agent.caches",
+                CACHE,
+            ]
+        )
+        result = await conn.run(f"exec {command}", check=False)
+    finally:
+        conn.close()
+    if result.exit_status != 0:
+        raise ProviderError(f"{host}: cleaning its cache failed: {result.stderr!s:.500}")
+    report = json.loads(str(result.stdout).strip().splitlines()[-1])
+    return _said(host, report["removed"], report["kept"])
+
+
+def _said(host: Host, removed: list[list[object]], kept: list[str]) -> str:
+    copies = [int(str(size)) for path, size in removed if "/sync/" in str(path)]
+    packages = [int(str(size)) for path, size in removed if "/sync/" not in str(path)]
+    parts = []
+    if copies:
+        parts.append(f"{len(copies)} synced director{'ies' if len(copies) != 1 else 'y'}")
+    if packages:
+        parts.append(f"{len(packages)} package version{'s' * (len(packages) != 1)}")
+    total = human_bytes(sum(copies) + sum(packages))
+    text = f"{host}: removed {' and '.join(parts)} ({total})" if parts else f"{host}: nothing"
+    if kept:
+        text += f"; kept {len(kept)} in use by a running pool"
+    return text
