@@ -285,6 +285,12 @@ class Usage:
     waiting: str | None = None
     """The collective the cell waits in and since when, e.g. ``all_reduce at cell line 3``."""
     waited: float = 0.0
+    memory_limit_bytes: int | None = None
+    """The memory the rank may use: its cgroup's limit, or the machine's when lower or none."""
+    oom_record: str | None = None
+    """The file on the rank's machine whose ``oom_kill`` counts its cgroup's OOM kills."""
+    oom_kills: int | None = None
+    """That count when the sample was taken."""
 
 
 @message
