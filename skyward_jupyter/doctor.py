@@ -138,6 +138,6 @@ async def _declare_lost(ranks: Ranks, r: Rank) -> None:
     )
     ranks.set_state(r, RankState.LOST, f"silent for {quiet:.0f} s")
     try:
-        await r.process.kill()
+        await r.kill()
     except Exception:
         log.exception("killing silent rank %d failed", r.index)

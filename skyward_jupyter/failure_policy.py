@@ -198,7 +198,7 @@ class Cell:
         )
         self.asked_to_stop.update(stuck)
         self.killed.update(stuck)
-        await asyncio.gather(*(r.process.kill() for r in stuck if r.process is not None))
+        await asyncio.gather(*(r.kill() for r in stuck))
 
     def results(self) -> tuple[RankResult, ...]:
         """Every rank's result, the failures that followed from another's marked secondary.

@@ -24,6 +24,27 @@ M = TypeVar("M", bound=type)
 
 _PLAIN = frozenset({type(None), bool, int, float, complex, str, bytes})
 """Types whose pickle cannot refer to the notebook's ``__main__``."""
+BYTES_APART = 1 << 16
+"""A ``bytes`` value from this size travels out of the pickle, so a rank holds it once."""
+
+
+class _Bytes:
+    """A ``bytes`` value pickled as an out-of-band buffer: the wire reads such a buffer straight
+    into a new ``bytes`` object (:mod:`.wire`), which is then the value itself, where an in-band
+    pickle would hold the frame and its copy at once (twice the value's size on every rank)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: bytes) -> None:
+        self.value = value
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        return (_bytes_of, (pickle.PickleBuffer(self.value),))
+
+
+def _bytes_of(buffer: Any) -> bytes:
+    """The value of a :class:`_Bytes`: the received buffer itself when it already is ``bytes``."""
+    return buffer if type(buffer) is bytes else bytes(buffer)
 
 
 @dataclass_transform(frozen_default=True)
@@ -61,9 +82,12 @@ class Pickled:
 
     @classmethod
     def dump(cls, obj: object) -> Pickled:
+        buffers: list[pickle.PickleBuffer] = []
+        if type(obj) is bytes and len(obj) >= BYTES_APART:
+            data = pickle.dumps(_Bytes(obj), protocol=5, buffer_callback=buffers.append)
+            return cls(data, tuple(buffers))
         if type(obj) in _PLAIN:  # most cells' value: the C pickler, not cloudpickle's set-up
             return cls(pickle.dumps(obj, protocol=5))
-        buffers: list[pickle.PickleBuffer] = []
         data = cloudpickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
         return cls(data, tuple(buffers))
 
@@ -264,6 +288,12 @@ class Usage:
     waiting: str | None = None
     """The collective the cell waits in and since when, e.g. ``all_reduce at cell line 3``."""
     waited: float = 0.0
+    memory_limit_bytes: int | None = None
+    """The memory the rank may use: its cgroup's limit, or the machine's when lower or none."""
+    oom_record: str | None = None
+    """The file on the rank's machine whose ``oom_kill`` counts its cgroup's OOM kills."""
+    oom_kills: int | None = None
+    """That count when the sample was taken."""
 
 
 @message

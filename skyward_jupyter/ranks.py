@@ -32,6 +32,7 @@ from .events import (
 from .formation import check_hellos, form_worlds
 from .frameworks import TORCH_ONLY, Frameworks
 from .launch_env import RankPlace, launcher_env
+from .memory import named_kill
 from .providers.base import Node, Provider, RankProcess
 from .results import PoolError, RankEnded, RankInfo
 
@@ -67,6 +68,14 @@ class Rank:
         """Why the pool declared it lost (it stopped answering), for the loss's message."""
         """The rank's last heartbeat: its CPU use, the collective it waits in."""
         self.reader: asyncio.Task[None] | None = None
+        self.killed = False
+        """The pool killed this process: its SIGKILL is the pool's, not for lack of memory."""
+
+    async def kill(self) -> None:
+        """End its process now."""
+        if self.process is not None:
+            self.killed = True
+            await self.process.kill()
 
     def describe(self) -> str:
         where = self.process.describe() if self.process else "not started"
@@ -249,7 +258,8 @@ class Ranks:
     async def spawn(self, rank: Rank) -> None:
         self.set_state(rank, RankState.BOOTING)
         process = await self.provider.start_rank(rank.node, self._rank_env(rank))
-        rank.process, rank.alive, rank.hello = process, True, None
+        rank.process, rank.alive, rank.hello, rank.killed = process, True, None, False
+        rank.usage = None  # the last process's: this one reports its own
         rank.last_heard = time.monotonic()
         rank.expect("hello")
         rank.reader = asyncio.get_running_loop().create_task(self._read(rank, process))
@@ -310,7 +320,7 @@ class Ranks:
         if readers:
             _, stuck = await asyncio.wait(readers, timeout=grace)
             if stuck:
-                await asyncio.gather(*(r.process.kill() for r in live if r.alive and r.process))
+                await asyncio.gather(*(r.kill() for r in live if r.alive))
                 await asyncio.wait(stuck, timeout=5)
 
     async def restart_all(self) -> None:
@@ -350,10 +360,13 @@ class Ranks:
             pass  # the process ended; how it ended is read below
         except Exception as exc:  # noqa: BLE001 - an unreadable rank is reported, then killed
             log.error("rank %d sent an unreadable message (%r); killing it", rank.index, exc)
+            rank.killed = True
             await process.kill()
         how = await process.wait()
         if rank.process is not process:
             return
+        if not rank.killed:
+            how = named_kill(how, rank.usage, self.provider.on_notebook_machine)
         if rank.silenced:
             how, rank.silenced = f"{rank.silenced} ({how})", None
         rank.alive = False

@@ -10,14 +10,17 @@ travels inside as :class:`~skyward_jupyter.protocol.Pickled`, already pickled wi
 notebook-defined functions travel by value), so the frame itself needs only the C pickler: on
 the pool's hottest path, a trivial cell, that is several times faster than cloudpickle's. A
 large numpy array or tensor is written straight from its own memory and read straight into a
-fresh buffer, never copied into or out of the pickle stream. Only authenticated channels (local
-pipes, SSH) ever carry frames: unpickling is code execution, and the channel is the trust
-boundary.
+fresh buffer, never copied into or out of the pickle stream; a buffer that was ``bytes`` on the
+sending side is read straight into a new ``bytes`` object (its length carries a flag), so a
+large ``bytes`` value is held once on a rank, not as the frame and its copy. Only authenticated
+channels (local pipes, SSH) ever carry frames: unpickling is code execution, and the channel is
+the trust boundary.
 """
 
 from __future__ import annotations
 
 import base64
+import ctypes
 import os
 import pickle
 import struct
@@ -33,6 +36,9 @@ _HEADER = struct.Struct("!3sBI")
 _LENGTH = struct.Struct("!Q")
 _START = _HEADER.size + _LENGTH.size
 """A frame's header and its first length, read together: every frame has a body."""
+_AS_BYTES = 1 << 63
+"""Set in a segment's length: the buffer was ``bytes``, and the agent reads it into one."""
+_SIZE = _AS_BYTES - 1
 _MAX_SEGMENTS = 1 << 20
 _CHUNK = 1 << 20
 _FILL = 1 << 16
@@ -71,7 +77,10 @@ def encode(obj: object) -> list[Segment]:
     body = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
     segments: list[Segment] = [body, *(b.raw() for b in buffers)]
     lengths = [len(s) if not isinstance(s, memoryview) else s.nbytes for s in segments]
-    head = _HEADER.pack(MAGIC, VERSION, len(segments)) + b"".join(map(_LENGTH.pack, lengths))
+    flags = [_AS_BYTES * (isinstance(s, memoryview) and type(s.obj) is bytes) for s in segments]
+    head = _HEADER.pack(MAGIC, VERSION, len(segments)) + b"".join(
+        _LENGTH.pack(n | flag) for n, flag in zip(lengths, flags, strict=True)
+    )
     if len(head) + sum(lengths) <= _JOIN_BELOW:
         return [b"".join([head, *segments])]
     return [head, *segments]
@@ -114,7 +123,7 @@ async def read_message(reader: AsyncByteReader, progress: Callable[[], None] | N
     more = _more_lengths(start)
     lengths = _lengths(start, await reader.readexactly(more) if more else b"")
     segments: list[bytes | bytearray] = []
-    for n in lengths:
+    for n in (n & _SIZE for n in lengths):
         if n <= _CHUNK or progress is None:
             segments.append(await reader.readexactly(n))
             continue
@@ -131,6 +140,20 @@ def write_segments(writer: AsyncByteWriter, frame: Sequence[Segment]) -> None:
     a large one is written from its own buffers, never copied."""
     for segment in frame:
         writer.write(segment)
+
+
+def _fresh_bytes(n: int) -> tuple[bytes, memoryview]:
+    """A new ``bytes`` object of ``n`` bytes and a writable view of its storage, to fill before
+    anything else holds it: what C code does to build one (CPython, which torch needs, lays
+    the bytes out at the end of the object)."""
+    value = _new_bytes(None, n)
+    storage = (ctypes.c_char * n).from_address(id(value) + bytes.__basicsize__ - 1)
+    return value, memoryview(storage).cast("B")
+
+
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes.restype = ctypes.py_object
+_new_bytes.argtypes = (ctypes.c_char_p, ctypes.c_ssize_t)
 
 
 class SyncChannel:
@@ -198,6 +221,17 @@ class SyncChannel:
             if self._progress is not None:
                 self._progress()
 
+    def _read_segment(self, length: int) -> bytes | bytearray:
+        """A segment of the length (and flag) its frame gives: ``bytes`` where it was ``bytes``
+        when sent, read into place; otherwise writable (a numpy array loaded from it must be)."""
+        n = length & _SIZE
+        if not length & _AS_BYTES or n <= _FILL:
+            part = self._read_exact(n)
+            return bytes(part) if length & _AS_BYTES else part
+        value, storage = _fresh_bytes(n)
+        self._read_into(storage)
+        return value
+
     def _read_exact(self, n: int) -> bytearray:
         """``n`` bytes, writable (a numpy array loaded from them must be too)."""
         if n <= _FILL and not self._lines:
@@ -216,7 +250,7 @@ class SyncChannel:
         start = self._read_exact(_START)
         more = _more_lengths(start)
         lengths = _lengths(start, self._read_exact(more) if more else b"")
-        return decode([self._read_exact(n) for n in lengths])
+        return decode([self._read_segment(n) for n in lengths])
 
     def send(self, obj: object) -> None:
         frame = encode(obj)

@@ -127,6 +127,19 @@ def test_unreachable_and_refused_hosts_are_named(hosts: Hosts, tmp_path: Path) -
         hosts.up_link(2)
 
 
+def test_a_host_name_that_does_not_resolve_is_named_at_once() -> None:
+    """No sshd needed: the name fails before any connection (``.invalid`` never resolves)."""
+    provider = SSHProvider([Host("no-such-host.invalid", None, 22)], SSHOptions(connect_timeout=15))
+    started = time.monotonic()
+    with pytest.raises(ProviderError) as raised:
+        Pool(nodes=1, provider=provider).start()
+    assert str(raised.value).startswith(
+        "no-such-host.invalid: the host name no-such-host.invalid does not resolve ("
+    ), raised.value
+    assert str(raised.value).endswith("check its spelling, or give the host's IP address")
+    assert time.monotonic() - started < 5
+
+
 def _provider_for(hosts: Hosts, index: int, tmp: Path) -> SSHProvider:
     return SSHProvider(
         [Host(hosts[index].address, hosts.user, hosts[index].port)],

@@ -146,3 +146,34 @@ def test_without_the_option_an_unknown_host_is_refused(
 
     assert hosts[0].address in str(raised.value)
     assert known.read_text() == ""
+
+
+def _connect_as_pool(hosts: Hosts, cache: Path, identity: str | None) -> None:
+    provider = _provider(hosts, cache, hosts.known_hosts, accept=False)
+    provider.options = dataclasses.replace(provider.options, identity=identity)
+    _provision(provider)
+
+
+def test_an_unloadable_default_key_is_named_with_what_to_do(
+    hosts: Hosts, cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    broken = home / ".ssh" / "id_ed25519"
+    broken.write_text("-----BEGIN OPENSSH PRIVATE KEY-----\nnot a key\n")
+    monkeypatch.setenv("HOME", str(home))
+    with pytest.raises(ProviderError) as raised:
+        _connect_as_pool(hosts, cache, identity=None)
+    message = str(raised.value)
+    assert message.startswith(f"{hosts.user}@{hosts[0].address}:{hosts[0].port}: ")
+    assert f"cannot load the SSH key {broken} (" in message
+    assert message.endswith("fix or remove that file, or pass --identity KEY to use another key")
+
+
+def test_an_unloadable_identity_is_named(hosts: Hosts, cache: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "key"
+    broken.write_text("not a key\n")
+    with pytest.raises(
+        ProviderError, match=f"cannot load the SSH key {broken} given by --identity"
+    ):
+        _connect_as_pool(hosts, cache, identity=str(broken))

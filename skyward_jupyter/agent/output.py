@@ -5,15 +5,21 @@ in chunks that end at a line break, or with the text after a carriage return (``
 and sent with the redraw it starts, so progress bars redraw in place). A chunk with neither is
 held briefly, then sent anyway, so ``print(x, end="")`` shows. Whatever is readable at once is
 sent as one chunk, which coalesces a flood of small writes.
+
+The capture keeps a write end of its own, so a cell that closes the descriptor (``os.close(1)``)
+neither ends the pump nor lets the sync marker land in whatever file takes the number next:
+:meth:`FdCapture.mend` puts the descriptor back between cells and says what the cell did.
 """
 
 from __future__ import annotations
 
 import array
 import codecs
+import contextlib
 import fcntl
 import os
 import select
+import sys
 import termios
 import threading
 from collections.abc import Callable
@@ -21,6 +27,7 @@ from collections.abc import Callable
 _SYNC = "\x00skyward-sync\x00"
 _HOLD_SECONDS = 0.05
 _READ_SIZE = 1 << 16
+_FDS = {"stdout": 1, "stderr": 2}
 
 
 class FdCapture:
@@ -33,8 +40,11 @@ class FdCapture:
         """The pump has read text it has not emitted yet (or is reading it)."""
         read_end, write_end = os.pipe()
         os.dup2(write_end, fd)
-        os.close(write_end)
+        self._write_end = write_end
         self._read_end = read_end
+        self._pipe = _identity(write_end)
+        self._elsewhere: tuple[int, int] | None = None
+        """Where a cell pointed the descriptor instead, once named (named once)."""
         self._thread = threading.Thread(target=self._pump, name=f"capture-{stream}", daemon=True)
         self._thread.start()
 
@@ -50,8 +60,31 @@ class FdCapture:
         if not self._holding and _unread(self._read_end) == 0 and not self._holding:
             return
         self._synced.clear()
-        os.write(self._fd, _SYNC.encode())
+        os.write(self._write_end, _SYNC.encode())
         self._synced.wait(timeout)
+
+    def mend(self) -> str | None:
+        """Point the descriptor at the capture again if a cell closed it; say what happened.
+
+        A descriptor the cell pointed elsewhere (``os.dup2`` onto a file) is the cell's choice
+        and stays; it is named, since its output then no longer reaches the notebook.
+        """
+        try:
+            now = _identity(self._fd)
+        except OSError:
+            os.dup2(self._write_end, self._fd)
+            return (
+                f"the cell closed its {self.stream} (fd {self._fd}); "
+                "it was reopened for the next cells"
+            )
+        if now in (self._pipe, self._elsewhere):
+            self._elsewhere = None if now == self._pipe else now
+            return None
+        self._elsewhere = now
+        return (
+            f"the cell pointed its {self.stream} (fd {self._fd}) elsewhere: "
+            "what it writes there no longer reaches the notebook"
+        )
 
     def _pump(self) -> None:
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
@@ -93,8 +126,57 @@ class FdCapture:
             self._emit(self.stream, pending)
 
 
+def _identity(fd: int) -> tuple[int, int]:
+    """What ``fd`` is open on (device, inode); OSError when it is closed."""
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
 def _unread(fd: int) -> int:
     """Bytes waiting in the pipe ``fd`` (FIONREAD)."""
     count = array.array("i", [0])
     fcntl.ioctl(fd, termios.FIONREAD, count)
     return count[0]
+
+
+class PythonStreams:
+    """``sys.stdout`` and ``sys.stderr`` as the agent set them up, over the captured descriptors.
+
+    A cell may replace one (``sys.stdout = io.StringIO()``) or close it: its replacement gets
+    what the cell prints while it is installed, and the next cell has the rank's own stream
+    back, as if it were a fresh cell, rather than the rank falling silent for good.
+    """
+
+    def __init__(self) -> None:
+        self._own = {"stdout": sys.stdout, "stderr": sys.stderr}
+        for stream in self._own.values():
+            stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+
+    def flush(self) -> None:
+        """Flush the rank's own streams and the cell's replacements, whatever state they are in."""
+        for stream in {*self._own.values(), sys.stdout, sys.stderr}:
+            # a cell may have closed the stream or its descriptor: then nothing buffered is left
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                stream.flush()
+
+    def mend(self) -> list[str]:
+        """Put the rank's own streams back where a cell replaced or closed them; say so."""
+        notes = []
+        for name, own in self._own.items():
+            if own.closed:
+                own = self._own[name] = open(  # noqa: SIM115 - the rank's stream from now on
+                    _FDS[name],
+                    "w",
+                    buffering=1,
+                    encoding=own.encoding,
+                    errors=own.errors,
+                    closefd=False,
+                )
+                notes.append(f"the cell closed sys.{name}; it was reopened for the next cells")
+            elif getattr(sys, name) is not own:
+                notes.append(
+                    f"the cell replaced sys.{name}; the rank's own was put back for the next "
+                    "cells (contextlib.redirect_" + name + " keeps a replacement to one block)"
+                )
+            setattr(sys, name, own)
+        return notes

@@ -16,6 +16,7 @@ import sys
 import time
 
 from .. import protocol as p
+from ..memory import memory_limits
 
 
 class UsageMeter:
@@ -44,7 +45,16 @@ class UsageMeter:
             gpu_memory = int(torch.cuda.memory_reserved())
             with contextlib.suppress(ImportError, RuntimeError):  # needs NVML, maybe absent
                 gpu_util = float(torch.cuda.utilization())
-        return p.Usage(percent, rss, gpu_memory, gpu_util)
+        limit, record, kills = memory_limits()
+        return p.Usage(
+            percent,
+            rss,
+            gpu_memory,
+            gpu_util,
+            memory_limit_bytes=limit,
+            oom_record=record,
+            oom_kills=kills,
+        )
 
 
 def set_process_name(name: str) -> None:

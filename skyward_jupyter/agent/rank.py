@@ -23,14 +23,12 @@ would never return to let a normal exit happen.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import json
 import os
 import platform
 import signal
-import sys
 import tempfile
 import threading
 import time
@@ -50,7 +48,7 @@ from .cell_result import cell_done
 from .cells import Namespace, run_script
 from .console import Console
 from .inbox import Inbox
-from .output import FdCapture
+from .output import FdCapture, PythonStreams
 from .process import UsageMeter, flush_c_stdio, set_process_name
 from .stacks import Watch
 from .torch_setup import GroupSettings
@@ -156,8 +154,7 @@ class Agent:
         threading.Thread(target=self._watchdog, name="watchdog", daemon=True).start()
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         signal.signal(signal.SIGINT, self._on_sigint)
-        for stream in (sys.stdout, sys.stderr):
-            stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+        self.streams = PythonStreams()
         runtime.set_metric_sink(self._record_metric)
 
     # ------------------------------------------------------------------ threads other than main
@@ -334,13 +331,17 @@ class Agent:
             self._diagnose(f"leaving the process group failed: {exc!r}")
 
     def _sync_output(self) -> None:
-        for stream in (sys.stdout, sys.stderr):
-            # a cell may have closed or replaced the stream; then nothing buffered is left
-            with contextlib.suppress(OSError, ValueError):
-                stream.flush()
+        self.streams.flush()
         flush_c_stdio()
         for capture in self.captures:
             capture.sync()
+
+    def _mend_output(self) -> None:
+        """After a cell: its closed or replaced stdout and stderr reach the notebook again, and
+        the cell's result says what the cell had done to them."""
+        mended = [c.mend() for c in self.captures] + self.streams.mend()
+        rank = os.environ.get("RANK", "0")
+        self._notes.extend(f"rank {rank}: {note}" for note in mended if note)
 
     def _run_cell(self, command: p.RunCell) -> None:
         self.cell_id = command.cell_id
@@ -378,6 +379,7 @@ class Agent:
         )
         before.clear()
         self._sync_output()
+        self._mend_output()
         self._flush_metrics()
         self.arrivals.files.note_modules()  # before the answer: an edit may follow it at once
         done = cell_done(

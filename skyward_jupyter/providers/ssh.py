@@ -20,8 +20,10 @@ import asyncio
 import contextlib
 import json
 import shlex
+import socket
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import asyncssh
@@ -76,6 +78,40 @@ class SSHOptions:
     keepalive_interval: float = 5.0
     cache_dir: str = ".cache/skyward_jupyter"
     """Where the package goes on the hosts, relative to the login's home unless absolute."""
+
+
+OPENSSH_IDENTITIES = (
+    "id_ed25519_sk",
+    "id_ecdsa_sk",
+    "id_ed448",
+    "id_ed25519",
+    "id_ecdsa",
+    "id_rsa",
+    "id_dsa",
+)
+"""The private keys in ``~/.ssh`` that OpenSSH (and asyncssh) try without ``--identity``."""
+
+
+def _unloadable_key(host: Host, identity: str | None, exc: Exception) -> ProviderError:
+    """A private key that cannot be loaded, named with what to do (asyncssh's error names no
+    file, and without ``--identity`` the user may not know which of the defaults it read)."""
+    if identity:
+        return ProviderError(
+            f"{host}: cannot load the SSH key {identity} given by --identity ({exc}); "
+            "check that it is a private key, or pass another"
+        )
+    for name in OPENSSH_IDENTITIES:
+        path = Path("~", ".ssh", name).expanduser()
+        try:
+            asyncssh.load_keypairs(path, ignore_encrypted=True)
+        except OSError:
+            continue  # absent or unreadable: asyncssh skips it too
+        except asyncssh.KeyImportError as bad:
+            return ProviderError(
+                f"{host}: cannot load the SSH key {path} ({bad}); fix or remove that file, or "
+                "pass --identity KEY to use another key"
+            )
+    return ProviderError(f"{host}: cannot load an SSH key ({exc}); pass --identity KEY")
 
 
 class SSHRank:
@@ -274,7 +310,7 @@ class SSHProvider(Provider):
                 asyncssh.connect(
                     host.host,
                     port=host.port,
-                    username=host.user,
+                    username=host.user or (),  # (): the local user, as ssh does
                     client_keys=[o.identity] if o.identity else (),
                     known_hosts=known_hosts,
                     keepalive_interval=o.keepalive_interval,
@@ -297,15 +333,26 @@ class SSHProvider(Provider):
                 f"{host}: authentication failed for user {host.user or '(default)'}; "
                 "check the user and pass --identity KEY"
             ) from None
+        except asyncssh.KeyImportError as exc:
+            raise _unloadable_key(host, o.identity, exc) from None
         except ConnectionRefusedError:
             raise ProviderError(
                 f"{host}: connection refused on port {host.port}; is sshd running there?"
             ) from None
-        except (asyncio.TimeoutError, OSError) as exc:
-            why = f" ({exc})" if str(exc) else ""
+        except socket.gaierror as exc:
             raise ProviderError(
-                f"{host}: unreachable within {o.connect_timeout:.0f} s{why}; check the address, "
+                f"{host}: the host name {host.host} does not resolve ({exc.strerror}); check its "
+                "spelling, or give the host's IP address"
+            ) from None
+        except asyncio.TimeoutError:
+            raise ProviderError(
+                f"{host}: unreachable within {o.connect_timeout:.0f} s; check the address, "
                 "the network, or a firewall"
+            ) from None
+        except OSError as exc:
+            raise ProviderError(
+                f"{host}: unreachable ({exc.strerror or exc}); check the address, the network, "
+                "or a firewall"
             ) from None
         except asyncssh.Error as exc:
             raise ProviderError(f"{host}: SSH failed: {exc}") from None

@@ -1,0 +1,90 @@
+"""How much memory a rank may use, and whether the kernel killed it for lack of memory.
+
+A rank killed by the kernel's OOM killer just ends with SIGKILL. The rank's heartbeat says how
+much it held, of how much, and where its cgroup's ``oom_kill`` counter is; after a SIGKILL the
+notebook reads that counter again where it can (the rank ran on this machine) and otherwise
+judges by the last report, saying that it is a judgement.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from . import protocol as p
+
+LIKELY_SHARE = 0.5
+"""Held this share of its memory at its last report: a SIGKILL is most likely the OOM killer's."""
+
+
+def memory_limits() -> tuple[int | None, str | None, int | None]:
+    """The memory this process may use, and where the kernel counts its cgroup's OOM kills
+    (with the count now), so that a SIGKILL can be told from an out-of-memory kill afterwards.
+
+    cgroup v1's memory controller (``memory.limit_in_bytes``, ``memory.oom_control``) or v2's
+    (``memory.max``, ``memory.events``); the machine's total when lower or no cgroup limit.
+    """
+    limit = _meminfo_total()
+    record = None
+    try:
+        with open("/proc/self/cgroup") as cgroups:
+            lines = [line.rstrip("\n").split(":", 2) for line in cgroups]
+    except OSError:
+        return limit, None, None
+    for _, controllers, path in lines:
+        if "memory" in controllers.split(","):
+            base = f"/sys/fs/cgroup/memory{path}"
+            limit_file, record = f"{base}/memory.limit_in_bytes", f"{base}/memory.oom_control"
+            break
+        if controllers == "" and os.path.exists(f"/sys/fs/cgroup{path}/memory.max"):
+            base = f"/sys/fs/cgroup{path}"
+            limit_file, record = f"{base}/memory.max", f"{base}/memory.events"
+    if record is None:
+        return limit, None, None
+    with contextlib.suppress(OSError, ValueError):
+        with open(limit_file) as given:
+            text = given.read().strip()
+        if text != "max":
+            limit = min(int(text), limit) if limit else int(text)
+    return limit, record, oom_kills(record)
+
+
+def oom_kills(record: str) -> int | None:
+    """The ``oom_kill`` count in a cgroup's ``memory.oom_control`` or ``memory.events``."""
+    try:
+        with open(record) as counts:
+            return next(int(line.split()[1]) for line in counts if line.startswith("oom_kill "))
+    except (OSError, ValueError, StopIteration, IndexError):
+        return None
+
+
+def _meminfo_total() -> int | None:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            return next(
+                int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemTotal:")
+            )
+    except (OSError, ValueError, StopIteration):
+        return None
+
+
+def named_kill(how: str, usage: p.Usage | None, here: bool) -> str:
+    """``how`` a rank ended, with memory named when the evidence points to it: the kernel's
+    count of OOM kills rose (``here``: the rank ran on this machine, so its file can be read),
+    else the share of its memory it held at its last report."""
+    if "SIGKILL" not in how or usage is None or not usage.memory_limit_bytes:
+        return how
+    held = f"it held {_gib(usage.rss_bytes)} of {_gib(usage.memory_limit_bytes)} at its last report"
+    if here and usage.oom_record is not None and usage.oom_kills is not None:
+        now = oom_kills(usage.oom_record)
+        if now is not None:
+            if now > usage.oom_kills:
+                return f"{how} by the kernel's OOM killer: out of memory ({held})"
+            return how
+    if usage.rss_bytes >= LIKELY_SHARE * usage.memory_limit_bytes:
+        return f"{how}, most likely out of memory: {held}"
+    return how
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"

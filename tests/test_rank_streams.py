@@ -1,0 +1,95 @@
+"""A cell that closes or replaces its rank's stdout or stderr: the rank says so and is heard again.
+
+Real ranks of a local pool; each cell's output is what the pool's events carried.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from skyward_jupyter import Pool
+from skyward_jupyter.events import OutputReceived
+
+
+@contextmanager
+def heard(pool: Pool) -> Iterator[list[OutputReceived]]:
+    events: list[OutputReceived] = []
+    unsubscribe = pool.subscribe(
+        lambda e: events.append(e) if isinstance(e, OutputReceived) else None
+    )
+    try:
+        yield events
+    finally:
+        unsubscribe()
+
+
+def text(events: list[OutputReceived], rank: int, stream: str = "stdout") -> str:
+    return "".join(e.text for e in events if e.rank == rank and e.stream == stream)
+
+
+def pids(pool: Pool) -> list[int]:
+    return [r.hello.pid for r in pool.ranks if r.hello]
+
+
+def test_a_closed_stdout_or_stderr_is_named_and_reopened(pool2: Pool) -> None:
+    before = pids(pool2)
+    for fd, stream in ((1, "stdout"), (2, "stderr")):
+        result = pool2.run(f"import os, sys\nos.close({fd})\nprint('lost', file=sys.{stream})")
+        assert [e.type_name for e in result.errors] == ["OSError", "OSError"], result.errors
+        assert result.lost == (), result.errors
+        assert sorted(result.notes) == [
+            f"rank {r}: the cell closed its {stream} (fd {fd}); it was reopened for the next cells"
+            for r in (0, 1)
+        ]
+        with heard(pool2) as events:
+            result = pool2.run(f"print('heard', file=sys.{stream}); os.write({fd}, b'fd\\n')")
+        assert result.ok and result.notes == (), (result.errors, result.notes)
+        assert [text(events, r, stream) for r in (0, 1)] == ["heard\nfd\n"] * 2
+    assert pids(pool2) == before
+
+
+def test_a_replaced_sys_stdout_gets_the_cells_prints_then_the_notebook_does(pool2: Pool) -> None:
+    with heard(pool2) as events:
+        result = pool2.run("import io, sys\nsys.stdout = mine = io.StringIO()\nprint('kept')")
+        assert result.ok, result.errors
+        assert sorted(result.notes) == [
+            f"rank {r}: the cell replaced sys.stdout; the rank's own was put back for the next "
+            "cells (contextlib.redirect_stdout keeps a replacement to one block)"
+            for r in (0, 1)
+        ]
+        assert pool2.run("print('heard', repr(mine.getvalue()))").notes == ()
+    assert [text(events, r) for r in (0, 1)] == ["heard 'kept\\n'\n"] * 2
+
+
+def test_a_closed_sys_stderr_is_reopened(pool2: Pool) -> None:
+    with heard(pool2) as events:
+        result = pool2.run("import sys\nsys.stderr.close()")
+        assert sorted(result.notes) == [
+            f"rank {r}: the cell closed sys.stderr; it was reopened for the next cells"
+            for r in (0, 1)
+        ]
+        assert pool2.run("print('heard', file=sys.stderr)").ok
+    assert [text(events, r, "stderr") for r in (0, 1)] == ["heard\n"] * 2
+
+
+def test_a_redirected_block_or_a_descriptor_pointed_elsewhere(pool2: Pool, tmp_path: Path) -> None:
+    log = tmp_path / "log"
+    result = pool2.run(
+        "import contextlib, io, os\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n    print('quiet')\n"
+        "saved = os.dup(1)\n"
+        "if int(os.environ['RANK']) == 1:\n"
+        f"    os.dup2(os.open({str(log)!r}, os.O_WRONLY | os.O_CREAT), 1)"
+    )
+    assert result.ok, result.errors
+    assert result.notes == (
+        "rank 1: the cell pointed its stdout (fd 1) elsewhere: what it writes there no longer "
+        "reaches the notebook",
+    )
+    assert pool2.run("print('to the log', flush=True)").notes == ()  # named once
+    assert log.read_text() == "to the log\n"
+    with heard(pool2) as events:
+        assert pool2.run("os.dup2(saved, 1)\nprint('heard')").notes == ()
+    assert [text(events, r) for r in (0, 1)] == ["heard\n"] * 2
