@@ -11,11 +11,12 @@ environment, for the thread count) wins.
 Three values are set on the rank itself: ``MASTER_PORT`` (the store's port, fresh for each
 formation of the group), ``TORCHELASTIC_RESTART_COUNT`` (how often the group was formed again
 after a failure; not after a script's own ``destroy_process_group``) and
-``TORCHELASTIC_ERROR_FILE`` (a path in the node's temporary directory, for torch's ``@record``).
+``TORCHELASTIC_ERROR_FILE`` (a file in the rank's private directory, for torch's ``@record``).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -84,10 +85,13 @@ def launcher_env(
     return {**env, **user_env}
 
 
-def error_file(temp_dir: str, run_id: str, rank: int) -> str:
+def error_file(private_dir: str) -> str:
     """Where torch's ``@record`` writes a worker's error (``TORCHELASTIC_ERROR_FILE``).
 
-    A file in the node's temporary directory, written only when a script's ``@record`` main
-    fails; no directory is made for it, so a pool leaves nothing behind when nothing failed.
+    The file is made now, empty and mode 0600, in ``private_dir`` (the rank's own, mode 0700,
+    removed when the rank ends): torch's ``open(path, "w")`` keeps that mode, so a traceback,
+    which may quote secrets, is readable by this user alone, and nothing is left behind.
     """
-    return f"{temp_dir}/skyward-{run_id}-rank{rank}-error.json"
+    path = os.path.join(private_dir, "error.json")
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    return path

@@ -3,16 +3,17 @@ a process provably ours (used by the registry for owners' liveness and by provid
 
 Only processes that are provably the pool's are signalled: the pid must still be the process
 recorded (same start time), run ``skyward_jupyter.agent`` and, where the OS names processes
-(Linux), carry one of the expected names (``sky-rank-*``, ``sky-template``). A rank leads a
-session of its own, so its whole process group goes (DataLoader workers too).
+(Linux), carry one of the expected names (``sky-rank-*``, ``sky-template``). A rank goes with
+every process below it (DataLoader workers, and what a cell detached: see
+:mod:`.agent.descendants`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import time
+
+from .agent.descendants import end_tree
 
 _AGENT = b"skyward_jupyter.agent"
 
@@ -92,30 +93,12 @@ def is_agent(pid: int, start: str | None, names: tuple[bytes, ...]) -> bool:
     return _AGENT in cmdline and (comm is None or comm.startswith(names))
 
 
-def signal_group(pid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        try:
-            group = os.getpgid(pid)
-        except ProcessLookupError:
-            return
-        if group == pid:
-            os.killpg(pid, sig)  # the rank and whatever it started (DataLoader workers)
-        else:
-            os.kill(pid, sig)
-
-
-def end(targets: dict[int, str | None], grace: float) -> list[int]:
-    """SIGTERM, then SIGKILL after ``grace``; the pids that had to be ended."""
+def end(targets: dict[int, str | None]) -> list[int]:
+    """Kill each target with every process below it, and wait (5 s at most) until they are gone;
+    the pids that had to be ended. No SIGTERM first: a rank has no use for one (it dies at once,
+    and what it started would be left to init)."""
     for pid in targets:
-        signal_group(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        if not any(process_alive(pid, start) for pid, start in targets.items()):
-            break
-        time.sleep(0.05)
-    for pid, start in targets.items():
-        if process_alive(pid, start):
-            signal_group(pid, signal.SIGKILL)
+        end_tree(pid)
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and any(
         process_alive(pid, start) for pid, start in targets.items()

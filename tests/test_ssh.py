@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -15,12 +17,14 @@ from pathlib import Path
 import pytest
 
 from skyward_jupyter import Pool, PoolError
+from skyward_jupyter.events import PoolMessage
 from skyward_jupyter.providers.base import ProviderError
 from skyward_jupyter.providers.ssh import Host, SSHOptions, SSHProvider
 from skyward_jupyter.providers.ssh_prepare import package_digest
 
 from .conftest import agents_among, ranks_among, wait_for
 from .hosts import Hosts, available, ssh_hosts, ssh_provider
+from .lifetime import detach, flat, kill_all, new_tag, running
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
 
@@ -36,6 +40,13 @@ ALL_REDUCE = (
 def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
     with ssh_hosts(3, tmp_path_factory.mktemp("hosts")) as made:
         yield made
+
+
+@pytest.fixture
+def tag() -> Iterator[str]:
+    made = new_tag()
+    yield made
+    kill_all(made)
 
 
 def _remote_agents(hosts: Hosts) -> list[int]:
@@ -174,27 +185,81 @@ def test_a_host_dying_mid_cell_ends_the_cell_and_names_it(hosts: Hosts, tmp_path
     wait_for(lambda: not _remote_agents(hosts), 20, "every agent on the hosts to end")
 
 
-def test_remote_ranks_end_when_the_notebook_is_killed(hosts: Hosts, tmp_path: Path) -> None:
-    # Hosts 0 and 2: host 1's sshd may have been killed by the test above.
+def _notebook_script(hosts: Hosts, tmp_path: Path, then: str, **options: object) -> Path:
+    """A notebook process owning a pool on hosts 0 and 2 (host 1's sshd may have been killed
+    by a test above): it starts the pool, runs ``then``, and waits to be killed."""
+    extra = "".join(f", {k}={v!r}" for k, v in options.items())
     script = tmp_path / "notebook.py"
     script.write_text(
-        "import sys, time\n"
+        "import json, sys, time\n"
         "from skyward_jupyter import Pool\n"
         "from skyward_jupyter.providers.ssh import Host, SSHOptions, SSHProvider\n"
-        f"hosts = [Host({hosts[0].address!r}, 'root', {hosts[0].port}),"
-        f" Host({hosts[2].address!r}, 'root', {hosts[2].port})]\n"
+        "from tests.lifetime import detach\n"
+        f"hosts = [Host({hosts[0].address!r}, {hosts.user!r}, {hosts[0].port}),"
+        f" Host({hosts[2].address!r}, {hosts.user!r}, {hosts[2].port})]\n"
         f"options = SSHOptions(identity={str(hosts.client_key)!r},"
         f" known_hosts={str(hosts.known_hosts)!r}, python={sys.executable!r},"
-        f" cache_dir={str(tmp_path / 'cache')!r})\n"
+        f" cache_dir={str(tmp_path / 'cache')!r}{extra})\n"
         "pool = Pool(nodes=2, provider=SSHProvider(hosts, options)).start()\n"
-        "print('ready', flush=True)\n"
+        f"{then}\n"
         "time.sleep(600)\n"
     )
-    notebook = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    return script
+
+
+def _notebook(script: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+
+
+def test_remote_ranks_end_when_the_notebook_is_killed(
+    hosts: Hosts, tmp_path: Path, tag: str
+) -> None:
+    """The kernel's death ends the ranks, and what their cells detached on the hosts."""
+    then = f"print(json.dumps(pool.run(detach({tag!r})).values), flush=True)"
+    notebook = _notebook(_notebook_script(hosts, tmp_path, then))
+    try:
+        assert notebook.stdout is not None
+        pids = flat(json.loads(notebook.stdout.readline()))
+        assert len(_remote_ranks(hosts)) == 2 and len(pids) == 6
+        wait_for(lambda: sorted(running(tag)) == pids, 10, "the detached processes to run")
+    finally:
+        notebook.kill()
+        notebook.wait()
+    wait_for(lambda: not _remote_agents(hosts), 30, "remote ranks to end after the notebook died")
+    wait_for(lambda: not running(tag), 10, "the detached processes to end with their ranks")
+
+
+def _templates(hosts: Hosts, i: int) -> list[int]:
+    return [pid for pid in agents_among(hosts.pids(i)) if _from_template_name(pid)]
+
+
+def _from_template_name(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/comm").read_bytes().startswith(b"sky-node-templ")
+    except OSError:
+        return False
+
+
+def test_a_hosts_template_ends_when_the_notebook_falls_silent(hosts: Hosts, tmp_path: Path) -> None:
+    """A stopped notebook (as its machine cut off by a partition) sends no heartbeat, while the
+    connection stays open: the hosts' templates end on their own, as ranks do."""
+    script = _notebook_script(hosts, tmp_path, "print('ready', flush=True)", notebook_silence=3.0)
+    notebook = _notebook(script)
     try:
         assert notebook.stdout is not None
         assert notebook.stdout.readline().strip() == "ready"
-        assert len(_remote_ranks(hosts)) == 2
+        assert _templates(hosts, 0) and _templates(hosts, 2)
+        notebook.send_signal(signal.SIGSTOP)
+        wait_for(
+            lambda: not _templates(hosts, 0) and not _templates(hosts, 2),
+            20,
+            "the templates to end without the notebook's heartbeat",
+        )
     finally:
         notebook.kill()
         notebook.wait()
@@ -395,4 +460,45 @@ def test_ranks_are_forked_from_each_hosts_warm_template(hosts: Hosts, tmp_path: 
         pids = [r.hello.pid for r in pool.ranks if r.hello]
         assert not any(_from_template(pid) for pid in pids)
         assert pool.run(ALL_REDUCE).ok
+    wait_for(lambda: not _remote_agents(hosts), 10, "ranks and templates to end")
+
+
+def test_detached_children_on_hosts_end_with_restart_and_down(
+    hosts: Hosts, tmp_path: Path, tag: str
+) -> None:
+    """``%sky restart`` kills the ranks over the connection, ``%sky down`` asks them to end:
+    either way what their cells detached ends with them."""
+    provider = ssh_provider(hosts, 2, tmp_path, which=(0, 2))
+    with Pool(nodes=2, provider=provider, heartbeat_timeout=8) as pool:
+        pids = flat(pool.run(detach(tag)).values)
+        assert len(pids) == 6
+        wait_for(lambda: sorted(running(tag)) == pids, 10, "the detached processes to run")
+        pool.restart()
+        wait_for(lambda: not running(tag), 10, "the detached processes to end with a restart")
+        pids = flat(pool.run(detach(tag)).values)
+        wait_for(lambda: sorted(running(tag)) == pids, 10, "the detached processes to run")
+    wait_for(lambda: not running(tag), 10, "the detached processes to end with the pool")
+    wait_for(lambda: not _remote_agents(hosts), 10, "ranks and templates to end")
+
+
+def test_a_killed_template_gives_direct_starts_said_in_one_line(
+    hosts: Hosts, tmp_path: Path
+) -> None:
+    provider = ssh_provider(hosts, 2, tmp_path, which=(0, 2))
+    with Pool(nodes=2, provider=provider, heartbeat_timeout=8) as pool:
+        said: list[str] = []
+        pool.subscribe(
+            lambda event: said.append(event.text) if isinstance(event, PoolMessage) else None
+        )
+        (template,) = _templates(hosts, 2)
+        subprocess.run(hosts.inside_argv(2, "kill", "-9", str(template)), check=True)
+        wait_for(lambda: not _templates(hosts, 2), 10, "host 2's template to die")
+        pool.restart()
+        after = [r.hello.pid for r in pool.ranks if r.hello]
+        assert _from_template(after[0]) and not _from_template(after[1])
+        assert pool.run(ALL_REDUCE).ok
+        pool.restart()  # said once, not at every start
+        gone = [text for text in said if "template" in text]
+        host = provider.hosts[1]
+        assert gone == [f"the warm template on {host} is gone; its ranks now start directly"]
     wait_for(lambda: not _remote_agents(hosts), 10, "ranks and templates to end")

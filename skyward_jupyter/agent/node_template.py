@@ -12,11 +12,16 @@ of output, once torch is imported (so the path also says "ready"). Each connecti
 rank: ``{"env": {...}}`` with 3 descriptors; the answer is ``{"pid": N}``, then
 ``{"exited": N, "status": S}`` when the rank ends (the template is its parent and reaps it). The
 rank writes its pid as its first line (the provider ends it with ``kill``), then speaks the wire.
-The template exits when its own channel closes: the pool's release, or the notebook's end.
+The template exits when its own channel closes (the pool's release, or the notebook's end) and,
+as a rank does, when the notebook has been silent on it for ``--heartbeat-timeout`` seconds (a
+partition leaves the channel open on this side for as long as it lasts): the notebook writes a
+byte on it every second. It is a child subreaper: what a rank that died without ending it
+(killed, crashed) had started is reparented here, and ended (see :mod:`.descendants`).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gc
 import json
@@ -25,6 +30,9 @@ import socket
 import sys
 import tempfile
 import threading
+import time
+
+from .descendants import become_subreaper, end_orphans
 
 _MAX_PACKET = 1 << 20
 
@@ -48,7 +56,9 @@ def _child(env: dict[str, str], fds: list[int]) -> None:
 
 
 class NodeTemplate:
-    def __init__(self) -> None:
+    def __init__(self, heartbeat_timeout: float) -> None:
+        self._heartbeat_timeout = heartbeat_timeout
+        self._last_heard = time.monotonic()
         self._lock = threading.Lock()
         self._waiting: dict[int, socket.socket] = {}
         """Rank pid -> the connection that asked for it (told when the rank ends)."""
@@ -63,6 +73,7 @@ class NodeTemplate:
 
         del rank
         set_process_name("sky-node-template")
+        become_subreaper()
         torch_version()  # the point of the template
         # What torch and the agent allocated is never garbage: frozen, a rank's first collection
         # skips it (it took 100 ms, and copied every page it touched out of the template).
@@ -74,7 +85,9 @@ class NodeTemplate:
         listener.bind(path)
         listener.listen(64)
         threading.Thread(target=self._reap, name="reaper", daemon=True).start()
+        self._last_heard = time.monotonic()  # beats sent during torch's import wait unread
         threading.Thread(target=self._watch_channel, args=(path,), daemon=True).start()
+        threading.Thread(target=self._watchdog, args=(path,), daemon=True).start()
         sys.stdout.write(path + "\n")
         sys.stdout.flush()
         while True:
@@ -114,23 +127,43 @@ class NodeTemplate:
                 self._children.clear()
                 continue
             code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-            with self._lock:
+            with self._lock:  # a rank forked meanwhile is not taken for an orphan
                 conn = self._waiting.pop(pid, None)
+                if conn is not None:
+                    end_orphans(self._waiting)
             if conn is not None:
                 # its spawner may be gone (its channel closed): then nobody is left to tell
                 with contextlib.suppress(OSError):
                     conn.send(json.dumps({"exited": pid, "status": code}).encode())
                 conn.close()
 
-    @staticmethod
-    def _watch_channel(path: str) -> None:
+    def _watch_channel(self, path: str) -> None:
         """The pool's end (or the notebook's) closes this channel: leave nothing behind."""
         while os.read(0, 1 << 16):
-            continue
-        os.unlink(path)
-        os.rmdir(os.path.dirname(path))
+            self._last_heard = time.monotonic()
+        self._leave(path)
+
+    def _watchdog(self, path: str) -> None:
+        """A silent notebook (its machine gone, the network cut) ends the template too."""
+        while True:
+            time.sleep(min(0.25, self._heartbeat_timeout / 4))
+            if time.monotonic() - self._last_heard > self._heartbeat_timeout:
+                os.write(
+                    2,
+                    f"skyward_jupyter node template: no heartbeat from the notebook for "
+                    f"{self._heartbeat_timeout:.0f} s; exiting\n".encode(),
+                )
+                self._leave(path)
+
+    @staticmethod
+    def _leave(path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):  # both watchers may get here
+            os.unlink(path)
+            os.rmdir(os.path.dirname(path))
         os._exit(0)
 
 
 if __name__ == "__main__":
-    NodeTemplate().serve()
+    parser = argparse.ArgumentParser(prog="python -m skyward_jupyter.agent.node_template")
+    parser.add_argument("--heartbeat-timeout", type=float, required=True)
+    NodeTemplate(parser.parse_args().heartbeat_timeout).serve()

@@ -18,7 +18,9 @@ What a finished cell sends back is built in :mod:`.cell_result`; the process's n
 usage sampling are in :mod:`.process`.
 
 The exits use ``os._exit`` because user code may be blocked in C (a collective, a sleep) and
-would never return to let a normal exit happen.
+would never return to let a normal exit happen. Every exit goes through :meth:`Agent.leave`: what
+the rank's cells started, detached or not, ends with it (see :mod:`.descendants`), and so does its
+private directory (torch's ``@record`` error file).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import gc
 import json
 import os
 import platform
+import shutil
 import signal
 import tempfile
 import threading
@@ -35,7 +38,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import cloudpickle
 
@@ -47,6 +50,7 @@ from .arrivals import Arrivals
 from .cell_result import cell_done
 from .cells import Namespace, run_script
 from .console import Console
+from .descendants import become_subreaper, end_descendants
 from .inbox import Inbox
 from .output import FdCapture, PythonStreams
 from .process import UsageMeter, flush_c_stdio, set_process_name
@@ -88,6 +92,7 @@ class Agent:
     def __init__(self, settings: AgentSettings) -> None:
         self.settings = settings
         set_process_name(f"sky-rank-{os.environ.get('RANK', '0')}")
+        become_subreaper()  # what a cell detaches stays below the rank, to end with it
         # Take the wire off descriptors 0 and 1 before anything can print or read there.
         wire_in, wire_out = os.dup(0), os.dup(1)
         devnull = os.open(os.devnull, os.O_RDONLY)
@@ -136,12 +141,12 @@ class Agent:
         self._metrics: list[tuple[int | None, dict[str, float]]] = []
         self._metrics_lock = threading.Lock()
         self._usage = UsageMeter()
-        os.environ.setdefault(
-            "TORCHELASTIC_ERROR_FILE",
-            error_file(
-                tempfile.gettempdir(), os.environ.get("TORCHELASTIC_RUN_ID", "pool"), group.rank
-            ),
-        )
+        self._private_dir: str | None = None
+        """This rank's own directory (mode 0700), removed when it ends."""
+        if "TORCHELASTIC_ERROR_FILE" not in os.environ:
+            run_id = os.environ.get("TORCHELASTIC_RUN_ID", "pool")
+            self._private_dir = tempfile.mkdtemp(prefix=f"skyward-{run_id}-rank{group.rank}-")
+            os.environ["TORCHELASTIC_ERROR_FILE"] = error_file(self._private_dir)
 
         threading.excepthook = self._thread_died
         # Helper threads inherit a blocked SIGINT, so a process-wide SIGINT reaches the main thread.
@@ -169,7 +174,7 @@ class Agent:
         loudly (the pool reports it lost, with this message) rather than limp on unwatched."""
         if args.thread is not None and args.thread.name in _AGENT_THREADS:
             self._diagnose(f"agent thread {args.thread.name} failed: {args.exc_value!r}")
-            os._exit(EXIT_AGENT_FAILED)
+            self.leave(EXIT_AGENT_FAILED)
         threading.__excepthook__(args)  # a user thread: report as Python always does
 
     def _emit_output(self, stream: str, text: str) -> None:
@@ -218,12 +223,19 @@ class Agent:
         try:
             return read()
         except EOFError:
-            self._leave_files()
-            os._exit(EXIT_CHANNEL_CLOSED)
+            self.leave(EXIT_CHANNEL_CLOSED)
         except BaseException as exc:  # noqa: BLE001 - an unreadable wire leaves nothing to serve
             self._diagnose(f"channel failed: {exc!r}")
-            self._leave_files()
-            os._exit(EXIT_CHANNEL_CLOSED)
+            self.leave(EXIT_CHANNEL_CLOSED)
+
+    def leave(self, code: int) -> NoReturn:
+        """End the process, and with it every process its cells started, its directory and
+        (with its node's last rank) the node's copy of the synced directories."""
+        end_descendants(os.getpid())
+        if self._private_dir is not None:
+            shutil.rmtree(self._private_dir, ignore_errors=True)
+        self._leave_files()
+        os._exit(code)
 
     def _leave_files(self) -> None:
         """As the rank ends: the node's copy of the synced directories goes with its last
@@ -255,8 +267,7 @@ class Agent:
                 self._diagnose(
                     f"no heartbeat from the notebook for {s.heartbeat_timeout:.0f} s; exiting"
                 )
-                self._leave_files()
-                os._exit(EXIT_HEARTBEAT_LOST)
+                self.leave(EXIT_HEARTBEAT_LOST)
             self._flush_metrics()
             self.inbox.tick()
             self.worlds.tick()
@@ -321,8 +332,7 @@ class Agent:
             elif isinstance(command, p.Shutdown):
                 self._leave_group()
                 self._sync_output()
-                self._leave_files()
-                return
+                return  # main() runs the exit hooks, then leave() ends the rest
 
     def _leave_group(self) -> None:
         try:

@@ -2,7 +2,8 @@
 
 Remote ranks read their environment (which may hold tokens) from the channel, not from a
 command line that other users of the host could read; the exit skips the interpreter's teardown
-of torch (about a second) once the user's exit hooks have run.
+of torch (about a second) once the user's exit hooks have run (which may end, gently, what the
+user started: what is still running after them is killed with the rank).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def _env_from_stdin() -> None:
 def main() -> None:
     if "--env-from-stdin" in sys.argv[1:]:
         _env_from_stdin()
-    Agent(AgentSettings.from_env()).serve()
+    agent = Agent(AgentSettings.from_env())
+    agent.serve()
     atexit._run_exitfuncs()
-    os._exit(0)
+    agent.leave(0)

@@ -11,6 +11,9 @@ Requests and replies are single JSON packets:
   -> {"env": {...}} with 3 descriptors          <- {"pid": 1234}  or  {"error": "..."}
   <- {"exited": 1234, "status": -9}   when a rank ends (the template is its parent and reaps it)
 The template exits when the notebook's end of the socket closes.
+
+The template is a child subreaper: what a rank that died without ending it (killed, crashed) had
+started is reparented here, and ended (see :mod:`.descendants`).
 """
 
 from __future__ import annotations
@@ -49,10 +52,12 @@ def serve(sock: socket.socket) -> None:
     import cloudpickle  # noqa: F401 - imported here so that forked ranks start with it
 
     from . import rank  # imported here so that forked ranks start with the agent loaded
+    from .descendants import become_subreaper, end_orphans
     from .process import set_process_name
     from .torch_setup import torch_version
 
     set_process_name("sky-template")
+    become_subreaper()
 
     torch_version()  # the point of the template; without torch, ranks report it themselves
     # What torch and the agent allocated is never garbage: frozen, a rank's first collection
@@ -62,6 +67,9 @@ def serve(sock: socket.socket) -> None:
     del rank
 
     send_lock = threading.Lock()
+    ranks_lock = threading.Lock()
+    ranks: set[int] = set()
+    """The ranks this template forked and has not reaped; any other child is an orphan."""
 
     def send(message: dict[str, object]) -> None:
         with send_lock:
@@ -78,6 +86,11 @@ def serve(sock: socket.socket) -> None:
                 children_exist.clear()
                 continue
             code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+            with ranks_lock:  # a rank forked meanwhile is not taken for an orphan
+                if pid not in ranks:
+                    continue  # an orphan, ended below when its rank was reaped
+                ranks.discard(pid)
+                end_orphans(ranks)
             try:
                 send({"exited": pid, "status": code})
             except OSError:
@@ -94,13 +107,15 @@ def serve(sock: socket.socket) -> None:
         if not data:
             break
         env = json.loads(data)["env"]
-        pid = os.fork()
-        if pid == 0:
-            sock.close()
-            try:
-                _child(env, fds)
-            finally:
-                os._exit(1)  # main() exits on its own; reaching here means it raised
+        with ranks_lock:
+            pid = os.fork()
+            if pid == 0:
+                sock.close()
+                try:
+                    _child(env, fds)
+                finally:
+                    os._exit(1)  # main() exits on its own; reaching here means it raised
+            ranks.add(pid)
         for fd in fds:
             os.close(fd)
         children_exist.set()

@@ -31,6 +31,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..agent.descendants import end_tree
 from ..procs import end, is_agent, process_alive, process_start
 from .base import Node, Progress, Provider, ProviderError, ReapReport, StderrTail, no_progress
 from .local_template import (
@@ -220,9 +221,9 @@ class LocalRank:
         return self._stderr.text()
 
     async def kill(self) -> None:
+        """Kill the rank with every process below it (what its cells detached too)."""
         if not self._exited.done():
-            with contextlib.suppress(ProcessLookupError):  # it ended after the check
-                os.kill(self.pid, signal.SIGKILL)
+            await asyncio.to_thread(end_tree, self.pid)
         await self._status()
 
     async def _status(self) -> int | None:
@@ -317,7 +318,7 @@ class LocalProvider(Provider):
                     targets[pid] = start
                 else:
                     unsure[pid] = start
-            report.killed.extend(end(targets, grace) if targets else ())
+            report.killed.extend(end(targets) if targets else ())
             # A process on its way out reads as no program at all: give those a moment.
             deadline = time.monotonic() + 1.0
             while time.monotonic() < deadline and any(

@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..agent.descendants import end_tree
 from ..events import RankState
 from .base import Node, Progress, Provider, ProviderError, ReapReport, StderrTail, no_progress
 
@@ -79,7 +80,8 @@ class RankHost:
         return self._proc.wait()
 
     def kill(self) -> None:
-        self._proc.kill()
+        """The rank, with every process below it (what its cells detached too)."""
+        end_tree(self._proc.pid)
 
 
 class _Reader:

@@ -11,7 +11,8 @@ This is also the path the cloud providers take once their instances are up. What
 
 Remote commands are argument lists quoted with :func:`shlex.join`, never shell text built from
 user input. A root login's channel cannot be signalled through sshd, so each rank first prints
-its pid, and ending it is a ``kill`` over the connection.
+its pid, and ending it is a command over the connection that ends the rank with every process it
+started (``agent/descendants.py``: a cell's detached children too).
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ class SSHOptions:
     keepalive_interval: float = 5.0
     cache_dir: str = ".cache/skyward_jupyter"
     """Where the package goes on the hosts, relative to the login's home unless absolute."""
+    notebook_silence: float = 30.0
+    """Seconds a host's warm template waits without a heartbeat from the notebook before it
+    ends (ranks wait at least as long: ``ranks.NOTEBOOK_SILENCE``)."""
 
 
 OPENSSH_IDENTITIES = (
@@ -117,11 +121,15 @@ def _unloadable_key(host: Host, identity: str | None, exc: Exception) -> Provide
 class SSHRank:
     """One rank on a host: an SSH channel running the agent."""
 
-    def __init__(self, host: Host, sessions: Sessions, process: Any, pid: int) -> None:
+    def __init__(
+        self, host: Host, sessions: Sessions, process: Any, pid: int, ender: Sequence[str]
+    ) -> None:
         self._host = host
         self._sessions = sessions
         self._process = process
         self.pid = pid
+        self._ender = ender
+        """The command that ends a process with everything below it, less the pid."""
         self.reader = process.stdout
         self.writer = process.stdin
         self._stderr = StderrTail()
@@ -136,7 +144,7 @@ class SSHRank:
     async def kill(self) -> None:
         # An unreachable host cannot be asked: closing the channel is then all that is left.
         with contextlib.suppress(asyncssh.Error, OSError, asyncio.TimeoutError, ProviderError):
-            await asyncio.wait_for(self._sessions.run(["kill", "-9", str(self.pid)]), 5)
+            await asyncio.wait_for(self._sessions.run([*self._ender, str(self.pid)]), 5)
         self._process.close()
 
     async def wait(self) -> str:
@@ -255,10 +263,12 @@ class SSHProvider(Provider):
         self._remote_package: list[str] = []
         self._python: list[str] = []
         self._templates: list[HostTemplate | None] = []
+        self._progress: Progress = no_progress
 
     async def provision(self, nodes: int, progress: Progress = no_progress) -> list[Node]:
         if nodes != len(self.hosts):
             raise ProviderError(f"{len(self.hosts)} hosts given for {nodes} nodes")
+        self._progress = progress  # a template lost later is said through it
         for index, host in enumerate(self.hosts):
             progress(f"connecting to {host}", index, RankState.CONNECTING)
         results = await asyncio.gather(
@@ -284,9 +294,10 @@ class SSHProvider(Provider):
             progress(
                 f"warming a template on {host} (torch imported once)", index, RankState.BOOTING
             )
+        silence = self.options.notebook_silence
         started = await asyncio.gather(
             *(
-                HostTemplate.start(s, python, package)
+                HostTemplate.start(s, python, package, silence)
                 for s, python, package in zip(
                     self._sessions, self._python, self._remote_package, strict=True
                 )
@@ -380,21 +391,23 @@ class SSHProvider(Provider):
     async def start_rank(self, node: Node, env: Mapping[str, str]) -> SSHRank:
         sessions = self._sessions[node.index]
         host = self.hosts[node.index]
+        package = self._remote_package[node.index]
+        python = self._python[node.index]
+        ender = [python, "-I", "-S", f"{package}/skyward_jupyter/agent/descendants.py"]
         template = self._templates[node.index] if self._templates else None
         line = json.dumps({**env, "PYTHONUNBUFFERED": "1"}).encode() + b"\n"
         if template is not None and template.serves(env):
-            # The spawner reads the environment first; the forked rank then prints its pid.
-            try:
-                process = await sessions.process(template.command())
-            except (asyncssh.Error, OSError) as exc:
-                raise ProviderError(f"{host}: cannot start a rank: {exc}") from None
-            process.stdin.write(line)
-            return SSHRank(host, sessions, process, await _pid(host, process))
+            rank = await self._from_template(host, sessions, template, line, ender)
+            if rank is not None:
+                return rank
+            template.close()
+            self._templates[node.index] = None
+            self._progress(f"the warm template on {host} is gone; its ranks now start directly")
         agent = shlex.join(
             [
                 "env",
-                f"PYTHONPATH={self._remote_package[node.index]}",
-                self._python[node.index],
+                f"PYTHONPATH={package}",
+                python,
                 "-m",
                 "skyward_jupyter.agent",
                 "--env-from-stdin",
@@ -406,7 +419,35 @@ class SSHProvider(Provider):
             raise ProviderError(f"{host}: cannot start a rank: {exc}") from None
         pid = await _pid(host, process)
         process.stdin.write(line)
-        return SSHRank(host, sessions, process, pid)
+        return SSHRank(host, sessions, process, pid, ender)
+
+    @staticmethod
+    async def _from_template(
+        host: Host, sessions: Sessions, template: HostTemplate, line: bytes, ender: Sequence[str]
+    ) -> SSHRank | None:
+        """A rank forked by the host's template; None when the template is gone (killed)."""
+        if not template.alive:
+            return None
+        # The spawner reads the environment first; the forked rank then prints its pid.
+        try:
+            process = await sessions.process(template.command())
+        except (asyncssh.Error, OSError) as exc:
+            raise ProviderError(f"{host}: cannot start a rank: {exc}") from None
+        process.stdin.write(line)
+        try:
+            first = await asyncio.wait_for(process.stdout.readline(), 30)
+        except (asyncio.TimeoutError, asyncssh.Error) as exc:
+            process.close()
+            raise ProviderError(f"{host}: the rank did not start ({exc!r})") from None
+        if not first:  # the spawner found no template to hand the rank to
+            process.close()
+            return None
+        try:
+            pid = int(first.strip())
+        except ValueError:
+            process.close()
+            raise ProviderError(f"{host}: the rank did not start (it said {first!r})") from None
+        return SSHRank(host, sessions, process, pid, ender)
 
     async def clean(self) -> list[str]:
         """``%sky clean``: on every host, remove the package's cache and the sync copies that

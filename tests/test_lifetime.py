@@ -1,0 +1,127 @@
+"""Nothing outlives a local pool: what a cell detaches on a rank (double fork, ``setsid``,
+``nohup``) ends with the rank however the rank ends, and the rank's private files go with it."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from skyward_jupyter import Pool
+from skyward_jupyter.providers.local import LocalProvider
+
+from .conftest import agent_pids, wait_for
+from .lifetime import detach, flat, kill_all, new_tag, running
+
+
+@pytest.fixture
+def tag() -> Iterator[str]:
+    made = new_tag()
+    yield made
+    kill_all(made)
+
+
+def _detached(pool: Pool, tag: str) -> list[list[int]]:
+    """Each rank's detached processes, all running."""
+    result = pool.run(detach(tag))
+    assert result.ok, result.errors
+    pids = flat(result.values)
+    assert len(pids) == 3 * pool.world_size
+    wait_for(lambda: sorted(running(tag)) == pids, 10, "the detached processes to run sleep")
+    return list(result.values)
+
+
+def test_detached_children_end_with_the_pool(tag: str) -> None:
+    """``%sky down``: the ranks end on the pool's word, and take what their cells detached."""
+    pool = Pool(nodes=2).start()
+    try:
+        _detached(pool, tag)
+    finally:
+        pool.close()
+    wait_for(lambda: not running(tag), 10, "the detached processes to end with the pool")
+
+
+@pytest.mark.parametrize("use_template", [True, False], ids=["forked", "spawned"])
+def test_detached_children_end_with_a_restart(tag: str, use_template: bool) -> None:
+    """``%sky restart`` kills the old ranks (forked from the template or spawned directly):
+    what they detached goes with them, and the new ranks still work."""
+    with Pool(nodes=2, provider=LocalProvider(use_template=use_template)) as pool:
+        _detached(pool, tag)
+        pool.restart()
+        wait_for(lambda: not running(tag), 10, "the detached processes to end with the restart")
+        assert pool.run("1").values == [1, 1]
+
+
+def test_a_rank_killed_outside_the_pool_leaves_nothing(tag: str) -> None:
+    """A rank that dies without a word (SIGKILL, the OOM killer): its template ends the rest."""
+    with Pool(nodes=2) as pool:
+        first, second = _detached(pool, tag)
+        victim = pool.ranks[0].hello
+        assert victim is not None
+        os.kill(victim.pid, 9)
+        wait_for(lambda: not set(running(tag)) & set(first), 10, "rank 0's detached ones to end")
+        assert set(running(tag)) == set(second)  # rank 1's, still running with rank 1
+    wait_for(lambda: not running(tag), 10, "the rest to end with the pool")
+
+
+def test_detached_children_end_when_the_notebook_is_killed(tmp_path: Path, tag: str) -> None:
+    """The kernel's death (SIGKILL: no exit hook runs): the ranks see their wire close."""
+    script = tmp_path / "notebook.py"
+    script.write_text(
+        "import json, time\n"
+        "from skyward_jupyter import Pool\n"
+        "from tests.lifetime import detach\n"
+        "pool = Pool(nodes=2).start()\n"
+        f"print(json.dumps(pool.run(detach({tag!r})).values), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    notebook = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    try:
+        assert notebook.stdout is not None
+        pids = flat(json.loads(notebook.stdout.readline()))
+        assert len(pids) == 6
+        wait_for(lambda: sorted(running(tag)) == pids, 10, "the detached processes to run sleep")
+    finally:
+        notebook.kill()
+        notebook.wait()
+    wait_for(lambda: not running(tag), 30, "the detached processes to end after the notebook")
+    wait_for(lambda: not agent_pids(), 30, "the notebook's ranks to end")
+
+
+RECORD = (
+    "import os\n"
+    "from torch.distributed.elastic.multiprocessing.errors import record\n"
+    "@record\n"
+    "def main():\n"
+    "    raise ValueError('secret-ish')\n"
+    "try:\n"
+    "    main()\n"
+    "except ValueError:\n"
+    "    pass\n"
+    "os.environ['TORCHELASTIC_ERROR_FILE']"
+)
+
+
+def test_record_error_files_are_private_and_end_with_the_pool() -> None:
+    with Pool(nodes=2) as pool:
+        result = pool.run(RECORD)
+        assert result.ok, result.errors
+        paths = [Path(p) for p in result.values]
+        assert len(set(paths)) == 2
+        for path in paths:
+            assert "secret-ish" in path.read_text()  # torch's @record wrote it
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600
+            assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+            assert path.parent.stat().st_uid == os.getuid()
+    wait_for(lambda: not any(p.parent.exists() for p in paths), 10, "the error files to go")
