@@ -1,9 +1,10 @@
 """Someone without the pool's secret, at the pool's rendezvous store: run by tests/test_store.py
 as another user of the machine, or from another host's network namespace.
 
-``store_attacker.py HOST PORT CAPTURED_HEX`` tries torch's own store client (set, get, list,
-count keys), a made-up proof, and a replay of bytes captured from a real rank's exchange with
-the store; prints as JSON what each attempt got. Nothing here knows the secret.
+``store_attacker.py HOST PORT`` tries torch's own store client (set, get, list, count keys) and
+a made-up proof; ``store_attacker.py HOST PORT CAPTURED_HEX`` replays bytes captured from a real
+rank's exchange with the store. Prints as JSON what each attempt got. Nothing here knows the
+secret.
 """
 
 from __future__ import annotations
@@ -60,12 +61,14 @@ def raw(host: str, port: int, payload: bytes) -> dict[str, object]:
 
 
 def main() -> None:
-    host, port, captured = sys.argv[1], int(sys.argv[2]), bytes.fromhex(sys.argv[3])
-    report = {
-        "torch_client": with_torchs_client(host, port),
-        "made_up_proof": raw(host, port, os.urandom(64)),
-        "replay": raw(host, port, captured),
-    }
+    host, port, captured = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+    if captured:
+        report: dict[str, object] = {"replay": raw(host, port, bytes.fromhex(captured[0]))}
+    else:
+        report = {
+            "torch_client": with_torchs_client(host, port),
+            "made_up_proof": raw(host, port, os.urandom(64)),
+        }
     print(json.dumps(report))
 
 

@@ -100,9 +100,9 @@ class Tap:
             assert not thread.is_alive()
 
 
-def _attack(prefix: Sequence[str], host: str, port: int, captured: bytes) -> dict[str, object]:
+def _attack(prefix: Sequence[str], host: str, port: int, *captured: bytes) -> dict[str, object]:
     done = subprocess.run(
-        [*prefix, sys.executable, str(ATTACKER), host, str(port), captured.hex()],
+        [*prefix, sys.executable, str(ATTACKER), host, str(port), *(c.hex() for c in captured)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -134,19 +134,31 @@ def _captured_exchange(pool: Pool, tap_host: str) -> bytes:
     return bytes(tap.sent)
 
 
-def _assert_refused(report: dict[str, object], attacker: str, pool: Pool) -> None:
+def _assert_hung_up(seen: object) -> None:
+    """The store's hello (its name and a nonce) and nothing more, then it hung up."""
+    assert isinstance(seen, dict)
+    assert seen["received"] == auth.HELLO, seen
+    assert bytes.fromhex(str(seen["first"])) == auth.MAGIC, seen
+    assert seen["closed"], seen
+
+
+def _attacks_fail(pool: Pool, prefix: Sequence[str], attacker: str, tap_host: str) -> None:
+    """The attacker gets nothing with torch's own client, a made-up proof or a replay of a real
+    rank's exchange; what was replayed changed nothing; the head counted each refusal."""
+    host, port = pool.nodes[0].address, pool.master_port
+    assert port is not None
+    report = _attack(prefix, host, port)
     torch_client = report["torch_client"]
     assert isinstance(torch_client, dict)
     learned = {k: v for k, v in torch_client.items() if str(v).startswith("ok")}
     assert learned == {}, f"torch's store client got through: {learned}"
-    for attempt in ("made_up_proof", "replay"):
-        seen = report[attempt]
-        assert isinstance(seen, dict)
-        # The store's hello (its name and a nonce) and nothing more, then it hangs up.
-        assert seen["received"] == auth.HELLO, (attempt, seen)
-        assert bytes.fromhex(str(seen["first"])) == auth.MAGIC, (attempt, seen)
-        assert seen["closed"], (attempt, seen)
-    # The replayed frame set nothing, and the head counted each refusal with its address.
+    _assert_hung_up(report["made_up_proof"])
+
+    captured = _captured_exchange(pool, tap_host)
+    pool.run(
+        THE_STORE + "if rank == 0:\n    store.set('victim', 'set since the capture')"
+    ).raise_for_errors()
+    _assert_hung_up(_attack(prefix, host, port, captured)["replay"])
     victim, refusals = pool.run(
         THE_STORE + "(store.get('victim'), store.server and list(store.server.refusals))"
     ).values[0]
@@ -167,14 +179,7 @@ def _still_trains(pool: Pool) -> None:
 
 def test_another_user_of_the_machine_cannot_read_or_write_a_local_pools_store() -> None:
     with Pool(nodes=1, procs_per_node=2) as pool:
-        captured = _captured_exchange(pool, "127.0.0.1")
-        pool.run(
-            THE_STORE + "if rank == 0:\n    store.set('victim', 'set since the capture')"
-        ).raise_for_errors()
-        port = pool.master_port
-        assert port is not None
-        report = _attack(AS_NOBODY, pool.nodes[0].address, port, captured)
-        _assert_refused(report, "127.0.0.1", pool)
+        _attacks_fail(pool, AS_NOBODY, "127.0.0.1", "127.0.0.1")
         _still_trains(pool)
 
 
@@ -191,14 +196,7 @@ def test_a_host_on_the_pools_network_cannot_read_write_list_or_replay(
 ) -> None:
     provider = ssh_provider(hosts, 2, tmp_path)
     with Pool(nodes=2, provider=provider, heartbeat_timeout=10) as pool:
-        captured = _captured_exchange(pool, hosts.bridge_address)
-        pool.run(
-            THE_STORE + "if rank == 0:\n    store.set('victim', 'set since the capture')"
-        ).raise_for_errors()
-        port = pool.master_port
-        assert port is not None
-        report = _attack(hosts.netns_argv(2), hosts[0].address, port, captured)
-        _assert_refused(report, hosts[2].address, pool)
+        _attacks_fail(pool, hosts.netns_argv(2), hosts[2].address, hosts.bridge_address)
         _still_trains(pool)
 
 
