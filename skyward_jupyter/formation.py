@@ -9,6 +9,7 @@ checked first, so a missing framework is named with its rank rather than found a
 from __future__ import annotations
 
 import asyncio
+import secrets
 from typing import TYPE_CHECKING
 
 from . import protocol as p
@@ -77,7 +78,8 @@ async def form_worlds(ranks: Ranks, jax: bool) -> None:
         ranks.set_state(r, RankState.CONNECTING)
     states = {r: r.expect("group") for r in ranks.all}
     port_future = head.expect("port")
-    ranks.send(head, wire.encode(p.FormGroup(generation, None, ranks.restarts, jax)))
+    secret = secrets.token_bytes(32)  # the store's, for this formation only
+    ranks.send(head, wire.encode(p.FormGroup(generation, None, secret, ranks.restarts, jax)))
     try:
         await asyncio.wait(
             [port_future, states[head]], timeout=FORM_TIMEOUT, return_when=asyncio.FIRST_COMPLETED
@@ -87,7 +89,7 @@ async def form_worlds(ranks: Ranks, jax: bool) -> None:
             reason = state.message if state else "no answer"
             raise PoolError(f"rank 0 ({head.describe()}) could not host the rendezvous: {reason}")
         where: p.GroupPort = port_future.result()
-        command = p.FormGroup(generation, where.port, ranks.restarts, jax, where.jax_port)
+        command = p.FormGroup(generation, where.port, secret, ranks.restarts, jax, where.jax_port)
         frame = wire.encode(command)
         for r in others:
             ranks.send(r, frame)

@@ -123,10 +123,13 @@ class FormGroup:
     ``jax_port`` both None: this rank is the head, which hosts them and says where.
 
     ``generation`` counts the formations of the pool's group; ``restarts`` those that followed
-    a failure, the rank's ``TORCHELASTIC_RESTART_COUNT`` (as torchrun counts restarts)."""
+    a failure, the rank's ``TORCHELASTIC_RESTART_COUNT`` (as torchrun counts restarts).
+    ``secret``, fresh for each formation, is what the rendezvous store asks its clients to
+    prove: it travels only on the ranks' own channels."""
 
     generation: int
     port: int | None
+    secret: bytes
     restarts: int = 0
     jax: bool = False
     """Initialise ``jax.distributed`` (once per process: a pool with JAX replaces its ranks)."""

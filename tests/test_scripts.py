@@ -494,7 +494,7 @@ def test_status_says_broken_when_the_group_cannot_form_again() -> None:
     breaker = (
         "import torch.distributed as dist\n"
         "from skyward_jupyter.agent import torch_setup\n"
-        "def refuse(self, port):\n"
+        "def refuse(self, port, secret):\n"
         "    raise RuntimeError('no route to the store')\n"
         "torch_setup.ProcessGroup.join = refuse\n"
         "dist.destroy_process_group()\n"

@@ -111,7 +111,9 @@ class Agent:
             backend=settings.backend,
             timeout=settings.pg_timeout,
         )
-        self.worlds = Worlds(group, settings.frameworks, settings.keras_backend, self._notes.append)
+        self.worlds = Worlds(
+            group, settings.frameworks, settings.keras_backend, self._notes.append, self._diagnose
+        )
         self.arrivals = Arrivals(
             group.rank,
             int(os.environ.get("GROUP_RANK", "0")),
@@ -119,7 +121,7 @@ class Agent:
             settings.relay_token,
             self._diagnose,
         )
-        self.watch = Watch(frozenset(_AGENT_THREADS | {"relay"}))
+        self.watch = Watch(frozenset(_AGENT_THREADS | {"relay", "store"}))
         self.console = Console(
             group.rank, self.channel.send, lambda: self.cell_id, self._sync_output
         )

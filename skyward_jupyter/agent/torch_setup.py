@@ -3,7 +3,9 @@
 The head hosts the rendezvous store on a socket it binds itself, on the head's pool address and
 port 0: the port is free by construction (no fixed 29500, no race between "found free" and "in
 use"), and the store does not listen on every interface. Each re-formation after a failure gets
-a fresh port, so a port that torch failed to release cannot block the next group.
+a fresh port, so a port that torch failed to release cannot block the next group. The store
+serves only connections that prove the formation's secret (see :mod:`.store_server`), which the
+notebook sends down each rank's channel with the command to form.
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ import contextlib
 import datetime
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from .gloo_loop import LoopPriority
 from .network import CONNECT_TIMEOUT, Route, check_peers, choose_interfaces, reach
+from .store_server import StoreServer
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,8 +93,10 @@ class ProcessGroup:
     recorded when it forms and shut down on abort: the peer's collective fails immediately.
     """
 
-    def __init__(self, settings: GroupSettings) -> None:
+    def __init__(self, settings: GroupSettings, say: Callable[[str], None] | None = None) -> None:
         self.settings = settings
+        self._say = say
+        """Where the store's refusals are written (the rank's diagnostics)."""
         self._store: Any = None
         self._sockets: dict[str, int] = {}
         self.backend: str | None = None
@@ -105,31 +111,35 @@ class ProcessGroup:
         """The pool's rendezvous store (None before the group forms and after it is left)."""
         return self._store
 
-    def host(self) -> int:
-        """Start the rendezvous store on the head; return its port."""
-        import torch.distributed as dist
+    def host(self, secret: bytes) -> int:
+        """Start the rendezvous store on the head, for holders of ``secret``; return its port."""
+        from .pool_store import PoolStore
 
         s = self.settings
         listener = socket.create_server((s.master_addr, 0), backlog=max(128, s.world_size))
-        port = int(listener.getsockname()[1])
-        self._store = dist.TCPStore(  # type: ignore[attr-defined]
-            s.master_addr,
-            port,
-            s.world_size,
-            True,
-            datetime.timedelta(seconds=s.timeout),
-            wait_for_workers=False,
-            master_listen_fd=listener.detach(),
-        )
-        return port
+        server = StoreServer(listener, secret, self._say)
+        try:
+            self._store = PoolStore(
+                s.master_addr,
+                server.port,
+                secret,
+                datetime.timedelta(seconds=s.timeout),
+                server=server,
+            )
+        except BaseException:
+            server.close()
+            raise
+        return server.port
 
-    def join(self, port: int) -> str:
-        """Initialise the default process group via the store at ``port``; return the backend.
+    def join(self, port: int, secret: bytes) -> str:
+        """Initialise the default process group via the store at ``port``, proving ``secret``;
+        return the backend.
 
         Raises :class:`GroupError` naming the address and port when the head's store cannot be
         reached, or the group cannot connect, with what to set."""
         import torch
-        import torch.distributed as dist
+
+        from .pool_store import PoolStore
 
         s = self.settings
         os.environ["MASTER_PORT"] = str(port)  # as torchrun's workers find it
@@ -143,9 +153,10 @@ class ProcessGroup:
                     f"{_from(route)}; if the head has an address these hosts reach, pass "
                     "--head-addr ADDRESS"
                 )
-            self._store = dist.TCPStore(  # type: ignore[attr-defined]
-                s.master_addr, port, s.world_size, False, timeout
-            )
+            try:
+                self._store = PoolStore(s.master_addr, port, secret, timeout)
+            except RuntimeError as exc:
+                raise GroupError(f"{exc}{_from(route)}") from None
         cuda = torch.cuda.is_available()
         backend = s.backend or ("nccl" if cuda else "gloo")
         if cuda:
@@ -230,16 +241,18 @@ class ProcessGroup:
         """Abort the group (its peers' pending collectives fail now) and destroy it."""
         from torch.distributed import distributed_c10d as c10d
 
-        self._store = None  # also when the user's code destroyed the group: the next is new
+        # also when the user's code destroyed the group: the next is new
+        store, self._store = self._store, None
         self._retired.clear()
         if not c10d.is_initialized():
             self._sockets = {}
-            return
-        if c10d.get_backend() == "nccl":
+        elif c10d.get_backend() == "nccl":
             c10d._abort_process_group()
         else:
             self._shut_sockets()
             c10d.destroy_process_group()
+        if store is not None:
+            store.close()
 
     def _shut_sockets(self) -> None:
         for inode, fd in self._sockets.items():

@@ -39,11 +39,12 @@ class Worlds:
         frameworks: tuple[str, ...] | None,
         keras_backend: str | None,
         note: Callable[[str], None],
+        diagnose: Callable[[str], None] | None = None,
     ) -> None:
         self.wanted = frameworks
         """The frameworks to set up; None: torch when it is installed."""
         self.keras_backend = keras_backend
-        self.group = ProcessGroup(settings)
+        self.group = ProcessGroup(settings, diagnose)
         self.user_calls = UserGroupCalls(self.group, note)
         node = int(os.environ.get("GROUP_RANK", "0"))
         self.jax = JaxWorld(
@@ -94,11 +95,11 @@ class Worlds:
                 self.group.leave()
             port, jax_port = command.port, command.jax_port
             if port is None and jax_port is None:
-                port = self.group.host() if self.uses_torch else None
+                port = self.group.host(command.secret) if self.uses_torch else None
                 jax_port = self.jax.host() if command.jax else None
                 send(p.GroupPort(command.generation, port, jax_port))
             if self.uses_torch and port is not None:
-                backend = self.group.join(port)
+                backend = self.group.join(port, command.secret)
             if command.jax and jax_port is not None:
                 self.jax.join(jax_port, FORM_TIMEOUT)
                 if self.keras_backend == "jax":

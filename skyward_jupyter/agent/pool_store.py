@@ -1,0 +1,168 @@
+"""The rank's side of the pool's rendezvous store: a ``torch.distributed.Store`` that reaches the
+head's :class:`~.store_server.StoreServer` over an authenticated connection (:mod:`.store_auth`).
+
+torch takes it wherever it takes a store (``init_process_group(store=...)``, ``PrefixStore``,
+``new_group``, gloo's and NCCL's rendezvous), through the methods below. One request is in
+flight per connection at a time, as with TCPStore's client; ``clone`` opens another connection.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from . import store_auth as auth
+
+if TYPE_CHECKING:
+    from .store_server import StoreServer
+
+CONNECT_TIMEOUT = 10.0
+"""Seconds to connect to the head and prove the secret."""
+ANSWER_GRACE = 30.0
+"""Seconds a waiting request's answer may arrive after its own deadline (the server answers a
+timeout itself; past this grace the head is taken as gone)."""
+
+
+def _bytes(value: str | bytes) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+class PoolStore(dist.Store):  # type: ignore[misc,name-defined]
+    """The pool's store at ``host:port``, for a holder of ``secret``."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        secret: bytes,
+        timeout: datetime.timedelta,
+        server: StoreServer | None = None,
+    ) -> None:
+        super().__init__()
+        self.host = host
+        self.port = port
+        self.server = server
+        """On the head: the server it hosts (its ``refused`` counts connections it dropped)."""
+        self._secret = secret
+        self._lock = threading.Lock()
+        self.set_timeout(timeout)
+        self._sock, self._session = self._connect()
+
+    def _where(self) -> str:
+        return f"the pool's rendezvous store at {self.host}:{self.port}"
+
+    def _connect(self) -> tuple[socket.socket, auth.Session]:
+        try:
+            sock = socket.create_connection((self.host, self.port), timeout=CONNECT_TIMEOUT)
+        except OSError as exc:
+            raise dist.DistStoreError(f"cannot reach {self._where()}: {exc}") from None
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            hello = _receive(sock, auth.HELLO)
+            if hello[: len(auth.MAGIC)] != auth.MAGIC:
+                raise auth.Rejected("it does not speak the pool's store protocol")
+            server_nonce, client_nonce = hello[len(auth.MAGIC) :], auth.nonce()
+            sock.sendall(client_nonce + auth.client_proof(self._secret, server_nonce, client_nonce))
+            proof = _receive(sock, auth.TAG)
+            auth.check(auth.server_proof(self._secret, server_nonce, client_nonce), proof)
+        except (OSError, auth.Rejected) as exc:
+            sock.close()
+            raise dist.DistStoreError(
+                f"{self._where()} refused this rank ({exc}): the pool's secret did not match; "
+                "run %sky restart"
+            ) from None
+        return sock, auth.Session(self._secret, server_nonce, client_nonce, client=True)
+
+    def _call(self, parts: Sequence[bytes], waits: float | None = None) -> list[bytes]:
+        """Send a request and return its answer; ``waits``: seconds the server may hold it."""
+        with self._lock:
+            if self._sock.fileno() < 0:
+                raise dist.DistStoreError(f"{self._where()} was lost earlier; run %sky restart")
+            limit = self.timeout.total_seconds() if waits is None else waits
+            self._sock.settimeout(None if limit <= 0 else limit + ANSWER_GRACE)
+            try:
+                self._sock.sendall(self._session.seal(parts))
+                head = _receive(self._sock, auth.HEAD)
+                rest = _receive(self._sock, auth.frame_length(head) + auth.TAG)
+                answer = self._session.open(head, rest[: -auth.TAG], rest[-auth.TAG :])
+            except (OSError, auth.Rejected) as exc:
+                self._sock.close()
+                raise dist.DistStoreError(f"lost {self._where()}: {exc}") from None
+        if answer[0] == b"timeout":
+            keys = [k.decode(errors="replace") for k in parts[2:]]
+            raise dist.DistStoreError(f"wait timeout after {limit * 1000:.0f}ms, keys: {keys}")
+        return answer[1:]
+
+    def _waiting(
+        self, op: bytes, keys: Sequence[str], timeout: datetime.timedelta | None
+    ) -> list[bytes]:
+        seconds = (self.timeout if timeout is None else timeout).total_seconds()
+        millis = str(max(0, round(seconds * 1000))).encode()
+        return self._call([op, millis, *map(_bytes, keys)], waits=seconds)
+
+    # ------------------------------------------------------------------- torch's Store
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._call([b"set", _bytes(key), _bytes(value)])
+
+    def get(self, key: str) -> bytes:
+        return self._waiting(b"get", [key], None)[0]
+
+    def add(self, key: str, value: int) -> int:
+        return int(self._call([b"add", _bytes(key), str(int(value)).encode()])[0])
+
+    def compare_set(
+        self, key: str, expected_value: str | bytes, desired_value: str | bytes
+    ) -> bytes:
+        return self._call(
+            [b"compare_set", _bytes(key), _bytes(expected_value), _bytes(desired_value)]
+        )[0]
+
+    def append(self, key: str, value: str | bytes) -> None:
+        self._call([b"append", _bytes(key), _bytes(value)])
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return self._waiting(b"multi_get", keys, None)
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        self._call([b"multi_set", *map(_bytes, keys), *map(_bytes, values)])
+
+    def has_extended_api(self) -> bool:
+        return True
+
+    def check(self, keys: list[str]) -> bool:
+        return self._call([b"check", *map(_bytes, keys)])[0] == b"1"
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        self._waiting(b"wait", keys, timeout)
+
+    def num_keys(self) -> int:
+        return int(self._call([b"num_keys"])[0])
+
+    def delete_key(self, key: str) -> bool:
+        return self._call([b"delete_key", _bytes(key)])[0] == b"1"
+
+    def clone(self) -> PoolStore:
+        return PoolStore(self.host, self.port, self._secret, self.timeout)
+
+    def close(self) -> None:
+        """Close the connection (and, on the head, stop the server)."""
+        with self._lock:
+            self._sock.close()
+        if self.server is not None:
+            self.server.close()
+
+
+def _receive(sock: socket.socket, count: int) -> bytes:
+    data = bytearray()
+    while len(data) < count:
+        chunk = sock.recv(min(count - len(data), 1 << 20))
+        if not chunk:
+            raise ConnectionError("the connection closed")
+        data += chunk
+    return bytes(data)
