@@ -226,12 +226,15 @@ def test_the_relay_survives_running_out_of_descriptors(hosts: Hosts, pool: Pool)
     try:
         before, cpu_before, started = _switches(pid, tid), _cpu(pid, tid), time.monotonic()
         with socket.create_connection((host, port), timeout=10):
-            # It woke for the waiting client and failed to accept it (EMFILE) several times,
-            # pausing in between (not spinning).
-            wait_for(lambda: _switches(pid, tid) >= before + 4, 20, "the relay to retry accept")
-            assert Path(f"/proc/{pid}/task/{tid}").exists(), "the relay thread ended"
+            # Over at least a second, it woke for the waiting client and failed to accept it
+            # (EMFILE) several times, pausing in between: alive, and not spinning.
+            wait_for(
+                lambda: time.monotonic() - started > 1.5 and _switches(pid, tid) >= before + 4,
+                20,
+                "the relay to retry accept",
+            )
             spent = _cpu(pid, tid) - cpu_before
-            assert spent < 0.2 + 0.3 * (time.monotonic() - started), spent
+            assert spent < 0.05 + 0.25 * (time.monotonic() - started), spent
     finally:
         pool.run(RELEASE).raise_for_errors()
     _large_global_arrives(pool)
@@ -251,7 +254,7 @@ def exchange(mac_of, tls=True):
     conn = context.wrap_socket(plain) if tls else plain
     with conn:
         conn.settimeout(10)
-        nonce = b""
+        nonce = mac = got = b""
         try:
             while len(nonce) < 32:
                 chunk = conn.recv(32 - len(nonce))
@@ -260,14 +263,13 @@ def exchange(mac_of, tls=True):
                 nonce += chunk
             mac = mac_of(nonce)
             conn.sendall(digest + mac)
-            got = b""
             while len(got) < 8 + args["size"]:
                 chunk = conn.recv(1 << 20)
                 if not chunk:
                     break
                 got += chunk
-        except (OSError, ValueError) as exc:
-            return nonce, b"", repr(exc).encode()
+        except OSError:  # reset, or silence: what came before it is the answer
+            pass
     return nonce, mac, got
 
 token = args["token"].encode()
