@@ -204,6 +204,17 @@ if _head:
 """
 
 
+def _queued(hosts: Hosts, port: int) -> int:
+    """Connections waiting in the head's listen queue for the relay to accept them."""
+    listening = subprocess.run(
+        hosts.netns_argv(0, "ss", "-Hltn", f"sport = :{port}"),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    return int(listening[1])
+
+
 def _cpu(pid: int, tid: int) -> float:
     """Seconds of CPU the thread has used."""
     fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -220,6 +231,8 @@ def test_the_relay_survives_running_out_of_descriptors(hosts: Hosts, pool: Pool)
     accept, keeps trying, and once the cell gives them back a large global arrives again."""
     host, port = _relay(pool)
     pid = _head_pid(pool)
+    # Connections a flood left in the listen queue would leave no room for this test's client.
+    wait_for(lambda: _queued(hosts, port) == 0, 60, "the relay's listen queue to drain")
     result = pool.run("import threading\n" + EXHAUST)
     tid = result.values[0]
     assert isinstance(tid, int), result.errors
