@@ -25,6 +25,8 @@ The two sides, interleaved round by round in the same run (the order alternating
 
 * **relay**: as shipped; a global of ``transfer.RELAY_MIN_BYTES`` (1 MiB) or more goes to the head
   only, the other ranks fetch it from the head's relay over TCP.
+* **relay_clear**: the relay without TLS (``relay_keys.ENCRYPTED`` False while that pool is
+  made; requests are still authenticated): what encrypting the relay costs.
 * **direct**: ``transfer.RELAY_MIN_BYTES`` set past any size in this process for the call, so
   every rank gets the value over its own SSH channel (the behaviour before the relay).
 
@@ -67,13 +69,13 @@ from common import (
 
 sys.path.insert(0, str(REPO))  # for tests.hosts (bench/ is first on the path, not the repo)
 
-from skyward_jupyter import Pool, transfer
+from skyward_jupyter import Pool, relay_keys, transfer
 from skyward_jupyter.providers.ssh import Host, SSHOptions, SSHProvider
 from tests.hosts import Hosts, available, ssh_hosts
 
 SCRIPT = Script("transfer")
 MIB = 1 << 20
-SIDES = ("relay", "direct")
+SIDES = ("relay", "relay_clear", "direct")
 CELL = "float(x.sum())"
 
 
@@ -116,16 +118,20 @@ def one_round(pool: Pool, side: str, hosts: Hosts, size: int) -> dict[str, float
     }
 
 
+def make_pool(hosts: Hosts, n: int, side: str) -> Pool:
+    encrypted = relay_keys.ENCRYPTED
+    relay_keys.ENCRYPTED = side != "relay_clear"
+    try:
+        return Pool(nodes=n, procs_per_node=1, provider=provider(hosts, n), sync=())
+    finally:
+        relay_keys.ENCRYPTED = encrypted
+
+
 def measure(hosts: Hosts, n: int, reps: int, warmup: int, size: int) -> dict[str, Any]:
     """Both sides on ``n`` hosts, interleaved round by round, each on its own warm pool."""
     samples: dict[str, dict[str, list[float]]] = {side: {} for side in SIDES}
     with contextlib.ExitStack() as stack:
-        pools = {
-            side: stack.enter_context(
-                Pool(nodes=n, procs_per_node=1, provider=provider(hosts, n), sync=())
-            )
-            for side in SIDES
-        }
+        pools = {side: stack.enter_context(make_pool(hosts, n, side)) for side in SIDES}
         # Heartbeats and the like: what the open pools send with no cell running.
         t0, tx0 = time.perf_counter(), counter(hosts.bridge, "tx_bytes")
         time.sleep(2.0)
@@ -157,6 +163,9 @@ def measure(hosts: Hosts, n: int, reps: int, warmup: int, size: int) -> dict[str
             out[f"{side}_{key}_over_size"] = asdict(Summary.of(ratios))
     out["ratio_seconds_relay_over_direct"] = (
         out["relay_seconds"]["median"] / out["direct_seconds"]["median"]
+    )
+    out["ratio_seconds_relay_over_relay_clear"] = (
+        out["relay_seconds"]["median"] / out["relay_clear_seconds"]["median"]
     )
     out["ratio_notebook_bytes_direct_over_relay"] = statistics.median(
         samples["direct"]["notebook_bytes"]
@@ -209,15 +218,17 @@ def render_markdown(report: dict[str, Any]) -> str:
     table = [
         "| hosts | notebook bytes / global, **relay** | notebook bytes / global, direct "
         "| head sent / global, relay | time, **relay** | time, direct "
-        "| time relay/direct (medians) |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| time, relay without TLS | time relay/direct (medians) | relay TLS/cleartext |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         table.append(
             f"| {r['hosts']} | **{x(r['relay_notebook_bytes_over_size'])}** "
             f"| {x(r['direct_notebook_bytes_over_size'])} | {x(r['relay_head_bytes_over_size'])} "
             f"| {sec(r['relay_seconds'])} | {sec(r['direct_seconds'])} "
-            f"| **{r['ratio_seconds_relay_over_direct']:.2f}** |"
+            f"| {sec(r['relay_clear_seconds'])} "
+            f"| **{r['ratio_seconds_relay_over_direct']:.2f}** "
+            f"| {r['ratio_seconds_relay_over_relay_clear']:.2f} |"
         )
     worst = max(r["relay_notebook_bytes_over_size"]["max"] for r in rows)
     most = rows[-1]
@@ -233,7 +244,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"shipped: a global of {report['relay_min_bytes'] // MIB} MiB or more goes to the head "
         "only, the other ranks fetch it from the head's relay. **direct**: `transfer."
         "RELAY_MIN_BYTES` set past any size for the call, so every rank gets it over its own SSH "
-        "channel (the behaviour before the relay). Both sides on their own warm pool, open at "
+        "channel (the behaviour before the relay). **relay without TLS**: the relay's TLS "
+        "turned off for that pool (requests still authenticated), to show what encryption costs. "
+        "Every side on its own warm pool, open at "
         f"once, interleaved round by round: {report['reps']} counted rounds each after "
         f"{report['warmup']} untimed. Medians; times with (min-max).",
         "",

@@ -11,14 +11,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import secrets
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from . import doctor, limits, wire
+from . import doctor, limits, relay_keys, wire
 from . import protocol as p
 from .events import (
     CellFinished,
@@ -34,6 +33,7 @@ from .io_thread import IOThread, close_at_exit, wait
 from .prompts import Prompts
 from .providers.base import Node, Provider, ProviderError
 from .ranks import Rank, Ranks, RankSettings
+from .relay_keys import RelaySecrets
 from .results import PoolError, RankInfo, RunResult
 from .transfer import DEFAULT_SYNC_CAP, Transfer, pickle_global
 from .wire import encode
@@ -106,7 +106,8 @@ class Pool:
             desync_after=desync_after,
             start_timeout=start_timeout,
             run_id=self.run_id,
-            relay_token=secrets.token_hex(16),
+            # Ranks on the notebook's machine get values over their own pipes: no relay there.
+            relay=None if provider.on_notebook_machine else RelaySecrets.make(relay_keys.ENCRYPTED),
             frameworks=frameworks,
         )
         self._ranks = Ranks(provider, settings, self._emit, self._rank_ended)

@@ -34,6 +34,7 @@ from .frameworks import TORCH_ONLY, Frameworks
 from .launch_env import RankPlace, launcher_env
 from .memory import named_kill
 from .providers.base import Node, Provider, RankProcess
+from .relay_keys import RelaySecrets
 from .results import PoolError, RankEnded, RankInfo
 
 log = logging.getLogger(__name__)
@@ -130,7 +131,8 @@ class RankSettings:
     desync_after: float
     start_timeout: float
     run_id: str
-    relay_token: str = ""
+    relay: RelaySecrets | None = None
+    """The head's relay secrets (None: no relay, for ranks on the notebook's own machine)."""
     frameworks: Frameworks = TORCH_ONLY
 
 
@@ -229,7 +231,7 @@ class Ranks:
             "heartbeat_timeout": max(s.heartbeat_timeout, NOTEBOOK_SILENCE),
             "backend": s.backend,
             "pg_timeout": s.pg_timeout,
-            "relay_token": s.relay_token,
+            **(s.relay.agent_settings(head=rank.index == 0) if s.relay else {}),
             **s.frameworks.agent_settings(),
         }
         place = RankPlace(

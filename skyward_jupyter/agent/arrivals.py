@@ -14,21 +14,26 @@ from typing import Any
 
 from .. import protocol as p
 from .node_files import NodeFiles
-from .relay import BlobStore, RelayServer, fetch
+from .relay import BlobStore, RelayKeys, RelayServer, fetch
 
 
 class Arrivals:
     def __init__(
-        self, rank: int, node: int, address: str, token: str | None, say: Callable[[str], None]
+        self,
+        rank: int,
+        node: int,
+        address: str,
+        keys: RelayKeys | None,
+        say: Callable[[str], None],
     ) -> None:
         self.blobs = BlobStore()
         self.files = NodeFiles(node)
-        self._token = token or ""
+        self._keys = keys
         self._relay: tuple[str, int] | None = None
         self.relay_port: int | None = None
-        if rank == 0 and token:
+        if rank == 0 and keys is not None:
             try:
-                self.relay_port = RelayServer(self.blobs, address, token).port
+                self.relay_port = RelayServer(self.blobs, address, keys).port
             except OSError as exc:  # the notebook then sends every rank its own copy
                 say(f"the relay cannot listen on {address}: {exc}")
 
@@ -69,6 +74,6 @@ class Arrivals:
         here = self.blobs.get(ref.digest)
         if here is not None:
             return here
-        if self._relay is None:
+        if self._relay is None or self._keys is None:
             raise RuntimeError("a relayed value arrived, but no relay was named")
-        return fetch(self._relay, self._token, ref.digest)
+        return fetch(self._relay, self._keys, ref.digest)

@@ -54,6 +54,7 @@ from .descendants import become_subreaper, end_descendants
 from .inbox import Inbox
 from .output import FdCapture, PythonStreams
 from .process import UsageMeter, flush_c_stdio, set_process_name
+from .relay import RelayKeys
 from .stacks import Watch
 from .torch_setup import GroupSettings
 from .worlds import Worlds
@@ -76,6 +77,11 @@ class AgentSettings:
     backend: str | None = None
     pg_timeout: float = 1800.0
     relay_token: str | None = None
+    """The pool's relay secret (None: no relay, as on the notebook's own machine)."""
+    relay_cert: str | None = None
+    """The pool's certificate (PEM) the relay's TLS uses and its clients trust alone."""
+    relay_key: str | None = None
+    """The certificate's private key (PEM): the head's only."""
     frameworks: tuple[str, ...] | None = None
     """What the rank sets up (``--framework``); None: torch when it is installed."""
     keras_backend: str | None = None
@@ -118,7 +124,9 @@ class Agent:
             group.rank,
             int(os.environ.get("GROUP_RANK", "0")),
             group.master_addr,
-            settings.relay_token,
+            RelayKeys(settings.relay_token, settings.relay_cert, settings.relay_key)
+            if settings.relay_token
+            else None,
             self._diagnose,
         )
         self.watch = Watch(frozenset(_AGENT_THREADS | {"relay", "store"}))

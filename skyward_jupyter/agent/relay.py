@@ -6,9 +6,16 @@ and the others fetch it over the pool's own network.
 
 Trust: the value's sha256 comes to every rank over its authenticated channel (the wire) with the
 command that needs it, and a fetched blob is checked against it before it is unpickled, so the
-relay can only deliver what the notebook sent. A per-pool token (which reached the ranks over the
-wire too) keeps others on the network from reading the blobs. The relay listens only on the
-head's pool address.
+relay can only deliver what the notebook sent. Who may read: every connection gets a fresh random
+nonce and must answer HMAC(pool token, nonce + digest), so only the pool's ranks can ask and a
+recorded request is worth nothing on a later connection. What others see: with the pool's
+certificate (multi-host pools) the exchange runs in TLS, and clients trust that certificate
+alone. Token, certificate and key reached the ranks over the wire; the key never touches disk.
+
+Abuse: one thread serves every connection (a selector loop). A connection that has not made a
+valid request within ``REQUEST_WITHIN`` seconds is dropped, at most ``MAX_UNANSWERED`` such
+connections are held (the oldest makes room), and running out of descriptors pauses accepting
+instead of ending it. Clients retry a connection the relay dropped before answering.
 
 Standard library only: this runs on the nodes.
 """
@@ -16,20 +23,54 @@ Standard library only: this runs on the nodes.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import hmac
+import os
+import secrets
+import selectors
 import socket
+import ssl
 import struct
+import tempfile
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
-_REQUEST = struct.Struct("!32s64s")  # token (32 bytes), digest (64 hex)
+_NONCE = 32
+_REQUEST = struct.Struct("!64s32s")  # digest (64 hex), HMAC-SHA256(token, nonce + digest)
 _LENGTH = struct.Struct("!q")  # -1: not found within the wait
 _CHUNK = 1 << 20
+_READ, _WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
+_DONE, _REQUESTED = 0, -1
+"""What a connection's :meth:`~_Connection.pump` may return besides an event to wait for."""
+
+MAX_UNANSWERED = 128
+"""Connections held that have not made a valid request yet: a new one closes the oldest."""
+REQUEST_WITHIN = 5.0
+"""Seconds from accept to a complete request (handshake included); slower clients are dropped."""
+SEND_STALL = 60.0
+"""Seconds a client that asked may take no bytes before it is dropped."""
+RETRY_WITHIN = 30.0
+"""Seconds a client keeps retrying a relay that drops it before answering (it is busy)."""
+_OUT_OF_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+_GONE = frozenset({errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH})
 
 
 class RelayError(Exception):
     """A blob could not be fetched: the message names the head and what went wrong."""
+
+
+@dataclass(frozen=True, slots=True)
+class RelayKeys:
+    """The pool's relay secrets, from the notebook over the wire."""
+
+    token: str
+    cert: str | None = None
+    """The pool's certificate (PEM): TLS, trusting it alone. None: cleartext."""
+    key: str | None = None
+    """Its private key (PEM), on the head only."""
 
 
 class BlobStore:
@@ -38,11 +79,15 @@ class BlobStore:
     def __init__(self) -> None:
         self._blobs: dict[str, memoryview] = {}
         self._changed = threading.Condition()
+        self._watchers: list[Callable[[], None]] = []
 
     def put(self, digest: str, blob: memoryview | bytes) -> None:
         with self._changed:
             self._blobs[digest] = memoryview(blob).cast("B")
             self._changed.notify_all()
+            watchers = list(self._watchers)
+        for watcher in watchers:
+            watcher()
 
     def get(self, digest: str, timeout: float = 0.0) -> memoryview | None:
         with self._changed:
@@ -54,48 +99,322 @@ class BlobStore:
             for digest in digests:
                 self._blobs.pop(digest, None)
 
+    def watch(self, watcher: Callable[[], None]) -> None:
+        """Call ``watcher`` (from the putting thread) after every put."""
+        with self._changed:
+            self._watchers.append(watcher)
+
+
+def _mac(token: str, nonce: bytes, digest: bytes) -> bytes:
+    return hmac.new(token.encode(), nonce + digest, hashlib.sha256).digest()
+
+
+class _Connection:
+    """One client's exchange, moved on by the relay's loop as far as its socket allows:
+    TLS handshake, our nonce out, its request in, then (once answered) the length and blob."""
+
+    def __init__(self, sock: socket.socket, deadline: float, handshake: bool) -> None:
+        self.sock = sock
+        self.deadline = deadline
+        self.nonce = secrets.token_bytes(_NONCE)
+        self.request = bytearray()
+        self.digest = ""
+        self.answered = False
+        self.events = 0
+        self._handshake = handshake
+        self._out = [memoryview(self.nonce)]
+
+    def answer(self, blob: memoryview | None, now: float) -> None:
+        self._out = [memoryview(_LENGTH.pack(-1 if blob is None else blob.nbytes))]
+        if blob is not None and blob.nbytes:
+            self._out.append(blob)
+        self.answered = True
+        self.deadline = now + SEND_STALL
+
+    def pump(self) -> int:
+        """The event to wait for; ``_REQUESTED`` when the request is in and wants an answer;
+        ``_DONE`` when the exchange is over (answered, or the client left)."""
+        if self._handshake:
+            try:
+                self.sock.do_handshake()  # type: ignore[attr-defined]
+            except ssl.SSLWantReadError:
+                return _READ
+            except ssl.SSLWantWriteError:
+                return _WRITE
+            self._handshake = False
+        while self._out:
+            try:
+                sent = self.sock.send(self._out[0][:_CHUNK])
+            except (BlockingIOError, ssl.SSLWantWriteError):
+                return _WRITE
+            except ssl.SSLWantReadError:
+                return _READ
+            self._out[0] = self._out[0][sent:]
+            if not self._out[0].nbytes:
+                self._out.pop(0)
+            if self.answered:
+                self.deadline = time.monotonic() + SEND_STALL
+        if self.answered:
+            return _DONE
+        while len(self.request) < _REQUEST.size:
+            try:
+                chunk = self.sock.recv(_REQUEST.size - len(self.request))
+            except (BlockingIOError, ssl.SSLWantReadError):
+                return _READ
+            except ssl.SSLWantWriteError:
+                return _WRITE
+            if not chunk:
+                return _DONE
+            self.request += chunk
+        return _REQUESTED
+
 
 class RelayServer:
-    """Serves the store's blobs to ranks that present the pool's token."""
+    """Serves the store's blobs to ranks that prove they hold the pool's token; one thread."""
 
-    def __init__(self, store: BlobStore, address: str, token: str, wait: float = 600.0) -> None:
+    def __init__(
+        self, store: BlobStore, address: str, keys: RelayKeys, wait: float = 600.0
+    ) -> None:
         self.store = store
-        self._token = hashlib.sha256(token.encode()).digest()
+        self._token = keys.token
         self._wait = wait
+        self._tls = _server_context(keys.cert, keys.key) if keys.cert and keys.key else None
         self._listener = socket.create_server((address, 0), backlog=128)
+        self._listener.setblocking(False)
         self.port = int(self._listener.getsockname()[1])
-        threading.Thread(target=self._accept, name="relay", daemon=True).start()
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, _READ)
+        self._wake_in, self._wake_out = socket.socketpair()
+        self._wake_in.setblocking(False)
+        self._wake_out.setblocking(False)
+        self._selector.register(self._wake_in, _READ)
+        self._unanswered: dict[_Connection, None] = {}
+        """Connections without a valid request yet, oldest first."""
+        self._parked: list[_Connection] = []
+        """Connections that asked for a blob not here yet."""
+        self._open: set[_Connection] = set()
+        self._paused_until = 0.0
+        self._backoff = 0.0
+        store.watch(self._wake)
+        threading.Thread(target=self._loop, name="relay", daemon=True).start()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):  # the loop has wake-ups pending already
+            self._wake_out.send(b"\0")
+
+    def _loop(self) -> None:
+        while True:
+            now = time.monotonic()
+            timeout = min([c.deadline for c in self._open], default=now + 1.0) - now
+            if self._paused_until:
+                timeout = min(timeout, self._paused_until - now)
+            for key, _ in self._selector.select(max(timeout, 0.0) + 0.01):
+                if key.fileobj is self._listener:
+                    self._accept()
+                elif key.fileobj is self._wake_in:
+                    self._drain_wake()
+                else:
+                    self._step(key.data)
+            now = time.monotonic()
+            if self._paused_until and now >= self._paused_until:
+                self._paused_until = 0.0
+                self._selector.register(self._listener, _READ)
+            self._unpark(now)
+            for conn in [c for c in self._open if c.deadline <= now and c not in self._parked]:
+                self._close(conn)
 
     def _accept(self) -> None:
-        while True:
-            conn, _ = self._listener.accept()
-            threading.Thread(target=self._serve, args=(conn,), name="relay", daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        with conn, contextlib.suppress(OSError):  # a client that went away needs nothing more
-            conn.settimeout(30)
-            request = _read_exact(conn, _REQUEST.size)
-            token, digest = _REQUEST.unpack(request)
-            if not hmac.compare_digest(token, self._token):
+        for _ in range(64):  # then the open connections get their turn
+            try:
+                sock, _ = self._listener.accept()
+            except BlockingIOError:
                 return
-            blob = self.store.get(digest.decode(), self._wait)
-            if blob is None:
-                conn.sendall(_LENGTH.pack(-1))
-                return
-            conn.settimeout(None)
-            conn.sendall(_LENGTH.pack(blob.nbytes))
-            conn.sendall(blob)
+            except OSError as exc:
+                if exc.errno in _OUT_OF_DESCRIPTORS:
+                    # The waiting client stays in the backlog: try again later, not at once.
+                    self._backoff = min(max(self._backoff * 2, 0.05), 1.0)
+                    self._paused_until = time.monotonic() + self._backoff
+                    self._selector.unregister(self._listener)
+                    return
+                continue  # that client gave up while it waited (ECONNABORTED and the like)
+            self._backoff = 0.0
+            self._admit(sock)
+
+    def _admit(self, sock: socket.socket) -> None:
+        try:
+            sock.setblocking(False)
+            if self._tls is not None:
+                sock = self._tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        except OSError:
+            sock.close()
+            return
+        conn = _Connection(sock, time.monotonic() + REQUEST_WITHIN, self._tls is not None)
+        self._open.add(conn)
+        self._unanswered[conn] = None
+        if len(self._unanswered) > MAX_UNANSWERED:
+            self._close(next(iter(self._unanswered)))
+        self._step(conn)
+
+    def _step(self, conn: _Connection) -> None:
+        if conn not in self._open:
+            return  # closed earlier in this round (evicted, or timed out)
+        try:
+            want = conn.pump()
+            if want == _REQUESTED:
+                want = self._take_request(conn)
+            if want == _DONE:
+                self._close(conn)
+            elif want == _REQUESTED:  # parked until its blob arrives
+                self._listen(conn, 0)
+            else:
+                self._listen(conn, want)
+        except OSError:  # reset, a TLS alert, garbage instead of a handshake
+            self._close(conn)
+
+    def _take_request(self, conn: _Connection) -> int:
+        digest, mac = _REQUEST.unpack(conn.request)
+        if not hmac.compare_digest(mac, _mac(self._token, conn.nonce, digest)):
+            return _DONE  # not the pool's, or a replay: nothing, not even a reason
+        del self._unanswered[conn]
+        conn.digest = digest.decode("ascii", "replace")
+        blob = self.store.get(conn.digest)
+        now = time.monotonic()
+        if blob is None:
+            conn.deadline = now + self._wait
+            self._parked.append(conn)
+            return _REQUESTED
+        conn.answer(blob, now)
+        return conn.pump()
+
+    def _unpark(self, now: float) -> None:
+        for conn in list(self._parked):
+            blob = self.store.get(conn.digest)
+            if blob is not None or conn.deadline <= now:
+                self._parked.remove(conn)
+                conn.answer(blob, now)
+                self._step(conn)
+
+    def _listen(self, conn: _Connection, events: int) -> None:
+        if events == conn.events:
+            return
+        if not conn.events:
+            self._selector.register(conn.sock, events, conn)
+        elif not events:
+            self._selector.unregister(conn.sock)
+        else:
+            self._selector.modify(conn.sock, events, conn)
+        conn.events = events
+
+    def _close(self, conn: _Connection) -> None:
+        if conn.events:
+            self._selector.unregister(conn.sock)
+            conn.events = 0
+        self._unanswered.pop(conn, None)
+        if conn in self._parked:
+            self._parked.remove(conn)
+        self._open.discard(conn)
+        conn.sock.close()
+
+    def _drain_wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while self._wake_in.recv(4096):
+                pass
 
 
-def fetch(head: tuple[str, int], token: str, digest: str, timeout: float = 600.0) -> bytearray:
-    """The blob ``digest`` from the head's relay, checked against its digest."""
+def _server_context(cert: str, key: str) -> ssl.SSLContext:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.num_tickets = 0  # every fetch is a new connection: nothing to resume
+    _load_chain(context, (cert + key).encode())
+    return context
+
+
+def _load_chain(context: ssl.SSLContext, pem: bytes) -> None:
+    """``load_cert_chain`` reads a file: an anonymous in-memory one (memfd) where the OS has
+    them, so the key touches no disk; elsewhere a 0600 file in a 0700 directory, gone at once."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("sky-relay", os.MFD_CLOEXEC)
+        try:
+            _write_all(fd, pem)
+            context.load_cert_chain(f"/proc/self/fd/{fd}")
+        finally:
+            os.close(fd)
+        return
+    with tempfile.TemporaryDirectory(prefix="sky-relay-") as private:
+        path = os.path.join(private, "chain.pem")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            _write_all(fd, pem)
+        finally:
+            os.close(fd)
+        try:
+            context.load_cert_chain(path)
+        finally:
+            os.unlink(path)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view.nbytes:
+        view = view[os.write(fd, view) :]
+
+
+def _client_context(cert: str) -> ssl.SSLContext:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.check_hostname = False  # the pool's certificate alone is trusted: no name to check
+    context.load_verify_locations(cadata=cert)
+    return context
+
+
+def fetch(head: tuple[str, int], keys: RelayKeys, digest: str, timeout: float = 600.0) -> bytearray:
+    """The blob ``digest`` from the head's relay, checked against its digest. A relay that
+    drops the connection before answering (busy, or flooded) is asked again for a while."""
     where = f"{head[0]}:{head[1]}"
+    context = _client_context(keys.cert) if keys.cert else None
     started = time.monotonic()
-    try:
-        with socket.create_connection(head, timeout=10) as conn:
+    delay = 0.05
+    while True:
+        try:
+            blob = _fetch_once(head, keys, digest, context, timeout, where)
+            break
+        except ssl.SSLCertVerificationError:
+            raise RelayError(
+                f"the relay at {where} does not hold the pool's certificate; not fetched"
+            ) from None
+        except OSError as exc:
+            late = time.monotonic() + delay - started > RETRY_WITHIN
+            if exc.errno in _GONE or late or isinstance(exc, _Answered):
+                raise RelayError(
+                    f"cannot fetch a value from the head's relay at {where} "
+                    f"after {time.monotonic() - started:.0f} s: {exc.strerror or exc}"
+                ) from None
+        time.sleep(delay)
+        delay = min(delay * 2, 1.0)
+    if hashlib.sha256(blob).hexdigest() != digest:
+        raise RelayError(f"the value fetched from {where} does not match its digest; not loaded")
+    return blob
+
+
+class _Answered(OSError):
+    """The relay answered, then the transfer failed: asking again would not help."""
+
+
+def _fetch_once(
+    head: tuple[str, int],
+    keys: RelayKeys,
+    digest: str,
+    context: ssl.SSLContext | None,
+    timeout: float,
+    where: str,
+) -> bytearray:
+    with socket.create_connection(head, timeout=10) as plain:
+        conn = plain if context is None else context.wrap_socket(plain)
+        with conn:
+            conn.settimeout(2 * REQUEST_WITHIN)
+            nonce = _read_exact(conn, _NONCE)
+            conn.sendall(_REQUEST.pack(digest.encode(), _mac(keys.token, nonce, digest.encode())))
             conn.settimeout(timeout)
-            token_hash = hashlib.sha256(token.encode()).digest()
-            conn.sendall(_REQUEST.pack(token_hash, digest.encode()))
             (length,) = _LENGTH.unpack(_read_exact(conn, _LENGTH.size))
             if length < 0:
                 raise RelayError(f"the head's relay at {where} does not have {digest[:12]}")
@@ -103,17 +422,13 @@ def fetch(head: tuple[str, int], token: str, digest: str, timeout: float = 600.0
             view = memoryview(blob)
             got = 0
             while got < length:
-                n = conn.recv_into(view[got:], min(_CHUNK, length - got))
+                try:
+                    n = conn.recv_into(view[got:], min(_CHUNK, length - got))
+                except OSError as exc:
+                    raise _Answered(exc.errno, exc.strerror or str(exc)) from None
                 if n == 0:
-                    raise RelayError(f"the head's relay at {where} closed after {got} bytes")
+                    raise _Answered(0, f"closed after {got} of {length} bytes")
                 got += n
-    except OSError as exc:
-        raise RelayError(
-            f"cannot fetch a value from the head's relay at {where} "
-            f"after {time.monotonic() - started:.0f} s: {exc.strerror or exc}"
-        ) from None
-    if hashlib.sha256(blob).hexdigest() != digest:
-        raise RelayError(f"the value fetched from {where} does not match its digest; not loaded")
     return blob
 
 
@@ -122,6 +437,6 @@ def _read_exact(conn: socket.socket, n: int) -> bytes:
     while len(data) < n:
         chunk = conn.recv(n - len(data))
         if not chunk:
-            raise ConnectionError("closed early")
+            raise ConnectionError("closed before answering")
         data += chunk
     return bytes(data)
