@@ -57,6 +57,19 @@ def test_world_of_one_still_has_a_process_group() -> None:
         assert result.values == [(True, 1)]
 
 
+def test_the_agents_settings_and_secrets_are_not_in_the_ranks_environment(pool2: Pool) -> None:
+    """The relay's token (and, on the head, its key) come in the agent's settings: neither a
+    cell nor a process it starts finds them in its environment."""
+    result = pool2.run(
+        "import os, subprocess, sys\n"
+        "child = subprocess.run([sys.executable, '-c', 'import os; print(sorted(os.environ))'],"
+        " capture_output=True, text=True, check=True).stdout\n"
+        "('SKYWARD_AGENT' in os.environ, 'SKYWARD_AGENT' in child)"
+    )
+    assert result.ok, result.errors
+    assert result.values == [(False, False), (False, False)]
+
+
 def test_torch_environment_before_first_cell(pool2: Pool) -> None:
     result = pool2.run(
         src(

@@ -88,7 +88,9 @@ class AgentSettings:
 
     @classmethod
     def from_env(cls) -> AgentSettings:
-        given = json.loads(os.environ.get("SKYWARD_AGENT", "{}"))
+        # Taken out of the environment: it holds the relay's token (and, on the head, its key),
+        # which neither the cells nor what they start should see.
+        given = json.loads(os.environ.pop("SKYWARD_AGENT", "{}"))
         if given.get("frameworks") is not None:
             given["frameworks"] = tuple(given["frameworks"])
         return cls(**given)
