@@ -84,6 +84,13 @@ SYNC_CAP = Range("--sync-cap", 0.0, float(1 << 20), "MB", open_low=True)
 IDLE_TIMEOUT = Range("--idle-timeout", 0.0, 30 * DAY / 60, "minutes")
 TIMEOUT = Range("--timeout", 0.0, 30 * DAY, "seconds", open_low=True)
 
+# The Pool API's own settings (no option gives them): named as its keyword arguments.
+PG_TIMEOUT = Range("pg_timeout", 0.0, 30 * DAY, "seconds", open_low=True)
+HEARTBEAT_INTERVAL = Range("heartbeat_interval", 0.01, 60.0, "seconds")
+INTERRUPT_GRACE = Range("interrupt_grace", 0.0, 600.0, "seconds")
+START_TIMEOUT = Range("start_timeout", 0.0, DAY, "seconds", open_low=True)
+SYNC_CAP_BYTES = Range("sync_cap_bytes", 1, 1 << 40, "bytes", whole=True)
+
 
 def check_world(ranks: int, how: str) -> None:
     """A pool of ``ranks`` ranks is allowed; ``how`` says where the count came from."""

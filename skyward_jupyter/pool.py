@@ -82,6 +82,12 @@ class Pool:
             limits.check_layout(nodes, procs_per_node)
         limits.HEARTBEAT_TIMEOUT.check(heartbeat_timeout)
         limits.DESYNC_AFTER.check(desync_after)
+        limits.PG_TIMEOUT.check(pg_timeout)
+        limits.HEARTBEAT_INTERVAL.check(heartbeat_interval)
+        limits.INTERRUPT_GRACE.check(interrupt_grace)
+        limits.START_TIMEOUT.check(start_timeout)
+        if sync_cap_bytes is not None:
+            limits.SYNC_CAP_BYTES.check(sync_cap_bytes)
         if backend not in (None, "gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         if provider is None:

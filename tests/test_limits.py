@@ -24,10 +24,16 @@ from skyward_jupyter.spec import PoolSpec
         ({"heartbeat_timeout": math.nan}, "--heartbeat-timeout: expected a finite number"),
         ({"heartbeat_timeout": math.inf}, "--heartbeat-timeout: expected a finite number"),
         ({"desync_after": 0.0}, "--desync-after: must be more than 0"),
+        ({"pg_timeout": math.nan}, "pg_timeout: expected a finite number"),
+        ({"heartbeat_interval": 0.0}, "heartbeat_interval: must be from 0.01 to 60 seconds"),
+        ({"interrupt_grace": math.inf}, "interrupt_grace: expected a finite number"),
+        ({"start_timeout": -1.0}, "start_timeout: must be more than 0"),
+        ({"sync_cap_bytes": math.nan}, "sync_cap_bytes: expected a whole number"),
+        ({"sync_cap_bytes": 0}, "sync_cap_bytes: must be from 1 to"),
     ],
 )
 def test_the_pool_api_refuses_numbers_out_of_range(kwargs: dict[str, float], fragment: str) -> None:
-    with pytest.raises(LimitError, match=r"^--") as caught:
+    with pytest.raises(LimitError) as caught:
         Pool(**kwargs)  # type: ignore[arg-type]
     assert fragment in str(caught.value)
 
