@@ -25,7 +25,7 @@ def test_each_provider_describes_its_own_pools() -> None:
 def test_pool_arguments_carry_sync_frameworks_and_the_hang_doctors_limits() -> None:
     from skyward_jupyter.frameworks import TORCH_ONLY, Frameworks
 
-    default = {"sync": ("/nb",), "frameworks": TORCH_ONLY}
+    default = {"sync": ("/nb",), "sync_chosen": False, "frameworks": TORCH_ONLY}
     assert PoolSpec().pool_arguments("/nb", {}) == default
     given = PoolSpec(
         sync=("/a", "/b"),
@@ -37,6 +37,7 @@ def test_pool_arguments_carry_sync_frameworks_and_the_hang_doctors_limits() -> N
     )
     assert given.pool_arguments("/nb", {"MY_TOKEN": "t"}) == {
         "sync": ("/a", "/b"),
+        "sync_chosen": True,
         "sync_cap_bytes": int(1.5 * 2**20),
         "heartbeat_timeout": 8,
         "desync_after": 0.5,
