@@ -53,7 +53,7 @@ SECRETS: tuple[str, ...] = (
     ".kaggle/",
     ".jupyter/",
     # Jupyter's runtime directory (Linux, macOS): servers' tokens, kernels' HMAC keys, the
-    # registry of pools (with their relay secrets)
+    # registry of pools
     "**/jupyter/runtime/",
     "**/Jupyter/runtime/",
     "**/.config/gcloud/",
