@@ -10,7 +10,7 @@ relay can only deliver what the notebook sent. Who may read: every connection ge
 nonce and must answer HMAC(pool token, nonce + digest), so only the pool's ranks can ask and a
 recorded request is worth nothing on a later connection. What others see: with the pool's
 certificate (multi-host pools) the exchange runs in TLS, and clients trust that certificate
-alone. Token, certificate and key reached the ranks over the wire (the key the head only). The
+alone. Token, certificate and key reached the ranks over the wire (the key the head's only). The
 head hands the key to TLS through an anonymous in-memory file (memfd, Linux), so it touches no
 disk; where the OS has none, through a 0600 file in a 0700 temporary directory, removed as soon
 as it is loaded.
@@ -467,7 +467,8 @@ def _fetch_once(
             if length != nbytes:
                 raise RelayError(
                     f"the relay at {where} offered {length} bytes for a value of {nbytes} "
-                    f"({digest[:12]}); not fetched"
+                    f"({digest[:12]}); not fetched: is something other than the pool's relay "
+                    "on that port?"
                 )
             blob = bytearray(length)
             view = memoryview(blob)
