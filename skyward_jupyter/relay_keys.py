@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ENCRYPTED = True
 """Whether relays of multi-host pools use TLS (a measurement of its cost sets it False)."""
@@ -18,9 +18,9 @@ ENCRYPTED = True
 
 @dataclass(frozen=True, slots=True)
 class RelaySecrets:
-    token: str
+    token: str = field(repr=False)
     cert: str | None = None
-    key: str | None = None
+    key: str | None = field(default=None, repr=False)
 
     @classmethod
     def make(cls, encrypted: bool) -> RelaySecrets:

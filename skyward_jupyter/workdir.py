@@ -33,23 +33,41 @@ IGNORE_FILE = ".skyignore"
 SKIPPED_DIRS = frozenset({".git", "__pycache__", ".ipynb_checkpoints"})
 """Directories never synced, wherever they are (``*.pyc`` files neither)."""
 SECRETS: tuple[str, ...] = (
-    # private keys (a public key may travel)
-    "id_*",
+    # private keys: ssh's by their names (a module called id_utils.py travels), the public
+    # halves excepted, and key stores by their extensions
+    "id_rsa*",
+    "id_dsa*",
+    "id_ecdsa*",
+    "id_ed25519*",
+    "id_ed448*",
     "!id_*.pub",
     "*.pem",
     "*.key",
+    "*.p12",
+    "*.pfx",
     # credentials and the directories that hold them
     ".ssh/",
     ".gnupg/",
     ".aws/",
     ".azure/",
+    ".kaggle/",
+    ".jupyter/",
+    # Jupyter's runtime directory (Linux, macOS): servers' tokens, kernels' HMAC keys, the
+    # registry of pools
+    "**/jupyter/runtime/",
+    "**/Jupyter/runtime/",
     "**/.config/gcloud/",
+    "**/.config/gh/",
     "**/.kube/config",
     "**/.docker/config.json",
+    "**/huggingface/token",
+    "**/huggingface/stored_tokens",
     ".netrc",
     ".git-credentials",
     ".pypirc",
+    ".npmrc",
     ".pgpass",
+    ".vault-token",
     ".env*",
     # shell and IPython history
     ".bash_history",

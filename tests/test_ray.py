@@ -65,6 +65,8 @@ def test_a_ddp_cell_on_two_ray_nodes_and_everything_released(cluster: RayCluster
         )
         result = pool.run(ALL_REDUCE)
         assert [v[0] for v in result.values] == [3.0, 3.0], result.errors
+        # The ranks' wires cross the bridge, and this cluster has no TLS: the pool says so.
+        assert any("RAY_USE_TLS" in w for w in provider.warnings), provider.warnings
         assert len(_groups()) == 1
         group = provider.record({})["placement_group"]
         assert all(f"group {group[:12]}" in (n.instance_type or "") for n in pool.nodes)

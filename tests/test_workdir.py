@@ -203,6 +203,21 @@ SECRET_FILES = (
     ".python_history",
     ".ipython/profile_default/history.sqlite",
     "notes/history.sqlite",
+    ".ssh/id_ecdsa_sk",
+    "keys/id_ed25519",
+    "keys/id_dsa",
+    "certs/client.p12",
+    "certs/client.pfx",
+    ".local/share/jupyter/runtime/jpserver-1234.json",
+    ".local/share/jupyter/runtime/kernel-5678.json",
+    "Library/Jupyter/runtime/skyward/pool.json",
+    ".jupyter/jupyter_server_config.json",
+    ".cache/huggingface/token",
+    ".cache/huggingface/stored_tokens",
+    ".kaggle/kaggle.json",
+    ".config/gh/hosts.yml",
+    ".npmrc",
+    ".vault-token",
 )
 
 
@@ -210,14 +225,20 @@ def test_keys_and_credentials_stay_behind_and_are_listed(tmp_path: Path) -> None
     for rel in SECRET_FILES:
         write(tmp_path, rel, "secret")
     write(tmp_path, "train.py")
+    write(tmp_path, "id_utils.py")  # a module, not a key: the ranks import it
     write(tmp_path, "keys/id_rsa.pub", "a public key")
+    write(tmp_path, "keys/id_ed25519.pub", "a public key")
     write(tmp_path, ".config/other/settings.json")
+    write(tmp_path, ".cache/huggingface/hub/model.bin")  # a model: not a token
     write(tmp_path, ".gitignore", ".bash_history\n")  # ignored: not a secret left out, just out
     (tmp_path / "innocent.txt").symlink_to(tmp_path / ".ssh" / "id_ed25519")
     manifest = Scanner(tmp_path, CAP).scan()
     assert paths(manifest) == [
+        ".cache/huggingface/hub/model.bin",
         ".config/other/settings.json",
         ".gitignore",
+        "id_utils.py",
+        "keys/id_ed25519.pub",
         "keys/id_rsa.pub",
         "train.py",
     ]

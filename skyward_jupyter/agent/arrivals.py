@@ -33,7 +33,7 @@ class Arrivals:
         self.relay_port: int | None = None
         if rank == 0 and keys is not None:
             try:
-                self.relay_port = RelayServer(self.blobs, address, keys).port
+                self.relay_port = RelayServer(self.blobs, address, keys, say).port
             except OSError as exc:  # the notebook then sends every rank its own copy
                 say(f"the relay cannot listen on {address}: {exc}")
 
@@ -76,4 +76,4 @@ class Arrivals:
             return here
         if self._relay is None or self._keys is None:
             raise RuntimeError("a relayed value arrived, but no relay was named")
-        return fetch(self._relay, self._keys, ref.digest)
+        return fetch(self._relay, self._keys, ref.digest, ref.nbytes)

@@ -36,7 +36,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, NoReturn, TypeVar
 
@@ -63,7 +63,7 @@ T = TypeVar("T")
 EXIT_CHANNEL_CLOSED = 0
 EXIT_HEARTBEAT_LOST = 75
 EXIT_AGENT_FAILED = 70
-_AGENT_THREADS = {"reader", "watchdog", "capture-stdout", "capture-stderr"}
+_AGENT_THREADS = {"reader", "watchdog", "capture-stdout", "capture-stderr", "relay"}
 HEARTBEAT_FILE_EVERY = 2.0
 """Seconds between touches of ``$SKYWARD_HEARTBEAT_FILE`` (a cloud instance's watchdog reads it)."""
 
@@ -76,11 +76,11 @@ class AgentSettings:
     heartbeat_timeout: float = 15.0
     backend: str | None = None
     pg_timeout: float = 1800.0
-    relay_token: str | None = None
+    relay_token: str | None = field(default=None, repr=False)
     """The pool's relay secret (None: no relay, as on the notebook's own machine)."""
     relay_cert: str | None = None
     """The pool's certificate (PEM) the relay's TLS uses and its clients trust alone."""
-    relay_key: str | None = None
+    relay_key: str | None = field(default=None, repr=False)
     """The certificate's private key (PEM): the head's only."""
     frameworks: tuple[str, ...] | None = None
     """What the rank sets up (``--framework``); None: torch when it is installed."""
@@ -131,7 +131,7 @@ class Agent:
             else None,
             self._diagnose,
         )
-        self.watch = Watch(frozenset(_AGENT_THREADS | {"relay", "store"}))
+        self.watch = Watch(frozenset(_AGENT_THREADS | {"store"}))
         self.console = Console(
             group.rank, self.channel.send, lambda: self.cell_id, self._sync_output
         )

@@ -10,12 +10,18 @@ relay can only deliver what the notebook sent. Who may read: every connection ge
 nonce and must answer HMAC(pool token, nonce + digest), so only the pool's ranks can ask and a
 recorded request is worth nothing on a later connection. What others see: with the pool's
 certificate (multi-host pools) the exchange runs in TLS, and clients trust that certificate
-alone. Token, certificate and key reached the ranks over the wire; the key never touches disk.
+alone. Token, certificate and key reached the ranks over the wire (the key the head's only). The
+head hands the key to TLS through an anonymous in-memory file (memfd, Linux), so it touches no
+disk; where the OS has none, through a 0600 file in a 0700 temporary directory, removed as soon
+as it is loaded.
 
 Abuse: one thread serves every connection (a selector loop). A connection that has not made a
 valid request within ``REQUEST_WITHIN`` seconds is dropped, at most ``MAX_UNANSWERED`` such
 connections are held (the oldest makes room), and running out of descriptors pauses accepting
-instead of ending it. Clients retry a connection the relay dropped before answering.
+instead of ending it. An unexpected error is reported (the rank's diagnostics) and the loop
+goes on: one client's drops that client, any other the round it happened in. Clients retry a
+connection the relay dropped before answering, and take from it only a blob of the size the
+notebook announced.
 
 Standard library only: this runs on the nodes.
 """
@@ -35,8 +41,9 @@ import struct
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _NONCE = 32
 _REQUEST = struct.Struct("!64s32s")  # digest (64 hex), HMAC-SHA256(token, nonce + digest)
@@ -66,10 +73,10 @@ class RelayError(Exception):
 class RelayKeys:
     """The pool's relay secrets, from the notebook over the wire."""
 
-    token: str
+    token: str = field(repr=False)
     cert: str | None = None
     """The pool's certificate (PEM): TLS, trusting it alone. None: cleartext."""
-    key: str | None = None
+    key: str | None = field(default=None, repr=False)
     """Its private key (PEM), on the head only."""
 
 
@@ -173,9 +180,18 @@ class RelayServer:
     """Serves the store's blobs to ranks that prove they hold the pool's token; one thread."""
 
     def __init__(
-        self, store: BlobStore, address: str, keys: RelayKeys, wait: float = 600.0
+        self,
+        store: BlobStore,
+        address: str,
+        keys: RelayKeys,
+        say: Callable[[str], None],
+        wait: float = 600.0,
     ) -> None:
         self.store = store
+        self._say = say
+        """Where an unexpected error goes (the rank's diagnostics)."""
+        self._failures = 0
+        """Rounds of the loop in a row that failed."""
         self._token = keys.token
         self._wait = wait
         self._tls = _server_context(keys.cert, keys.key) if keys.cert and keys.key else None
@@ -203,25 +219,39 @@ class RelayServer:
             self._wake_out.send(b"\0")
 
     def _loop(self) -> None:
+        """Serve until the process ends: an error in a round is said, and the next one runs
+        (a dead loop would fail every later relayed value, far from the cause)."""
         while True:
-            now = time.monotonic()
-            timeout = min([c.deadline for c in self._open], default=now + 1.0) - now
-            if self._paused_until:
-                timeout = min(timeout, self._paused_until - now)
-            for key, _ in self._selector.select(max(timeout, 0.0) + 0.01):
-                if key.fileobj is self._listener:
-                    self._accept()
-                elif key.fileobj is self._wake_in:
-                    self._drain_wake()
-                else:
-                    self._step(key.data)
-            now = time.monotonic()
-            if self._paused_until and now >= self._paused_until:
-                self._paused_until = 0.0
-                self._selector.register(self._listener, _READ)
-            self._unpark(now)
-            for conn in [c for c in self._open if c.deadline <= now and c not in self._parked]:
-                self._close(conn)
+            try:
+                self._round()
+            except Exception as exc:  # noqa: BLE001 - said; the loop must go on
+                self._failures += 1
+                self._say(f"the relay failed in its loop and goes on: {_described(exc)}")
+                # The same failure every round must not spin: each waits longer, up to 1 s.
+                time.sleep(min(0.01 * 2**self._failures, 1.0))
+            else:
+                self._failures = 0
+
+    def _round(self) -> None:
+        """Wait for the sockets or the next deadline, then move every exchange on."""
+        now = time.monotonic()
+        timeout = min([c.deadline for c in self._open], default=now + 1.0) - now
+        if self._paused_until:
+            timeout = min(timeout, self._paused_until - now)
+        for key, _ in self._selector.select(max(timeout, 0.0) + 0.01):
+            if key.fileobj is self._listener:
+                self._accept()
+            elif key.fileobj is self._wake_in:
+                self._drain_wake()
+            else:
+                self._step(key.data)
+        now = time.monotonic()
+        if self._paused_until and now >= self._paused_until:
+            self._paused_until = 0.0
+            self._selector.register(self._listener, _READ)
+        self._unpark(now)
+        for conn in [c for c in self._open if c.deadline <= now and c not in self._parked]:
+            self._close(conn)
 
     def _accept(self) -> None:
         for _ in range(64):  # then the open connections get their turn
@@ -269,6 +299,9 @@ class RelayServer:
             else:
                 self._listen(conn, want)
         except OSError:  # reset, a TLS alert, garbage instead of a handshake
+            self._close(conn)
+        except Exception as exc:  # noqa: BLE001 - said; the other clients go on being served
+            self._say(f"the relay dropped a client after an unexpected error: {_described(exc)}")
             self._close(conn)
 
     def _take_request(self, conn: _Connection) -> int:
@@ -321,6 +354,13 @@ class RelayServer:
                 pass
 
 
+def _described(exc: Exception) -> str:
+    """The error and the line that raised it: what a report of a bug needs."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    return f"{exc!r}{where}"
+
+
 def _server_context(cert: str, key: str) -> ssl.SSLContext:
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_3
@@ -367,16 +407,21 @@ def _client_context(cert: str) -> ssl.SSLContext:
     return context
 
 
-def fetch(head: tuple[str, int], keys: RelayKeys, digest: str, timeout: float = 600.0) -> bytearray:
-    """The blob ``digest`` from the head's relay, checked against its digest. A relay that
-    drops the connection before answering (busy, or flooded) is asked again for a while."""
+def fetch(
+    head: tuple[str, int], keys: RelayKeys, digest: str, nbytes: int, timeout: float = 600.0
+) -> bytearray:
+    """The blob ``digest`` of ``nbytes`` bytes from the head's relay, checked against its
+    digest. The length the relay announces is taken only if it is ``nbytes`` (it is not
+    authenticated: room for whatever it said would be a way to exhaust the rank's memory). A
+    relay that drops the connection before answering (busy, or flooded) is asked again for a
+    while."""
     where = f"{head[0]}:{head[1]}"
     context = _client_context(keys.cert) if keys.cert else None
     started = time.monotonic()
     delay = 0.05
     while True:
         try:
-            blob = _fetch_once(head, keys, digest, context, timeout, where)
+            blob = _fetch_once(head, keys, digest, nbytes, context, timeout, where)
             break
         except ssl.SSLCertVerificationError:
             raise RelayError(
@@ -404,6 +449,7 @@ def _fetch_once(
     head: tuple[str, int],
     keys: RelayKeys,
     digest: str,
+    nbytes: int,
     context: ssl.SSLContext | None,
     timeout: float,
     where: str,
@@ -418,6 +464,12 @@ def _fetch_once(
             (length,) = _LENGTH.unpack(_read_exact(conn, _LENGTH.size))
             if length < 0:
                 raise RelayError(f"the head's relay at {where} does not have {digest[:12]}")
+            if length != nbytes:
+                raise RelayError(
+                    f"the relay at {where} offered {length} bytes for a value of {nbytes} "
+                    f"({digest[:12]}); not fetched: is something other than the pool's relay "
+                    "on that port?"
+                )
             blob = bytearray(length)
             view = memoryview(blob)
             got = 0

@@ -5,9 +5,10 @@ The notebook joins the cluster as a Ray driver (``--ray-address``, else ``RAY_AD
 strictly spread over N nodes when N > 1), and starts each rank inside its node's bundle: a small
 actor runs the agent as its child process and relays its stdin and stdout. That relay, Ray's own
 calls between the driver and the actor, is the rank's wire: nothing of ours listens on any
-interface, and the wire is as authenticated as the cluster's own traffic. This package reaches
-the nodes as a Ray ``py_modules`` entry, so nothing needs installing there but Python, torch,
-cloudpickle and ray.
+interface, and the wire is as authenticated and as encrypted as the cluster's own traffic: in
+clear unless Ray's TLS is on (``RAY_USE_TLS``); the pool warns when it is off and a rank is on
+another node than the notebook's. This package reaches the nodes as a Ray ``py_modules`` entry,
+so nothing needs installing there but Python, torch, cloudpickle and ray.
 
 Everything belongs to the driver's job: ``%sky down`` removes the placement group and the actors;
 when the kernel dies, Ray ends the job's actors and placement group itself.
@@ -167,6 +168,11 @@ class RayRank:
         return f"exited with status {code} on ray node {self._node}"
 
 
+def _ray_tls() -> bool:
+    """Whether this driver speaks TLS to the cluster, read as Ray reads it."""
+    return os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true")
+
+
 class RayProvider(Provider):
     name = "ray"
 
@@ -231,6 +237,14 @@ class RayProvider(Provider):
             raise
         table = placement_group_table(self.group)["bundles_to_node_id"]
         addresses = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}  # type: ignore[no-untyped-call]
+        driver = ray.get_runtime_context().get_node_id()
+        if not _ray_tls() and any(table[i] != driver for i in range(nodes)):
+            self.warnings.append(
+                "Ray's TLS is off (RAY_USE_TLS): the ranks' wires cross the network unencrypted, "
+                "with the cells, globals, results and settings on them (the relay's token and "
+                "the head's TLS key among them); turn Ray's TLS on, or use the pool only on a "
+                "network you trust"
+            )
         gpus = tuple(str(g) for g in range(self._gpus))
         group = self.group.id.hex()[:12]
         return [  # the panels show each machine as its Ray node and placement group
