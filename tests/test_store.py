@@ -489,6 +489,7 @@ def test_an_answer_announcing_more_than_the_bound_is_refused_before_it_is_read()
             conn.sendall(auth.server_proof(SECRET, server_nonce, client_nonce))
             conn.recv(1 << 16)  # the request
             conn.sendall((100 << 20).to_bytes(4, "big") + b"\0" * 1000)
+            conn.shutdown(socket.SHUT_WR)
             with contextlib.suppress(ConnectionResetError):
                 conn.recv(1)  # until the client hangs up
 
@@ -509,10 +510,12 @@ def test_a_request_announcing_more_than_the_bound_is_refused_before_it_is_read(
 ) -> None:
     sock, _ = _session(server.port)
     with sock:
-        sock.sendall((auth.MAX_FRAME + 1).to_bytes(4, "big") + b"\0" * 1000)
+        sock.sendall((100 << 20).to_bytes(4, "big") + b"\0" * 1000)
         assert _hung_up(sock)
     wait_for(lambda: server.refused == 1, 10, "the refusal")
-    assert "bytes announced" in server.refusals[-1]
+    assert (
+        "104857600 bytes announced (the store's frames take at most 16 MiB)" in server.refusals[-1]
+    )
 
 
 def test_a_request_or_answer_over_the_bound_fails_that_call_alone(server: StoreServer) -> None:
@@ -611,3 +614,21 @@ def test_no_secret_in_what_reprs_show() -> None:
 
     secret = b"\x01" * 32
     assert repr(secret) not in repr(p.FormGroup(1, None, secret))
+
+
+def test_a_listener_that_fails_to_accept_does_not_end_the_store() -> None:
+    """accept(2) fails for reasons of its own (Linux passes a connection's network error this
+    way; here the listener is shut down under the store): the store says so on the rank's
+    diagnostics and goes on serving the connections it has."""
+    said: list[str] = []
+    server = StoreServer(socket.create_server(("127.0.0.1", 0)), SECRET, RANKS, said.append)
+    try:
+        store = PoolStore("127.0.0.1", server.port, SECRET, MINUTE)
+        server._listener.shutdown(socket.SHUT_RDWR)
+        wait_for(lambda: said, 10, "the store to say it could not accept")
+        assert said[0].startswith("store could not accept a connection ("), said
+        store.set("key", "value")
+        assert store.get("key") == b"value"
+        store.close()
+    finally:
+        server.close()
