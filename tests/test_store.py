@@ -205,6 +205,23 @@ def test_another_user_of_the_machine_cannot_read_or_write_a_local_pools_store() 
         _still_trains(pool)
 
 
+def test_the_head_exits_loudly_when_its_store_thread_ends() -> None:
+    """The store's thread is one of the agent's: should it end (here its selector is closed
+    under it), the head rank exits saying so, rather than leave the next formation hanging."""
+    with Pool(nodes=1, procs_per_node=2) as pool:
+        result = pool.run(
+            THE_STORE + "import time\n"
+            "if rank == 0:\n"
+            "    store.server._selector.close()\n"
+            "    store.server._wake_w.send(b'x')\n"
+            "    time.sleep(60)"
+        )
+        (error,) = [e for e in result.errors if e.rank == 0]
+        assert error.type_name == "RankLost"
+        assert "agent thread store failed" in error.traceback, error.traceback
+        assert pool.run("1").values == [1, 1]
+
+
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
     if available() is not None:

@@ -7,7 +7,8 @@ sends it down each rank's own channel (never a command line, never the environme
 
 A connection starts with the server's nonce; the client answers with its own nonce and an HMAC
 of both under the secret, the server with its own HMAC (so each side knows the other holds the
-secret; a recorded answer is worthless against the next connection's nonce). Each direction then
+secret; a recorded answer is worthless against the next connection's nonce; a client whose
+proof fails gets ``REFUSED`` in place of the server's, and is hung up on). Each direction then
 has its own key, derived from the secret and both nonces, and every frame carries an HMAC over
 its sequence number and contents: a frame that is altered, injected, replayed, reordered or sent
 back the other way fails its check and ends the connection. Frames are authenticated, not

@@ -10,8 +10,8 @@ was dropped before its turn connects again (see :class:`~.pool_store.PoolStore`)
 that fails its proof is told so, then dropped; one that fails any later frame is dropped. Both
 are counted in :attr:`StoreServer.refused`, with their reason and address in
 :attr:`StoreServer.refusals` and on the rank's diagnostics. Nothing about the keys is sent
-before the proof. An error on one connection drops that connection, reported the same way: the
-store goes on serving the others.
+before the proof. An error on one connection, or in accepting one, is written to the
+diagnostics too and drops that connection alone: the store goes on serving the others.
 
 Semantics are TCPStore's: values are bytes, ``add`` keeps a decimal counter, ``compare_set``
 sets when the value is the expected one (or when the key is absent and nothing was expected),
