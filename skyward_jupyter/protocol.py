@@ -129,7 +129,7 @@ class FormGroup:
 
     generation: int
     port: int | None
-    secret: bytes
+    secret: bytes = field(repr=False)
     restarts: int = 0
     jax: bool = False
     """Initialise ``jax.distributed`` (once per process: a pool with JAX replaces its ranks)."""

@@ -57,7 +57,12 @@ def raw(host: str, port: int, payload: bytes) -> dict[str, object]:
             closed = False
         except ConnectionResetError:
             closed = True
-    return {"received": len(received), "first": received[:16].hex(), "closed": closed}
+    return {
+        "received": len(received),
+        "first": received[:16].hex(),
+        "rest": received[48:].hex(),
+        "closed": closed,
+    }
 
 
 def main() -> None:

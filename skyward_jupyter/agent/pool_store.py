@@ -9,8 +9,10 @@ flight per connection at a time, as with TCPStore's client; ``clone`` opens anot
 from __future__ import annotations
 
 import datetime
+import random
 import socket
 import threading
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -23,6 +25,10 @@ if TYPE_CHECKING:
 
 CONNECT_TIMEOUT = 10.0
 """Seconds to connect to the head and prove the secret."""
+RETRY_FIRST = 0.01
+RETRY_LAST = 1.0
+"""Seconds between connections made again after the store dropped one before its proof:
+doubling from the first to the last, each randomised by half."""
 ANSWER_GRACE = 30.0
 """Seconds a waiting request's answer may arrive after its own deadline (the server answers a
 timeout itself; past this grace the head is taken as gone)."""
@@ -57,36 +63,70 @@ class PoolStore(dist.Store):  # type: ignore[misc,name-defined]
         return f"the pool's rendezvous store at {self.host}:{self.port}"
 
     def _connect(self) -> tuple[socket.socket, auth.Session]:
+        """Connect and prove the secret. A connection the store closes before its proof (it
+        drops the oldest when too many prove at once, as every rank connects together) is
+        made again, as TCPStore's client does, within the store's timeout."""
+        started = time.monotonic()
+        seconds = self.timeout.total_seconds()
+        deadline = started + (seconds if seconds > 0 else CONNECT_TIMEOUT)
+        pause = RETRY_FIRST
+        while True:
+            try:
+                sock = socket.create_connection((self.host, self.port), timeout=CONNECT_TIMEOUT)
+            except OSError as exc:
+                raise dist.DistStoreError(f"cannot reach {self._where()}: {exc}") from None
+            try:
+                return sock, self._prove(sock)
+            except auth.Rejected as exc:
+                sock.close()
+                raise dist.DistStoreError(f"{self._where()} {exc}; run %sky restart") from None
+            except OSError as exc:
+                sock.close()
+                if time.monotonic() + pause > deadline:
+                    raise dist.DistStoreError(
+                        f"{self._where()} dropped every connection of this rank before its "
+                        f"proof, for {time.monotonic() - started:.0f} s (last: {exc}); the "
+                        "head is overloaded, flooded with connections or gone: run %sky restart"
+                    ) from None
+                time.sleep(pause * random.uniform(0.5, 1.5))
+                pause = min(RETRY_LAST, pause * 2)
+
+    def _prove(self, sock: socket.socket) -> auth.Session:
+        """The handshake (see :mod:`.store_auth`); :class:`auth.Rejected` when the proofs
+        themselves fail, ``OSError`` when the connection ends before them."""
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        hello = _receive(sock, auth.HELLO)
+        if hello[: len(auth.MAGIC)] != auth.MAGIC:
+            raise auth.Rejected("does not speak the store's protocol (another service there?)")
+        server_nonce, client_nonce = hello[len(auth.MAGIC) :], auth.nonce()
+        sock.sendall(client_nonce + auth.client_proof(self._secret, server_nonce, client_nonce))
+        proof = _receive(sock, auth.TAG)
+        if proof == auth.REFUSED:
+            raise auth.Rejected("refused this rank's proof: the pool's secret did not match")
         try:
-            sock = socket.create_connection((self.host, self.port), timeout=CONNECT_TIMEOUT)
-        except OSError as exc:
-            raise dist.DistStoreError(f"cannot reach {self._where()}: {exc}") from None
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            hello = _receive(sock, auth.HELLO)
-            if hello[: len(auth.MAGIC)] != auth.MAGIC:
-                raise auth.Rejected("it does not speak the pool's store protocol")
-            server_nonce, client_nonce = hello[len(auth.MAGIC) :], auth.nonce()
-            sock.sendall(client_nonce + auth.client_proof(self._secret, server_nonce, client_nonce))
-            proof = _receive(sock, auth.TAG)
             auth.check(auth.server_proof(self._secret, server_nonce, client_nonce), proof)
-        except (OSError, auth.Rejected) as exc:
-            sock.close()
-            raise dist.DistStoreError(
-                f"{self._where()} refused this rank ({exc}): the pool's secret did not match; "
-                "run %sky restart"
+        except auth.Rejected:
+            raise auth.Rejected(
+                "answered with a proof of another secret (another pool's store?): the pool's "
+                "secret did not match"
             ) from None
-        return sock, auth.Session(self._secret, server_nonce, client_nonce, client=True)
+        return auth.Session(self._secret, server_nonce, client_nonce, client=True)
 
     def _call(self, parts: Sequence[bytes], waits: float | None = None) -> list[bytes]:
         """Send a request and return its answer; ``waits``: seconds the server may hold it."""
         with self._lock:
             if self._sock.fileno() < 0:
                 raise dist.DistStoreError(f"{self._where()} was lost earlier; run %sky restart")
+            try:
+                frame = self._session.seal(parts)
+            except auth.TooLarge as exc:
+                raise dist.DistStoreError(
+                    f"{self._where()} cannot take a request of {exc}"
+                ) from None
             limit = self.timeout.total_seconds() if waits is None else waits
             self._sock.settimeout(None if limit <= 0 else limit + ANSWER_GRACE)
             try:
-                self._sock.sendall(self._session.seal(parts))
+                self._sock.sendall(frame)
                 head = _receive(self._sock, auth.HEAD)
                 rest = _receive(self._sock, auth.frame_length(head) + auth.TAG)
                 answer = self._session.open(head, rest[: -auth.TAG], rest[-auth.TAG :])
@@ -96,6 +136,8 @@ class PoolStore(dist.Store):  # type: ignore[misc,name-defined]
         if answer[0] == b"timeout":
             keys = [k.decode(errors="replace") for k in parts[2:]]
             raise dist.DistStoreError(f"wait timeout after {limit * 1000:.0f}ms, keys: {keys}")
+        if answer[0] == b"error":
+            raise dist.DistStoreError(f"{self._where()}: {answer[1].decode(errors='replace')}")
         return answer[1:]
 
     def _waiting(

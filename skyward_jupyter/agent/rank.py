@@ -63,7 +63,7 @@ T = TypeVar("T")
 EXIT_CHANNEL_CLOSED = 0
 EXIT_HEARTBEAT_LOST = 75
 EXIT_AGENT_FAILED = 70
-_AGENT_THREADS = {"reader", "watchdog", "capture-stdout", "capture-stderr", "relay"}
+_AGENT_THREADS = {"reader", "watchdog", "capture-stdout", "capture-stderr", "relay", "store"}
 HEARTBEAT_FILE_EVERY = 2.0
 """Seconds between touches of ``$SKYWARD_HEARTBEAT_FILE`` (a cloud instance's watchdog reads it)."""
 
@@ -131,7 +131,7 @@ class Agent:
             else None,
             self._diagnose,
         )
-        self.watch = Watch(frozenset(_AGENT_THREADS | {"store"}))
+        self.watch = Watch(frozenset(_AGENT_THREADS))
         self.console = Console(
             group.rank, self.channel.send, lambda: self.cell_id, self._sync_output
         )

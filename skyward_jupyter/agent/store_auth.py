@@ -7,7 +7,8 @@ sends it down each rank's own channel (never a command line, never the environme
 
 A connection starts with the server's nonce; the client answers with its own nonce and an HMAC
 of both under the secret, the server with its own HMAC (so each side knows the other holds the
-secret; a recorded answer is worthless against the next connection's nonce). Each direction then
+secret; a recorded answer is worthless against the next connection's nonce; a client whose
+proof fails gets ``REFUSED`` in place of the server's, and is hung up on). Each direction then
 has its own key, derived from the secret and both nonces, and every frame carries an HMAC over
 its sequence number and contents: a frame that is altered, injected, replayed, reordered or sent
 back the other way fails its check and ends the connection. Frames are authenticated, not
@@ -32,8 +33,15 @@ HELLO = len(MAGIC) + NONCE
 """The server's first bytes: the protocol's name and its nonce."""
 ANSWER = NONCE + TAG
 """The client's first bytes: its nonce and its proof."""
-MAX_FRAME = 1 << 30
-"""The largest frame either side accepts (a store value is at most this)."""
+MAX_FRAME = 16 << 20
+"""The largest frame either side sends or accepts, checked before its HMAC is: store values are
+addresses and ids (NCCL's unique id is 128 bytes; a gloo rank's addresses some 8 KiB at 1024
+ranks), so 16 MiB is far above any formation's and bounds what an unauthenticated peer can make
+the other side buffer."""
+REFUSED = b"skyward-store/1 refused proof\n".ljust(TAG, b".")
+"""What the server sends, in place of its proof, to a client whose proof failed (then it hangs
+up): the client can tell a wrong secret from a connection dropped before its turn."""
+_LIMIT = f"at most {MAX_FRAME >> 20} MiB"
 _LENGTH = struct.Struct("!I")
 _SEQUENCE = struct.Struct("!Q")
 
@@ -41,6 +49,10 @@ _SEQUENCE = struct.Struct("!Q")
 class Rejected(Exception):
     """What came in cannot be accepted (a proof or frame without the pool's secret, a frame out
     of bounds): the connection ends."""
+
+
+class TooLarge(ValueError):
+    """A frame to send is larger than ``MAX_FRAME``."""
 
 
 def nonce() -> bytes:
@@ -77,8 +89,11 @@ class Session:
         self._received = 0
 
     def seal(self, parts: Sequence[bytes]) -> bytes:
-        """A frame: length, contents, then the HMAC over its sequence number and both."""
+        """A frame: length, contents, then the HMAC over its sequence number and both.
+        :class:`TooLarge` (nothing sent, nothing counted) past ``MAX_FRAME``."""
         body = pack(parts)
+        if len(body) > MAX_FRAME:
+            raise TooLarge(f"{len(body)} bytes, more than the store's frames take ({_LIMIT})")
         head = _LENGTH.pack(len(body))
         tag = _mac(self._send_key, _SEQUENCE.pack(self._sent), head, body)
         self._sent += 1
@@ -97,7 +112,7 @@ def frame_length(head: bytes) -> int:
     """The contents' length from a frame's first four bytes; :class:`Rejected` when too large."""
     (length,) = _LENGTH.unpack(head)
     if length > MAX_FRAME:
-        raise Rejected(f"a frame of {length} bytes (at most {MAX_FRAME})")
+        raise Rejected(f"a frame of {length} bytes announced (the store's frames take {_LIMIT})")
     return int(length)
 
 

@@ -2,11 +2,16 @@
 to connections that prove the pool's secret (see :mod:`.store_auth`).
 
 One thread and a selector serve every connection, so a flood of connections costs descriptors,
-not threads. A connection has ``HANDSHAKE_TIMEOUT`` seconds to prove the secret; at most
-``MAX_UNPROVEN`` may be proving at once (past that the oldest is dropped); a connection that
-fails its proof or any later frame is dropped and counted in :attr:`StoreServer.refused`, with
-its reason and address in :attr:`StoreServer.refusals` and on the rank's diagnostics. Nothing
-about the keys is sent before the proof.
+not threads. A connection has ``HANDSHAKE_TIMEOUT`` seconds to prove the secret, and at most
+``max(MIN_UNPROVEN, 2 * ranks)`` may be proving at once (every rank connects at once as the group
+forms, after a probe of the port). Past that, the oldest connection of the address with the most
+connections proving is dropped: a flood from one host drops its own, and a rank whose connection
+was dropped before its turn connects again (see :class:`~.pool_store.PoolStore`). A connection
+that fails its proof is told so, then dropped; one that fails any later frame is dropped. Both
+are counted in :attr:`StoreServer.refused`, with their reason and address in
+:attr:`StoreServer.refusals` and on the rank's diagnostics. Nothing about the keys is sent
+before the proof. An error on one connection, or in accepting one, is written to the
+diagnostics too and drops that connection alone: the store goes on serving the others.
 
 Semantics are TCPStore's: values are bytes, ``add`` keeps a decimal counter, ``compare_set``
 sets when the value is the expected one (or when the key is absent and nothing was expected),
@@ -31,13 +36,34 @@ from . import store_auth as auth
 
 HANDSHAKE_TIMEOUT = 10.0
 """Seconds a new connection has to prove the pool's secret."""
-MAX_UNPROVEN = 64
-"""Connections proving the secret at once; a new one beyond this drops the oldest."""
+MIN_UNPROVEN = 64
+"""Connections proving the secret at once, at the least (twice the ranks when more)."""
 ACCEPT_PAUSE = 0.5
-"""Seconds the server stops accepting when the process is out of descriptors."""
+"""Seconds the server stops accepting when the process is out of descriptors, or accepting
+failed for a reason that is not the connection's own."""
 _SAID = 20
-"""Refusals written to the diagnostics (all are counted)."""
+"""Lines written to the diagnostics (every refusal is counted)."""
 _READ = 1 << 16
+_COMPACT_FLOOR = 256
+"""Deadlines kept before the stale ones (answered waits, proven connections) are swept."""
+_OUT_OF_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+_CONNECTION_GONE = frozenset(
+    {
+        errno.ECONNABORTED,
+        errno.EPROTO,
+        errno.ENOPROTOOPT,
+        errno.ENETDOWN,
+        errno.ENONET,
+        errno.EHOSTDOWN,
+        errno.EHOSTUNREACH,
+        errno.ENETUNREACH,
+        errno.EOPNOTSUPP,
+        errno.EPERM,
+        errno.EINTR,
+    }
+)
+"""What accept(2) reports of a connection that failed before it was taken (Linux passes its
+pending network error this way): that client is gone, the listener is fine."""
 WAITING_OPS = frozenset({b"get", b"wait", b"multi_get"})
 
 
@@ -45,43 +71,60 @@ WAITING_OPS = frozenset({b"get", b"wait", b"multi_get"})
 class _Wait:
     op: bytes
     keys: list[bytes]
-    deadline: float | None
+    on: bytes | None = None
+    """The missing key this wait is listed under in ``StoreServer._waiting``."""
 
 
 @dataclass(eq=False)
 class _Conn:
     sock: socket.socket
-    peer: str
+    host: str
+    port: int
     nonce: bytes
-    deadline: float
-    session: auth.Session | None = None
-    inbox: bytearray = field(default_factory=bytearray)
-    outbox: bytearray = field(default_factory=bytearray)
+    session: auth.Session | None = field(default=None, repr=False)
+    inbox: bytearray = field(default_factory=bytearray, repr=False)
+    outbox: bytearray = field(default_factory=bytearray, repr=False)
     wait: _Wait | None = None
     closed: bool = False
 
+    @property
+    def peer(self) -> str:
+        return f"{self.host}:{self.port}"
+
 
 class StoreServer:
-    """Serves the store on ``listener`` (bound and listening) until :meth:`close`."""
+    """Serves the store on ``listener`` (bound and listening) to a pool of ``ranks`` until
+    :meth:`close`."""
 
     def __init__(
-        self, listener: socket.socket, secret: bytes, say: Callable[[str], None] | None = None
+        self,
+        listener: socket.socket,
+        secret: bytes,
+        ranks: int,
+        say: Callable[[str], None] | None = None,
     ) -> None:
         if len(secret) < 16:
             raise ValueError("the store's secret must have at least 16 bytes")
         self._listener = listener
         self._secret = secret
         self._say = say
+        self._said = 0
         self.port = int(listener.getsockname()[1])
+        self.max_unproven = max(MIN_UNPROVEN, 2 * ranks)
+        """Connections proving the secret at once (each rank's, and its probe of the port)."""
         self.refused = 0
         """Connections dropped for not proving the secret (or sending a forged frame)."""
         self.refusals: collections.deque[str] = collections.deque(maxlen=100)
         """Why, and from where, the latest refusals."""
         self._data: dict[bytes, bytes] = {}
-        self._waiting: dict[bytes, list[_Conn]] = {}
-        self._unproven: dict[_Conn, None] = {}
-        """Connections still proving the secret, oldest first."""
-        self._deadlines: list[tuple[float, int, _Conn, object]] = []
+        self._waiting: dict[bytes, dict[_Conn, None]] = {}
+        """Connections waiting for a key, by the key."""
+        self._unproven: dict[str, dict[_Conn, None]] = {}
+        """Connections still proving the secret, by their address, oldest first."""
+        self._proving = 0
+        self._deadlines: list[tuple[float, int, _Conn, _Wait | None]] = []
+        """Handshakes' (``None``) and waits' deadlines, some stale (see :meth:`_due`)."""
+        self._compact_at = _COMPACT_FLOOR
         self._order = itertools.count()
         self._accept_again: float | None = None
         self._selector = selectors.DefaultSelector()
@@ -105,25 +148,37 @@ class StoreServer:
     # ----------------------------------------------------------------------- the loop
 
     def _serve(self) -> None:
+        """The store's thread. Only the selector failing ends it (the agent then reports the
+        thread dead and the rank exits); a connection's error drops that connection."""
         try:
             while not self._closing:
                 for key, mask in self._selector.select(self._next_timeout()):
                     if key.data is None:
                         self._accept()
-                    elif key.data == "wake":
-                        continue
-                    else:
-                        conn: _Conn = key.data
-                        if mask & selectors.EVENT_READ:
-                            self._read(conn)
-                        if mask & selectors.EVENT_WRITE and not conn.closed:
-                            self._flush(conn)
+                    elif key.data != "wake":
+                        self._guarded(key.data, self._ready, key.data, mask)
                 self._expire(time.monotonic())
         finally:
             for key in list(self._selector.get_map().values()):
                 key.fileobj.close()  # type: ignore[union-attr]
             self._selector.close()
+            self._listener.close()  # also when accepting was paused (no longer registered)
+            self._wake_r.close()
             self._wake_w.close()
+
+    def _guarded(self, conn: _Conn, step: Callable[..., object], *args: object) -> None:
+        """Run one connection's step; an error there drops that connection alone, said."""
+        try:
+            step(*args)
+        except Exception as exc:  # noqa: BLE001 - one connection's failure must not end the store
+            self._note(f"store dropped the connection from {conn.peer} after an error: {exc!r}")
+            self._close(conn)
+
+    def _ready(self, conn: _Conn, mask: int) -> None:
+        if mask & selectors.EVENT_READ:
+            self._read(conn)
+        if mask & selectors.EVENT_WRITE and not conn.closed:
+            self._flush(conn)
 
     def _next_timeout(self) -> float | None:
         times = [self._deadlines[0][0]] if self._deadlines else []
@@ -136,18 +191,33 @@ class StoreServer:
             self._accept_again = None
             self._selector.register(self._listener, selectors.EVENT_READ, None)
         while self._deadlines and self._deadlines[0][0] <= now:
-            _, _, conn, what = heapq.heappop(self._deadlines)
-            if conn.closed:
-                continue
-            if what is None and conn.session is None:
-                self._refuse(conn, f"did not prove the secret within {HANDSHAKE_TIMEOUT:.0f} s")
-            elif isinstance(what, _Wait) and conn.wait is what:
-                conn.wait = None
-                self._reply(conn, [b"timeout"])
-                self._process(conn)
+            entry = heapq.heappop(self._deadlines)
+            if self._due(entry):
+                self._guarded(entry[2], self._expired, entry[2], entry[3])
 
-    def _at(self, deadline: float, conn: _Conn, what: object) -> None:
-        heapq.heappush(self._deadlines, (deadline, next(self._order), conn, what))
+    def _expired(self, conn: _Conn, wait: _Wait | None) -> None:
+        if wait is None:
+            self._refuse(conn, f"did not prove the secret within {HANDSHAKE_TIMEOUT:.0f} s")
+            return
+        self._unwait(conn)
+        conn.wait = None
+        self._reply(conn, [b"timeout"])
+        self._process(conn)
+
+    @staticmethod
+    def _due(entry: tuple[float, int, _Conn, _Wait | None]) -> bool:
+        """Whether a deadline still stands: its connection still proving, or still waiting."""
+        _, _, conn, wait = entry
+        if conn.closed:
+            return False
+        return conn.session is None if wait is None else conn.wait is wait
+
+    def _at(self, deadline: float, conn: _Conn, wait: _Wait | None) -> None:
+        heapq.heappush(self._deadlines, (deadline, next(self._order), conn, wait))
+        if len(self._deadlines) > self._compact_at:
+            self._deadlines = [entry for entry in self._deadlines if self._due(entry)]
+            heapq.heapify(self._deadlines)
+            self._compact_at = max(_COMPACT_FLOOR, 2 * len(self._deadlines))
 
     # -------------------------------------------------------------------- connections
 
@@ -157,41 +227,67 @@ class StoreServer:
         except BlockingIOError:
             return
         except OSError as exc:
-            if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                raise
-            if self._unproven:
-                self._refuse(next(iter(self._unproven)), "dropped: out of descriptors")
-            else:  # every descriptor is a rank's or the process's: wait for one to close
-                self._selector.unregister(self._listener)
-                self._accept_again = time.monotonic() + ACCEPT_PAUSE
+            if exc.errno in _CONNECTION_GONE:
+                return
+            if exc.errno in _OUT_OF_DESCRIPTORS and self._proving:
+                self._refuse(self._oldest_unproven(), "dropped: out of descriptors")
+                return
+            if exc.errno not in _OUT_OF_DESCRIPTORS:
+                self._note(f"store could not accept a connection ({exc}); pausing")
+            # every descriptor is a rank's or the process's: wait for one to close
+            self._selector.unregister(self._listener)
+            self._accept_again = time.monotonic() + ACCEPT_PAUSE
             return
-        sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = _Conn(sock, f"{address[0]}:{address[1]}", auth.nonce(), 0.0)
-        conn.deadline = time.monotonic() + HANDSHAKE_TIMEOUT
-        if len(self._unproven) >= MAX_UNPROVEN:
-            self._refuse(next(iter(self._unproven)), "dropped: too many connections proving")
-        self._unproven[conn] = None
-        self._selector.register(sock, selectors.EVENT_READ, conn)
-        self._at(conn.deadline, conn, None)
+        conn = _Conn(sock, str(address[0]), int(address[1]), auth.nonce())
+        self._guarded(conn, self._admit, conn)
+
+    def _admit(self, conn: _Conn) -> None:
+        conn.sock.setblocking(False)
+        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._proving >= self.max_unproven:
+            self._refuse(self._oldest_unproven(), "dropped: too many connections proving")
+        self._unproven.setdefault(conn.host, {})[conn] = None
+        self._proving += 1
+        self._selector.register(conn.sock, selectors.EVENT_READ, conn)
+        self._at(time.monotonic() + HANDSHAKE_TIMEOUT, conn, None)
         self._send(conn, auth.MAGIC + conn.nonce)
+
+    def _oldest_unproven(self) -> _Conn:
+        """The oldest connection still proving, of the address with the most of them."""
+        crowded = max(self._unproven.values(), key=len)
+        return next(iter(crowded))
+
+    def _proven(self, conn: _Conn) -> None:
+        """Out of the connections still proving (proven, or closed)."""
+        same = self._unproven.get(conn.host, {})
+        if conn in same:
+            del same[conn]
+            self._proving -= 1
+            if not same:
+                del self._unproven[conn.host]
 
     def _close(self, conn: _Conn) -> None:
         if conn.closed:
             return
         conn.closed = True
+        self._unwait(conn)
         conn.wait = None
-        self._unproven.pop(conn, None)
+        self._proven(conn)
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(conn.sock)
         conn.sock.close()
+
+    def _note(self, line: str) -> None:
+        """A line on the rank's diagnostics (the first ``_SAID``; the rest are only counted)."""
+        self._said += 1
+        if self._say is not None and self._said <= _SAID:
+            self._say(line + ("" if self._said < _SAID else " (further ones only counted)"))
 
     def _refuse(self, conn: _Conn, reason: str) -> None:
         self.refused += 1
         line = f"store refused a connection from {conn.peer}: {reason}"
         self.refusals.append(line)
-        if self._say is not None and self.refused <= _SAID:
-            self._say(line + ("" if self.refused < _SAID else " (further refusals only counted)"))
+        self._note(line)
         self._close(conn)
 
     def _read(self, conn: _Conn) -> None:
@@ -211,6 +307,7 @@ class StoreServer:
             try:
                 self._prove(conn)
             except auth.Rejected as exc:
+                self._send(conn, auth.REFUSED)  # then hung up on: the client knows why
                 self._refuse(conn, str(exc))
                 return
         if conn.session is not None:
@@ -224,7 +321,7 @@ class StoreServer:
         del conn.inbox[: auth.ANSWER]
         auth.check(auth.client_proof(self._secret, conn.nonce, client_nonce), proof)
         conn.session = auth.Session(self._secret, conn.nonce, client_nonce, client=False)
-        self._unproven.pop(conn, None)
+        self._proven(conn)
         self._send(conn, auth.server_proof(self._secret, conn.nonce, client_nonce))
 
     def _process(self, conn: _Conn) -> None:
@@ -254,7 +351,11 @@ class StoreServer:
 
     def _reply(self, conn: _Conn, parts: list[bytes]) -> None:
         assert conn.session is not None
-        self._send(conn, conn.session.seal(parts))
+        try:
+            frame = conn.session.seal(parts)
+        except auth.TooLarge as exc:
+            frame = conn.session.seal([b"error", f"the answer has {exc}".encode()])
+        self._send(conn, frame)
 
     def _flush(self, conn: _Conn) -> None:
         try:
@@ -276,11 +377,9 @@ class StoreServer:
         if op in WAITING_OPS:
             # ``args``: the timeout in milliseconds (0: none), then the keys
             timeout, keys = int(args[0]), args[1:]
-            deadline = time.monotonic() + timeout / 1000 if timeout > 0 else None
-            conn.wait = _Wait(op, keys, deadline)
-            if deadline is not None:
-                self._at(deadline, conn, conn.wait)
-            self._resume(conn)
+            conn.wait = _Wait(op, keys)
+            if not self._resume(conn) and timeout > 0:
+                self._at(time.monotonic() + timeout / 1000, conn, conn.wait)
             return
         if op == b"set":
             self._store(args[0], args[1])
@@ -316,19 +415,35 @@ class StoreServer:
 
     def _store(self, key: bytes, value: bytes) -> None:
         self._data[key] = value
-        for waiter in self._waiting.pop(key, ()):
-            if not waiter.closed and waiter.wait is not None:
-                self._resume(waiter)
+        for waiter in self._waiting.pop(key, {}):
+            wait = waiter.wait
+            if waiter.closed or wait is None:
+                continue  # closed by an error while earlier waiters were answered
+            wait.on = None
+            self._guarded(waiter, self._resume, waiter)
 
-    def _resume(self, conn: _Conn) -> None:
-        """Answer the connection's wait if its keys are all there; else wait for the next."""
+    def _unwait(self, conn: _Conn) -> None:
+        """Take the connection off the list of the key it waits for (timed out, or closed)."""
+        if conn.wait is None or conn.wait.on is None:
+            return
+        listed = self._waiting.get(conn.wait.on, {})
+        listed.pop(conn, None)
+        if not listed:
+            self._waiting.pop(conn.wait.on, None)
+        conn.wait.on = None
+
+    def _resume(self, conn: _Conn) -> bool:
+        """Answer the connection's wait if its keys are all there (True); else list it under
+        the first missing key."""
         wait = conn.wait
         assert wait is not None
         missing = next((k for k in wait.keys if k not in self._data), None)
         if missing is not None:
-            self._waiting.setdefault(missing, []).append(conn)
-            return
+            wait.on = missing
+            self._waiting.setdefault(missing, {})[conn] = None
+            return False
         conn.wait = None
         values = [self._data[k] for k in wait.keys] if wait.op != b"wait" else []
         self._reply(conn, [b"ok", *values])
         self._process(conn)
+        return True

@@ -117,7 +117,7 @@ class ProcessGroup:
 
         s = self.settings
         listener = socket.create_server((s.master_addr, 0), backlog=max(128, s.world_size))
-        server = StoreServer(listener, secret, self._say)
+        server = StoreServer(listener, secret, s.world_size, self._say)
         try:
             self._store = PoolStore(
                 s.master_addr,
