@@ -57,8 +57,13 @@ async def _clean(host: Host, connect: Connect, python: str, cache_dir: str) -> s
         conn.close()
     if result.exit_status != 0:
         raise ProviderError(f"{host}: cleaning its cache failed: {result.stderr!s:.500}")
-    report = json.loads(str(result.stdout).strip().splitlines()[-1])
-    return _said(host, report["removed"], report["kept"])
+    try:
+        report = json.loads(str(result.stdout).strip().splitlines()[-1])
+        return _said(host, report["removed"], report["kept"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise ProviderError(
+            f"{host}: the cleaner's answer was unreadable: {result.stdout!s:.300}"
+        ) from None
 
 
 def _said(host: Host, removed: list[list[object]], kept: list[str]) -> str:
