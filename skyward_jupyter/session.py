@@ -9,6 +9,7 @@ when the extension is unloaded; the views and watchers hear of every pool's life
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import threading
@@ -419,20 +420,23 @@ def _interruptible(work: Coroutine[Any, Any, T]) -> T:
     it: the work is then cancelled (its connections closed), and the interrupt goes on."""
     loop = asyncio.new_event_loop()
     task = loop.create_task(work)
-    thread = threading.Thread(
-        target=loop.run_until_complete, args=(task,), name="skyward-clean", daemon=True
-    )
+
+    def run() -> None:
+        try:
+            loop.run_until_complete(asyncio.wait([task]))  # its outcome is read from the task
+        finally:
+            loop.close()
+
+    thread = threading.Thread(target=run, name="skyward-clean", daemon=True)
     thread.start()
     try:
         while thread.is_alive():
             thread.join(0.1)
     except KeyboardInterrupt:
-        loop.call_soon_threadsafe(task.cancel)
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nothing to cancel
+            loop.call_soon_threadsafe(task.cancel)
         thread.join(5)
         raise
-    finally:
-        if not thread.is_alive():
-            loop.close()
     return task.result()
 
 
