@@ -356,6 +356,7 @@ class LocalProvider(Provider):
 
     async def start_rank(self, node: Node, env: Mapping[str, str]) -> LocalRank:
         full_env = self._rank_env(node, env)
+        run_id = env.get("TORCHELASTIC_RUN_ID")
         loop = asyncio.get_running_loop()
         exited: asyncio.Future[int] = loop.create_future()
 
@@ -401,10 +402,11 @@ class LocalProvider(Provider):
             PipeWriter(wire_in_w, f"skyward-write-{pid}"),
             await _pipe_reader(diag_r),
             exited,
-            env.get("TORCHELASTIC_RUN_ID"),
+            run_id,
         )
         self._ranks.append(rank)
-        self._run_ids.add(env.get("TORCHELASTIC_RUN_ID", ""))
+        if run_id:
+            self._run_ids.add(run_id)
         return rank
 
     async def release(self) -> None:
@@ -412,7 +414,7 @@ class LocalProvider(Provider):
         without a word: the OOM killer's)."""
         await asyncio.gather(*(r.kill() for r in self._ranks))
         self._ranks.clear()
-        for run_id in filter(None, self._run_ids):
+        for run_id in self._run_ids:
             shutil.rmtree(pool_dir(run_id), ignore_errors=True)
 
 
