@@ -33,13 +33,11 @@ from .formation import check_hellos, form_worlds
 from .frameworks import TORCH_ONLY, Frameworks
 from .launch_env import RankPlace, launcher_env
 from .memory import named_kill
-from .providers.base import Node, Provider, RankProcess
+from .providers.base import Node, Provider, RankProcess, notebook_silence
 from .relay_keys import RelaySecrets
 from .results import PoolError, RankEnded, RankInfo
 
 log = logging.getLogger(__name__)
-NOTEBOOK_SILENCE = 30.0
-"""Seconds a rank waits for the notebook's heartbeat before it ends itself (the kernel died)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +146,7 @@ class Ranks:
     ) -> None:
         self.provider = provider
         self.settings = settings
+        provider.notebook_silence = notebook_silence(settings.heartbeat_timeout)
         self.emit = emit
         self.on_ended = on_ended
         self.all: list[Rank] = []
@@ -226,9 +225,7 @@ class Ranks:
         s = self.settings
         agent = {
             "heartbeat_interval": s.heartbeat_interval,
-            # A rank gives up on a silent notebook later than the notebook on a silent rank:
-            # a large value on its way down delays the notebook's beats behind it.
-            "heartbeat_timeout": max(s.heartbeat_timeout, NOTEBOOK_SILENCE),
+            "heartbeat_timeout": notebook_silence(s.heartbeat_timeout),
             "backend": s.backend,
             "pg_timeout": s.pg_timeout,
             **(s.relay.agent_settings(head=rank.index == 0) if s.relay else {}),

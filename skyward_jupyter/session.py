@@ -9,15 +9,15 @@ when the extension is unloaded; the views and watchers hear of every pool's life
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .capture import CaptureError, Shipment, Shipper
 from .idle import IdleStop
@@ -35,6 +35,7 @@ from .status import pool_status
 # What the magics use of the layers below, through the session alone.
 __all__ = ["USER_ERRORS", "CellInterrupted", "PoolSpec", "RunResult", "Session", "SessionError"]
 Announce = Callable[[str], None]
+T = TypeVar("T")
 
 
 class SessionError(Exception):
@@ -135,7 +136,8 @@ class Session:
                 f"pool {name!r}: replacing {entry.spec.describe()} "
                 f"({entry.spec.differences(wanted)})"
             )
-            self.down(name, quiet=True)
+            # The new pool on the same hosts works in the same copies: they stay for it.
+            self.down(name, quiet=True, keep_files=_same_hosts(entry.spec, wanted))
         self._announce(f"pool {name!r}: starting {wanted.describe()} ...")
         started = time.perf_counter()
         pool = Pool(
@@ -296,7 +298,7 @@ class Session:
             entry.pool.restart()
         except (PoolError, ProviderError) as exc:
             self._announce(f"pool {entry.name!r}: {exc}; starting it afresh")
-            self.down(entry.name, quiet=True)
+            self.down(entry.name, quiet=True, keep_files=_same_hosts(entry.spec, entry.spec))
             return self.entry(entry.name, entry.spec)
         entry.shipper.forget()
         took = time.perf_counter() - started
@@ -393,8 +395,7 @@ class Session:
             provider = provider_class(spec.provider).from_spec(spec, "clean", extra)
         else:
             provider = self._require().pool.provider
-        with ThreadPoolExecutor(1, "skyward-clean") as worker:
-            return worker.submit(asyncio.run, provider.clean()).result()
+        return _interruptible(provider.clean())
 
     def status(self) -> str:
         """``%sky status``: every pool (``*`` the current one), its state and its ranks."""
@@ -407,6 +408,36 @@ class Session:
         if target is None or target not in self._pools:
             raise SessionError("no pool is running; run a %%sky cell or %sky up first")
         return self._pools[target]
+
+
+def _same_hosts(old: PoolSpec, new: PoolSpec) -> bool:
+    """Whether a pool replacing ``old`` with ``new`` runs on some of the same named hosts."""
+    return old.provider == new.provider and bool(set(old.hosts) & set(new.hosts))
+
+
+def _interruptible(work: Coroutine[Any, Any, T]) -> T:
+    """Run ``work`` in a thread of its own, the kernel's thread waiting so that Ctrl-C reaches
+    it: the work is then cancelled (its connections closed), and the interrupt goes on."""
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(work)
+
+    def run() -> None:
+        try:
+            loop.run_until_complete(asyncio.wait([task]))  # its outcome is read from the task
+        finally:
+            loop.close()
+
+    thread = threading.Thread(target=run, name="skyward-clean", daemon=True)
+    thread.start()
+    try:
+        while thread.is_alive():
+            thread.join(0.1)
+    except KeyboardInterrupt:
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nothing to cancel
+            loop.call_soon_threadsafe(task.cancel)
+        thread.join(5)
+        raise
+    return task.result()
 
 
 def _read_script(path: str) -> tuple[str, str]:

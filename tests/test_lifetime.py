@@ -125,3 +125,34 @@ def test_record_error_files_are_private_and_end_with_the_pool() -> None:
             assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
             assert path.parent.stat().st_uid == os.getuid()
     wait_for(lambda: not any(p.parent.exists() for p in paths), 10, "the error files to go")
+
+
+def _private_dirs(pool: Pool) -> list[Path]:
+    """Each rank's private directory (its torch error file's)."""
+    found = pool.run("__import__('os').environ['TORCHELASTIC_ERROR_FILE']")
+    assert found.ok, found.errors
+    return [Path(path).parent for path in found.values]
+
+
+def test_private_directories_go_with_a_restart_and_a_killed_ranks_with_the_pool() -> None:
+    """``%sky restart`` kills the old ranks: their private directories go with them. One whose
+    rank was killed outside the pool (the OOM killer) goes with the pool."""
+    with Pool(nodes=2) as pool:
+        first = _private_dirs(pool)
+        parent = first[0].parent
+        assert parent.name == f"skyward-{pool.run_id}" and all(d.parent == parent for d in first)
+        assert stat.S_IMODE(parent.stat().st_mode) == 0o700
+        pool.restart()
+        second = _private_dirs(pool)
+        assert not set(first) & set(second) and all(d.is_dir() for d in second)
+        assert not any(d.exists() for d in first)
+        victim = pool.ranks[0].hello
+        assert victim is not None
+        os.kill(victim.pid, 9)
+        wait_for(
+            lambda: (hello := pool.ranks[0].hello) is not None and hello.pid != victim.pid,
+            30,
+            "rank 0 to be replaced",
+        )
+        assert pool.run("1").ok and second[0].is_dir()  # nobody could remove it yet
+    assert not parent.exists()

@@ -177,7 +177,7 @@ def test_the_time_limit_is_said_and_an_orphans_job_is_reaped(cluster: SlurmClust
         record = provider.record({})
         assert record["job"] == job and record["slurm_conf"] == str(cluster.conf)
         # What the server does for a pool whose kernel is gone: from the record alone.
-        report = SlurmProvider.reap(record, grace=5)
+        report = SlurmProvider.reap(record)
         assert report.notes == [f"slurm job {job} cancelled"]
         wait_for(lambda: not _queue(cluster), 20, "the reaped job to leave the queue")
     finally:

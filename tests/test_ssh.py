@@ -185,22 +185,26 @@ def test_a_host_dying_mid_cell_ends_the_cell_and_names_it(hosts: Hosts, tmp_path
     wait_for(lambda: not _remote_agents(hosts), 20, "every agent on the hosts to end")
 
 
-def _notebook_script(hosts: Hosts, tmp_path: Path, then: str, **options: object) -> Path:
+def _notebook_script(
+    hosts: Hosts, tmp_path: Path, then: str, before: str = "", **pool: object
+) -> Path:
     """A notebook process owning a pool on hosts 0 and 2 (host 1's sshd may have been killed
-    by a test above): it starts the pool, runs ``then``, and waits to be killed."""
-    extra = "".join(f", {k}={v!r}" for k, v in options.items())
+    by a test above): it runs ``before``, starts the pool (with ``pool``'s arguments), runs
+    ``then``, and waits to be killed."""
+    extra = "".join(f", {k}={v!r}" for k, v in pool.items())
     script = tmp_path / "notebook.py"
     script.write_text(
         "import json, sys, time\n"
         "from skyward_jupyter import Pool\n"
         "from skyward_jupyter.providers.ssh import Host, SSHOptions, SSHProvider\n"
         "from tests.lifetime import detach\n"
+        f"{before}\n"
         f"hosts = [Host({hosts[0].address!r}, {hosts.user!r}, {hosts[0].port}),"
         f" Host({hosts[2].address!r}, {hosts.user!r}, {hosts[2].port})]\n"
         f"options = SSHOptions(identity={str(hosts.client_key)!r},"
         f" known_hosts={str(hosts.known_hosts)!r}, python={sys.executable!r},"
-        f" cache_dir={str(tmp_path / 'cache')!r}{extra})\n"
-        "pool = Pool(nodes=2, provider=SSHProvider(hosts, options)).start()\n"
+        f" cache_dir={str(tmp_path / 'cache')!r})\n"
+        f"pool = Pool(nodes=2, provider=SSHProvider(hosts, options){extra}).start()\n"
         f"{then}\n"
         "time.sleep(600)\n"
     )
@@ -247,23 +251,34 @@ def _from_template_name(pid: int) -> bool:
 
 def test_a_hosts_template_ends_when_the_notebook_falls_silent(hosts: Hosts, tmp_path: Path) -> None:
     """A stopped notebook (as its machine cut off by a partition) sends no heartbeat, while the
-    connection stays open: the hosts' templates end on their own, as ranks do."""
-    script = _notebook_script(hosts, tmp_path, "print('ready', flush=True)", notebook_silence=3.0)
+    connection stays open: the hosts' templates end on their own, after as long as the ranks
+    (``--heartbeat-timeout`` raises both), and with them."""
+    script = _notebook_script(
+        hosts,
+        tmp_path,
+        "print('ready', flush=True)",
+        # the ranks' floor, lowered so that the test waits seconds, not half a minute
+        before="import skyward_jupyter.providers.base as base; base.NOTEBOOK_SILENCE = 3.0",
+        heartbeat_timeout=4.5,
+    )
     notebook = _notebook(script)
     try:
         assert notebook.stdout is not None
         assert notebook.stdout.readline().strip() == "ready"
-        assert _templates(hosts, 0) and _templates(hosts, 2)
+        templates = _templates(hosts, 0) + _templates(hosts, 2)
+        assert len(templates) == 2
+        for pid in templates:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            assert argv[argv.index(b"--heartbeat-timeout") + 1] == b"4.5"  # the ranks' value
         notebook.send_signal(signal.SIGSTOP)
         wait_for(
-            lambda: not _templates(hosts, 0) and not _templates(hosts, 2),
+            lambda: not _remote_agents(hosts),
             20,
-            "the templates to end without the notebook's heartbeat",
+            "the templates and ranks to end without the notebook's heartbeat",
         )
     finally:
         notebook.kill()
         notebook.wait()
-    wait_for(lambda: not _remote_agents(hosts), 30, "remote ranks to end after the notebook died")
 
 
 def test_host_strings_parse() -> None:
@@ -502,3 +517,43 @@ def test_a_killed_template_gives_direct_starts_said_in_one_line(
         host = provider.hosts[1]
         assert gone == [f"the warm template on {host} is gone; its ranks now start directly"]
     wait_for(lambda: not _remote_agents(hosts), 10, "ranks and templates to end")
+
+
+def _private_dir(pool: Pool) -> str:
+    """Rank 0's private directory (its torch error file's)."""
+    found = pool.run(
+        "__import__('os').path.dirname(__import__('os').environ['TORCHELASTIC_ERROR_FILE'])"
+    )
+    return str(found.values[0])
+
+
+def _exists_on(hosts: Hosts, i: int, path: str) -> bool:
+    return subprocess.run(hosts.inside_argv(i, "test", "-e", path), check=False).returncode == 0
+
+
+def test_private_directories_on_a_host_go_with_a_kill_and_with_the_template(
+    hosts: Hosts, tmp_path: Path
+) -> None:
+    """A rank's private directory goes when the pool kills the rank (``%sky restart``), and one
+    that nobody could remove (its rank killed on the host, as by the OOM killer) goes with the
+    host's template at the pool's end."""
+    provider = ssh_provider(hosts, 1, tmp_path, which=(0,))
+    with Pool(nodes=1, provider=provider, heartbeat_timeout=8) as pool:
+        first = _private_dir(pool)
+        parent = str(Path(first).parent)
+        assert parent.endswith(f"skyward-{pool.run_id}") and _exists_on(hosts, 0, first)
+        pool.restart()
+        second = _private_dir(pool)
+        assert second != first and _exists_on(hosts, 0, second)
+        assert not _exists_on(hosts, 0, first)
+        killed = pool.ranks[0].hello
+        assert killed is not None
+        subprocess.run(hosts.inside_argv(0, "kill", "-9", str(killed.pid)), check=True)
+        wait_for(
+            lambda: (hello := pool.ranks[0].hello) is not None and hello.pid != killed.pid,
+            30,
+            "rank 0 to be replaced",
+        )
+        assert pool.run("1").ok and _exists_on(hosts, 0, second)  # nobody removed it yet
+    wait_for(lambda: not _remote_agents(hosts), 10, "ranks and templates to end")
+    assert not _exists_on(hosts, 0, parent)

@@ -389,3 +389,95 @@ def test_a_home_directory_synced_by_default_asks_for_sync(
         assert entry.pool.run("__import__('mymod').f()").values == [1]
     finally:
         session.down_all()
+
+
+def test_a_pool_replaced_on_the_same_hosts_keeps_their_copy(
+    hosts: Hosts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cell with other options replaces the pool on the same host: the new pool works in the
+    copy the old one left (nothing travels again, what the ranks made there is still there);
+    ``%sky down`` removes it."""
+    from skyward_jupyter.session import Session
+
+    root = _project(tmp_path / "project")
+    monkeypatch.chdir(root)
+    session = Session(announce=lambda _: None)
+    spec = session.spec_from(
+        {
+            "hosts": (f"{hosts.user}@{hosts[0].address}:{hosts[0].port}",),
+            "identity": str(hosts.client_key),
+            "known_hosts": str(hosts.known_hosts),
+            "python": hosts.python,
+            "sync": (str(root),),
+        }
+    )
+    try:
+        first = session.entry(None, spec)
+        assert first.pool.run("open('made.txt', 'w').write('by a rank')").ok
+        other = session.spec_from({"env": (("SOME_SETTING", "1"),)}, spec)
+        replaced = session.entry(None, other)
+        assert replaced.pool is not first.pool
+        assert replaced.pool.run("open('made.txt').read()").values == ["by a rank"]
+    finally:
+        session.down_all()
+    wait_for(lambda: not _copies(hosts, 0), 10, "%sky down to remove the copy")
+
+
+def test_sky_clean_says_each_hosts_outcome_and_cleans_a_custom_cache_and_copy(
+    hosts: Hosts, tmp_path: Path
+) -> None:
+    """One unreachable host does not hide the others' reports; a provider's own cache
+    directory is the one cleaned."""
+    import asyncio
+
+    root = _project(tmp_path / "project")
+    custom = _provider(hosts, (0,), cache_dir="custom-cache")
+    with Pool(nodes=1, provider=custom, sync=[str(root)]) as pool:
+        assert pool.run("1").ok
+        pool.close(keep_files=True)
+    assert _copies(hosts, 0) and _listing(hosts, 0, "custom-cache")
+    refused = Host(hosts[0].address, hosts.user, 2299)
+    both = SSHProvider([*custom.hosts, refused], custom.options)
+    lines = asyncio.run(both.clean())
+    assert len(lines) == 2
+    assert "removed 1 synced directory and 1 package version" in lines[0], lines
+    assert lines[1].startswith(f"{refused}: connection refused on port 2299"), lines
+    assert not _copies(hosts, 0) and not _listing(hosts, 0, "custom-cache")
+
+
+def _listing(hosts: Hosts, i: int, under_home: str) -> list[str]:
+    """What a directory of the login's home on host i holds."""
+    where = f"/home/{hosts.user}/{under_home}"
+    out = subprocess.run(
+        hosts.inside_argv(i, "sh", "-c", f"ls -1 {where} 2>/dev/null || true"),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return out.stdout.split()
+
+
+def test_a_long_clean_stops_on_ctrl_c() -> None:
+    """``%sky clean`` waits for its hosts in a way Ctrl-C interrupts: the work is cancelled."""
+    import _thread
+    import asyncio
+    import threading
+
+    from skyward_jupyter.session import _interruptible
+
+    cancelled = threading.Event()
+
+    async def slow() -> None:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    timer = threading.Timer(0.3, _thread.interrupt_main)
+    timer.start()
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        _interruptible(slow())
+    assert time.monotonic() - started < 5
+    wait_for(cancelled.is_set, 5, "the clean's work to be cancelled")

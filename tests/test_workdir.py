@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from skyward_jupyter.agent.workdir import WorkdirCopy
+from skyward_jupyter.agent.workdir import WorkdirCopy, removal_leftovers, remove_tree
 from skyward_jupyter.workdir import Manifest, Scanner, SyncError, bundle, human_bytes
 
 CAP = 10 * 2**20
@@ -598,9 +598,37 @@ def test_a_copy_goes_with_the_last_process_holding_it(tmp_path: Path) -> None:
     first, second = copy.hold(), copy.hold()  # two ranks (or two pools) working in it
     assert copy.release(first, remove=True) is None and copy.dir.is_dir()
     assert copy.remove_if_unused() is None and copy.dir.is_dir()
-    assert (copy.release(second, remove=True) or 0) >= 100
-    assert not copy.dir.exists()
+    taken = copy.release(second, remove=True)
+    assert taken is not None and not copy.dir.exists()
+    remove_tree(taken)
     kept = WorkdirCopy(tmp_path / "base", "kept")
     sync(Scanner(root, CAP).scan(), kept)
     assert kept.release(kept.hold(), remove=False) is None and kept.dir.is_dir()
     assert (kept.remove_if_unused() or 0) >= 100 and not kept.dir.exists()
+    assert os.listdir(tmp_path / "base") == []
+
+
+def test_a_removed_copy_is_whole_or_absent_and_leftovers_are_swept(tmp_path: Path) -> None:
+    """Removal renames the copy away under its lock: whoever comes for the copy next makes a
+    fresh one, never works in a half-deleted one; a deletion cut short is swept later."""
+    root = tmp_path / "root"
+    write(root, "a.txt", "a" * 100)
+    base = tmp_path / "base"
+    copy = WorkdirCopy(base, "key")
+    sync(Scanner(root, CAP).scan(), copy)
+    taken = copy.release(copy.hold(), remove=True)
+    assert taken is not None and taken.parent == base
+    assert taken.name == f".removing-key-{os.getpid()}"
+    assert (taken / "current" / "a.txt").read_text() == "a" * 100  # moved whole
+    assert not copy.dir.exists()
+    sync(Scanner(root, CAP).scan(), copy)  # the next pool: a fresh copy beside the dying one
+    assert (copy.current / "a.txt").read_text() == "a" * 100
+    assert removal_leftovers(base) == []  # this process is deleting it: not a leftover
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    cut_short = taken.rename(base / f".removing-key-{int(gone.stdout)}")
+    assert removal_leftovers(base) == [cut_short]

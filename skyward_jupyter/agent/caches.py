@@ -6,7 +6,8 @@ SSH provider once per content hash (``<hash>/``, and ``<hash>.<tag>/`` left by a
 unpack), and the copies of notebook directories (``sync/<key>/``, see :mod:`.workdir`). A copy
 goes only when no rank holds it; a package version only when no process of this user runs
 from it (its path in the process's environment or command line: templates and ranks have it in
-``PYTHONPATH``). Run as ``python -m skyward_jupyter.agent.caches [CACHE]``; it prints one JSON
+``PYTHONPATH``). Run as ``python -m skyward_jupyter.agent.caches [PACKAGES]`` (the directory the
+package versions are in, if not that one); it prints one JSON
 line: ``{"removed": [[path, bytes], ...], "kept": [path, ...]}``.
 
 Standard library only: this runs on the nodes.
@@ -20,21 +21,27 @@ import re
 import sys
 from pathlib import Path
 
-from .workdir import WorkdirCopy, remove_tree, tree_bytes
+from .workdir import REMOVING, WorkdirCopy, removal_leftovers, remove_tree, tree_bytes
 
 CACHE = "~/.cache/skyward_jupyter"
 _PACKAGE = re.compile(r"[0-9a-f]{16,64}(\.[0-9a-f]+)?")
 
 
 def clean(cache: str = CACHE) -> tuple[list[tuple[str, int]], list[str]]:
-    """(path, bytes) of what was removed, and the paths kept because they are in use."""
+    """(path, bytes) of what was removed, and the paths kept because they are in use.
+
+    ``cache``: where the package versions are (the SSH provider's ``cache_dir``); the sync
+    copies are always in ``sync/`` of :data:`CACHE`."""
     base = Path(os.path.expanduser(cache))
     removed: list[tuple[str, int]] = []
     kept: list[str] = []
-    copies = base / "sync"
+    copies = Path(os.path.expanduser(CACHE)) / "sync"
     if copies.is_dir():
+        for item in removal_leftovers(copies):
+            removed.append((str(item), tree_bytes(item)))
+            remove_tree(item)
         for item in sorted(copies.iterdir()):
-            if not item.is_dir() or item.is_symlink():
+            if not item.is_dir() or item.is_symlink() or item.name.startswith(REMOVING):
                 continue
             size = WorkdirCopy(copies, item.name).remove_if_unused()
             if size is None:

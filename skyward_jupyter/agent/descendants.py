@@ -8,14 +8,23 @@ and stays below it while the rank lives. Whoever ends a rank ends that tree:
 
 - the rank itself on its way out (:func:`end_descendants`: the pool's end, the notebook's, a
   silent notebook);
-- a provider that kills the rank (:func:`end_tree`; on a host, this file run as
-  ``python -I -S descendants.py PID``);
+- a provider that kills the rank (:func:`end_rank`; on a host, this file run as
+  ``python -I -S descendants.py PID RUN_ID``);
 - the warm template a rank was forked from, itself a subreaper, when the rank died without a word
   (:func:`end_orphans`: what the rank left is reparented to the template).
 
 A tree is frozen (SIGSTOP) until no new process appears in it, then killed: a process that forks
 while its parent is being killed would otherwise escape to init. Linux only (``/proc`` and
-``prctl``); elsewhere nothing is done. Standard library only: it runs on the nodes, as a file too.
+``prctl``); elsewhere nothing is done.
+
+A rank's private directory (torch's ``@record`` error file) goes the same ways: it is
+``<tmp>/skyward-<run id>/<pid>`` (:func:`make_private_dir`), so whoever ends a rank knows it from
+the pool's run id and the pid. The rank removes it as it ends, :func:`end_rank` after a kill
+(the provider's, or this file run as ``descendants.py PID RUN_ID`` on a host), and the pool's
+directory goes with the pool: removed by the local provider's release, by a host's template as
+it ends, or by whichever rank or kill leaves it empty.
+
+Standard library only: it runs on the nodes, as a file too.
 """
 
 from __future__ import annotations
@@ -23,14 +32,18 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
+import stat
 import sys
+import tempfile
 import time
 from collections.abc import Iterable
 
 PR_SET_CHILD_SUBREAPER = 36
-FREEZE_TIMEOUT = 5.0
-"""Seconds to freeze a tree that keeps forking before what was found is killed anyway."""
+FREEZE_TIMEOUT = 2.0
+"""Seconds to freeze a tree that keeps forking before what was found is killed anyway (a rank
+that ends itself does it within the pool's 5 s shutdown grace, before the pool kills it)."""
 
 
 def become_subreaper() -> None:
@@ -131,5 +144,47 @@ def end_orphans(keep: Iterable[int]) -> None:
         end_tree(child)
 
 
+def end_rank(pid: int, run_id: str | None) -> None:
+    """Kill a rank with its tree, and remove its private directory (given its pool's run id)."""
+    end_tree(pid)
+    if run_id:
+        remove_private_dir(private_dir(run_id, pid))
+
+
+def pool_dir(run_id: str) -> str:
+    """The directory of a pool's ranks' private directories on this machine."""
+    return os.path.join(tempfile.gettempdir(), f"skyward-{run_id}")
+
+
+def private_dir(run_id: str, pid: int) -> str:
+    return os.path.join(pool_dir(run_id), str(pid))
+
+
+def make_private_dir(run_id: str) -> str:
+    """This process's private directory (mode 0700) in its pool's; a fresh temporary one if the
+    pool's directory is not this user's own and private."""
+    parent, mine = pool_dir(run_id), private_dir(run_id, os.getpid())
+    for _ in range(3):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(parent, 0o700)
+        st = os.lstat(parent)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            break
+        shutil.rmtree(mine, ignore_errors=True)  # a rank killed earlier had this pid
+        try:
+            os.mkdir(mine, 0o700)
+        except FileNotFoundError:
+            continue  # the pool's directory was removed as it emptied: make it again
+        return mine
+    return tempfile.mkdtemp(prefix=f"skyward-{run_id}-")
+
+
+def remove_private_dir(path: str) -> None:
+    """Remove a rank's private directory, and its pool's when that leaves it empty."""
+    shutil.rmtree(path, ignore_errors=True)
+    with contextlib.suppress(OSError):  # not empty: other ranks of the pool still run
+        os.rmdir(os.path.dirname(path))
+
+
 if __name__ == "__main__":
-    end_tree(int(sys.argv[1]))
+    end_rank(int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else None)

@@ -12,7 +12,7 @@ same everywhere.
 
 Every rank working in a copy holds it (:meth:`.workdir.WorkdirCopy.hold`); when a rank ends
 (the pool shut down, or the notebook gone) it lets go, and the last one removes the copy unless
-the pool was shut down with ``keep_files``.
+the pool was shut down with ``keep_files`` (see :meth:`NodeFiles.leave`).
 
 Standard library only: this runs on the nodes.
 """
@@ -30,7 +30,7 @@ from types import ModuleType
 from .. import protocol as p
 from .relay import RelayError
 from .stacks import users_file
-from .workdir import WorkdirCopy
+from .workdir import WorkdirCopy, removal_leftovers
 
 BASE = "~/.cache/skyward_jupyter/sync"
 Blob = bytes | bytearray | memoryview
@@ -161,17 +161,22 @@ class NodeFiles:
         if key not in self._held:
             self._held[key] = WorkdirCopy(self.base, key).hold()
 
-    def leave(self, keep: bool) -> list[str]:
-        """Let go of the copies this rank used; unless ``keep``, remove those no other rank
-        holds. What could not be removed, in words (the rank is ending: it only says so)."""
-        problems = []
-        held, self._held = self._held, {}
-        for key, fd in held.items():
+    def leave(self, keep: bool) -> tuple[list[Path], list[str]]:
+        """Let go of the copies this rank used; unless ``keep``, take away those no other rank
+        holds (a rename: quick). The directories to delete (those, and what removals cut short
+        left), and what could not be let go, in words (the rank is ending: it only says so).
+        Called once, as the rank ends."""
+        taken: list[Path] = []
+        problems: list[str] = []
+        for key, fd in self._held.items():
             try:
-                WorkdirCopy(self.base, key).release(fd, remove=not keep)
+                gone = WorkdirCopy(self.base, key).release(fd, remove=not keep)
             except OSError as exc:
                 problems.append(f"could not remove the copy {self.base / key}: {exc}")
-        return problems
+            else:
+                taken += [gone] if gone is not None else []
+        self._held = {}
+        return taken + removal_leftovers(self.base), problems
 
     def here(self, path: str) -> str:
         """``path`` (the notebook's) as this node has it: inside a synced directory, the same

@@ -15,8 +15,10 @@ rank writes its pid as its first line (the provider ends it with ``kill``), then
 The template exits when its own channel closes (the pool's release, or the notebook's end) and,
 as a rank does, when the notebook has been silent on it for ``--heartbeat-timeout`` seconds (a
 partition leaves the channel open on this side for as long as it lasts): the notebook writes a
-byte on it every second. It is a child subreaper: what a rank that died without ending it
-(killed, crashed) had started is reparented here, and ended (see :mod:`.descendants`).
+byte on it every second, and the template waits as long as the ranks do. It is a child
+subreaper: what a rank that died without ending it (killed, crashed) had started is reparented
+here, and ended (see :mod:`.descendants`); as it ends it removes its pool's private directories,
+which ranks killed on the host (by the OOM killer too) left.
 """
 
 from __future__ import annotations
@@ -26,13 +28,14 @@ import contextlib
 import gc
 import json
 import os
+import shutil
 import socket
 import sys
 import tempfile
 import threading
 import time
 
-from .descendants import become_subreaper, end_orphans
+from .descendants import become_subreaper, end_orphans, pool_dir
 
 _MAX_PACKET = 1 << 20
 
@@ -63,6 +66,9 @@ class NodeTemplate:
         self._waiting: dict[int, socket.socket] = {}
         """Rank pid -> the connection that asked for it (told when the rank ends)."""
         self._children = threading.Event()
+        self._run_ids: set[str] = set()
+        """The pools of the ranks forked (one, the pool's): their private directories go with
+        the template (see :mod:`.descendants`)."""
 
     def serve(self) -> None:
         import cloudpickle  # noqa: F401 - imported here so that forked ranks start with it
@@ -105,6 +111,8 @@ class NodeTemplate:
             conn.close()
             return
         env = json.loads(data)["env"]
+        if env.get("TORCHELASTIC_RUN_ID"):
+            self._run_ids.add(str(env["TORCHELASTIC_RUN_ID"]))
         with self._lock:  # the reaper must find the connection when the child ends at once
             pid = os.fork()
             if pid == 0:
@@ -155,11 +163,13 @@ class NodeTemplate:
                 )
                 self._leave(path)
 
-    @staticmethod
-    def _leave(path: str) -> None:
+    def _leave(self, path: str) -> None:
+        """End the template, with its socket and its pool's private directories."""
         with contextlib.suppress(FileNotFoundError):  # both watchers may get here
             os.unlink(path)
             os.rmdir(os.path.dirname(path))
+        for run_id in list(self._run_ids):
+            shutil.rmtree(pool_dir(run_id), ignore_errors=True)
         os._exit(0)
 
 

@@ -30,13 +30,12 @@ import gc
 import json
 import os
 import platform
-import shutil
 import signal
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn, TypeVar
 
@@ -50,13 +49,19 @@ from .arrivals import Arrivals
 from .cell_result import cell_done
 from .cells import Namespace, run_script
 from .console import Console
-from .descendants import become_subreaper, end_descendants
+from .descendants import (
+    become_subreaper,
+    end_descendants,
+    make_private_dir,
+    remove_private_dir,
+)
 from .inbox import Inbox
 from .output import FdCapture, PythonStreams
 from .process import UsageMeter, flush_c_stdio, set_process_name
 from .relay import RelayKeys
 from .stacks import Watch
 from .torch_setup import GroupSettings
+from .workdir import remove_tree
 from .worlds import Worlds
 
 T = TypeVar("T")
@@ -154,11 +159,14 @@ class Agent:
         self._metrics_lock = threading.Lock()
         self._usage = UsageMeter()
         self._private_dir: str | None = None
-        """This rank's own directory (mode 0700), removed when it ends."""
+        """This rank's own directory (mode 0700), removed when it ends (see :mod:`.descendants`
+        for when it is killed)."""
         if "TORCHELASTIC_ERROR_FILE" not in os.environ:
-            run_id = os.environ.get("TORCHELASTIC_RUN_ID", "pool")
-            self._private_dir = tempfile.mkdtemp(prefix=f"skyward-{run_id}-rank{group.rank}-")
+            self._private_dir = make_private_dir(os.environ.get("TORCHELASTIC_RUN_ID", "pool"))
             os.environ["TORCHELASTIC_ERROR_FILE"] = error_file(self._private_dir)
+        self._leaving = threading.Lock()
+        """Held by the one thread that ends the process (the reader, the watchdog and main may
+        all try at once)."""
 
         threading.excepthook = self._thread_died
         # Helper threads inherit a blocked SIGINT, so a process-wide SIGINT reaches the main thread.
@@ -242,18 +250,35 @@ class Agent:
 
     def leave(self, code: int) -> NoReturn:
         """End the process, and with it every process its cells started, its directory and
-        (with its node's last rank) the node's copy of the synced directories."""
-        end_descendants(os.getpid())
-        if self._private_dir is not None:
-            shutil.rmtree(self._private_dir, ignore_errors=True)
-        self._leave_files()
-        os._exit(code)
+        (with its node's last rank) the node's copy of the synced directories.
 
-    def _leave_files(self) -> None:
+        One thread does it; another that gets here meanwhile waits for the process to end. The
+        quick steps come first (the copy is renamed away, the tree frozen and killed within
+        :data:`.descendants.FREEZE_TIMEOUT`), the deletions last: all fit in the pool's shutdown
+        grace, and a kill during the deletions leaves what the next removal sweeps."""
+        if not self._leaving.acquire(blocking=False):
+            while True:
+                time.sleep(60)
+        try:
+            removals = self._leave_files()
+            end_descendants(os.getpid())
+            if self._private_dir is not None:
+                remove_private_dir(self._private_dir)
+            for path in removals:
+                try:
+                    remove_tree(path)
+                except OSError as exc:  # the next removal on the node sweeps what is left
+                    self._diagnose(f"could not delete {path}: {exc}")
+        finally:
+            os._exit(code)
+
+    def _leave_files(self) -> list[Path]:
         """As the rank ends: the node's copy of the synced directories goes with its last
-        rank, unless the pool keeps it."""
-        for problem in self.arrivals.files.leave(self._keep_files):
+        rank, unless the pool keeps it; the directories to delete."""
+        removals, problems = self.arrivals.files.leave(self._keep_files)
+        for problem in problems:
             self._diagnose(problem)
+        return removals
 
     def _touch_heartbeat_file(self) -> None:
         """Tell the machine's watchdog that the notebook is alive (cloud instances only)."""

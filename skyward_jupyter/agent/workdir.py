@@ -14,6 +14,11 @@ to them. Under ``<base>/<key>/``:
 - ``.users``: every rank working in the copy holds a shared ``flock`` on it (:meth:`hold`), so
   the copy is removed (:meth:`remove_if_unused`) only once no rank of any pool uses it.
 
+Removing a copy is one rename under its lock (to ``<base>/.removing-<key>-<pid>``), the deletion
+after it: a process that comes for the copy meanwhile finds it whole or absent, never half
+deleted, and a deletion cut short (the process killed) leaves a ``.removing-*`` directory that
+the next removal on the node (:func:`removal_leftovers`) or ``%sky clean`` deletes.
+
 Modes: a hard link shares its inode, mode included, so an object is stored once per mode it is
 used with. A file on a node keeps the read and execute bits of the notebook's file, never write
 bits: the content is shared by every tree, and a write into it would change them all (the owner
@@ -51,6 +56,8 @@ Entry = tuple[str, int, str]
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _KEY = re.compile(r"[A-Za-z0-9._-]+")
+REMOVING = ".removing-"
+"""The prefix of a copy taken away, being deleted (see the module's docstring)."""
 _CHUNK = 1 << 20
 # Errors of os.link after which a copy does the job: another filesystem, too many links to one
 # inode (many empty __init__.py), a filesystem without hard links.
@@ -101,7 +108,7 @@ class WorkdirCopy:
     """The copy, on this node, of one notebook's working directory (``key`` names it)."""
 
     def __init__(self, base: str | Path, key: str) -> None:
-        if not _KEY.fullmatch(key) or key in {".", ".."}:
+        if not _KEY.fullmatch(key) or key in {".", ".."} or key.startswith(REMOVING):
             raise ValueError(f"a working-directory key is letters, digits, '.', '_', '-': {key!r}")
         self.dir = Path(base) / key
         self.objects = self.dir / "objects"
@@ -176,20 +183,27 @@ class WorkdirCopy:
             fcntl.flock(fd, fcntl.LOCK_SH)
             return fd
 
-    def release(self, fd: int, remove: bool) -> int | None:
-        """Close a :meth:`hold`; with ``remove``, remove the copy if no one else holds it."""
+    def release(self, fd: int, remove: bool) -> Path | None:
+        """Close a :meth:`hold`; with ``remove``, take the copy away if no one else holds it:
+        where it was moved, for the caller to delete (:func:`remove_tree`) when it chooses."""
         with self._locked(create=False) as present:
             os.close(fd)
             if remove and present:
-                return self._remove_unused()
+                return self._take_unused()
         return None
 
     def remove_if_unused(self) -> int | None:
         """Remove the copy unless a process holds it; the bytes removed (None: kept, or gone)."""
         with self._locked(create=False) as present:
-            return self._remove_unused() if present else None
+            taken = self._take_unused() if present else None
+        if taken is None:
+            return None
+        size = tree_bytes(taken)
+        remove_tree(taken)
+        return size
 
-    def _remove_unused(self) -> int | None:
+    def _take_unused(self) -> Path | None:
+        """Under the lock: move the copy out of the way, unless a process holds it."""
         try:
             fd = os.open(self.dir / ".users", os.O_RDONLY)
         except FileNotFoundError:
@@ -202,9 +216,11 @@ class WorkdirCopy:
         finally:
             if fd is not None:
                 os.close(fd)
-        size = tree_bytes(self.dir)
-        remove_tree(self.dir)
-        return size
+        taken = self.dir.parent / f"{REMOVING}{self.dir.name}-{os.getpid()}"
+        if taken.exists():
+            remove_tree(taken)  # a leftover of a process that had this pid
+        os.rename(self.dir, taken)
+        return taken
 
     @contextlib.contextmanager
     def _locked(self, create: bool = True) -> Iterator[bool]:
@@ -353,6 +369,29 @@ class WorkdirCopy:
             if name[:64] in kept and (len(name) == 64 or name[64] == "."):
                 continue
             item.unlink()
+
+
+def removal_leftovers(base: Path) -> list[Path]:
+    """The copies under ``base`` taken away by processes that ended before deleting them."""
+    found = []
+    with contextlib.suppress(FileNotFoundError):
+        for item in base.iterdir():
+            if not item.name.startswith(REMOVING) or not item.is_dir() or item.is_symlink():
+                continue
+            pid = item.name.rsplit("-", 1)[1]
+            if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+                found.append(item)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process has that pid now: it is not deleting our copy
+    return True
 
 
 def tree_bytes(path: Path) -> int:

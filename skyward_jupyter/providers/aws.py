@@ -78,7 +78,7 @@ class AWSProvider(Provider):
         return self.teardown_record()
 
     @classmethod
-    def reap(cls, record: Mapping[str, Any], grace: float) -> ReapReport:
+    def reap(cls, record: Mapping[str, Any]) -> ReapReport:
         """Terminate the instances and delete the pool's key pair and groups, by its tag."""
         try:
             removed = aws_teardown.teardown_from_record(record)
@@ -257,6 +257,7 @@ class AWSProvider(Provider):
                 connect_timeout=o.connect_timeout,
             ),
         )
+        self._ssh.notebook_silence = self.notebook_silence
         nodes = await self._ssh.provision(len(reachable), self._progress)
         self.warnings.extend(self._ssh.warnings)
         self.node_price = await asyncio.to_thread(self._price)

@@ -24,6 +24,18 @@ if TYPE_CHECKING:
     from ..spec import PoolSpec
 
 
+NOTEBOOK_SILENCE = 30.0
+"""Seconds a rank waits for the notebook's heartbeat, at least, before it ends itself (the kernel
+died, or its machine is cut off)."""
+
+
+def notebook_silence(heartbeat_timeout: float) -> float:
+    """How long the ranks of a pool with ``--heartbeat-timeout`` wait for a silent notebook: a
+    rank gives up on the notebook later than the notebook on a silent rank (a large value on its
+    way down delays the notebook's beats behind it)."""
+    return max(heartbeat_timeout, NOTEBOOK_SILENCE)
+
+
 class ProviderError(Exception):
     """The provider could not supply what was asked (bad input, no capacity, unreachable host)."""
 
@@ -165,6 +177,10 @@ class Provider(abc.ABC):
     pipe, since relaying it through the head would only add a hop, a copy and two digests."""
     release_timeout: float = 0.0
     """Seconds :meth:`release` may take beyond the pool's own shutdown (instances to go)."""
+    notebook_silence: float = NOTEBOOK_SILENCE
+    """Seconds the pool's ranks wait for a silent notebook (:func:`notebook_silence`, set by the
+    pool before :meth:`provision`): what a provider keeps on the nodes for the pool's life (a
+    warm template) waits as long, so it never ends before its ranks."""
 
     def __init__(self) -> None:
         self.warnings: list[str] = []
@@ -223,7 +239,7 @@ class Provider(abc.ABC):
         return {}
 
     @classmethod
-    def reap(cls, record: Mapping[str, Any], grace: float) -> ReapReport:
+    def reap(cls, record: Mapping[str, Any]) -> ReapReport:
         """End what an orphaned pool left running, from its :meth:`record` alone."""
         return ReapReport(notes=[f"nothing to reap for a {cls.name} pool"])
 

@@ -31,7 +31,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..agent.descendants import end_tree
+from ..agent.descendants import end_rank, pool_dir
 from ..procs import end, is_agent, process_alive, process_start
 from .base import Node, Progress, Provider, ProviderError, ReapReport, StderrTail, no_progress
 from .local_template import (
@@ -206,8 +206,10 @@ class LocalRank:
         writer: PipeWriter,
         stderr: asyncio.StreamReader,
         exited: asyncio.Future[int],
+        run_id: str | None,
     ) -> None:
         self.pid = pid
+        self._run_id = run_id
         self.reader = reader
         self.writer = writer
         self._exited = exited
@@ -221,9 +223,10 @@ class LocalRank:
         return self._stderr.text()
 
     async def kill(self) -> None:
-        """Kill the rank with every process below it (what its cells detached too)."""
+        """Kill the rank with every process below it (what its cells detached too), and remove
+        its private directory."""
         if not self._exited.done():
-            await asyncio.to_thread(end_tree, self.pid)
+            await asyncio.to_thread(end_rank, self.pid, self._run_id)
         await self._status()
 
     async def _status(self) -> int | None:
@@ -268,6 +271,7 @@ class LocalProvider(Provider):
         self._gpu_type = gpu_type
         self._use_template = use_template
         self._ranks: list[LocalRank] = []
+        self._run_ids: set[str] = set()
 
     @classmethod
     def from_spec(cls, spec: PoolSpec, pool_name: str, extra: Mapping[str, Any]) -> LocalProvider:
@@ -301,7 +305,7 @@ class LocalProvider(Provider):
         return self._starts[pid]
 
     @classmethod
-    def reap(cls, record: Mapping[str, Any], grace: float) -> ReapReport:
+    def reap(cls, record: Mapping[str, Any]) -> ReapReport:
         """End the recorded ranks and templates that are provably still this pool's."""
         report = ReapReport()
         if record.get("host") not in (None, socket.gethostname()):
@@ -352,6 +356,7 @@ class LocalProvider(Provider):
 
     async def start_rank(self, node: Node, env: Mapping[str, str]) -> LocalRank:
         full_env = self._rank_env(node, env)
+        run_id = env.get("TORCHELASTIC_RUN_ID")
         loop = asyncio.get_running_loop()
         exited: asyncio.Future[int] = loop.create_future()
 
@@ -397,13 +402,20 @@ class LocalProvider(Provider):
             PipeWriter(wire_in_w, f"skyward-write-{pid}"),
             await _pipe_reader(diag_r),
             exited,
+            run_id,
         )
         self._ranks.append(rank)
+        if run_id:
+            self._run_ids.add(run_id)
         return rank
 
     async def release(self) -> None:
+        """End the ranks, and remove the pool's private directories (those of ranks killed
+        without a word: the OOM killer's)."""
         await asyncio.gather(*(r.kill() for r in self._ranks))
         self._ranks.clear()
+        for run_id in self._run_ids:
+            shutil.rmtree(pool_dir(run_id), ignore_errors=True)
 
 
 def _check_fits(ranks: int) -> None:

@@ -310,7 +310,7 @@ class RayProvider(Provider):
         return {"address": self.address, "placement_group": group}
 
     @classmethod
-    def reap(cls, record: Mapping[str, Any], grace: float) -> ReapReport:
+    def reap(cls, record: Mapping[str, Any]) -> ReapReport:
         """Nothing to do: the placement group and actors belonged to the kernel's Ray job,
         which Ray ended with the kernel."""
         group = record.get("placement_group") or "(none)"

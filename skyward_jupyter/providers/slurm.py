@@ -283,7 +283,7 @@ class SlurmProvider(Provider):
         }
 
     @classmethod
-    def reap(cls, record: Mapping[str, Any], grace: float) -> ReapReport:
+    def reap(cls, record: Mapping[str, Any]) -> ReapReport:
         job = record.get("job")
         if not job:
             return ReapReport(notes=["no slurm job was recorded"])

@@ -12,7 +12,8 @@ This is also the path the cloud providers take once their instances are up. What
 Remote commands are argument lists quoted with :func:`shlex.join`, never shell text built from
 user input. A root login's channel cannot be signalled through sshd, so each rank first prints
 its pid, and ending it is a command over the connection that ends the rank with every process it
-started (``agent/descendants.py``: a cell's detached children too).
+started (``agent/descendants.py``: a cell's detached children too) and removes its private
+directory.
 """
 
 from __future__ import annotations
@@ -79,9 +80,6 @@ class SSHOptions:
     keepalive_interval: float = 5.0
     cache_dir: str = ".cache/skyward_jupyter"
     """Where the package goes on the hosts, relative to the login's home unless absolute."""
-    notebook_silence: float = 30.0
-    """Seconds a host's warm template waits without a heartbeat from the notebook before it
-    ends (ranks wait at least as long: ``ranks.NOTEBOOK_SILENCE``)."""
 
 
 OPENSSH_IDENTITIES = (
@@ -129,7 +127,8 @@ class SSHRank:
         self._process = process
         self.pid = pid
         self._ender = ender
-        """The command that ends a process with everything below it, less the pid."""
+        """The command that ends the rank with everything below it, and its private directory
+        (``agent/descendants.py PID RUN_ID``)."""
         self.reader = process.stdout
         self.writer = process.stdin
         self._stderr = StderrTail()
@@ -144,7 +143,7 @@ class SSHRank:
     async def kill(self) -> None:
         # An unreachable host cannot be asked: closing the channel is then all that is left.
         with contextlib.suppress(asyncssh.Error, OSError, asyncio.TimeoutError, ProviderError):
-            await asyncio.wait_for(self._sessions.run([*self._ender, str(self.pid)]), 5)
+            await asyncio.wait_for(self._sessions.run(self._ender), 5)
         self._process.close()
 
     async def wait(self) -> str:
@@ -241,7 +240,7 @@ class SSHProvider(Provider):
         }
 
     @classmethod
-    def reap(cls, record: Mapping[str, Any], grace: float) -> ReapReport:
+    def reap(cls, record: Mapping[str, Any]) -> ReapReport:
         """Nothing to do from here: the ranks ended when their SSH channel closed, which the
         kernel's end did (and their heartbeat watchdog backs that up)."""
         hosts = ", ".join(str(h.get("host")) for h in record.get("hosts") or ())
@@ -294,10 +293,9 @@ class SSHProvider(Provider):
             progress(
                 f"warming a template on {host} (torch imported once)", index, RankState.BOOTING
             )
-        silence = self.options.notebook_silence
         started = await asyncio.gather(
             *(
-                HostTemplate.start(s, python, package, silence)
+                HostTemplate.start(s, python, package, self.notebook_silence)
                 for s, python, package in zip(
                     self._sessions, self._python, self._remote_package, strict=True
                 )
@@ -394,10 +392,11 @@ class SSHProvider(Provider):
         package = self._remote_package[node.index]
         python = self._python[node.index]
         ender = [python, "-I", "-S", f"{package}/skyward_jupyter/agent/descendants.py"]
+        run_id = env.get("TORCHELASTIC_RUN_ID", "")
         template = self._templates[node.index] if self._templates else None
         line = json.dumps({**env, "PYTHONUNBUFFERED": "1"}).encode() + b"\n"
         if template is not None and template.serves(env):
-            rank = await self._from_template(host, sessions, template, line, ender)
+            rank = await self._from_template(host, sessions, template, line, ender, run_id)
             if rank is not None:
                 return rank
             template.close()
@@ -418,12 +417,19 @@ class SSHProvider(Provider):
         except (asyncssh.Error, OSError) as exc:
             raise ProviderError(f"{host}: cannot start a rank: {exc}") from None
         pid = await _pid(host, process)
+        if pid is None:
+            raise ProviderError(f"{host}: the rank did not start (its shell ended at once)")
         process.stdin.write(line)
-        return SSHRank(host, sessions, process, pid, ender)
+        return SSHRank(host, sessions, process, pid, [*ender, str(pid), run_id])
 
     @staticmethod
     async def _from_template(
-        host: Host, sessions: Sessions, template: HostTemplate, line: bytes, ender: Sequence[str]
+        host: Host,
+        sessions: Sessions,
+        template: HostTemplate,
+        line: bytes,
+        ender: Sequence[str],
+        run_id: str,
     ) -> SSHRank | None:
         """A rank forked by the host's template; None when the template is gone (killed)."""
         if not template.alive:
@@ -434,20 +440,12 @@ class SSHProvider(Provider):
         except (asyncssh.Error, OSError) as exc:
             raise ProviderError(f"{host}: cannot start a rank: {exc}") from None
         process.stdin.write(line)
-        try:
-            first = await asyncio.wait_for(process.stdout.readline(), 30)
-        except (asyncio.TimeoutError, asyncssh.Error) as exc:
-            process.close()
-            raise ProviderError(f"{host}: the rank did not start ({exc!r})") from None
-        if not first:  # the spawner found no template to hand the rank to
-            process.close()
-            return None
-        try:
-            pid = int(first.strip())
-        except ValueError:
-            process.close()
-            raise ProviderError(f"{host}: the rank did not start (it said {first!r})") from None
-        return SSHRank(host, sessions, process, pid, ender)
+        pid = await _pid(host, process)  # none: the spawner found no template to hand it to
+        return (
+            None
+            if pid is None
+            else SSHRank(host, sessions, process, pid, [*ender, str(pid), run_id])
+        )
 
     async def clean(self) -> list[str]:
         """``%sky clean``: on every host, remove the package's cache and the sync copies that
@@ -472,10 +470,16 @@ class SSHProvider(Provider):
         self._sessions.clear()
 
 
-async def _pid(host: Host, process: Any) -> int:
-    """The rank's first line: its pid, which ending it needs (a ``kill`` over the connection)."""
+async def _pid(host: Host, process: Any) -> int | None:
+    """The rank's first line: its pid, which ending it needs (the command that ends its tree
+    and removes its private directory, run over the connection); None when the channel closed
+    before a word (the channel is then closed)."""
     try:
-        return int((await asyncio.wait_for(process.stdout.readline(), 30)).strip())
+        first = await asyncio.wait_for(process.stdout.readline(), 30)
+        if not first:
+            process.close()
+            return None
+        return int(first.strip())
     except (ValueError, asyncio.TimeoutError, asyncssh.Error) as exc:
         process.close()
         raise ProviderError(f"{host}: the rank did not start ({exc!r})") from None

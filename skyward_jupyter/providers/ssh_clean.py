@@ -8,13 +8,13 @@ package versions no process runs from (the one it runs from included, unless a p
 from __future__ import annotations
 
 import json
+import posixpath
 import shlex
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import asyncssh
 
-from ..agent.caches import CACHE
 from ..workdir import human_bytes
 from .base import ProviderError
 from .ssh_prepare import probe, ship
@@ -26,7 +26,18 @@ Connect = Callable[["Host"], Awaitable[asyncssh.SSHClientConnection]]
 
 
 async def clean_host(host: Host, connect: Connect, python: str, cache_dir: str) -> str:
-    """One line for ``host``: what was removed (and how much), what was kept as in use."""
+    """One line for ``host``: what was removed (and how much), what was kept as in use, or why
+    nothing could be done there."""
+    try:
+        return await _clean(host, connect, python, cache_dir)
+    except ProviderError as exc:
+        text = str(exc)
+        return text if text.startswith(f"{host}:") else f"{host}: {text}"
+    except (asyncssh.Error, OSError) as exc:
+        return f"{host}: cleaning failed: {exc}"
+
+
+async def _clean(host: Host, connect: Connect, python: str, cache_dir: str) -> str:
     conn = await connect(host)
     try:
         found = await probe(host, conn, python)
@@ -38,7 +49,7 @@ async def clean_host(host: Host, connect: Connect, python: str, cache_dir: str) 
                 str(found["executable"]),
                 "-m",
                 "skyward_jupyter.agent.caches",
-                CACHE,
+                posixpath.dirname(package),  # the cache_dir, as the host resolves it
             ]
         )
         result = await conn.run(f"exec {command}", check=False)
@@ -46,8 +57,13 @@ async def clean_host(host: Host, connect: Connect, python: str, cache_dir: str) 
         conn.close()
     if result.exit_status != 0:
         raise ProviderError(f"{host}: cleaning its cache failed: {result.stderr!s:.500}")
-    report = json.loads(str(result.stdout).strip().splitlines()[-1])
-    return _said(host, report["removed"], report["kept"])
+    try:
+        report = json.loads(str(result.stdout).strip().splitlines()[-1])
+        return _said(host, report["removed"], report["kept"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise ProviderError(
+            f"{host}: the cleaner's answer was unreadable: {result.stdout!s:.300}"
+        ) from None
 
 
 def _said(host: Host, removed: list[list[object]], kept: list[str]) -> str:

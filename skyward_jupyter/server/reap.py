@@ -16,7 +16,7 @@ from ..providers import UnknownProvider, provider_class
 from ..providers.base import ReapReport
 
 
-def reap(record: dict[str, Any], grace: float = 3.0) -> ReapReport:
+def reap(record: dict[str, Any]) -> ReapReport:
     """End what ``record``'s pool left running. Call only when its owner is dead."""
     teardown = record.get("teardown") or {}
     name = str(teardown.get("provider", record.get("provider")))
@@ -24,4 +24,4 @@ def reap(record: dict[str, Any], grace: float = 3.0) -> ReapReport:
         cls = provider_class(name, teardown.get("module"))
     except (UnknownProvider, ImportError) as exc:
         return ReapReport(notes=[f"cannot reap a {name!r} pool from this server: {exc}"])
-    return cls.reap(teardown, grace)
+    return cls.reap(teardown)
