@@ -325,6 +325,27 @@ def test_the_copy_goes_with_the_last_pool_using_it_unless_kept(
     assert not _copies(hosts, 0)
 
 
+def test_the_copy_goes_also_when_a_cells_forked_child_held_it(hosts: Hosts, tmp_path: Path) -> None:
+    """A process the cell forked (a DataLoader worker, a multiprocessing pool) inherits the
+    rank's hold on the copy: the rank ends it before it lets go, so the copy still goes."""
+    root = _project(tmp_path / "project")
+    pool = Pool(nodes=1, provider=_provider(hosts, (0,)), sync=[str(root)]).start()
+    try:
+        forked = pool.run(
+            "import os, time\n"
+            "child = os.fork()\n"
+            "if child == 0:\n"
+            "    time.sleep(600)\n"
+            "    os._exit(0)\n"
+            "child"
+        )
+        assert forked.ok, forked.errors
+        assert len(_copies(hosts, 0)) == 1
+    finally:
+        pool.close()
+    wait_for(lambda: not _copies(hosts, 0), 10, "the copy to be removed")
+
+
 def test_a_node_removes_its_copy_when_the_notebook_is_gone(hosts: Hosts, tmp_path: Path) -> None:
     """The notebook's process is killed (no shutdown reaches the ranks): the node's rank sees
     its channel close and removes the copy on its way out."""

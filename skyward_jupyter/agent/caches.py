@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import sys
 from pathlib import Path
 
@@ -38,12 +39,15 @@ def clean(cache: str = CACHE) -> tuple[list[tuple[str, int]], list[str]]:
     copies = Path(os.path.expanduser(CACHE)) / "sync"
     if copies.is_dir():
         for item in removal_leftovers(copies):
-            removed.append((str(item), tree_bytes(item)))
-            remove_tree(item)
+            _remove(item, removed, kept)
         for item in sorted(copies.iterdir()):
             if not item.is_dir() or item.is_symlink() or item.name.startswith(REMOVING):
                 continue
-            size = WorkdirCopy(copies, item.name).remove_if_unused()
+            try:
+                size = WorkdirCopy(copies, item.name).remove_if_unused()
+            except OSError as exc:
+                kept.append(f"{item} ({exc.strerror or exc})")
+                continue
             if size is None:
                 kept.append(str(item))
             else:
@@ -51,15 +55,40 @@ def clean(cache: str = CACHE) -> tuple[list[tuple[str, int]], list[str]]:
     if base.is_dir():
         running = _running_paths()
         for item in sorted(base.iterdir()):
-            if not (_PACKAGE.fullmatch(item.name) and item.is_dir()) or item.is_symlink():
+            if not _is_package_copy(item):
                 continue
             if str(item).encode() in running:
                 kept.append(str(item))
                 continue
-            size = tree_bytes(item)
-            remove_tree(item)
-            removed.append((str(item), size))
+            _remove(item, removed, kept)
     return removed, kept
+
+
+def _is_package_copy(item: Path) -> bool:
+    """A version of this package the SSH provider unpacked (its hash as the name, the package
+    inside, this user's): nothing else in a cache directory the user chose is touched."""
+    if not _PACKAGE.fullmatch(item.name):
+        return False
+    try:
+        st = item.lstat()
+    except OSError:
+        return False  # gone meanwhile
+    return (
+        stat.S_ISDIR(st.st_mode)
+        and st.st_uid == os.getuid()
+        and (item / "skyward_jupyter" / "__init__.py").is_file()
+    )
+
+
+def _remove(item: Path, removed: list[tuple[str, int]], kept: list[str]) -> None:
+    """Remove ``item``, saying how much went, or why it stayed (one item's failure is its own)."""
+    size = tree_bytes(item)
+    try:
+        remove_tree(item)
+    except OSError as exc:
+        kept.append(f"{item} ({exc.strerror or exc})")
+    else:
+        removed.append((str(item), size))
 
 
 def _running_paths() -> bytes:

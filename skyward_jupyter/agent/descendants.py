@@ -128,6 +128,17 @@ def end_descendants(pid: int) -> None:
         if not new:
             time.sleep(0.001)  # a signalled process is not stopped yet: let it take the signal
     _send(frozen, signal.SIGKILL)
+    _await_exit(frozen, deadline + FREEZE_TIMEOUT / 2)
+
+
+def _await_exit(pids: set[int], deadline: float) -> None:
+    """Wait (until ``deadline``) for killed processes to have exited: only then are the files
+    and locks they held closed (a copy's lock a forked DataLoader worker inherited)."""
+    while pids and time.monotonic() < deadline:
+        processes = _processes()
+        pids = {p for p in pids if p in processes}  # a zombie is no longer listed
+        if pids:
+            time.sleep(0.001)
 
 
 def end_tree(pid: int) -> None:
@@ -167,7 +178,10 @@ def make_private_dir(run_id: str) -> str:
     for _ in range(3):
         with contextlib.suppress(FileExistsError):
             os.mkdir(parent, 0o700)
-        st = os.lstat(parent)
+        try:
+            st = os.lstat(parent)
+        except FileNotFoundError:
+            continue  # an ending rank of the pool removed it as it emptied: make it again
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
             break
         shutil.rmtree(mine, ignore_errors=True)  # a rank killed earlier had this pid

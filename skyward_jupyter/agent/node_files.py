@@ -168,14 +168,14 @@ class NodeFiles:
         Called once, as the rank ends."""
         taken: list[Path] = []
         problems: list[str] = []
-        for key, fd in self._held.items():
+        held, self._held = self._held, {}
+        for key, fd in held.items():
             try:
                 gone = WorkdirCopy(self.base, key).release(fd, remove=not keep)
             except OSError as exc:
                 problems.append(f"could not remove the copy {self.base / key}: {exc}")
             else:
                 taken += [gone] if gone is not None else []
-        self._held = {}
         return taken + removal_leftovers(self.base), problems
 
     def here(self, path: str) -> str:

@@ -253,15 +253,17 @@ class Agent:
         (with its node's last rank) the node's copy of the synced directories.
 
         One thread does it; another that gets here meanwhile waits for the process to end. The
-        quick steps come first (the copy is renamed away, the tree frozen and killed within
-        :data:`.descendants.FREEZE_TIMEOUT`), the deletions last: all fit in the pool's shutdown
-        grace, and a kill during the deletions leaves what the next removal sweeps."""
+        quick steps come first (the tree frozen and killed within
+        :data:`.descendants.FREEZE_TIMEOUT`, then the copy renamed away: the cell's children,
+        forked DataLoader workers among them, hold the copy's lock until they are gone), the
+        deletions last: all fit in the pool's shutdown grace, and a kill during the deletions
+        leaves what the next removal sweeps."""
         if not self._leaving.acquire(blocking=False):
             while True:
                 time.sleep(60)
         try:
-            removals = self._leave_files()
             end_descendants(os.getpid())
+            removals = self._leave_files()
             if self._private_dir is not None:
                 remove_private_dir(self._private_dir)
             for path in removals:
@@ -274,8 +276,13 @@ class Agent:
 
     def _leave_files(self) -> list[Path]:
         """As the rank ends: the node's copy of the synced directories goes with its last
-        rank, unless the pool keeps it; the directories to delete."""
-        removals, problems = self.arrivals.files.leave(self._keep_files)
+        rank, unless the pool keeps it; the directories to delete. Never raises: the rank's
+        other leaving steps must still run."""
+        try:
+            removals, problems = self.arrivals.files.leave(self._keep_files)
+        except OSError as exc:
+            self._diagnose(f"could not let go of the synced copies: {exc}")
+            return []
         for problem in problems:
             self._diagnose(problem)
         return removals

@@ -45,6 +45,8 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .accepting import CONNECTION_GONE, OUT_OF_DESCRIPTORS
+
 _NONCE = 32
 _REQUEST = struct.Struct("!64s32s")  # digest (64 hex), HMAC-SHA256(token, nonce + digest)
 _LENGTH = struct.Struct("!q")  # -1: not found within the wait
@@ -61,7 +63,8 @@ SEND_STALL = 60.0
 """Seconds a client that asked may take no bytes before it is dropped."""
 RETRY_WITHIN = 30.0
 """Seconds a client keeps retrying a relay that drops it before answering (it is busy)."""
-_OUT_OF_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+SAID = 20
+"""Lines the relay writes to the rank's diagnostics at most."""
 _GONE = frozenset({errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH})
 
 
@@ -188,8 +191,9 @@ class RelayServer:
         wait: float = 600.0,
     ) -> None:
         self.store = store
-        self._say = say
+        self._tell = say
         """Where an unexpected error goes (the rank's diagnostics)."""
+        self._said = 0
         self._failures = 0
         """Rounds of the loop in a row that failed."""
         self._token = keys.token
@@ -213,6 +217,13 @@ class RelayServer:
         self._backoff = 0.0
         store.watch(self._wake)
         threading.Thread(target=self._loop, name="relay", daemon=True).start()
+
+    def _say(self, line: str) -> None:
+        """A line on the rank's diagnostics: the first ``SAID`` only, so that a failure
+        repeating every round cannot fill them."""
+        self._said += 1
+        if self._said <= SAID:
+            self._tell(line + ("" if self._said < SAID else " (further ones not said)"))
 
     def _wake(self) -> None:
         with contextlib.suppress(BlockingIOError):  # the loop has wake-ups pending already
@@ -260,13 +271,15 @@ class RelayServer:
             except BlockingIOError:
                 return
             except OSError as exc:
-                if exc.errno in _OUT_OF_DESCRIPTORS:
-                    # The waiting client stays in the backlog: try again later, not at once.
-                    self._backoff = min(max(self._backoff * 2, 0.05), 1.0)
-                    self._paused_until = time.monotonic() + self._backoff
-                    self._selector.unregister(self._listener)
-                    return
-                continue  # that client gave up while it waited (ECONNABORTED and the like)
+                if exc.errno in CONNECTION_GONE:
+                    continue  # that client gave up while it waited
+                if exc.errno not in OUT_OF_DESCRIPTORS and not self._backoff:
+                    self._say(f"the relay could not accept a connection: {_described(exc)}")
+                # The waiting client stays in the backlog: try again later, not at once.
+                self._backoff = min(max(self._backoff * 2, 0.05), 1.0)
+                self._paused_until = time.monotonic() + self._backoff
+                self._selector.unregister(self._listener)
+                return
             self._backoff = 0.0
             self._admit(sock)
 

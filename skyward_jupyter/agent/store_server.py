@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import errno
 import heapq
 import itertools
 import selectors
@@ -33,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import store_auth as auth
+from .accepting import CONNECTION_GONE, OUT_OF_DESCRIPTORS
 
 HANDSHAKE_TIMEOUT = 10.0
 """Seconds a new connection has to prove the pool's secret."""
@@ -46,24 +46,6 @@ _SAID = 20
 _READ = 1 << 16
 _COMPACT_FLOOR = 256
 """Deadlines kept before the stale ones (answered waits, proven connections) are swept."""
-_OUT_OF_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
-_CONNECTION_GONE = frozenset(
-    {
-        errno.ECONNABORTED,
-        errno.EPROTO,
-        errno.ENOPROTOOPT,
-        errno.ENETDOWN,
-        errno.ENONET,
-        errno.EHOSTDOWN,
-        errno.EHOSTUNREACH,
-        errno.ENETUNREACH,
-        errno.EOPNOTSUPP,
-        errno.EPERM,
-        errno.EINTR,
-    }
-)
-"""What accept(2) reports of a connection that failed before it was taken (Linux passes its
-pending network error this way): that client is gone, the listener is fine."""
 WAITING_OPS = frozenset({b"get", b"wait", b"multi_get"})
 
 
@@ -227,12 +209,12 @@ class StoreServer:
         except BlockingIOError:
             return
         except OSError as exc:
-            if exc.errno in _CONNECTION_GONE:
+            if exc.errno in CONNECTION_GONE:
                 return
-            if exc.errno in _OUT_OF_DESCRIPTORS and self._proving:
+            if exc.errno in OUT_OF_DESCRIPTORS and self._proving:
                 self._refuse(self._oldest_unproven(), "dropped: out of descriptors")
                 return
-            if exc.errno not in _OUT_OF_DESCRIPTORS:
+            if exc.errno not in OUT_OF_DESCRIPTORS:
                 self._note(f"store could not accept a connection ({exc}); pausing")
             # every descriptor is a rank's or the process's: wait for one to close
             self._selector.unregister(self._listener)

@@ -94,14 +94,18 @@ def _naming(path: Path | str) -> Iterator[None]:
 def remove_tree(path: Path) -> None:
     """Remove a directory the user's code may have left read-only inside."""
 
-    def retry(func: Callable[..., object], name: str, _exc: object) -> None:
+    def retry(func: Callable[..., object], name: str, exc: object) -> None:
+        error = exc[1] if isinstance(exc, tuple) else exc  # onerror gives sys.exc_info()
+        if isinstance(error, FileNotFoundError):
+            return  # another process removes the same tree (leftovers are swept by every rank)
         os.chmod(os.path.dirname(name), 0o700)
         func(name)
 
-    if sys.version_info >= (3, 12):
-        shutil.rmtree(path, onexc=retry)
-    else:
-        shutil.rmtree(path, onerror=retry)
+    with contextlib.suppress(FileNotFoundError):
+        if sys.version_info >= (3, 12):
+            shutil.rmtree(path, onexc=retry)
+        else:
+            shutil.rmtree(path, onerror=retry)
 
 
 class WorkdirCopy:

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..agent.descendants import end_tree
+from ..agent.descendants import end_rank
 from ..events import RankState
 from .base import Node, Progress, Provider, ProviderError, ReapReport, StderrTail, no_progress
 
@@ -47,8 +47,11 @@ _CONNECT_LIMITS = (
 class RankHost:
     """The actor that runs one rank's agent and carries its wire (runs on the node)."""
 
-    def __init__(self) -> None:
+    def __init__(self, run_id: str | None = None) -> None:
         import skyward_jupyter
+
+        self._run_id = run_id
+        """The pool's run id: where the rank's private directory is, to remove with it."""
 
         package_parent = str(Path(skyward_jupyter.__file__).resolve().parents[1])
         child_env = {**os.environ, "PYTHONPATH": _prepended(package_parent)}
@@ -81,8 +84,9 @@ class RankHost:
         return self._proc.wait()
 
     def kill(self) -> None:
-        """The rank, with every process below it (what its cells detached too)."""
-        end_tree(self._proc.pid)
+        """The rank, with every process below it (what its cells detached too), and its
+        private directory."""
+        end_rank(self._proc.pid, self._run_id)
 
 
 class _Reader:
@@ -281,7 +285,7 @@ class RayProvider(Provider):
                 self.group, placement_group_bundle_index=node.index
             ),
         )
-        actor = host.remote()
+        actor = host.remote(env.get("TORCHELASTIC_RUN_ID"))  # an id, not a secret
         self._actors.append(actor)
         try:
             pid = await actor.pid.remote()

@@ -7,6 +7,7 @@ package versions no process runs from (the one it runs from included, unless a p
 
 from __future__ import annotations
 
+import asyncio
 import json
 import posixpath
 import shlex
@@ -33,8 +34,9 @@ async def clean_host(host: Host, connect: Connect, python: str, cache_dir: str) 
     except ProviderError as exc:
         text = str(exc)
         return text if text.startswith(f"{host}:") else f"{host}: {text}"
-    except (asyncssh.Error, OSError) as exc:
-        return f"{host}: cleaning failed: {exc}"
+    except (asyncssh.Error, OSError, asyncio.TimeoutError, ValueError, KeyError) as exc:
+        # one host's failure is its own line: the others' reports still come back
+        return f"{host}: cleaning failed: {exc or type(exc).__name__}"
 
 
 async def _clean(host: Host, connect: Connect, python: str, cache_dir: str) -> str:
