@@ -239,14 +239,7 @@ def test_a_script_in_the_synced_directory_runs_from_the_nodes_copy(
 
 def _copies(hosts: Hosts, i: int) -> list[str]:
     """The sync copies on host i, seen from inside it (no network needed)."""
-    home = f"/home/{hosts.user}/.cache/skyward_jupyter/sync"
-    out = subprocess.run(
-        hosts.inside_argv(i, "sh", "-c", f"ls -1 {home} 2>/dev/null || true"),
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return out.stdout.split()
+    return _listing(hosts, i, ".cache/skyward_jupyter/sync")
 
 
 def test_secrets_and_links_out_stay_behind_and_the_first_sync_says_so(
