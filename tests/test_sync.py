@@ -46,6 +46,17 @@ def _provider(hosts: Hosts, which: tuple[int, ...] = (0, 1), **changes: object) 
     )
 
 
+def _ssh_options(hosts: Hosts, **more: object) -> dict[str, object]:
+    """The pool options (as the magics give them) of an SSH pool on host 0."""
+    return {
+        "hosts": (f"{hosts.user}@{hosts[0].address}:{hosts[0].port}",),
+        "identity": str(hosts.client_key),
+        "known_hosts": str(hosts.known_hosts),
+        "python": hosts.python,
+        **more,
+    }
+
+
 def _project(root: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     (root / "mymod.py").write_text("VALUE = 1\ndef f():\n    return VALUE\n")
@@ -305,15 +316,7 @@ def test_the_copy_goes_with_the_last_pool_using_it_unless_kept(
     # %sky clean on a named host removes it, and says so
     from skyward_jupyter.session import Session
 
-    lines = Session().clean(
-        {
-            "hosts": (f"{hosts.user}@{hosts[0].address}:{hosts[0].port}",),
-            "identity": str(hosts.client_key),
-            "known_hosts": str(hosts.known_hosts),
-            "accept_new_host_keys": None,
-            "python": hosts.python,
-        }
-    )
+    lines = Session().clean(_ssh_options(hosts, accept_new_host_keys=None))
     assert len(lines) == 1 and "removed 1 synced directory and 1 package version" in lines[0]
     assert not _copies(hosts, 0)
 
@@ -384,14 +387,7 @@ def test_a_home_directory_synced_by_default_asks_for_sync(
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.chdir(home)
     session = Session(announce=lambda _: None)
-    spec = session.spec_from(
-        {
-            "hosts": (f"{hosts.user}@{hosts[0].address}:{hosts[0].port}",),
-            "identity": str(hosts.client_key),
-            "known_hosts": str(hosts.known_hosts),
-            "python": hosts.python,
-        }
-    )
+    spec = session.spec_from(_ssh_options(hosts))
     with pytest.raises(USER_ERRORS) as raised:
         session.entry(None, spec)
     message = str(raised.value)
@@ -416,15 +412,7 @@ def test_a_pool_replaced_on_the_same_hosts_keeps_their_copy(
     root = _project(tmp_path / "project")
     monkeypatch.chdir(root)
     session = Session(announce=lambda _: None)
-    spec = session.spec_from(
-        {
-            "hosts": (f"{hosts.user}@{hosts[0].address}:{hosts[0].port}",),
-            "identity": str(hosts.client_key),
-            "known_hosts": str(hosts.known_hosts),
-            "python": hosts.python,
-            "sync": (str(root),),
-        }
-    )
+    spec = session.spec_from(_ssh_options(hosts, sync=(str(root),)))
     try:
         first = session.entry(None, spec)
         assert first.pool.run("open('made.txt', 'w').write('by a rank')").ok
