@@ -24,7 +24,7 @@ def memory_limits() -> tuple[int | None, str | None, int | None]:
     cgroup v1's memory controller (``memory.limit_in_bytes``, ``memory.oom_control``) or v2's
     (``memory.max``, ``memory.events``); the machine's total when lower or no cgroup limit.
     """
-    limit = _meminfo_total()
+    limit = meminfo("MemTotal")
     record = None
     try:
         with open("/proc/self/cgroup") as cgroups:
@@ -58,11 +58,13 @@ def oom_kills(record: str) -> int | None:
         return None
 
 
-def _meminfo_total() -> int | None:
+def meminfo(field: str) -> int | None:
+    """A field of ``/proc/meminfo`` (``MemTotal``, ``MemAvailable``) in bytes; None where the
+    machine has no such file or field."""
     try:
-        with open("/proc/meminfo") as meminfo:
+        with open("/proc/meminfo") as lines:
             return next(
-                int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemTotal:")
+                int(line.split()[1]) * 1024 for line in lines if line.startswith(f"{field}:")
             )
     except (OSError, ValueError, StopIteration):
         return None

@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..agent.descendants import end_rank, pool_dir
+from ..memory import meminfo
 from ..procs import end, is_agent, process_alive, process_start
 from .base import Node, Progress, Provider, ProviderError, ReapReport, StderrTail, no_progress
 from .local_template import (
@@ -420,7 +421,7 @@ class LocalProvider(Provider):
 
 def _check_fits(ranks: int) -> None:
     """Refuse a local pool whose ranks alone would take more memory than this machine has."""
-    available = _available_memory()
+    available = meminfo("MemAvailable")
     if available is None or ranks <= 16:
         return  # a few ranks always start: a small machine may still run a small pool
     fits = max(16, available // RANK_FOOTPRINT)
@@ -431,15 +432,3 @@ def _check_fits(ranks: int) -> None:
             f"{available / 2**30:.1f} GiB available, room for {fits} ranks: ask for fewer "
             "--nodes or --procs-per-node"
         )
-
-
-def _available_memory() -> int | None:
-    """``MemAvailable`` of /proc/meminfo in bytes (None where there is no such file)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
