@@ -65,7 +65,6 @@ class Transfer:
         shares = provider.shares_files
         self._scanners = [] if shares else [Scanner(root, cap_bytes, chosen) for root in roots]
         self._shared = tuple(roots) if shares else ()
-        self._relays = not provider.on_notebook_machine
         self._emit = emit
         self._synced: dict[str, tuple[str, tuple[int, ...]]] = {}
         """Per key: the manifest digest the nodes hold, and the pids of the ranks that keep it
@@ -213,7 +212,7 @@ class Transfer:
     async def relay_globals(self, command: p.RunCell, live: list[Rank]) -> p.RunCell:
         """``command`` with its large globals replaced by references to a stash on the head."""
         relay = self._relay()
-        if relay is None or len(live) < 2 or not self._relays:
+        if relay is None or len(live) < 2:  # no relay on a pool of the notebook's machine
             return command
         shipped: dict[str, p.Pickled | p.Relayed] = {}
         for name, value in command.globals.items():
