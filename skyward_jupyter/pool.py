@@ -186,7 +186,7 @@ class Pool:
         ``on_wait`` is called on the caller's thread while it waits (a view showing the boot)."""
         if self._io is not None:
             return self
-        self._transfer.scan()  # a directory that cannot be synced fails before any machine
+        self.check()
         self._io = IOThread(f"skyward-pool-{self.name}")
         close_at_exit(self)
         try:
@@ -195,6 +195,11 @@ class Pool:
             self.close()
             raise
         return self
+
+    def check(self) -> None:
+        """Refuse what starting would refuse before reaching any machine (a directory that
+        cannot be synced), as a :class:`PoolError`."""
+        self._transfer.scan()
 
     def run(
         self,

@@ -868,6 +868,37 @@ def test_other_options_replace_the_pool_and_names_add_pools(nb: Kernel) -> None:
     wait_for(lambda: not ({*one, *other} & agent_pids()), GONE_TIMEOUT, "the pools' ranks to end")
 
 
+def test_a_failed_replacement_leaves_the_local_pool_as_it_was(nb: Kernel) -> None:
+    """A working 2-node pool, then replacements that fail: one that this CPU machine's torch
+    refuses (NCCL), one that breaks the ranks' start (torch refuses ``TORCH_LOGS`` at import).
+    Each says that the old pool still runs, the next cell without options runs on it (same
+    processes, world size 2), and its panel state (metrics) is still the one shown. The ranks
+    the failed starts made are gone (the leak check after the test)."""
+    world = (
+        "%%sky --all\nimport os, torch.distributed as dist\n(os.getpid(), dist.get_world_size())"
+    )
+    nb.ok(POOL2)
+    nb.ok("%%sky\nfrom skyward_jupyter import log\nlog(step=1, loss=2.5)")
+    before = nb.ok(world).per_rank
+    assert len(before) == 2 and all(v.endswith(", 2)") for v in before.values()), before
+    status = normalised(nb.status())
+    kept = (
+        r"pool 'default': its replacement \(--env \(default\) -> TORCH_LOGS=not_a_log_name\) "
+        r"did not start; the pool 'default' is still running as before \(2 nodes x 1 rank per "
+        r"GPU or CPU, local\), and cells without pool options run on it"
+    )
+    # NCCL may be refused before anything starts, or when the group forms: either way the pool
+    # stays. The bad variable is found only when the ranks start.
+    for options, said in (("--backend nccl", ""), ("--env TORCH_LOGS=not_a_log_name", kept)):
+        failed = nb.fails(f"%%sky --nodes 2 {options}\nprint('THE CELL RAN')")
+        assert "THE CELL RAN" not in failed.stdout, str(failed)
+        assert re.search(said, failed.stderr), str(failed)
+        assert nb.ok(world).per_rank == before, f"after {options}: not the same 2 ranks"
+        assert normalised(nb.status()) == status
+        metrics = nb.ok("%sky metrics")
+        assert re.search(r"\b1\s+loss\s+2\.5\b", metrics.shown[0]), str(metrics)
+
+
 # ------------------------------------------------------------------------------ 8. no ranks left
 
 

@@ -259,6 +259,7 @@ class LocalProvider(Provider):
     name = "local"
     shares_files = True
     on_notebook_machine = True
+    keeps_old_until_ready = True
 
     def __init__(
         self,
@@ -276,8 +277,12 @@ class LocalProvider(Provider):
 
     @classmethod
     def from_spec(cls, spec: PoolSpec, pool_name: str, extra: Mapping[str, Any]) -> LocalProvider:
-        """This machine; ``--gpu`` must name the GPUs it has (the nodes split them), and the
-        ranks must fit in its memory."""
+        return cls(**extra)
+
+    @classmethod
+    def check(cls, spec: PoolSpec) -> None:
+        """``--gpu`` must name the GPUs this machine has (the nodes split them), and the ranks
+        must fit in its memory."""
         _check_fits(spec.nodes * (spec.procs_per_node or 1))
         if spec.gpu:
             ids, model = visible_gpus()
@@ -288,7 +293,6 @@ class LocalProvider(Provider):
                 )
             if model and spec.gpu.lower() not in model.lower():
                 raise ProviderError(f"--gpu {spec.gpu}: this machine's GPUs are {model}")
-        return cls(**extra)
 
     def record(self, pids: Mapping[int, Sequence[int]]) -> dict[str, Any]:
         """The ranks' and templates' pids with their start tokens, on this machine."""
