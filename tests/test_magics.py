@@ -359,13 +359,17 @@ def test_line_commands_check_numbers_before_touching_the_pool(nb: Kernel, tmp_pa
 
 
 def test_a_starting_pool_stops_at_once_on_interrupt(nb: Kernel) -> None:
-    """Ctrl-C while many ranks start ends the start within 2 s and leaves no rank behind."""
+    """Ctrl-C while many ranks start ends the start within 2 s and leaves no rank behind; the
+    name keeps the description until ``%sky down`` forgets it."""
     nb.ok("%sky down --all")
     before = agent_pids()
     cell, took = nb.interrupted("%%sky --nodes 12 --name many\npass", when="starting")
     assert cell.reply.get("ename") == "KeyboardInterrupt", str(cell)
     assert took < 2, f"the start ended {took:.1f} s after the interrupt"
-    assert "many" not in nb.status()
+    status = nb.status()
+    assert re.fullmatch(r"\* many: 12 nodes x .*, did not start \(.*\)\n", status), status
+    nb.ok("%sky down many")
+    assert nb.status().strip() == "no pools"
     wait_for(lambda: agent_pids() <= before, GONE_TIMEOUT, "the interrupted start's ranks to end")
 
 
