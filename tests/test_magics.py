@@ -872,7 +872,7 @@ def test_other_options_replace_the_pool_and_names_add_pools(nb: Kernel) -> None:
     wait_for(lambda: not ({*one, *other} & agent_pids()), GONE_TIMEOUT, "the pools' ranks to end")
 
 
-def test_a_failed_replacement_leaves_the_local_pool_as_it_was(nb: Kernel) -> None:
+def test_a_failed_replacement_leaves_the_local_pool_as_it_was(nb: Kernel, tmp_path: Path) -> None:
     """A working 2-node pool, then replacements that fail: one that this CPU machine's torch
     refuses (NCCL), one that breaks the ranks' start (torch refuses ``TORCH_LOGS`` at import).
     Each says that the old pool still runs, the next cell without options runs on it (same
@@ -901,6 +901,11 @@ def test_a_failed_replacement_leaves_the_local_pool_as_it_was(nb: Kernel) -> Non
         assert normalised(nb.status()) == status
         metrics = nb.ok("%sky metrics")
         assert re.search(r"\b1\s+loss\s+2\.5\b", metrics.shown[0]), str(metrics)
+    script = tmp_path / "train.py"
+    script.write_text("import torch.distributed as d\nprint('world size', d.get_world_size())\n")
+    failed = nb.fails(f"%sky run --nodes 2 --backend nccl {script}")
+    assert "world size" not in failed.stdout, str(failed)
+    assert "world size 2" in nb.ok(f"%sky run {script}").stdout
 
 
 # ------------------------------------------------------------------------------ 8. no ranks left
