@@ -101,7 +101,8 @@ class PoolSpec:
             raise SpecError(str(exc)) from None
 
     def describe(self) -> str:
-        ranks = f"{self.procs_per_node} ranks" if self.procs_per_node else "1 rank per GPU or CPU"
+        per = self.procs_per_node
+        ranks = f"{per} rank{'s' * (per != 1)}" if per else "1 rank per GPU or CPU"
         gpu = f", {self.gpu}" if self.gpu else ""
         where = provider_class(self.provider).where(self)
         setup = [n for n in self.frameworks if n != "torch"]
@@ -148,6 +149,28 @@ def check_gpu_name(name: str) -> str:
     if match is None:
         raise SpecError(f"unknown GPU {name!r}; known: {', '.join(KNOWN_GPUS)}")
     return match
+
+
+def backend_problem(
+    backend: str | None, where: str, torch: str | None, nccl: bool | None, gpus: int
+) -> str | None:
+    """Why ``--backend`` cannot run on ranks ``where`` torch ``torch`` is (``nccl``: whether it
+    has NCCL) and ``gpus`` GPUs are visible; None when it can, or when torch is missing (that is
+    named on its own). The notebook asks before starting ranks that run its own torch; every
+    rank's hello answers it for the others, before the group forms."""
+    if backend != "nccl" or torch is None or nccl is None:
+        return None
+    if not nccl:
+        return (
+            f"--backend nccl: {where} has torch {torch}, which is built without NCCL; "
+            "use --backend gloo, or a CUDA build of torch"
+        )
+    if gpus == 0:
+        return (
+            f"--backend nccl: {where} has no GPU that torch can use, and NCCL runs on GPUs "
+            "only; use --backend gloo"
+        )
+    return None
 
 
 _SECRET = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL", re.I)

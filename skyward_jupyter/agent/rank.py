@@ -358,6 +358,7 @@ class Agent:
                 cloudpickle=cloudpickle.__version__,
                 torch=self.worlds.torch,
                 cuda_devices=self.worlds.cuda_devices(),
+                nccl=self.worlds.nccl(),
                 relay_port=self.arrivals.relay_port,
                 jax=self.worlds.jax_version,
                 problem=self.worlds.problem,

@@ -63,6 +63,15 @@ def torch_version() -> str | None:
     return str(torch.__version__)
 
 
+def nccl_available() -> bool | None:
+    """Whether this process's torch has NCCL (None: torch is not installed)."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    return bool(dist.is_available() and dist.is_nccl_available())
+
+
 def cuda_device_count() -> int:
     try:
         import torch
@@ -158,7 +167,7 @@ class ProcessGroup:
             except RuntimeError as exc:
                 raise GroupError(f"{exc}{_from(route)}") from None
         cuda = torch.cuda.is_available()
-        backend = s.backend or ("nccl" if cuda else "gloo")
+        backend = s.backend or ("nccl" if cuda and nccl_available() else "gloo")
         if cuda:
             torch.cuda.set_device(s.local_rank % torch.cuda.device_count())
         try:

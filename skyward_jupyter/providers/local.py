@@ -32,8 +32,10 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..agent.descendants import end_rank, pool_dir
+from ..agent.torch_setup import nccl_available
 from ..memory import meminfo
 from ..procs import end, is_agent, process_alive, process_start
+from ..spec import backend_problem
 from .base import Node, Progress, Provider, ProviderError, ReapReport, StderrTail, no_progress
 from .local_template import (
     base_env,
@@ -288,6 +290,8 @@ class LocalProvider(Provider):
                 )
             if model and spec.gpu.lower() not in model.lower():
                 raise ProviderError(f"--gpu {spec.gpu}: this machine's GPUs are {model}")
+        if spec.backend == "nccl":
+            _check_nccl()
         return cls(**extra)
 
     def record(self, pids: Mapping[int, Sequence[int]]) -> dict[str, Any]:
@@ -419,6 +423,21 @@ class LocalProvider(Provider):
             shutil.rmtree(pool_dir(run_id), ignore_errors=True)
 
 
+def _check_nccl() -> None:
+    """``--backend nccl`` on ranks that run the notebook's own torch, on this machine's GPUs:
+    refused here, before any rank starts, when either cannot run NCCL."""
+    nccl = nccl_available()  # imports the notebook's torch (CUDA stays uninitialised)
+    if nccl is None:
+        return  # the ranks' hellos name the missing torch
+    import torch
+
+    where = "this machine (the local provider's ranks run the notebook's torch)"
+    gpus = len(visible_gpus()[0])
+    problem = backend_problem("nccl", where, str(torch.__version__), nccl, gpus)
+    if problem is not None:
+        raise ProviderError(problem)
+
+
 def _check_fits(ranks: int) -> None:
     """Refuse a local pool whose ranks alone would take more memory than this machine has."""
     available = meminfo("MemAvailable")
@@ -429,6 +448,6 @@ def _check_fits(ranks: int) -> None:
         raise ProviderError(
             f"{ranks} local ranks would need about {ranks * RANK_FOOTPRINT / 2**30:.0f} GiB of "
             f"memory ({RANK_FOOTPRINT >> 20} MiB a rank with torch loaded); this machine has "
-            f"{available / 2**30:.1f} GiB available, room for {fits} ranks: ask for fewer "
-            "--nodes or --procs-per-node"
+            f"{available / 2**30:.1f} GiB available, room for {fits} rank{'s' * (fits != 1)}: "
+            "ask for fewer --nodes or --procs-per-node"
         )
