@@ -28,7 +28,15 @@ from jupyter_client.manager import KernelManager
 
 from skyward_jupyter.options import COMMANDS
 
-from .conftest import TEMPLATE, _module_pool_pids, agent_pids, outputs_of, reply_of, wait_for
+from .conftest import (
+    TEMPLATE,
+    _module_pool_pids,
+    agent_pids,
+    outputs_of,
+    reply_of,
+    skip_where_nccl_runs,
+    wait_for,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 HEALTH = "%%sky --all\nimport torch.distributed as dist\ndist.is_initialized()"
@@ -472,18 +480,12 @@ def test_help_after_any_command_shows_it_and_runs_nothing(nb: Kernel, tmp_path: 
     assert "usage:" not in cell.stdout, str(cell)
 
 
-def _notebook_torch_runs_nccl() -> bool:
-    import torch
-
-    return bool(torch.distributed.is_nccl_available() and torch.cuda.device_count())
-
-
-@pytest.mark.skipif(_notebook_torch_runs_nccl(), reason="this torch runs NCCL on this machine")
 def test_nccl_without_nccl_or_gpus_is_refused_naming_why_before_the_pool_changes(
     nb: Kernel, tmp_path: Path
 ) -> None:
     """The cause, not advice about interfaces; and the working pool stays, so the next cell
     without options still runs on both of its ranks."""
+    skip_where_nccl_runs()
     nb.ok(POOL2)
     before, ranks_before = normalised(nb.status()), agent_pids()
     script = tmp_path / "train.py"

@@ -16,7 +16,14 @@ from skyward_jupyter import CellError, Pool, PoolError
 from skyward_jupyter.events import CellFinished, CellStarted, OutputReceived, PoolEvent
 from skyward_jupyter.transfer import RELAY_MIN_BYTES, Transfer
 
-from .conftest import TEMPLATE, agent_pids, ctrl_c, kill_and_await_replacement, wait_for
+from .conftest import (
+    TEMPLATE,
+    agent_pids,
+    ctrl_c,
+    kill_and_await_replacement,
+    skip_where_nccl_runs,
+    wait_for,
+)
 
 
 def src(text: str) -> str:
@@ -58,17 +65,11 @@ def test_world_of_one_still_has_a_process_group() -> None:
         assert result.values == [(True, 1)]
 
 
-def _ranks_run_nccl() -> bool:
-    import torch
-
-    return bool(torch.distributed.is_nccl_available() and torch.cuda.device_count())
-
-
-@pytest.mark.skipif(_ranks_run_nccl(), reason="this torch runs NCCL on this machine")
 def test_nccl_on_ranks_without_nccl_or_gpus_fails_the_start_naming_the_rank_and_why() -> None:
     """What each rank says when it starts is checked before the group forms: the cause, for
     ranks whose torch the notebook cannot see (a remote host's), never advice about
     interfaces."""
+    skip_where_nccl_runs()
     before = agent_pids()
     pool = Pool(nodes=2, backend="nccl")
     with pytest.raises(PoolError) as failed:
