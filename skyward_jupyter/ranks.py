@@ -193,7 +193,10 @@ class Ranks:
 
         self.nodes = tuple(await self.provider.provision(nodes, progress))
         per_node = [self.settings.procs_per_node or len(node.gpus) or 1 for node in self.nodes]
-        limits.check_world(sum(per_node), f"{len(self.nodes)} nodes with one rank per GPU")
+        limits.check_world(
+            sum(per_node),
+            f"{len(self.nodes)} node{'s' * (len(self.nodes) != 1)} with one rank per GPU",
+        )
         for node, count in zip(self.nodes, per_node, strict=True):
             for local in range(count):
                 self.all.append(Rank(len(self.all), node, local, count))

@@ -448,6 +448,6 @@ def _check_fits(ranks: int) -> None:
         raise ProviderError(
             f"{ranks} local ranks would need about {ranks * RANK_FOOTPRINT / 2**30:.0f} GiB of "
             f"memory ({RANK_FOOTPRINT >> 20} MiB a rank with torch loaded); this machine has "
-            f"{available / 2**30:.1f} GiB available, room for {fits} rank{'s' * (fits != 1)}: "
-            "ask for fewer --nodes or --procs-per-node"
+            f"{available / 2**30:.1f} GiB available, room for {fits} ranks: ask for fewer "
+            "--nodes or --procs-per-node"
         )
