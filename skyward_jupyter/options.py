@@ -142,6 +142,13 @@ POOL_OPTIONS: tuple[Option, ...] = (
     Option("--name", "pool name (several pools per kernel)", {"type": identifier}),
     Option("--backend", "torch.distributed backend (auto)", {"choices": ("gloo", "nccl")}),
     Option(
+        "--secure",
+        "gloo's traffic between hosts through TLS tunnels proving the pool's key, gloo "
+        "listening on loopback only (for networks shared with others; slower, see "
+        "BENCHMARKS.md; gloo only)",
+        _flag(),
+    ),
+    Option(
         "--env",
         "environment variable for every rank, set before torch starts (repeatable)",
         {"type": _env, "action": "append", "metavar": "KEY=VALUE"},

@@ -132,6 +132,8 @@ class RankSettings:
     relay: RelaySecrets | None = None
     """The head's relay secrets (None: no relay, for ranks on the notebook's own machine)."""
     frameworks: Frameworks = TORCH_ONLY
+    secure: bool = False
+    """gloo's traffic between hosts through TLS tunnels, gloo on loopback (``--secure``)."""
 
 
 class Ranks:
@@ -231,7 +233,8 @@ class Ranks:
             "heartbeat_timeout": notebook_silence(s.heartbeat_timeout),
             "backend": s.backend,
             "pg_timeout": s.pg_timeout,
-            **(s.relay.agent_settings(head=rank.index == 0) if s.relay else {}),
+            "secure": s.secure,
+            **(s.relay.agent_settings(rank.index == 0, s.secure) if s.relay else {}),
             **s.frameworks.agent_settings(),
         }
         place = RankPlace(

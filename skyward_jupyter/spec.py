@@ -31,6 +31,8 @@ class PoolSpec:
     procs_per_node: int | None = None
     gpu: str | None = None
     backend: str | None = None
+    secure: bool | None = None
+    """gloo's traffic between hosts through TLS tunnels, gloo on loopback only."""
     env: tuple[tuple[str, str], ...] = ()
     hosts: tuple[str, ...] = ()
     """SSH hosts (``user@host[:port]``), one node each."""
@@ -77,6 +79,16 @@ class PoolSpec:
                 limit.check(value)
         if self.procs_per_node:
             limits.check_layout(self.nodes, self.procs_per_node)
+        if self.secure and self.backend == "nccl":
+            raise SpecError(
+                "--secure carries gloo's traffic only: NCCL's cannot go through its tunnels; "
+                "use --backend gloo, or leave out --secure on a network you trust"
+            )
+        if self.secure and "jax" in self.frameworks:
+            raise SpecError(
+                "--secure covers torch's gloo traffic only, not JAX's coordinator and "
+                "collectives: leave out --framework jax, or --secure"
+            )
 
     def pool_arguments(self, cwd: str, notebook_env: Mapping[str, str]) -> dict[str, Any]:
         """The Pool's keyword arguments for the synced directories, the frameworks and the hang
@@ -87,6 +99,7 @@ class PoolSpec:
             "sync_cap_bytes": int(self.sync_cap * 2**20) if self.sync_cap else None,
             "heartbeat_timeout": self.heartbeat_timeout,
             "desync_after": self.desync_after,
+            "secure": self.secure,
             "frameworks": self.framework_setup(notebook_env),
         }
         return {k: v for k, v in given.items() if v is not None}

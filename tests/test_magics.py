@@ -317,6 +317,8 @@ BAD_OPTIONS = [
     ("--hosts alice@gpu1:99999", "bad port"),
     ("--provider aws --ssh-cidr 0.0.0.0/0", "refusing to open SSH to the whole internet"),
     ("--provider aws --idle-timeout -1", "must be from 0 to 43200 minutes"),
+    ("--secure --backend nccl", "--secure carries gloo's traffic only"),
+    ("--secure --framework jax", "--secure covers torch's gloo traffic only"),
 ]
 
 
