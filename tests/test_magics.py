@@ -477,6 +477,11 @@ def test_help_after_any_command_shows_it_and_runs_nothing(nb: Kernel, tmp_path: 
         assert "THE SCRIPT GOT" not in cell.stdout, str(cell)
         assert normalised(nb.status()) == before, f"{code} changed the pools"
         assert agent_pids() == ranks_before, f"{code} started or ended rank processes"
+    missing = nb.fails("%sky run --nodes 2")  # not "ARGS is required": ARGS may be empty
+    assert (
+        missing.reply["evalue"]
+        == "%sky run: which script? %sky run [pool options] SCRIPT [ARGS ...]"
+    )
     cell = nb.ok(f"%sky run {script} --help -h")
     assert "THE SCRIPT GOT ['--help', '-h']" in cell.stdout, str(cell)
     assert "usage:" not in cell.stdout, str(cell)
