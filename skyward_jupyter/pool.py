@@ -75,6 +75,7 @@ class Pool:
         sync_cap_bytes: int | None = None,
         sync_chosen: bool = True,
         frameworks: Frameworks = TORCH_ONLY,
+        secure: bool = False,
     ) -> None:
         limits.NODES.check(nodes)
         if procs_per_node is not None:
@@ -90,6 +91,10 @@ class Pool:
             limits.SYNC_CAP_BYTES.check(sync_cap_bytes)
         if backend not in (None, "gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        if secure and (backend == "nccl" or frameworks.jax):
+            raise ValueError(
+                "secure=True carries torch's gloo traffic only: use backend='gloo', no JAX"
+            )
         if provider is None:
             from .providers.local import LocalProvider
 
@@ -113,8 +118,11 @@ class Pool:
             start_timeout=start_timeout,
             run_id=self.run_id,
             # Ranks on the notebook's machine get values over their own pipes: no relay there.
-            relay=None if provider.on_notebook_machine else RelaySecrets.make(relay_keys.ENCRYPTED),
+            relay=None
+            if provider.on_notebook_machine
+            else RelaySecrets.make(relay_keys.ENCRYPTED or secure),
             frameworks=frameworks,
+            secure=secure,
         )
         self._ranks = Ranks(provider, settings, self._emit, self._rank_ended)
         self._prompts = Prompts()

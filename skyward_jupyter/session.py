@@ -166,7 +166,7 @@ class Session:
         self._failed.pop(name, None)
         self._pools[name] = entry  # from here on the session owns it (and ends it with itself)
         self._announce(
-            f"pool {name!r}: {pool.world_size} ranks ready in "
+            f"pool {name!r}: {pool.world_size} rank{'s' * (pool.world_size != 1)} ready in "
             f"{time.perf_counter() - started:.1f} s ({pool.worlds_note})"
         )
         for warning in pool.provider.warnings:
@@ -358,7 +358,8 @@ class Session:
             return self.entry(entry.name, entry.spec)
         entry.shipper.forget()
         took = time.perf_counter() - started
-        self._announce(f"pool {entry.name!r}: {entry.pool.world_size} fresh ranks in {took:.1f} s")
+        size = entry.pool.world_size
+        self._announce(f"pool {entry.name!r}: {size} fresh rank{'s' * (size != 1)} in {took:.1f} s")
         return entry
 
     def down(

@@ -26,7 +26,17 @@ import pytest
 from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.manager import KernelManager
 
-from .conftest import TEMPLATE, _module_pool_pids, agent_pids, outputs_of, reply_of, wait_for
+from skyward_jupyter.options import COMMANDS
+
+from .conftest import (
+    TEMPLATE,
+    _module_pool_pids,
+    agent_pids,
+    outputs_of,
+    reply_of,
+    skip_where_nccl_runs,
+    wait_for,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 HEALTH = "%%sky --all\nimport torch.distributed as dist\ndist.is_initialized()"
@@ -307,6 +317,8 @@ BAD_OPTIONS = [
     ("--hosts alice@gpu1:99999", "bad port"),
     ("--provider aws --ssh-cidr 0.0.0.0/0", "refusing to open SSH to the whole internet"),
     ("--provider aws --idle-timeout -1", "must be from 0 to 43200 minutes"),
+    ("--secure --backend nccl", "--secure carries gloo's traffic only"),
+    ("--secure --framework jax", "--secure covers torch's gloo traffic only"),
 ]
 
 
@@ -393,6 +405,129 @@ def test_help_documents_every_option(nb: Kernel) -> None:
         assert not missing, f"{code} does not document {missing}:\n{page}"
         for command in ("up", "down", "status", "restart", "pull", "push", "config"):
             assert f"%sky {command}" in page
+
+
+UNKNOWN_OPTIONS = [
+    # each of these was once expanded (--gpus to Slurm's --gpus-per-node) or silently taken
+    ("%%sky --gpus 1", "%%sky: unknown option --gpus; did you mean --gpu or --gpus-per-node?"),
+    ("%%sky --node 2", "%%sky: unknown option --node; did you mean --nodes?"),
+    ("%%sky --proc 2", "%%sky: unknown option --proc; did you mean --procs-per-node?"),
+    ("%%sky --nodes 2 --std all", "%%sky: unknown option --std; did you mean --stdout?"),
+    (
+        "%%sky --nproc-per-node 2",
+        "%%sky: unknown option --nproc-per-node: that is torchrun's spelling; here it is "
+        "--procs-per-node",
+    ),
+    ("%%sky --nproc_per_node=2", "here it is --procs-per-node"),
+    (
+        "%%sky --nnodes 2",
+        "%%sky: unknown option --nnodes: that is torchrun's spelling; here it is --nodes",
+    ),
+    ("%%sky --node-rank 0", "the pool numbers its nodes itself"),
+    ("%sky run --gpus 1 {script}", "%sky run: unknown option --gpus; did you mean --gpu"),
+    ("%sky run --node 2 {script}", "%sky run: unknown option --node; did you mean --nodes?"),
+    ("%sky run --nproc-per-node 2 {script}", "here it is --procs-per-node"),
+    ("%sky up --node 2", "%sky up: unknown option --node; did you mean --nodes?"),
+    ("%sky config --node 2", "%sky config: unknown option --node; did you mean --nodes?"),
+    ("%sky down --al", "%sky down: unknown option --al; did you mean --all?"),
+    ("%sky restart --hard", "%sky restart: unknown option --hard"),
+    ("%sky stat", "%sky: unknown command 'stat'; did you mean status?"),
+]
+
+
+def test_no_abbreviation_expands_and_near_misses_are_named(nb: Kernel, tmp_path: Path) -> None:
+    """An option is taken only as written: an abbreviation or torchrun's spelling is refused in
+    one line naming what was meant, and neither the pools nor the defaults change."""
+    nb.ok(POOL2)
+    before, ranks_before = normalised(nb.status()), agent_pids()
+    script = tmp_path / "train.py"
+    script.write_text("print('THE SCRIPT RAN')\n")
+    for line, message in UNKNOWN_OPTIONS:
+        code = line.format(script=script) + ("\nprint('THE CELL RAN')" if line[1] == "%" else "")
+        cell = nb.fails(code)
+        assert cell.reply["ename"] == "UsageError", str(cell)
+        evalue = cell.reply["evalue"]
+        assert message in evalue, str(cell)
+        assert "\n" not in evalue.strip(), f"not one line: {evalue!r}"
+        assert "THE CELL RAN" not in cell.stdout, str(cell)
+        assert "THE SCRIPT RAN" not in cell.stdout, str(cell)
+        assert normalised(nb.status()) == before, f"{line} changed the pools"
+        assert agent_pids() == ranks_before, f"{line} started or ended rank processes"
+    cell = nb.ok("%%sky --all\nimport torch.distributed as dist\ndist.get_world_size()")
+    assert cell.per_rank == {0: "2", 1: "2"}, "the defaults changed"
+
+
+def test_help_after_any_command_shows_it_and_runs_nothing(nb: Kernel, tmp_path: Path) -> None:
+    """``-h``/``--help`` among a command's own options prints its help and nothing else runs:
+    not the cell, not a new pool, not a shutdown or restart. After ``%sky run``'s script, the
+    option is the script's (as torchrun passes it)."""
+    nb.ok(POOL2)
+    before, ranks_before = normalised(nb.status()), agent_pids()
+    script = tmp_path / "train.py"
+    script.write_text("import sys\nprint('THE SCRIPT GOT', sys.argv[1:])\n")
+    cases = [
+        ("%%sky -h\nprint('THE CELL RAN')", "usage: %%sky [-h] [--nodes NODES]"),
+        ("%%sky --nodes 3 --help\nprint('THE CELL RAN')", "usage: %%sky [-h]"),
+        ("%sky --help", "Line magic (%sky COMMAND --help"),
+        ("%sky -h", "usage: %%sky [-h]"),
+        ("%sky run --help", "usage: %sky run [-h]"),
+        (f"%sky run --nodes 3 -h {script}", "the script's arguments: all that follows SCRIPT"),
+    ]
+    cases += [(f"%sky {c.name} --help", f"usage: %sky {c.name} [-h]") for c in COMMANDS]
+    for code, shown in cases:
+        cell = nb.ok(code)
+        assert shown in cell.stdout, str(cell)
+        assert "THE CELL RAN" not in cell.stdout, str(cell)
+        assert "THE SCRIPT GOT" not in cell.stdout, str(cell)
+        assert normalised(nb.status()) == before, f"{code} changed the pools"
+        assert agent_pids() == ranks_before, f"{code} started or ended rank processes"
+    missing = nb.fails("%sky run --nodes 2")  # not "ARGS is required": ARGS may be empty
+    assert (
+        missing.reply["evalue"]
+        == "%sky run: which script? %sky run [pool options] SCRIPT [ARGS ...]"
+    )
+    cell = nb.ok(f"%sky run {script} --help -h")
+    assert "THE SCRIPT GOT ['--help', '-h']" in cell.stdout, str(cell)
+    assert "usage:" not in cell.stdout, str(cell)
+
+
+def test_nccl_without_nccl_or_gpus_is_refused_naming_why_before_the_pool_changes(
+    nb: Kernel, tmp_path: Path
+) -> None:
+    """The cause, not advice about interfaces; and the working pool stays, so the next cell
+    without options still runs on both of its ranks."""
+    skip_where_nccl_runs()
+    nb.ok(POOL2)
+    before, ranks_before = normalised(nb.status()), agent_pids()
+    script = tmp_path / "train.py"
+    script.write_text("print('THE SCRIPT RAN')\n")
+    for code in (
+        "%%sky --nodes 2 --backend nccl\nprint('THE CELL RAN')",
+        f"%sky run --nodes=2 --backend nccl {script}",
+        "%sky up --backend nccl --name other",
+    ):
+        cell = nb.fails(code)
+        assert cell.reply["ename"] == "UsageError", str(cell)
+        evalue = cell.reply["evalue"]
+        assert re.search(r"--backend nccl: this machine .* (built without NCCL|no GPU)", evalue)
+        assert "use --backend gloo" in evalue and "SOCKET_IFNAME" not in evalue, evalue
+        assert "THE CELL RAN" not in cell.stdout, str(cell)
+        assert "THE SCRIPT RAN" not in cell.stdout, str(cell)
+        assert normalised(nb.status()) == before, f"{code} changed the pools"
+        assert agent_pids() == ranks_before, f"{code} started or ended rank processes"
+    cell = nb.ok("%%sky --all\nimport torch.distributed as dist\ndist.get_world_size()")
+    assert cell.per_rank == {0: "2", 1: "2"}
+
+
+def test_a_count_of_one_is_singular(nb: Kernel) -> None:
+    cell = nb.ok("%%sky --procs-per-node 1 --name solo\npass")
+    try:
+        assert "pool 'solo': starting 1 node x 1 rank, " in cell.stderr, str(cell)
+        assert re.search(r"pool 'solo': 1 rank ready in \d", cell.stderr), str(cell)
+        restarted = nb.ok("%sky restart solo")
+        assert re.search(r"pool 'solo': 1 fresh rank in \d", restarted.stderr), str(restarted)
+    finally:
+        nb.ok("%sky down solo")
 
 
 # ------------------------------------------------------------------------------ 2. keep-alive

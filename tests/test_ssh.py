@@ -22,7 +22,7 @@ from skyward_jupyter.providers.base import ProviderError
 from skyward_jupyter.providers.ssh import Host, SSHOptions, SSHProvider
 from skyward_jupyter.providers.ssh_prepare import package_digest
 
-from .conftest import agents_among, ranks_among, wait_for
+from .conftest import agents_among, ranks_among, skip_where_nccl_runs, wait_for
 from .hosts import Hosts, available, ssh_hosts, ssh_provider
 from .lifetime import detach, flat, kill_all, new_tag, running
 
@@ -482,6 +482,28 @@ def test_a_group_that_cannot_connect_fails_in_seconds_naming_who_and_what_to_set
     del pool
     gc.collect()
     assert "never retrieved" not in caplog.text
+    wait_for(lambda: not _remote_agents(hosts), 10, "remote ranks to end")
+
+
+def test_nccl_on_hosts_whose_torch_cannot_run_it_fails_naming_the_host_and_why(
+    hosts: Hosts, tmp_path: Path
+) -> None:
+    """The notebook cannot see a host's torch: each rank says at its start whether it has NCCL
+    and GPUs, and the start fails on that, before any group forms, naming the rank's host and
+    the cause, not an interface to set."""
+    skip_where_nccl_runs()
+    started = time.monotonic()
+    pool = Pool(nodes=2, provider=ssh_provider(hosts, 2, tmp_path), backend="nccl")
+    with pytest.raises(PoolError) as raised:
+        pool.start()
+    message = str(raised.value)
+    assert re.fullmatch(
+        rf"--backend nccl: rank 0 \(.*{re.escape(hosts[0].address)}.*\) has (torch \S+, which "
+        r"is built without NCCL|no GPU that torch can use.*); use --backend gloo.*",
+        message,
+    ), message
+    assert "SOCKET_IFNAME" not in message
+    assert time.monotonic() - started < 30  # the group's own timeout is 60 s
     wait_for(lambda: not _remote_agents(hosts), 10, "remote ranks to end")
 
 

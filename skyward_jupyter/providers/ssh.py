@@ -281,7 +281,10 @@ class SSHProvider(Provider):
 
     async def provision(self, nodes: int, progress: Progress = no_progress) -> list[Node]:
         if nodes != len(self.hosts):
-            raise ProviderError(f"{len(self.hosts)} hosts given for {nodes} nodes")
+            given = len(self.hosts)
+            raise ProviderError(
+                f"{given} host{'s' * (given != 1)} given for {nodes} node{'s' * (nodes != 1)}"
+            )
         self._progress = progress  # a template lost later is said through it
         for index, host in enumerate(self.hosts):
             progress(f"connecting to {host}", index, RankState.CONNECTING)
