@@ -142,20 +142,21 @@ class Session:
         wanted = spec or (old.spec if old else self.defaults)
         pool = self._prepare(name, wanted)
         keep_old = old is not None and pool.provider.keeps_old_until_ready
-        if old is not None:
-            self._announce(
-                f"pool {name!r}: replacing {old.spec.describe()} ({old.spec.differences(wanted)})"
-            )
-            if not keep_old:
-                # The new pool on the same hosts works in the same copies: they stay for it.
-                self.down(name, quiet=True, keep_files=_same_hosts(old.spec, wanted))
-        self._announce(f"pool {name!r}: starting {wanted.describe()} ...")
-        started = time.perf_counter()
         entry = PoolEntry(name, wanted, pool, shipper or Shipper())
-        self.views.pool_created(entry)
-        for watcher in self.watchers:
-            watcher.pool_created(entry)
-        try:
+        try:  # from here on, a failure or Ctrl-C says which pool is left
+            if old is not None:
+                self._announce(
+                    f"pool {name!r}: replacing {old.spec.describe()} "
+                    f"({old.spec.differences(wanted)})"
+                )
+                if not keep_old:
+                    # The new pool on the same hosts works in the same copies: they stay for it.
+                    self.down(name, quiet=True, keep_files=_same_hosts(old.spec, wanted))
+            self._announce(f"pool {name!r}: starting {wanted.describe()} ...")
+            started = time.perf_counter()
+            self.views.pool_created(entry)
+            for watcher in self.watchers:
+                watcher.pool_created(entry)
             pool.start(on_wait=lambda: self.views.pool_starting(entry))
         except BaseException:
             self._ended(entry)
