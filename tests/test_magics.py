@@ -1043,6 +1043,25 @@ def test_a_failed_replacement_leaves_the_local_pool_as_it_was(nb: Kernel, tmp_pa
     assert "world size 2" in nb.ok(f"%sky run {script}").stdout
 
 
+def test_a_description_its_provider_refuses_leaves_the_pool_untouched(nb: Kernel) -> None:
+    """A pool elsewhere replaces the local one only after it has started, but what its provider
+    can check here comes first: Slurm without its commands on PATH is one line, and the 2-node
+    pool is neither replaced nor restarted."""
+    world = "%%sky --all\nimport os, torch.distributed as d\n(os.getpid(), d.get_world_size())"
+    nb.ok(POOL2)
+    before = nb.ok(world).per_rank
+    nb.ok("import os, sys\n_path = os.environ['PATH']\nos.environ['PATH'] = sys.prefix")
+    try:
+        refused = nb.fails("%%sky --provider slurm --nodes 2\nprint('THE CELL RAN')")
+    finally:
+        nb.ok("os.environ['PATH'] = _path")
+    assert refused.reply["evalue"].startswith("sbatch not found: the slurm provider needs"), str(
+        refused
+    )
+    assert "replacing" not in refused.stderr and "THE CELL RAN" not in refused.stdout
+    assert nb.ok(world).per_rank == before
+
+
 # ------------------------------------------------------------------------------ 8. no ranks left
 
 
