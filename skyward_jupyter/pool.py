@@ -75,6 +75,7 @@ class Pool:
         sync_cap_bytes: int | None = None,
         sync_chosen: bool = True,
         frameworks: Frameworks = TORCH_ONLY,
+        gpu: str | None = None,
     ) -> None:
         limits.NODES.check(nodes)
         if procs_per_node is not None:
@@ -115,6 +116,7 @@ class Pool:
             # Ranks on the notebook's machine get values over their own pipes: no relay there.
             relay=None if provider.on_notebook_machine else RelaySecrets.make(relay_keys.ENCRYPTED),
             frameworks=frameworks,
+            gpu=gpu,
         )
         self._ranks = Ranks(provider, settings, self._emit, self._rank_ended)
         self._prompts = Prompts()

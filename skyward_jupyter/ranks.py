@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from . import limits, wire
@@ -31,6 +31,7 @@ from .events import (
 )
 from .formation import check_hellos, form_worlds
 from .frameworks import TORCH_ONLY, Frameworks
+from .gpus import lay_out
 from .launch_env import RankPlace, launcher_env
 from .memory import named_kill
 from .providers.base import Node, Provider, RankProcess, notebook_silence
@@ -132,6 +133,8 @@ class RankSettings:
     relay: RelaySecrets | None = None
     """The head's relay secrets (None: no relay, for ranks on the notebook's own machine)."""
     frameworks: Frameworks = TORCH_ONLY
+    gpu: str | None = None
+    """``--gpu``: the model asked for (the ranks need NCCL), or ``none`` (CPU ranks)."""
 
 
 class Ranks:
@@ -156,6 +159,10 @@ class Ranks:
         self.group_problem: str | None = None
         """Why the process group cannot run a collective now (None: it can); a restart mends it."""
         self.group_backend: str | None = None
+        self.backend: str | None = settings.backend
+        """The backend the ranks are told (None: they choose), once the layout is known."""
+        self.cpu_nodes: frozenset[int] = frozenset()
+        """Nodes whose ranks the layout keeps off their GPUs."""
         self.master_port: int | None = None
         self._layout = _Layout("{}", collections.Counter())
         self.generation = 0
@@ -191,10 +198,18 @@ class Ranks:
             )
             loop.call_soon_threadsafe(self.emit, event)
 
-        self.nodes = tuple(await self.provider.provision(nodes, progress))
-        per_node = [self.settings.procs_per_node or len(node.gpus) or 1 for node in self.nodes]
-        limits.check_world(sum(per_node), f"{len(self.nodes)} nodes with one rank per GPU")
-        for node, count in zip(self.nodes, per_node, strict=True):
+        found = await self.provider.provision(nodes, progress)
+        s = self.settings
+        layout = lay_out([len(n.gpus) for n in found], s.procs_per_node, s.backend, s.gpu)
+        limits.check_world(sum(layout.ranks), f"{len(found)} nodes with one rank per GPU")
+        self.backend, self.cpu_nodes = layout.backend, layout.cpu_nodes
+        self.nodes = tuple(
+            replace(n, gpus=(), gpu_type=None) if n.index in layout.cpu_nodes else n for n in found
+        )
+        if layout.note:
+            self.provider.warnings.append(layout.note)
+            progress(layout.note)
+        for node, count in zip(self.nodes, layout.ranks, strict=True):
             for local in range(count):
                 self.all.append(Rank(len(self.all), node, local, count))
         self._layout = self._describe_layout()
@@ -226,7 +241,7 @@ class Ranks:
         agent = {
             "heartbeat_interval": s.heartbeat_interval,
             "heartbeat_timeout": notebook_silence(s.heartbeat_timeout),
-            "backend": s.backend,
+            "backend": self.backend,
             "pg_timeout": s.pg_timeout,
             **(s.relay.agent_settings(head=rank.index == 0) if s.relay else {}),
             **s.frameworks.agent_settings(),
@@ -248,6 +263,8 @@ class Ranks:
             user_env={**s.frameworks.rank_env(place.has_gpu, os.environ), **s.env},
             notebook_env=os.environ,
         )
+        if rank.node.index in self.cpu_nodes:
+            env["CUDA_VISIBLE_DEVICES"] = ""
         return {
             **env,
             "SKYWARD_POOL": self._layout.pool,

@@ -15,13 +15,13 @@ from typing import Any
 
 from . import limits
 from .frameworks import FrameworkError, Frameworks
+from .gpus import NO_GPU
 from .providers import provider_class
-
-KNOWN_GPUS = ("T4", "A10G", "L4", "L40S", "V100", "A100", "H100")
 
 
 class SpecError(ValueError):
-    """An option that cannot describe a pool (an unknown GPU, a provider that does not exist)."""
+    """An option that cannot describe a pool (options that clash, a provider that does not
+    exist)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,10 +77,18 @@ class PoolSpec:
                 limit.check(value)
         if self.procs_per_node:
             limits.check_layout(self.nodes, self.procs_per_node)
+        if self.gpu == NO_GPU and self.gpus_per_node:
+            raise SpecError(
+                f"--gpu none asks for CPU ranks, --gpus-per-node {self.gpus_per_node} for GPUs: "
+                "leave out one of them"
+            )
+        if self.gpu == NO_GPU and self.backend == "nccl":
+            raise SpecError("--gpu none --backend nccl: NCCL needs GPUs; use --backend gloo")
 
     def pool_arguments(self, cwd: str, notebook_env: Mapping[str, str]) -> dict[str, Any]:
-        """The Pool's keyword arguments for the synced directories, the frameworks and the hang
-        doctor's limits (the pool's defaults stand for what was not given)."""
+        """The Pool's keyword arguments for the synced directories, the frameworks, the GPU
+        asked for and the hang doctor's limits (the pool's defaults stand for what was not
+        given)."""
         given: dict[str, Any] = {
             "sync": () if self.no_sync else (self.sync or (cwd,)),
             "sync_chosen": bool(self.sync),
@@ -88,6 +96,7 @@ class PoolSpec:
             "heartbeat_timeout": self.heartbeat_timeout,
             "desync_after": self.desync_after,
             "frameworks": self.framework_setup(notebook_env),
+            "gpu": self.gpu,
         }
         return {k: v for k, v in given.items() if v is not None}
 
@@ -141,13 +150,6 @@ _RANGES = {
     "idle_timeout": limits.IDLE_TIMEOUT,
 }
 """The spec's numbers and the ranges they must be in."""
-
-
-def check_gpu_name(name: str) -> str:
-    match = next((g for g in KNOWN_GPUS if g.lower() == name.lower()), None)
-    if match is None:
-        raise SpecError(f"unknown GPU {name!r}; known: {', '.join(KNOWN_GPUS)}")
-    return match
 
 
 _SECRET = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL", re.I)
