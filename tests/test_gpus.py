@@ -218,9 +218,11 @@ def test_crowded_gpus_without_a_backend_give_cpu_ranks_and_say_so() -> None:
 
 
 def test_gpu_none_gives_a_cpu_pool_on_a_gpu_machine(one_h200: Path) -> None:
-    spec = Session().spec_from({"nodes": 2, "gpu": NO_GPU})
-    with Pool(2, provider=_local(spec), **spec.pool_arguments(str(ROOT), {})) as pool:
-        assert pool.run(_SEEN).values == [("", "True", "gloo", 2)] * 2
+    # One node on a one-GPU machine: without --gpu none its rank would see GPU 0.
+    spec = Session().spec_from({"gpu": NO_GPU})
+    with Pool(provider=_local(spec), **spec.pool_arguments(str(ROOT), {})) as pool:
+        assert pool.run(_SEEN).values == [("", "True", "gloo", 1)]
+        assert [n.gpus for n in pool.nodes] == [()]
 
 
 def test_two_nodes_on_a_one_gpu_machine_work_and_say_their_layout(one_h200: Path) -> None:
