@@ -39,6 +39,7 @@ from skyward_jupyter.session import Session
 from skyward_jupyter.spec import PoolSpec, SpecError
 
 from .conftest import agent_pids
+from .hosts import available, ssh_hosts, ssh_provider
 from .test_magics import Kernel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -143,6 +144,32 @@ def test_ssh_and_slurm_gpus_are_checked_by_model() -> None:
         slurm.from_spec(
             PoolSpec(provider="slurm", gpu="H200", gpus_per_node=2, procs_per_node=4), "d", {}
         )
+
+
+@pytest.mark.skipif(available() is not None, reason=str(available()))
+def test_ssh_hosts_gpu_is_checked_by_model_before_any_rank_starts(
+    one_h200: Path, tmp_path: Path
+) -> None:
+    """A real sshd host whose ``nvidia-smi`` (the stand-in, through a ``--python`` wrapper that
+    puts it on PATH) reports an H200."""
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nPATH="{one_h200}:$PATH" exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    with ssh_hosts(1, tmp_path / "hosts", private=False) as hosts:
+        before = agent_pids()
+        with pytest.raises(
+            ProviderError, match=r"--gpu A100: root@\S+ has NVIDIA H200; pass --gpu H200"
+        ):
+            Pool(provider=ssh_provider(hosts, 1, tmp_path, python=str(python), gpu="A100")).start()
+        crowded = ssh_provider(hosts, 1, tmp_path, python=str(python), gpu="H200")
+        with pytest.raises(LayoutError, match="would run 2 NCCL ranks on 1 GPU"):
+            Pool(procs_per_node=2, provider=crowded, gpu="H200").start()
+        assert agent_pids() <= before, "a rank started for a layout NCCL cannot run"
+        for asked in ("H200", "NVIDIA H200"):
+            provider = ssh_provider(hosts, 1, tmp_path, python=str(python), gpu=asked)
+            with Pool(provider=provider, gpu=asked) as pool:
+                assert [n.gpu_type for n in pool.nodes] == ["NVIDIA H200"]
+                assert pool.run("1 + 1").values == [2]
 
 
 # ------------------------------------------------------------------------------ layouts
