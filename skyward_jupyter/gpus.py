@@ -109,7 +109,8 @@ def check_gpu_layout(
     without ``--backend gloo``) on which a node would run more ranks than it has GPUs.
 
     ``gpus`` is each node's GPU count, as the provider knows it; ``where`` names a node in the
-    message ("local node", "alice@gpu1").
+    message ("local node"). A node without GPUs is not this check's: ``--gpu`` on it is refused
+    by its provider (the machine reports no GPU), NCCL by the ranks' torch.
     """
     if gpu == NO_GPU:
         if backend == "nccl":
@@ -119,18 +120,13 @@ def check_gpu_layout(
         return
     why = "--backend nccl" if backend == "nccl" else f"--gpu {gpu} (NCCL, a GPU per rank)"
     for index, (count, ranks) in enumerate(zip(gpus, _ranks(gpus, procs_per_node), strict=True)):
-        if ranks <= count:
-            continue
-        node = f"{where} {index}" if len(gpus) > 1 else where
-        if count == 0:
-            layout = f"{node} has no GPU for its {_plural(ranks, 'rank')}"
-            fix = "use --backend gloo (or --gpu none) for CPU ranks"
-            if sum(gpus):
-                fix += ", or fewer --nodes"
-        else:
-            layout = f"{node} would run {_plural(ranks, 'NCCL rank')} on {_plural(count, 'GPU')}"
-            fix = f"use --backend gloo, or at most {count} per node (--procs-per-node {count})"
-        raise LayoutError(f"{why}: {layout} (NCCL needs a GPU for each rank); {fix}")
+        if 0 < count < ranks:
+            node = f"{where} {index}" if len(gpus) > 1 else where
+            raise LayoutError(
+                f"{why}: {node} would run {_plural(ranks, 'NCCL rank')} on "
+                f"{_plural(count, 'GPU')} (NCCL needs a GPU for each rank); use --backend gloo, "
+                f"or at most {count} per node (--procs-per-node {count})"
+            )
 
 
 def lay_out(

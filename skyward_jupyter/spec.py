@@ -111,7 +111,7 @@ class PoolSpec:
 
     def describe(self) -> str:
         ranks = f"{self.procs_per_node} ranks" if self.procs_per_node else "1 rank per GPU or CPU"
-        gpu = f", {self.gpu}" if self.gpu else ""
+        gpu = ", no GPU (--gpu none)" if self.gpu == NO_GPU else f", {self.gpu}" if self.gpu else ""
         where = provider_class(self.provider).where(self)
         setup = [n for n in self.frameworks if n != "torch"]
         setup += [f"keras on {self.keras_backend}"] if self.keras_backend else []

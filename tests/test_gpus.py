@@ -192,8 +192,8 @@ def test_nccl_layouts_with_more_ranks_than_gpus_are_refused_naming_the_fix() -> 
         "--backend nccl: node would run 2 NCCL ranks on 1 GPU (NCCL needs a GPU for each "
         "rank); use --backend gloo, or at most 1 per node (--procs-per-node 1)"
     )
-    with pytest.raises(LayoutError, match=r"--gpu H200 \(NCCL, a GPU per rank\): node 1 has no"):
-        check_gpu_layout([2, 0], None, None, "H200")
+    with pytest.raises(LayoutError, match=r"--gpu H200 \(NCCL, a GPU per rank\): node 1 would"):
+        check_gpu_layout([2, 1], 2, None, "H200")
     check_gpu_layout([1], 2, "gloo", "H200")  # gloo shares a GPU: asked for
     check_gpu_layout([2, 2], None, "nccl", None)
     # No backend chosen: the crowded node's ranks go to CPUs, with gloo, said in one line.
