@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -121,7 +122,10 @@ def check(gpus: int, model: str) -> list[tuple[str, Callable[[Notebook], str | N
         evalue = str(reply.get("evalue", ""))
         if reply["status"] != "error" or "NCCL ranks on" not in evalue or "THE CELL RAN" in stdout:
             return f"{options} was not refused in one line: {reply['status']} {evalue}\n{stderr}"
-        return None if before == after else f"the refusal changed the pools:\n{before}\n{after}"
+        pids = [re.findall(r"local pid (\d+)", status) for status in (before, after)]
+        if not pids[0] or pids[0] != pids[1]:
+            return f"the refusal changed the pools:\n{before}\n{after}"
+        return None
 
     def named_gpu(nb: Notebook) -> str | None:
         from skyward_jupyter.gpus import gpu_model
