@@ -15,7 +15,7 @@ from typing import Any
 
 from . import limits
 from .frameworks import FrameworkError, Frameworks
-from .gpus import NO_GPU
+from .gpus import NO_GPU, check_gpu_layout
 from .providers import provider_class
 
 
@@ -82,8 +82,7 @@ class PoolSpec:
                 f"--gpu none asks for CPU ranks, --gpus-per-node {self.gpus_per_node} for GPUs: "
                 "leave out one of them"
             )
-        if self.gpu == NO_GPU and self.backend == "nccl":
-            raise SpecError("--gpu none --backend nccl: NCCL needs GPUs; use --backend gloo")
+        check_gpu_layout((), self.procs_per_node, self.backend, self.gpu)  # what needs no GPUs
 
     def pool_arguments(self, cwd: str, notebook_env: Mapping[str, str]) -> dict[str, Any]:
         """The Pool's keyword arguments for the synced directories, the frameworks, the GPU

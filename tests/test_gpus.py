@@ -36,7 +36,7 @@ from skyward_jupyter.providers.local import LocalProvider, split_gpus, visible_g
 from skyward_jupyter.providers.slurm import check_gres_gpu
 from skyward_jupyter.providers.ssh import Host, check_host_gpu
 from skyward_jupyter.session import Session
-from skyward_jupyter.spec import PoolSpec, SpecError
+from skyward_jupyter.spec import PoolSpec
 
 from .conftest import agent_pids
 from .hosts import available, ssh_hosts, ssh_provider
@@ -213,7 +213,7 @@ def test_local_nccl_layouts_are_refused_before_the_running_pool_is_touched(
         _local(PoolSpec(nodes=2, gpu="H200"))
     with pytest.raises(LayoutError, match="local node would run 2 NCCL ranks on 1 GPU"):
         _local(PoolSpec(procs_per_node=2, backend="nccl"))
-    with pytest.raises(SpecError, match="--gpu none --backend nccl"):
+    with pytest.raises(LayoutError, match="--gpu none --backend nccl"):
         PoolSpec(gpu=NO_GPU, backend="nccl")
     _local(PoolSpec(nodes=2))  # no backend asked: it runs on CPUs (below)
     _local(PoolSpec(procs_per_node=2, backend="gloo"))

@@ -50,7 +50,14 @@ from .local_template import (
 if TYPE_CHECKING:
     from ..spec import PoolSpec
 
-__all__ = ["LocalProvider", "prewarm", "shutdown_template", "split_gpus", "template_pids"]
+__all__ = [
+    "LocalProvider",
+    "check_gpus",
+    "prewarm",
+    "shutdown_template",
+    "split_gpus",
+    "template_pids",
+]
 
 RANK_FOOTPRINT = 256 << 20
 """About what one rank with torch imported takes of this machine's memory (its own pages; what
@@ -104,6 +111,34 @@ def split_gpus(gpus: tuple[str, ...], nodes: int) -> tuple[list[tuple[str, ...]]
     return shares, (
         f"{count} over {nodes} local nodes: {per} each, GPU {unused} unused; "
         f"a number of --nodes that divides {len(gpus)} uses them all"
+    )
+
+
+def check_gpus(spec: PoolSpec, ids: tuple[str, ...], model: str | None) -> None:
+    """Whether this machine's GPUs (``ids``, of ``model``) carry the pool ``spec`` describes:
+    ``--gpu`` names their model, and NCCL (``--backend nccl``, or ``--gpu``) gets a GPU for each
+    rank of every node; raises ProviderError (a LayoutError for the layout) saying what to do."""
+    if spec.gpu and spec.gpu != NO_GPU and not ids:
+        raise ProviderError(
+            f"--gpu {spec.gpu}: this machine has no GPU, and the local provider runs "
+            "on this machine; leave out --gpu to train on CPUs"
+        )
+    if spec.gpu and spec.gpu != NO_GPU and model and not same_gpu(spec.gpu, model):
+        raise ProviderError(
+            f"--gpu {spec.gpu}: this machine's GPUs are {model}; pass --gpu {gpu_model(model)}"
+            " or leave out --gpu"
+        )
+    shares, _ = split_gpus(ids, spec.nodes)
+    nccl = spec.backend == "nccl" or (spec.gpu not in (None, NO_GPU) and spec.backend is None)
+    if nccl and ids and not shares[0]:
+        why = "--backend nccl" if spec.backend == "nccl" else f"--gpu {spec.gpu}"
+        raise LayoutError(
+            f"{why}: this machine's {len(ids)} GPU{'s' * (len(ids) != 1)} cannot give each "
+            f"of {spec.nodes} local nodes one (NCCL needs a GPU for each rank); use "
+            f"--nodes {len(ids)}, or --backend gloo for ranks on CPUs"
+        )
+    check_gpu_layout(
+        [len(s) for s in shares], spec.procs_per_node, spec.backend, spec.gpu, "local node"
     )
 
 
@@ -292,40 +327,17 @@ class LocalProvider(Provider):
 
     @classmethod
     def from_spec(cls, spec: PoolSpec, pool_name: str, extra: Mapping[str, Any]) -> LocalProvider:
-        """This machine; ``--gpu`` must name the GPUs it has (compared by model), the nodes'
-        share of them must carry the ranks NCCL would run, and the ranks must fit in its
-        memory. All of it is checked here, before a running pool is replaced."""
+        """This machine: its GPUs must carry the pool as described (:func:`check_gpus`), and
+        the ranks must fit in its memory. Both are checked here, before a running pool is
+        replaced."""
         if spec.gpu == NO_GPU:
-            check_gpu_layout([0] * spec.nodes, spec.procs_per_node, spec.backend, spec.gpu)
             _check_fits(spec.nodes * (spec.procs_per_node or 1))
             return cls(**{"cpu_only": True, **extra})
         ids, model = extra.get("gpus"), extra.get("gpu_type")
         if ids is None:
             ids, model = visible_gpus()
-        if spec.gpu and not ids:
-            raise ProviderError(
-                f"--gpu {spec.gpu}: this machine has no GPU, and the local provider runs "
-                "on this machine; leave out --gpu to train on CPUs"
-            )
-        if spec.gpu and model and not same_gpu(spec.gpu, model):
-            raise ProviderError(
-                f"--gpu {spec.gpu}: this machine's GPUs are {model}; pass --gpu {gpu_model(model)}"
-                " or leave out --gpu"
-            )
-        shares, _ = split_gpus(tuple(ids), spec.nodes)
-        nccl = spec.backend == "nccl" or (spec.gpu and spec.backend is None)
-        if nccl and ids and not shares[0]:
-            why = "--backend nccl" if spec.backend == "nccl" else f"--gpu {spec.gpu}"
-            raise LayoutError(
-                f"{why}: this machine's {len(ids)} GPU{'s' * (len(ids) != 1)} cannot give each "
-                f"of {spec.nodes} local nodes one (NCCL needs a GPU for each rank); use "
-                f"--nodes {len(ids)}, or --backend gloo for ranks on CPUs"
-            )
-        check_gpu_layout(
-            [len(s) for s in shares], spec.procs_per_node, spec.backend, spec.gpu, "local node"
-        )
-        per_node = spec.procs_per_node or len(shares[0]) or 1
-        _check_fits(spec.nodes * per_node)
+        check_gpus(spec, tuple(ids), model)
+        _check_fits(spec.nodes * (spec.procs_per_node or len(ids) // spec.nodes or 1))
         return cls(**extra)
 
     def record(self, pids: Mapping[int, Sequence[int]]) -> dict[str, Any]:
