@@ -38,8 +38,10 @@ from skyward_jupyter.providers.ssh import Host, check_host_gpu
 from skyward_jupyter.session import Session
 from skyward_jupyter.spec import PoolSpec
 
-from .conftest import agent_pids
+from .conftest import agent_pids, wait_for
 from .hosts import available, ssh_hosts, ssh_provider
+from .slurm_cluster import available as slurm_available
+from .slurm_cluster import slurm_cluster
 from .test_magics import Kernel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,6 +172,35 @@ def test_ssh_hosts_gpu_is_checked_by_model_before_any_rank_starts(
             with Pool(provider=provider, gpu=asked) as pool:
                 assert [n.gpu_type for n in pool.nodes] == ["NVIDIA H200"]
                 assert pool.run("1 + 1").values == [2]
+
+
+@pytest.mark.skipif(slurm_available() is not None, reason=str(slurm_available()))
+def test_slurm_gpu_is_checked_by_model_against_the_nodes_gres(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real slurmctld and slurmd whose node has one GRES GPU typed as sites name them
+    (``nvidia_h200``; a device file stands in for the GPU)."""
+    with slurm_cluster(1, tmp_path, gpu_type="nvidia_h200") as cluster:
+        for name, value in cluster.env().items():
+            monkeypatch.setenv(name, value)
+
+        def provider(gpu: str) -> object:
+            spec = PoolSpec(provider="slurm", gpu=gpu, gpus_per_node=1, python=sys.executable)
+            return provider_class("slurm").from_spec(spec, "default", {})
+
+        for asked in ("H200", "NVIDIA H200"):
+            with Pool(provider=provider(asked), gpu=asked) as pool:  # type: ignore[arg-type]
+                assert [n.gpu_type for n in pool.nodes] == ["H200"]
+                assert pool.run("1 + 1").values == [2]
+        refused = Pool(provider=provider("A100"), gpu="A100")  # type: ignore[arg-type]
+        with pytest.raises(ProviderError, match="--gpu A100: slurm node node0 has nvidia_h200 "):
+            refused.start()
+        refused.close()
+        wait_for(
+            lambda: not subprocess.run(["squeue", "-h"], capture_output=True, text=True).stdout,
+            15,
+            "the refused pool's job to leave the queue",
+        )
 
 
 # ------------------------------------------------------------------------------ layouts
