@@ -232,6 +232,9 @@ def test_nccl_layouts_with_more_ranks_than_gpus_are_refused_naming_the_fix() -> 
     assert (layout.ranks, layout.cpu_nodes, layout.backend) == ((2,), frozenset({0}), "gloo")
     assert "\n" not in layout.note and "2 ranks on 1 GPU" in layout.note
     assert lay_out([8, 8], None, None, None).backend is None  # one rank per GPU: NCCL stands
+    mixed = lay_out([2, 0], None, None, None)  # hosts with and without GPUs: one backend, gloo
+    assert (mixed.ranks, mixed.cpu_nodes, mixed.backend) == ((2, 1), frozenset(), "gloo")
+    assert mixed.note.startswith("some nodes have no GPU: the pool uses gloo")
     assert lay_out([1, 1], None, None, NO_GPU).cpu_nodes == {0, 1}
 
 
