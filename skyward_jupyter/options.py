@@ -18,9 +18,9 @@ from typing import Any, Literal
 
 from . import limits
 from .frameworks import FRAMEWORKS, KERAS_BACKENDS
+from .gpus import parse_gpu
 from .limits import LimitError, Range
 from .providers import names
-from .spec import SpecError, check_gpu_name
 
 
 def _int_at_least(minimum: int) -> Callable[[str], int]:
@@ -87,8 +87,8 @@ def _variable(text: str) -> str:
 
 def _gpu(text: str) -> str:
     try:
-        return check_gpu_name(text)
-    except SpecError as exc:
+        return parse_gpu(text)
+    except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
@@ -138,7 +138,12 @@ POOL_OPTIONS: tuple[Option, ...] = (
         "where the nodes come from: local (default), ssh, aws, or a registered provider",
         {"type": _provider},
     ),
-    Option("--gpu", "GPU model, e.g. T4, A10G, L4, A100, H100", {"type": _gpu}),
+    Option(
+        "--gpu",
+        "GPU model as the machines report it (H100, H200, B200, RTX 4090, ...; compared by "
+        "model), or none for CPU ranks on GPU machines",
+        {"type": _gpu},
+    ),
     Option("--name", "pool name (several pools per kernel)", {"type": identifier}),
     Option("--backend", "torch.distributed backend (auto)", {"choices": ("gloo", "nccl")}),
     Option(

@@ -76,6 +76,7 @@ class Pool:
         sync_chosen: bool = True,
         frameworks: Frameworks = TORCH_ONLY,
         secure: bool = False,
+        gpu: str | None = None,
     ) -> None:
         limits.NODES.check(nodes)
         if procs_per_node is not None:
@@ -123,6 +124,7 @@ class Pool:
             else RelaySecrets.make(relay_keys.ENCRYPTED or secure),
             frameworks=frameworks,
             secure=secure,
+            gpu=gpu,
         )
         self._ranks = Ranks(provider, settings, self._emit, self._rank_ended)
         self._prompts = Prompts()

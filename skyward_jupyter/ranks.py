@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from . import limits, wire
@@ -31,6 +31,7 @@ from .events import (
 )
 from .formation import check_hellos, form_worlds
 from .frameworks import TORCH_ONLY, Frameworks
+from .gpus import lay_out
 from .launch_env import RankPlace, launcher_env
 from .memory import named_kill
 from .providers.base import Node, Provider, RankProcess, notebook_silence
@@ -134,6 +135,8 @@ class RankSettings:
     frameworks: Frameworks = TORCH_ONLY
     secure: bool = False
     """gloo's traffic between hosts through TLS tunnels, gloo on loopback (``--secure``)."""
+    gpu: str | None = None
+    """``--gpu``: the model asked for (the ranks need NCCL), or ``none`` (CPU ranks)."""
 
 
 class Ranks:
@@ -158,6 +161,10 @@ class Ranks:
         self.group_problem: str | None = None
         """Why the process group cannot run a collective now (None: it can); a restart mends it."""
         self.group_backend: str | None = None
+        self.backend: str | None = settings.backend
+        """The backend the ranks are told (None: they choose), once the layout is known."""
+        self.cpu_nodes: frozenset[int] = frozenset()
+        """Nodes whose ranks the layout keeps off their GPUs."""
         self.master_port: int | None = None
         self._layout = _Layout("{}", collections.Counter())
         self.generation = 0
@@ -193,13 +200,21 @@ class Ranks:
             )
             loop.call_soon_threadsafe(self.emit, event)
 
-        self.nodes = tuple(await self.provider.provision(nodes, progress))
-        per_node = [self.settings.procs_per_node or len(node.gpus) or 1 for node in self.nodes]
+        found = await self.provider.provision(nodes, progress)
+        s = self.settings
+        layout = lay_out([len(n.gpus) for n in found], s.procs_per_node, s.backend, s.gpu)
         limits.check_world(
-            sum(per_node),
-            f"{len(self.nodes)} node{'s' * (len(self.nodes) != 1)} with one rank per GPU",
+            sum(layout.ranks),
+            f"{len(found)} node{'s' * (len(found) != 1)} with one rank per GPU",
         )
-        for node, count in zip(self.nodes, per_node, strict=True):
+        self.backend, self.cpu_nodes = layout.backend, layout.cpu_nodes
+        self.nodes = tuple(
+            replace(n, gpus=(), gpu_type=None) if n.index in layout.cpu_nodes else n for n in found
+        )
+        if layout.note:
+            self.provider.warnings.append(layout.note)
+            progress(layout.note)
+        for node, count in zip(self.nodes, layout.ranks, strict=True):
             for local in range(count):
                 self.all.append(Rank(len(self.all), node, local, count))
         self._layout = self._describe_layout()
@@ -231,7 +246,7 @@ class Ranks:
         agent = {
             "heartbeat_interval": s.heartbeat_interval,
             "heartbeat_timeout": notebook_silence(s.heartbeat_timeout),
-            "backend": s.backend,
+            "backend": self.backend,
             "pg_timeout": s.pg_timeout,
             "secure": s.secure,
             **(s.relay.agent_settings(rank.index == 0, s.secure) if s.relay else {}),
@@ -254,6 +269,8 @@ class Ranks:
             user_env={**s.frameworks.rank_env(place.has_gpu, os.environ), **s.env},
             notebook_env=os.environ,
         )
+        if rank.node.index in self.cpu_nodes:
+            env["CUDA_VISIBLE_DEVICES"] = ""
         return {
             **env,
             "SKYWARD_POOL": self._layout.pool,

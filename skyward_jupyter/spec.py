@@ -15,13 +15,13 @@ from typing import Any
 
 from . import limits
 from .frameworks import FrameworkError, Frameworks
+from .gpus import NO_GPU, check_gpu_layout
 from .providers import provider_class
-
-KNOWN_GPUS = ("T4", "A10G", "L4", "L40S", "V100", "A100", "H100")
 
 
 class SpecError(ValueError):
-    """An option that cannot describe a pool (an unknown GPU, a provider that does not exist)."""
+    """An option that cannot describe a pool (options that clash, a provider that does not
+    exist)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,10 +89,17 @@ class PoolSpec:
                 "--secure covers torch's gloo traffic only, not JAX's coordinator and "
                 "collectives: leave out --framework jax, or --secure"
             )
+        if self.gpu == NO_GPU and self.gpus_per_node:
+            raise SpecError(
+                f"--gpu none asks for CPU ranks, --gpus-per-node {self.gpus_per_node} for GPUs: "
+                "leave out one of them"
+            )
+        check_gpu_layout((), self.procs_per_node, self.backend, self.gpu)  # what needs no GPUs
 
     def pool_arguments(self, cwd: str, notebook_env: Mapping[str, str]) -> dict[str, Any]:
-        """The Pool's keyword arguments for the synced directories, the frameworks and the hang
-        doctor's limits (the pool's defaults stand for what was not given)."""
+        """The Pool's keyword arguments for the synced directories, the frameworks, the GPU
+        asked for and the hang doctor's limits (the pool's defaults stand for what was not
+        given)."""
         given: dict[str, Any] = {
             "sync": () if self.no_sync else (self.sync or (cwd,)),
             "sync_chosen": bool(self.sync),
@@ -101,6 +108,7 @@ class PoolSpec:
             "desync_after": self.desync_after,
             "secure": self.secure,
             "frameworks": self.framework_setup(notebook_env),
+            "gpu": self.gpu,
         }
         return {k: v for k, v in given.items() if v is not None}
 
@@ -116,7 +124,7 @@ class PoolSpec:
     def describe(self) -> str:
         per = self.procs_per_node
         ranks = f"{per} rank{'s' * (per != 1)}" if per else "1 rank per GPU or CPU"
-        gpu = f", {self.gpu}" if self.gpu else ""
+        gpu = ", no GPU (--gpu none)" if self.gpu == NO_GPU else f", {self.gpu}" if self.gpu else ""
         where = provider_class(self.provider).where(self)
         setup = [n for n in self.frameworks if n != "torch"]
         setup += [f"keras on {self.keras_backend}"] if self.keras_backend else []
@@ -155,13 +163,6 @@ _RANGES = {
     "idle_timeout": limits.IDLE_TIMEOUT,
 }
 """The spec's numbers and the ranges they must be in."""
-
-
-def check_gpu_name(name: str) -> str:
-    match = next((g for g in KNOWN_GPUS if g.lower() == name.lower()), None)
-    if match is None:
-        raise SpecError(f"unknown GPU {name!r}; known: {', '.join(KNOWN_GPUS)}")
-    return match
 
 
 def backend_problem(

@@ -71,6 +71,7 @@ class SlurmCluster:
     bridge: str
     subnet: str
     python: str = sys.executable  # visible at this path on every node
+    gpu_type: str | None = None  # every node's one GPU, a GRES with this type and no device
 
     @property
     def node_names(self) -> list[str]:
@@ -219,7 +220,12 @@ def _write_files(cluster: SlurmCluster, tag: str) -> None:
     for node in cluster.nodes:
         (work / node.name / "spool").mkdir(parents=True)
         cpus = cluster.cpus_per_node
-        lines.append(f"NodeName={node.name} NodeAddr={node.address} CPUs={cpus}")
+        gres = f" Gres=gpu:{cluster.gpu_type}:1" if cluster.gpu_type else ""
+        lines.append(f"NodeName={node.name} NodeAddr={node.address} CPUs={cpus}{gres}")
+    if cluster.gpu_type:  # what Slurm schedules and reports; no GPU behind it
+        lines.insert(1, "GresTypes=gpu")
+        gres_conf = f"AutoDetect=off\nName=gpu Type={cluster.gpu_type} File=/dev/null\n"
+        (work / "gres.conf").write_text(gres_conf)  # a device file Slurm finds; no GPU
     for i, (name, members) in enumerate(cluster.partitions.items()):
         default = "YES" if i == 0 else "NO"
         lines.append(f"PartitionName={name} Nodes={','.join(members)} MaxTime=60 Default={default}")
@@ -335,12 +341,14 @@ def slurm_cluster(
     cpus_per_node: int = 2,
     partitions: Mapping[str, Sequence[int]] | None = None,
     timeout: float = 20.0,
+    gpu_type: str | None = None,
 ) -> Iterator[SlurmCluster]:
     """A Slurm cluster of ``nodes`` nodes; torn down (and checked) on exit.
 
     ``partitions`` maps a partition's name to its nodes' indices, the first being the default;
     by default ``debug`` (every node) and ``tiny`` (node 0 only: a job wanting more pends).
-    After a failure the cluster's files stay in ``tmp`` for their logs.
+    After a failure the cluster's files stay in ``tmp`` for their logs. ``gpu_type`` gives every
+    node one GRES GPU of that type (Slurm's name, e.g. ``nvidia_h200``), with no device behind it.
     """
     if not 1 <= nodes <= MAX_NODES:
         raise ValueError(f"1 <= nodes <= {MAX_NODES}")
@@ -386,6 +394,7 @@ def slurm_cluster(
             work=work,
             bridge=record["bridge"],
             subnet=str(subnet),
+            gpu_type=gpu_type,
         )
         teardown.callback(_stop, cluster, procs, timeout)
         _write_files(cluster, tag)

@@ -26,17 +26,18 @@ import pytest
 from skyward_jupyter import Pool
 from skyward_jupyter.display.state import PanelState
 from skyward_jupyter.events import NodeStateChanged, RankState
+from skyward_jupyter.gpus import same_gpu
 from skyward_jupyter.providers import aws, aws_catalog, aws_checks, aws_teardown
 from skyward_jupyter.providers.aws import AWSOptions, AWSProvider, Reachable
 from skyward_jupyter.providers.base import ProviderError
 from skyward_jupyter.providers.ssh import Host
-from skyward_jupyter.spec import KNOWN_GPUS
 
 from .aws_server import Ec2Stand, NamespaceResolver, running
 from .conftest import ctrl_c, wait_for
 from .hosts import Hosts, available, ssh_hosts
 
 REGION = "us-east-1"
+KNOWN_BEFORE = ("T4", "A10G", "L4", "L40S", "V100", "A100", "H100")
 MY_ADDRESS = "203.0.113.7"
 ALL_REDUCE = (
     "import torch, torch.distributed as dist\n"
@@ -197,17 +198,33 @@ def test_every_gpu_name_maps_to_a_type_that_ec2_says_carries_it(
     stand: Ec2Stand, address_url: str
 ) -> None:
     ec2 = _ec2(stand)
-    for gpu in KNOWN_GPUS:
-        choices = aws_catalog.GPU_TYPES[gpu]
+    for gpu, choices in aws_catalog.GPU_TYPES.items():
         for choice in choices:
             info = ec2.describe_instance_types(InstanceTypes=[choice.instance_type])
             gpus = info["InstanceTypes"][0]["GpuInfo"]["Gpus"]
-            assert [g["Name"].lower() for g in gpus] == [gpu.lower()], choice
+            assert [same_gpu(gpu, aws_checks._named(g)) for g in gpus] == [True], choice
             assert sum(g["Count"] for g in gpus) == choice.gpus, choice
-            assert aws_catalog.on_demand_price(REGION, choice.instance_type) is not None
         provider = AWSProvider(_options(stand, address_url, gpu=gpu))
         assert provider.choice == choices[0] and choices[0].gpus >= 1
         aws_checks.check_type(ec2, REGION, provider.choice.instance_type, gpu)  # it passes
+    for gpu in KNOWN_BEFORE:  # priced in the bundled snapshot (newer types may show no price)
+        choices = aws_catalog.GPU_TYPES[gpu]
+        assert any(aws_catalog.on_demand_price(REGION, c.instance_type) for c in choices), gpu
+    # Today's types, under the names machines report (EC2's, nvidia-smi's), by model.
+    for asked, instance_type in (
+        ("H200", "p5en.48xlarge"),
+        ("NVIDIA H200", "p5en.48xlarge"),
+        ("B200", "p6-b200.48xlarge"),
+        ("A100-80GB", "p4de.24xlarge"),
+        ("NVIDIA A100-SXM4-80GB", "p4de.24xlarge"),
+        ("A100", "p4d.24xlarge"),
+        ("L40S", "g6e.xlarge"),
+        ("H100", "p5.4xlarge"),
+    ):
+        assert aws_catalog.choose_type(asked, None).instance_type == instance_type, asked
+    with pytest.raises(ProviderError, match=r"--gpu A100-80GB with --instance-type p4d.*A100 40GB"):
+        aws_checks.check_type(ec2, REGION, "p4d.24xlarge", "A100-80GB")
+    aws_checks.check_type(ec2, REGION, "p5en.48xlarge", "NVIDIA H200")
     cpu = AWSProvider(_options(stand, address_url))
     assert cpu.choice.instance_type == aws_catalog.CPU_TYPE
     assert not ec2.describe_instance_types(InstanceTypes=[aws_catalog.CPU_TYPE])["InstanceTypes"][

@@ -550,14 +550,10 @@ def test_sigkill_of_the_notebook_process_leaves_no_rank(tmp_path: Path) -> None:
 
 
 def test_gpus_are_split_across_nodes_one_rank_per_gpu() -> None:
-    from skyward_jupyter.providers.base import ProviderError
-    from skyward_jupyter.providers.local import LocalProvider, split_gpus
+    from skyward_jupyter.providers.local import LocalProvider
 
-    assert split_gpus(("0", "1", "2", "3"), 2) == [("0", "1"), ("2", "3")]
-    assert split_gpus((), 3) == [(), (), ()]
-    with pytest.raises(ProviderError, match="3 GPUs cannot be split evenly across 2"):
-        split_gpus(("0", "1", "2"), 2)
-    # A machine with four (pretend) GPUs: the ranks see their node's GPUs only, one rank each.
+    # A machine with four (pretend) GPUs: the ranks see their node's GPUs only, one rank each
+    # (uneven splits: tests/test_gpus.py).
     with Pool(nodes=2, provider=LocalProvider(gpus=("0", "1", "2", "3"), gpu_type="T4")) as pool:
         result = pool.run(
             "import os\n(os.environ['CUDA_VISIBLE_DEVICES'], os.environ['LOCAL_RANK'], "

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from botocore.exceptions import BotoCoreError, ClientError
 
 from ..events import RankState
+from ..gpus import NO_GPU
 from . import aws_catalog, aws_teardown
 from .aws_checks import check_cidr
 from .aws_client import clients, error_message
@@ -58,7 +59,7 @@ class AWSProvider(Provider):
             raise ProviderError("--hosts is for --provider ssh; --provider aws makes its own hosts")
         options = AWSOptions(
             pool_name=pool_name,
-            gpu=spec.gpu,
+            gpu=None if spec.gpu == NO_GPU else spec.gpu,
             instance_type=spec.instance_type,
             region=spec.region,
             spot=bool(spec.spot),

@@ -1,9 +1,11 @@
 """What ``--gpu NAME`` means on EC2, and what an instance costs: bundled data, no API needed.
 
-The GPU table maps a GPU name to the instance types that carry it, smallest first, with the
-number of GPUs each has. ``--gpu T4`` picks the smallest (one GPU per node); ``--instance-type``
-picks another. The provider checks the choice against ``describe_instance_types`` in the region
-(the type exists there and carries that GPU), so this table only has to be right about names.
+The GPU table maps a GPU model (as EC2's ``GpuInfo`` names it, with a memory size where one
+model comes in two) to the instance types that carry it, smallest first, with the number of
+GPUs each has. ``--gpu T4`` picks the smallest (one GPU per node); ``--instance-type`` picks
+another. ``--gpu`` is read by model (``NVIDIA H200`` is H200, ``A100-80GB`` the 80 GB A100), and
+the provider checks the choice against ``describe_instance_types`` in the region (the type exists
+there and carries that GPU), so this table only has to be right about names.
 
 On-demand prices are a dated snapshot of AWS's public price list (Linux, shared tenancy, USD per
 hour) for the regions people mostly train in; AWS's pricing API is not used because it needs
@@ -17,6 +19,8 @@ import datetime
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from ..gpus import gpu_memory, same_gpu
 
 if TYPE_CHECKING:
     from mypy_boto3_ec2 import EC2Client
@@ -49,9 +53,25 @@ GPU_TYPES: Mapping[str, tuple[InstanceChoice, ...]] = {
         InstanceChoice("g6e.12xlarge", 4),
         InstanceChoice("g6e.48xlarge", 8),
     ),
+    "RTX PRO 4500": (
+        InstanceChoice("g7.2xlarge", 1),
+        InstanceChoice("g7.12xlarge", 2),
+        InstanceChoice("g7.24xlarge", 4),
+        InstanceChoice("g7.48xlarge", 8),
+    ),
+    "RTX PRO 6000": (  # EC2 says "RTX PRO Server 6000"
+        InstanceChoice("g7e.2xlarge", 1),
+        InstanceChoice("g7e.12xlarge", 2),
+        InstanceChoice("g7e.24xlarge", 4),
+        InstanceChoice("g7e.48xlarge", 8),
+    ),
     "V100": (InstanceChoice("p3dn.24xlarge", 8),),  # EC2 no longer lists the smaller p3
-    "A100": (InstanceChoice("p4d.24xlarge", 8),),
-    "H100": (InstanceChoice("p5.48xlarge", 8),),
+    "A100": (InstanceChoice("p4d.24xlarge", 8),),  # 40 GB
+    "A100 80GB": (InstanceChoice("p4de.24xlarge", 8),),
+    "H100": (InstanceChoice("p5.4xlarge", 1), InstanceChoice("p5.48xlarge", 8)),
+    "H200": (InstanceChoice("p5en.48xlarge", 8), InstanceChoice("p5e.48xlarge", 8)),
+    "B200": (InstanceChoice("p6-b200.48xlarge", 8),),
+    "B300": (InstanceChoice("p6-b300.48xlarge", 8),),
 }
 CPU_TYPE = "m5.xlarge"
 """Without ``--gpu``: 4 vCPUs, 16 GiB, a general-purpose type offered in every region."""
@@ -91,20 +111,30 @@ ON_DEMAND_USD_PER_HOUR: Mapping[str, Mapping[str, float]] = {
 }
 
 
+def gpu_choices(gpu: str) -> tuple[InstanceChoice, ...]:
+    """The types carrying ``gpu``, read by model: a memory size picks that model's variant
+    (``A100 80GB``), without one the model's first entry (``A100``)."""
+    matches = [name for name in GPU_TYPES if same_gpu(gpu, name)]
+    exact = [name for name in matches if gpu_memory(name) == gpu_memory(gpu)]
+    found = exact or matches
+    return GPU_TYPES[found[0]] if found else ()
+
+
 def choose_type(gpu: str | None, instance_type: str | None) -> InstanceChoice:
     """The instance type for ``--gpu``/``--instance-type``; ValueError names what is known."""
     if instance_type:
         if gpu:
-            known = {c.instance_type: c for c in GPU_TYPES.get(gpu, ())}
+            known = {c.instance_type: c for c in gpu_choices(gpu)}
             if instance_type in known:
                 return known[instance_type]
         return InstanceChoice(instance_type, 0)  # the GPU count is read from EC2
     if gpu is None:
         return InstanceChoice(CPU_TYPE, 0)
-    choices = GPU_TYPES.get(gpu)
+    choices = gpu_choices(gpu)
     if not choices:
         raise ValueError(
-            f"no EC2 instance type known for GPU {gpu!r}; known: {', '.join(GPU_TYPES)}"
+            f"no EC2 instance type in the bundled catalog carries GPU {gpu!r} (it has "
+            f"{', '.join(GPU_TYPES)}); pass --instance-type TYPE for another"
         )
     return choices[0]
 

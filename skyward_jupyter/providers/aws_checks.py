@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from botocore.exceptions import ClientError, EndpointConnectionError
 
+from ..gpus import same_gpu
 from .aws_client import error_code
 from .base import ProviderError
 
@@ -66,10 +67,17 @@ def check_type(ec2: EC2Client, region: str, instance_type: str, gpu: str | None)
     if not info or not offered:
         raise ProviderError(f"instance type {t} is not offered in {region}; try another --region")
     gpus = info[0].get("GpuInfo", {}).get("Gpus", [])
-    names = [g.get("Name", "") for g in gpus]
-    if gpu and not any(gpu.lower() == n.lower() for n in names):
+    names = [_named(g) for g in gpus]
+    if gpu and not any(same_gpu(gpu, n) for n in names):
         has = f"has {', '.join(names)}" if names else "has no GPU"
         raise ProviderError(f"--gpu {gpu} with --instance-type {t}: that type {has}")
+
+
+def _named(gpu: Any) -> str:
+    """EC2's name for a GPU with its memory (``A100 80GB``): the model alone does not tell the
+    80 GB A100 from the 40 GB one."""
+    mib = gpu.get("MemoryInfo", {}).get("SizeInMiB")
+    return f"{gpu.get('Name', '')} {round(mib / 1024)}GB" if mib else str(gpu.get("Name", ""))
 
 
 def find_ami(ec2: EC2Client, ssm: SSMClient, region: str, ami: str | None) -> str:

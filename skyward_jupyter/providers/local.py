@@ -9,8 +9,10 @@ own session, so the kernel's Ctrl-C reaches it only through the pool, which deci
 escalate.
 
 The machine's GPUs are split evenly across the simulated nodes; each node sees only its own
-through ``CUDA_VISIBLE_DEVICES``, as a real separate machine would. All the ranks share this
-machine (the pool's torchrun environment then gives each one OpenMP thread, see ``launch_env``).
+through ``CUDA_VISIBLE_DEVICES``, as a real separate machine would. GPUs an even split leaves
+over stay unused; with fewer GPUs than nodes the nodes get none (their ranks see no GPU and use
+gloo), and ``--gpu none`` gives a CPU pool on purpose. All the ranks share this machine (the
+pool's torchrun environment then gives each one OpenMP thread, see ``launch_env``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..agent.descendants import end_rank, pool_dir
 from ..agent.torch_setup import nccl_available
+from ..gpus import NO_GPU, LayoutError, check_gpu_layout, gpu_model, same_gpu
 from ..memory import meminfo
 from ..procs import end, is_agent, process_alive, process_start
 from ..spec import backend_problem
@@ -49,7 +52,14 @@ from .local_template import (
 if TYPE_CHECKING:
     from ..spec import PoolSpec
 
-__all__ = ["LocalProvider", "prewarm", "shutdown_template", "split_gpus", "template_pids"]
+__all__ = [
+    "LocalProvider",
+    "check_gpus",
+    "prewarm",
+    "shutdown_template",
+    "split_gpus",
+    "template_pids",
+]
 
 RANK_FOOTPRINT = 256 << 20
 """About what one rank with torch imported takes of this machine's memory (its own pages; what
@@ -85,17 +95,53 @@ def visible_gpus() -> tuple[tuple[str, ...], str | None]:
     return ids, name
 
 
-def split_gpus(gpus: tuple[str, ...], nodes: int) -> list[tuple[str, ...]]:
-    """Split ``gpus`` evenly across ``nodes``; an uneven split is an error a user can act on."""
-    if not gpus:
-        return [() for _ in range(nodes)]
-    if len(gpus) % nodes:
-        raise ProviderError(
-            f"{len(gpus)} GPUs cannot be split evenly across {nodes} local nodes; "
-            f"use a number of nodes that divides {len(gpus)}"
-        )
+def split_gpus(gpus: tuple[str, ...], nodes: int) -> tuple[list[tuple[str, ...]], str]:
+    """Split ``gpus`` evenly across ``nodes``, and the line that says what an uneven split
+    left out ("" when nothing): the GPUs over stay unused, and fewer GPUs than nodes give
+    every node none."""
     per = len(gpus) // nodes
-    return [gpus[i * per : (i + 1) * per] for i in range(nodes)]
+    shares = [gpus[i * per : (i + 1) * per] for i in range(nodes)]
+    if not gpus or len(gpus) % nodes == 0:
+        return shares, ""
+    count = f"{len(gpus)} GPU{'s' * (len(gpus) != 1)}"
+    if not per:
+        return shares, (
+            f"{count} cannot be split across {nodes} local nodes: the ranks run on CPUs (no GPU "
+            f"visible) with gloo; --nodes {len(gpus)} gives each node a GPU"
+        )
+    unused = ",".join(gpus[per * nodes :])
+    return shares, (
+        f"{count} over {nodes} local nodes: {per} each, GPU {unused} unused; "
+        f"a number of --nodes that divides {len(gpus)} uses them all"
+    )
+
+
+def check_gpus(spec: PoolSpec, ids: tuple[str, ...], model: str | None) -> None:
+    """Whether this machine's GPUs (``ids``, of ``model``) carry the pool ``spec`` describes:
+    ``--gpu`` names their model, and NCCL (``--backend nccl``, or ``--gpu``) gets a GPU for each
+    rank of every node; raises ProviderError (a LayoutError for the layout) saying what to do."""
+    if spec.gpu and spec.gpu != NO_GPU and not ids:
+        raise ProviderError(
+            f"--gpu {spec.gpu}: this machine has no GPU, and the local provider runs "
+            "on this machine; leave out --gpu to train on CPUs"
+        )
+    if spec.gpu and spec.gpu != NO_GPU and model and not same_gpu(spec.gpu, model):
+        raise ProviderError(
+            f"--gpu {spec.gpu}: this machine's GPUs are {model}; pass --gpu {gpu_model(model)}"
+            " or leave out --gpu"
+        )
+    shares, _ = split_gpus(ids, spec.nodes)
+    nccl = spec.backend == "nccl" or (spec.gpu not in (None, NO_GPU) and spec.backend is None)
+    if nccl and ids and not shares[0]:
+        why = "--backend nccl" if spec.backend == "nccl" else f"--gpu {spec.gpu}"
+        raise LayoutError(
+            f"{why}: this machine's {len(ids)} GPU{'s' * (len(ids) != 1)} cannot give each "
+            f"of {spec.nodes} local nodes one (NCCL needs a GPU for each rank); use "
+            f"--nodes {len(ids)}, or --backend gloo for ranks on CPUs"
+        )
+    check_gpu_layout(
+        [len(s) for s in shares], spec.procs_per_node, spec.backend, spec.gpu, "local node"
+    )
 
 
 # ----------------------------------------------------------------------------------- ranks
@@ -268,34 +314,37 @@ class LocalProvider(Provider):
         gpus: tuple[str, ...] | None = None,
         gpu_type: str | None = None,
         use_template: bool = True,
+        cpu_only: bool = False,
     ) -> None:
         super().__init__()
         self._starts: dict[int, str | None] = {}
         self._gpus = gpus
         self._gpu_type = gpu_type
         self._use_template = use_template
+        self._cpu_only = cpu_only
+        """``--gpu none``: the ranks see no GPU whatever this machine has."""
+        self._gpus_left_out = cpu_only
+        """This machine has GPUs that some nodes did not get: their ranks must not see them."""
         self._ranks: list[LocalRank] = []
         self._run_ids: set[str] = set()
 
     @classmethod
     def from_spec(cls, spec: PoolSpec, pool_name: str, extra: Mapping[str, Any]) -> LocalProvider:
+        if spec.gpu == NO_GPU:
+            return cls(**{"cpu_only": True, **extra})
         return cls(**extra)
 
     @classmethod
     def check(cls, spec: PoolSpec) -> None:
-        """``--gpu`` must name the GPUs this machine has (the nodes split them), the ranks must
-        fit in its memory, and ``--backend nccl`` needs this machine's torch and GPUs to run
-        NCCL."""
-        _check_fits(spec.nodes * (spec.procs_per_node or 1))
-        if spec.gpu:
-            ids, model = visible_gpus()
-            if not ids:
-                raise ProviderError(
-                    f"--gpu {spec.gpu}: this machine has no GPU, and the local provider runs "
-                    "on this machine; leave out --gpu to train on CPUs"
-                )
-            if model and spec.gpu.lower() not in model.lower():
-                raise ProviderError(f"--gpu {spec.gpu}: this machine's GPUs are {model}")
+        """This machine: its GPUs must carry the pool as described (:func:`check_gpus`), the
+        ranks must fit in its memory, and ``--backend nccl`` needs this machine's torch and GPUs
+        to run NCCL. Checked before a running pool is replaced."""
+        if spec.gpu == NO_GPU:
+            _check_fits(spec.nodes * (spec.procs_per_node or 1))
+            return
+        ids, model = visible_gpus()
+        check_gpus(spec, tuple(ids), model)
+        _check_fits(spec.nodes * (spec.procs_per_node or len(ids) // spec.nodes or 1))
         if spec.backend == "nccl":
             _check_nccl()
 
@@ -348,15 +397,26 @@ class LocalProvider(Provider):
         return report
 
     async def provision(self, nodes: int, progress: Progress = no_progress) -> list[Node]:
+        if self._cpu_only:
+            return [Node(index=i, address="127.0.0.1") for i in range(nodes)]
         gpus, name = (self._gpus, self._gpu_type) if self._gpus is not None else visible_gpus()
+        shares, note = split_gpus(gpus, nodes)
+        if note:
+            self.warnings.append(note)
+            progress(note)
+        self._gpus_left_out = len(gpus) % nodes != 0
         return [
             Node(index=i, address="127.0.0.1", gpus=share, gpu_type=name if share else None)
-            for i, share in enumerate(split_gpus(gpus, nodes))
+            for i, share in enumerate(shares)
         ]
 
     def _rank_env(self, node: Node, env: Mapping[str, str]) -> dict[str, str]:
+        """The rank's environment: its node's GPUs only (none where the node got none of this
+        machine's, or the pool keeps its ranks off them)."""
         full = {**base_env(), **env}
-        if node.gpus or os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
+        if env.get("CUDA_VISIBLE_DEVICES") == "":
+            return full  # the pool (or --env) keeps this node's ranks off the GPUs
+        if node.gpus or self._gpus_left_out or os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
             full["CUDA_VISIBLE_DEVICES"] = ",".join(node.gpus)
         return full
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..events import RankState
+from ..gpus import NO_GPU, check_gpu_layout, gpu_model, same_gpu
 from ..wire_lines import MODE, STREAM_LIMIT, LineReader, LineWriter
 from .base import Node, Progress, Provider, ProviderError, ReapReport, StderrTail, no_progress
 
@@ -72,6 +73,9 @@ class SlurmOptions:
     constraint: str | None = None
     extra: tuple[str, ...] = ()
     python: str | None = None
+    gpu: str | None = None
+    """``--gpu``: the model the nodes' GRES must name (compared by model), checked once the
+    job runs."""
 
 
 def _need(command: str) -> None:
@@ -140,11 +144,52 @@ class SlurmRank:
         return f"exited with status {code} on {self._node} (slurm job {self._job})"
 
 
+def gres_gpu_types(gres: str) -> list[str]:
+    """The GPU types in a node's ``Gres`` (``gpu:h100:8(S:0-1),gpu:a100:2``): ``["h100",
+    "a100"]``; ``""`` for GPUs given without a type."""
+    types = []
+    for item in gres.split(","):
+        parts = item.split("(")[0].split(":")
+        if parts[0] == "gpu" and len(parts) > 1:
+            types.append(parts[1] if len(parts) > 2 else "")
+    return types
+
+
+def check_gres_gpu(node: str, gres: str, asked: str | None) -> str | None:
+    """``--gpu``: the node's GRES names that model (compared by model: ``nvidia_h100_80gb_hbm3``
+    is H100); its GPU type for the panel. A GRES without types cannot tell the model: accepted."""
+    types = gres_gpu_types(gres)
+    named = [t for t in types if t]
+    if asked and not types:
+        raise ProviderError(
+            f"--gpu {asked}: slurm node {node} has no GPU (Gres={gres or '(null)'}); choose a "
+            "partition with GPUs (--partition), or leave out --gpu"
+        )
+    if asked and named and not any(same_gpu(asked, t) for t in named):
+        raise ProviderError(
+            f"--gpu {asked}: slurm node {node} has {', '.join(named)} (Gres={gres}); pass "
+            f"--gpu {gpu_model(named[0])}, or place the job on {asked} nodes (--partition, "
+            "--constraint)"
+        )
+    return next((gpu_model(t) for t in named if not asked or same_gpu(asked, t)), None)
+
+
 class SlurmProvider(Provider):
     name = "slurm"
 
     @classmethod
     def from_spec(cls, spec: PoolSpec, pool_name: str, extra: Mapping[str, Any]) -> Provider:
+        """The job's options; ``--gpu`` needs ``--gpus-per-node`` (a job gets only the GPUs it
+        asks for), and those must carry the ranks NCCL would run."""
+        gpu = None if spec.gpu == NO_GPU else spec.gpu
+        if gpu and not spec.gpus_per_node:
+            raise ProviderError(
+                f"--gpu {gpu} on slurm: pass --gpus-per-node N too (a Slurm job gets only the "
+                "GPUs it asks for)"
+            )
+        check_gpu_layout(
+            [spec.gpus_per_node or 0] * spec.nodes, spec.procs_per_node, spec.backend, spec.gpu
+        )
         return cls(
             SlurmOptions(
                 partition=spec.partition,
@@ -155,6 +200,7 @@ class SlurmProvider(Provider):
                 constraint=spec.constraint,
                 extra=tuple(spec.slurm_args),
                 python=spec.python,
+                gpu=gpu,
             ),
             pool_name,
         )
@@ -242,9 +288,12 @@ class SlurmProvider(Provider):
         shown = await _run("scontrol", "show", "node", name, "-o")
         fields = dict(f.split("=", 1) for f in shown.split() if "=" in f)
         gpus = tuple(str(i) for i in range(self.options.gpus_per_node or 0))
+        model = check_gres_gpu(name, fields.get("Gres", ""), self.options.gpu)
         # What the panels show of the machine: its Slurm name and job.
         shown_as = f"slurm {name}, job {self.job}"
-        return Node(index, fields.get("NodeAddr", name), gpus, None, shown_as, {"slurm_node": name})
+        return Node(
+            index, fields.get("NodeAddr", name), gpus, model, shown_as, {"slurm_node": name}
+        )
 
     async def start_rank(self, node: Node, env: Mapping[str, str]) -> SlurmRank:
         if self.job is None:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import asyncssh
 
 from ..events import RankState
+from ..gpus import NO_GPU, gpu_model, same_gpu
 from .base import Node, Progress, Provider, ProviderError, ReapReport, StderrTail, no_progress
 from .ssh_clean import clean_host
 from .ssh_keys import changed_key, known_hosts_file, record_if_new
@@ -80,6 +81,8 @@ class SSHOptions:
     keepalive_interval: float = 5.0
     cache_dir: str = ".cache/skyward_jupyter"
     """Where the package goes on the hosts, relative to the login's home unless absolute."""
+    gpu: str | None = None
+    """``--gpu``: the model every host must report (compared by model), checked on connect."""
 
 
 OPENSSH_IDENTITIES = (
@@ -114,6 +117,22 @@ def _unloadable_key(host: Host, identity: str | None, exc: Exception) -> Provide
                 "pass --identity KEY to use another key"
             )
     return ProviderError(f"{host}: cannot load an SSH key ({exc}); pass --identity KEY")
+
+
+def check_host_gpu(host: Host, reported: str | None, asked: str | None) -> None:
+    """``--gpu``: the host reports that model (``nvidia-smi``'s name, compared by model)."""
+    if not asked:
+        return
+    if not reported:
+        raise ProviderError(
+            f"--gpu {asked}: {host} reports no GPU (no nvidia-smi, or it lists none); leave out "
+            "--gpu for CPU ranks, or drop that host"
+        )
+    if not same_gpu(asked, reported):
+        raise ProviderError(
+            f"--gpu {asked}: {host} has {reported}; pass --gpu {gpu_model(reported)}, or leave "
+            "out --gpu"
+        )
 
 
 class SSHRank:
@@ -219,6 +238,7 @@ class SSHProvider(Provider):
             accept_new_host_keys=bool(spec.accept_new_host_keys),
             python=spec.python or "python3",
             head_addr=spec.head_addr,
+            gpu=None if spec.gpu == NO_GPU else spec.gpu,
         )
         return cls(hosts, options)
 
@@ -391,6 +411,7 @@ class SSHProvider(Provider):
         try:
             found = await probe(host, conn, self.options.python)
             self.warnings.extend(check_versions(host, found))
+            check_host_gpu(host, found.get("gpu_model"), self.options.gpu)
             package_dir = await self._ship(host, conn, str(found["home"]))
         except BaseException:
             conn.close()
