@@ -88,7 +88,10 @@ def one_h200(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 
 
 def _local(spec: PoolSpec) -> LocalProvider:
-    provider = provider_class("local").from_spec(spec.settled(), "default", {})
+    """The local provider for ``spec``, checked first as the session checks it."""
+    local = provider_class("local")
+    local.check(spec.settled())
+    provider = local.from_spec(spec.settled(), "default", {})
     assert isinstance(provider, LocalProvider)
     return provider
 
