@@ -33,7 +33,7 @@ from . import protocol as p
 from .events import PoolMessage, RankState
 from .providers.base import ProviderError
 from .ranks import Rank, Ranks
-from .results import PoolError, RankEnded, RankResult, RemoteError
+from .results import INTERRUPTED, PoolError, RankEnded, RankResult, RemoteError
 
 DESYNC_AFTER = 1.5
 """Seconds a rank may wait in a collective after others finished the cell, before it is stuck."""
@@ -82,7 +82,7 @@ class Cell:
     def interrupt(self) -> None:
         """Ctrl-C (or the panel's button): stop the cell; a second call kills what still runs."""
         if self.stop_at is None:
-            self.notes.append("interrupted")
+            self.notes.append(INTERRUPTED)
             self._stop()
         else:
             self.kill_now = True

@@ -21,6 +21,8 @@ from .options import (
     COMMANDS,
     POOL_OPTIONS,
     Command,
+    Option,
+    grouped,
     pool_options,
     unknown_option,
 )
@@ -67,15 +69,34 @@ class _Parser(argparse.ArgumentParser):
 
 @functools.cache
 def _cell_parser() -> _Parser:
-    parser = _Parser("%%sky", description="Run the cell on every rank.")
-    for option in (*POOL_OPTIONS, *CELL_OPTIONS):
-        option.add_to(parser)
+    parser = _Parser(
+        "%%sky",
+        description="Run the cell on every rank.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_groups(parser, grouped(POOL_OPTIONS, CELL_OPTIONS))
     return parser
+
+
+EXAMPLES = """examples:
+  %%sky --nodes 2                    two local ranks, torch.distributed ready
+  %%sky --hosts me@gpu1,me@gpu2      one rank per GPU on two machines over SSH
+  %%sky --provider aws --gpu A10G --nodes 2 --spot --stdout all
+"""
+
+
+def _add_groups(parser: _Parser, groups: list[tuple[str, list[Option]]]) -> None:
+    for title, options in groups:
+        group = parser.add_argument_group(f"{title} options")
+        for option in options:
+            option.add_to(group)
 
 
 def _command_parser(command: Command) -> _Parser:
     parser = _Parser(f"%sky {command.name}", description=command.help)
-    for option in (*(POOL_OPTIONS if command.pool else ()), *command.extra):
+    _add_groups(parser, grouped(POOL_OPTIONS if command.pool else ()))
+    for option in command.extra:
         option.add_to(parser)
     for name, kwargs in command.positionals:
         parser.add_argument(name, **kwargs)
@@ -121,8 +142,9 @@ class SkyMagics(Magics):
             return None
         except USER_ERRORS as exc:
             raise UsageError(str(exc)) from None
-        except CellInterrupted:
-            raise KeyboardInterrupt from None  # as a local cell's Ctrl-C looks
+        except CellInterrupted as interrupted:
+            # Shown by its own rendering (a line per rank), without this frame or the cell's.
+            raise interrupted.with_traceback(None) from None
 
     def _spec(self, args: argparse.Namespace) -> Any:
         """The pool the options describe (the configured defaults fill the rest); None when
@@ -144,6 +166,8 @@ class SkyMagics(Magics):
         )
         if args.out:
             self._user_ns[args.out] = result
+        if result.interrupted and not result.ok:
+            raise CellInterrupted(result)  # the panel's Interrupt: as the toolbar's stop says
         result.raise_for_errors()
         if all(r.value_repr is None for r in result):
             return None

@@ -117,8 +117,22 @@ class Option:
     def dest(self) -> str:
         return str(self.kwargs.get("dest") or self.flag.lstrip("-").replace("-", "_"))
 
-    def add_to(self, parser: argparse.ArgumentParser) -> None:
+    def add_to(self, parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
         parser.add_argument(self.flag, help=self.help, **self.kwargs)
+
+
+def grouped(
+    options: Sequence[Option], cell: Sequence[Option] = ()
+) -> list[tuple[str, list[Option]]]:
+    """Options under the headings ``%%sky?`` shows: the pool's, the cell's output, then each
+    provider's own, in the order the table names them (the help stays generated from it)."""
+    groups: dict[str, list[Option]] = {"pool": []}
+    if cell:
+        groups["output"] = list(cell)
+    for option in options:
+        title = f"{option.provider} provider" if option.provider else "pool"
+        groups.setdefault(title, []).append(option)
+    return [(title, found) for title, found in groups.items() if found]
 
 
 def _flag(**kwargs: Any) -> dict[str, Any]:

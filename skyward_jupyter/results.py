@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, overload
@@ -13,6 +14,10 @@ if TYPE_CHECKING:
 
 def _what(error: RemoteError) -> str:
     return f"{error.type_name}: {error.message}" if error.message else error.type_name
+
+
+INTERRUPTED = "interrupted"
+"""The note of a cell the user stopped."""
 
 
 class PoolError(Exception):
@@ -65,12 +70,46 @@ class RemoteError(Exception):
         return self.render().splitlines()
 
 
+_CELL_LINE = re.compile(r'File "<sky-cell[^"]*>", line (\d+)[^\n]*\n(?: +(\S[^\n]*))?')
+
+
+def _stopped_at(error: RemoteError | None) -> str:
+    """Where a stopped rank was: `` at cell line 3: time.sleep(60)`` (the deepest line of the
+    cell that its traceback names), else ''."""
+    found = _CELL_LINE.findall(error.traceback) if error is not None else []
+    if not found:
+        return ""
+    line, source = found[-1]
+    return f" at cell line {line}" + (f": {source.strip()}" if source else "")
+
+
 class CellInterrupted(KeyboardInterrupt):
-    """Ctrl-C stopped a cell on every rank; ``result`` says how each rank ended."""
+    """The user stopped a cell on every rank (Ctrl-C, the toolbar's stop or the panel's
+    Interrupt); ``result`` says how each rank ended.
+
+    Shown as one line per rank, where it stopped: the traceback of an interrupt is the
+    notebook's own frames and the cell's source, which say nothing the user does not know."""
 
     def __init__(self, result: RunResult) -> None:
         super().__init__()
         self.result = result
+
+    def __str__(self) -> str:
+        return f"cell interrupted on {len(self.result)} rank{'s' * (len(self.result) != 1)}"
+
+    def render(self) -> str:
+        lines = [f"KeyboardInterrupt: {self}"]
+        for r in self.result:
+            if r.error is None:
+                lines.append(f"rank {r.rank}: had finished")
+            elif r.error.type_name == "KeyboardInterrupt":
+                lines.append(f"rank {r.rank}: stopped{_stopped_at(r.error)}")
+            else:
+                lines.append(f"rank {r.rank}: {_what(r.error)}{_stopped_at(r.error)}")
+        return "\n".join(lines)
+
+    def _render_traceback_(self) -> list[str]:
+        return self.render().splitlines()
 
 
 class CellError(Exception):
@@ -101,9 +140,16 @@ class CellError(Exception):
         parts = [self.primary.render()]
         for e in self.errors:
             if e is not self.primary:
-                suffix = " (after the failure above)" if e.secondary else ""
-                parts.append(f"rank {e.rank}: {_what(e)}{suffix}")
+                parts.append(f"rank {e.rank}: {_what(e)}{self._relation(e)}")
         return "\n".join(parts)
+
+    def _relation(self, error: RemoteError) -> str:
+        """How another rank's error relates to the cause, said only where it is known: the
+        same error raised on its own is not "after" the cause (both ranks ran the same code)."""
+        first = self.primary
+        if error.type_name == first.type_name:
+            return " (the same error)" if error.message == first.message else ""
+        return " (after the failure above)" if error.secondary else ""
 
     def _render_traceback_(self) -> list[str]:
         return self.render().splitlines()
@@ -156,6 +202,11 @@ class RunResult(Sequence[RankResult]):
     @property
     def ok(self) -> bool:
         return all(r.ok for r in self.ranks)
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether the user stopped it (Ctrl-C, the toolbar's stop, the panel's Interrupt)."""
+        return INTERRUPTED in self.notes
 
     @property
     def values(self) -> list[Any]:

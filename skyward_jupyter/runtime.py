@@ -204,13 +204,26 @@ def set_metric_sink(sink: MetricSink | None) -> None:
     _sink = sink
 
 
-def log(step: int | None = None, **metrics: Any) -> None:
+TOTAL_KEY = "@total"
+"""Where :func:`log`'s ``total`` travels among the metrics (no keyword argument is named so)."""
+
+
+def log(step: int | None = None, total: int | None = None, **metrics: Any) -> None:
     """Record metrics for the live panel, aggregated across ranks per step.
 
-    Cheap: on a rank it appends to a buffer the agent sends in batches; outside a pool it keeps
-    the record locally (see :func:`local_metrics`).
+    ``total``: how many steps the loop will take, once known; the panel then shows a bar and an
+    estimate of the time left, as tqdm does. Cheap: on a rank it appends to a buffer the agent
+    sends in batches; outside a pool it keeps the record locally (see :func:`local_metrics`).
     """
     values: dict[str, float] = {}
+    if total is not None:
+        try:
+            count = operator.index(total)
+        except TypeError:
+            count = -1
+        if isinstance(total, bool) or count < 0:
+            raise TypeError(f"log(): total must be a count of steps, got {total!r}")
+        values[TOTAL_KEY] = float(count)
     for name, value in metrics.items():
         try:
             if isinstance(value, str | bytes):

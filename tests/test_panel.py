@@ -319,7 +319,10 @@ def test_in_a_kernel_a_cell_worth_watching_shows_the_panel_once_and_its_buttons_
         stacks: list[str] = []
 
         def stacks_then_interrupt(msg: dict[str, Any]) -> None:
-            if msg["msg_type"] == "stream" and "started" in msg["content"].get("text", ""):
+            state = msg["content"].get("data", {}).get("state", {})
+            if msg["msg_type"] == "comm_open" and state.get("_model_name") == "ButtonModel":
+                buttons[state["description"]] = msg["content"]["comm_id"]  # this cell's own
+            elif msg["msg_type"] == "stream" and "started" in msg["content"].get("text", ""):
                 _click(kernel, buttons["Stacks"])
             elif msg["msg_type"] == "comm_msg" and not stacks:
                 value = msg["content"]["data"].get("state", {}).get("value", "")
@@ -333,7 +336,12 @@ def test_in_a_kernel_a_cell_worth_watching_shows_the_panel_once_and_its_buttons_
             "%%sky\nimport time\nprint('started', flush=True)\ntime.sleep(120)\n",
             timeout=90,
         )
-        assert stopped.status == "error" and "KeyboardInterrupt" in stopped.reply["evalue"]
+        assert stopped.status == "error" and stopped.reply["ename"] == "CellInterrupted"
+        assert stopped.errors[0]["traceback"] == [
+            "KeyboardInterrupt: cell interrupted on 2 ranks",
+            "rank 0: stopped at cell line 3: time.sleep(120)",
+            "rank 1: stopped at cell line 3: time.sleep(120)",
+        ], "the panel's Interrupt says what the toolbar's stop says"
         assert time.monotonic() - started < 60, "the clicks were handled while the cell ran"
         (view,) = stacks
         assert "every rank's stacks at" in view and "\nrank 1 (" in view

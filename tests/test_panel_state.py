@@ -24,6 +24,7 @@ from skyward_jupyter.events import (
     RankUsage,
 )
 from skyward_jupyter.model import aggregate_state
+from skyward_jupyter.results import RunResult
 
 from .conftest import wait_for
 
@@ -206,7 +207,7 @@ def test_the_running_cell_is_known() -> None:
     state = state_with({0: 0})
     state.apply(CellStarted(7, 1, 0))
     assert state.snapshot().header.cell == 7
-    state.apply(CellFinished(7, None))  # type: ignore[arg-type]
+    state.apply(CellFinished(7, RunResult(7, ())))
     header = state.snapshot().header
     assert (header.cell, header.cells) == (None, 1)
 
@@ -281,7 +282,7 @@ def test_the_marks_go_when_the_cell_ends() -> None:
     state.apply(RankStateChanged.of(1, 1, S.IDLE))  # rank 1 is done with the cell
     assert marks(state)[0] == {0: "waiting 8 s in barrier at cell line 4"}
     v = state.version
-    state.apply(CellFinished(4, None))  # type: ignore[arg-type]
+    state.apply(CellFinished(4, RunResult(4, ())))
     assert state.version > v
     assert marks(state) == ({}, {0: [], 1: []})
     assert "waiting" not in summary_text(state.snapshot(), now=0.0)

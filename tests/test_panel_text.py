@@ -26,6 +26,7 @@ from skyward_jupyter.events import (
 )
 from skyward_jupyter.providers.base import Node, Progress, no_progress
 from skyward_jupyter.providers.local import LocalProvider
+from skyward_jupyter.results import RunResult
 from skyward_jupyter.session import PoolSpec, Session
 
 S = RankState
@@ -115,7 +116,7 @@ def test_a_step_is_written_once_when_every_rank_logged_it() -> None:
     assert lines(out) == ["step 0: loss 2 (1 - 3), acc 50"]
     text.on_event(MetricsLogged(1, 1, ((1, {"loss": 0.5}),)))
     text.on_event(MetricsLogged(0, 1, ((0, {"loss": 9.0}),)))  # late value of a written step
-    text.on_event(CellFinished(1, None))  # type: ignore[arg-type]
+    text.on_event(CellFinished(1, RunResult(1, ())))
     text.flush(final=True)
     assert lines(out) == ["step 0: loss 2 (1 - 3), acc 50", "step 1: loss 0.5"]
 
@@ -144,7 +145,7 @@ def test_many_steps_do_not_flood_the_terminal() -> None:
         if step % 100 == 0:
             clock.now += 0.5
             text.flush()
-    text.on_event(CellFinished(1, None))  # type: ignore[arg-type]
+    text.on_event(CellFinished(1, RunResult(1, ())))
     text.flush(final=True)
     written = lines(out)
     assert len(written) < 15, written
@@ -159,7 +160,7 @@ def test_notes_between_cells_are_written_and_notes_during_a_cell_are_left_to_its
     text.on_event(PoolMessage("torch is not installed"))  # while starting: the session says it
     text.on_event(CellStarted(1, 1, 0))
     text.on_event(PoolMessage("ranks [1] were restarted"))  # the cell's result says it
-    text.on_event(CellFinished(1, None))  # type: ignore[arg-type]
+    text.on_event(CellFinished(1, RunResult(1, ())))
     text.on_event(PoolMessage("rank 1 (node 1, local pid 9) killed by SIGKILL while idle"))
     text.on_event(OutputReceived(0, 1, "stdout", "output is the cell's business\n"))
     text.flush()
@@ -191,7 +192,7 @@ def test_a_rank_long_in_a_collective_is_a_line_once_per_call_site_and_cell() -> 
     text.on_event(beat(0, 0, "barrier at cell line 4", 30.0))
     text.flush()
     assert len(lines(out)) == 2, "once per rank and call site in a cell"
-    text.on_event(CellFinished(1, None))  # type: ignore[arg-type]
+    text.on_event(CellFinished(1, RunResult(1, ())))
     text.flush(final=True)
     text.on_event(CellStarted(2, 3, 0))
     text.on_event(beat(0, 0, "barrier at cell line 4", 3.0))

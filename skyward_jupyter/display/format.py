@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .snapshot import Progress
+
 
 def format_bytes(n: int | None) -> str:
     if n is None:
@@ -29,3 +34,32 @@ def format_number(x: float) -> str:
     if x == int(x) and abs(x) < 1e12:
         return str(int(x))
     return f"{x:.4g}"
+
+
+def format_rate(steps_per_second: float) -> str:
+    """``12.5 steps/s``; below one a second, ``4.0 s/step`` (as tqdm turns it round)."""
+    if steps_per_second >= 1 or steps_per_second <= 0:
+        return f"{steps_per_second:.1f} steps/s"
+    return f"{1 / steps_per_second:.1f} s/step"
+
+
+def text_bar(fraction: float, width: int = 20) -> str:
+    filled = round(fraction * width)
+    return "|" + "#" * filled + " " * (width - filled) + "|"
+
+
+def progress_parts(progress: Progress, now: float) -> list[str]:
+    """A cell's progress as the panel's header and the text write it: ``In [7] running``,
+    ``1 min 05 s``, ``step 140/500``, ``2.3 steps/s``, ``28%``, ``2 min 36 s left``."""
+    p = progress
+    elapsed = format_seconds(p.elapsed(now))
+    parts = [f"{p.label} {p.outcome}", elapsed if p.running else f"took {elapsed}"]
+    if p.step is not None:
+        parts.append(f"step {p.step}" + (f"/{p.total}" if p.total else ""))
+    if p.rate:
+        parts.append(format_rate(p.rate))
+    if p.fraction is not None:
+        parts.append(f"{p.fraction:.0%}")
+    if p.eta is not None:
+        parts.append(f"{format_seconds(p.eta)} left")
+    return parts

@@ -4,7 +4,11 @@ A :class:`SkyPanel` draws a :class:`~.state.PanelState` (which the pool's events
 pool's IO thread) from its own timer thread, at most ``1 / interval`` times a second and only
 when the state's version moved (the uptime and heartbeat ages also tick once a second). Widget
 updates are comm messages, safe from a background thread; nothing is printed from it. The timer
-ends when the pool has ended (after drawing the end) or when the widget is closed.
+ends when the pool has ended (after drawing the end), when its cell has ended (a cell's view,
+whose state is :meth:`~.state.PanelState.for_cell`'s: then it keeps the cell's final state) or
+when the widget is closed. A panel of the pool's own state (``%sky panel``) says it is
+pool-wide. Buttons are enabled only when they can act: Interrupt while a cell runs, Stacks while
+the view is live, Shut down while the pool runs.
 
 Displayed (``IPython.display.display(panel)``), it is a mimebundle carrying the widget view and a
 ``text/plain`` summary, so a frontend without widgets and nbconvert to text read the pool's state
@@ -14,7 +18,10 @@ DOM classes, for styling and for browser tests:
 
 =====================  ==========================================================================
 ``sky-panel``          the whole panel (a VBox)
-``sky-header``         the pool line: name, provider, nodes x ranks, state, uptime, cost
+``sky-header``         the pool line: name, provider, nodes x ranks, state, uptime, cost; in
+                       a cell's view first ``sky-progress[data-cell=N][data-state=running|ended]
+                       [data-step=S]``: In [N], outcome, elapsed, step, steps/s, and with a
+                       total ``span.sky-bar[data-fraction=F]`` and the time left
 ``sky-buttons``        the row of buttons: ``sky-interrupt``, ``sky-stacks`` and ``sky-shutdown``
 ``sky-nodes``          the node table; one ``tr.sky-node[data-node=K][data-state=STATE]`` per node
 ``sky-state``          a state label, also ``sky-state-<state>`` (coloured), ``data-state=STATE``
@@ -25,7 +32,9 @@ DOM classes, for styling and for browser tests:
                        taken, or why there are none), then every rank's stacks in a ``pre``
 ``sky-tabs``           the Tab of rank outputs: "rank 0 (head)", "rank 1", ...
 ``sky-output``         a rank's output (HTML widget); inside, ``pre.sky-stdout[data-rank=K]`` and
-                       ``pre.sky-stderr[data-rank=K]``
+                       ``pre.sky-stderr[data-rank=K]``, ``.sky-error`` (a failed or lost rank's
+                       error), or ``.sky-in-cell`` where the cell's own output shows the rank's
+                       (the head's, by default: shown once, in the cell, where it is saved)
 ``sky-metrics``        the latest-values table; ``tr.sky-metric[data-metric=NAME]`` per metric
 ``sky-charts``         the charts: ``svg.sky-chart[data-metric=NAME]`` (see :mod:`.chart`)
 ``sky-messages``       the pool's last notes
@@ -37,7 +46,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import ipywidgets as widgets  # type: ignore[import-untyped]
@@ -86,8 +95,11 @@ class SkyPanel:
         on_stacks: Callable[[], str] | None = None,
         interval: float = INTERVAL,
         start: bool = True,
+        in_cell: Collection[int] = (),
     ) -> None:
+        """``in_cell``: ranks whose output the cell itself shows (their tabs do not repeat it)."""
         self.pool = pool
+        self.in_cell = frozenset(in_cell)
         self._widget_view: dict[str, Any] | None = None
         self._unsubscribe: Callable[[], None] | None = None
         if state is None:
@@ -170,7 +182,11 @@ class SkyPanel:
         return self._timer is not None and self._timer.is_alive()
 
     def stop(self) -> None:
-        """Draw once more and stop redrawing; the widgets stay (showing the last state)."""
+        """Draw once more and stop redrawing; the widgets stay (showing the last state, less
+        a Stacks dump: that was where the ranks were then, not how the cell ended). Once only:
+        a cell's view stopped at its cell's end keeps that state when the pool ends later."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         timer = self._timer
         if timer is not None and timer is not threading.current_thread():
@@ -178,6 +194,8 @@ class SkyPanel:
         if self.widget.comm is not None:
             self.state.sync(self.pool)
             self.refresh(force=True)
+            if self.stacks_view.comm is not None and self.stacks_view.value:
+                self.stacks_view.value = ""
         self._release()
 
     def close(self) -> None:
@@ -206,13 +224,17 @@ class SkyPanel:
             try:
                 self.state.sync(self.pool)
                 self.refresh()
-                if self._pool_ended() and self._settled():
+                if self._cell_ended() or (self._pool_ended() and self._settled()):
                     self.refresh(force=True)
                     break
             except Exception:  # a drawing bug must not kill the timer silently
                 log.exception("the panel of pool %r failed to draw", self.pool.name)
         self._release()
         self._set_buttons()
+
+    def _cell_ended(self) -> bool:
+        progress = self.state.progress
+        return progress is not None and not progress.running
 
     def _settled(self) -> bool:
         """After the pool ended: whether every rank said how it ended (or long enough passed)."""
@@ -247,10 +269,18 @@ class SkyPanel:
             self.stacks_view.value = stacks_html(title, text)
 
     def _set_buttons(self) -> None:
-        ended = self._pool_ended()
-        for button in self.buttons.children:
-            if button.disabled != ended and button.comm is not None:
-                button.disabled = ended
+        """Each button enabled only when it can act: Interrupt while a cell runs, Stacks while
+        the view is live and the pool runs, Shut down while the pool runs."""
+        pool_up = not self._pool_ended()
+        live = pool_up and not self._cell_ended() and not self._stop.is_set()
+        wanted = {
+            self.interrupt_button: live and self.state.cell_running,
+            self.stacks_button: live,
+            self.shutdown_button: pool_up,
+        }
+        for button, enabled in wanted.items():
+            if button.disabled == enabled and button.comm is not None:
+                button.disabled = not enabled
 
     # --------------------------------------------------------------------- drawing
 
@@ -263,7 +293,7 @@ class SkyPanel:
             if not (force or changed or now - self._drawn_at >= 1.0):
                 return False
             snap = self.state.snapshot()
-            self.header.value = header_html(snap.header, now)
+            self.header.value = header_html(snap.header, now, snap.progress)
             self.nodes.value = nodes_html(snap.nodes, now)
             if force or changed:
                 self._draw_outputs(snap)
@@ -280,11 +310,13 @@ class SkyPanel:
             missing = len(ranks) - len(self.outputs)
             self.outputs += [widgets.HTML().add_class("sky-output") for _ in range(missing)]
             self.tabs.children = tuple(self.outputs)
-            self.tabs.titles = tuple(tab_title(r.rank) for r in ranks)
             if self.tabs.selected_index is None:
                 self.tabs.selected_index = 0
+        titles = tuple(tab_title(r.rank, r) for r in ranks)
+        if tuple(self.tabs.titles) != titles:
+            self.tabs.titles = titles
         for view, rank in zip(self.outputs, ranks, strict=False):
-            view.value = output_html(rank)
+            view.value = output_html(rank, in_cell=rank.rank in self.in_cell)
 
     # --------------------------------------------------------------------- display
 

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 from ..events import RankState
 from ..model import GONE
-from .format import format_bytes, format_number, format_seconds
-from .snapshot import Header, NodeRow, PanelSnapshot, RankRow, Waiting
+from .format import format_bytes, format_number, format_seconds, progress_parts
+from .snapshot import Header, NodeRow, PanelSnapshot, Progress, RankRow, Waiting
 
 SHOWN_OUTPUT = 20_000
 """Characters of a rank's output the panel sends (the state keeps more)."""
@@ -52,7 +52,31 @@ def waiting_html(waiting: Waiting, *, label: bool = True) -> str:
     )
 
 
-def header_html(header: Header, now: float) -> str:
+def progress_html(progress: Progress, now: float) -> str:
+    """A cell's line: In [7], how it is going, elapsed, step, rate; with a total a bar and ETA."""
+    parts = [html.escape(p) for p in progress_parts(progress, now)]
+    parts[0] = f"<b>{parts[0]}</b>"
+    bar = ""
+    if progress.fraction is not None:
+        colour = "#0969da" if progress.running else "#6e7781"
+        bar = (
+            f'<span class="sky-bar" data-fraction="{progress.fraction:.3f}" style="display: '
+            "inline-block; width: 160px; height: 8px; background: #eaeef2; border-radius: 4px; "
+            f'vertical-align: middle; margin: 0 4px"><span style="display: block; height: 100%; '
+            f'width: {progress.fraction * 100:.1f}%; background: {colour}; border-radius: 4px">'
+            "</span></span>"
+        )
+        parts.insert(3 if progress.step is not None else 2, bar)
+    state = "running" if progress.running else "ended"
+    return (
+        f'<div class="sky-progress" data-cell="{progress.number}" data-state="{state}" '
+        f'data-step="{progress.step if progress.step is not None else ""}" '
+        'style="font-family: sans-serif; font-size: 13px">' + " &middot; ".join(parts) + "</div>"
+    )
+
+
+def header_html(header: Header, now: float, progress: Progress | None = None) -> str:
+    """The pool line; in a cell's view, the cell's progress line above it, and no cell count."""
     h = header
     parts = [
         f"<b>pool {html.escape(repr(h.name))}</b>",
@@ -65,13 +89,17 @@ def header_html(header: Header, now: float) -> str:
     cost = h.cost(now)
     if h.price_per_hour is not None and cost is not None:
         parts.append(f"${h.price_per_hour:.2f}/hour, ${cost:.2f} so far")
-    if h.cell is not None:
-        parts.append(f"cell {h.cell} running")
-    return (
-        '<div class="sky-header" style="font-family: sans-serif; font-size: 13px">'
-        + " &middot; ".join(parts)
-        + "</div>"
-    )
+    if progress is None:
+        parts.insert(1, "pool-wide view (every cell)")
+        if h.cell is not None:
+            parts.append("a cell running")
+    pool = " &middot; ".join(parts)
+    if progress is not None:
+        pool = (
+            progress_html(progress, now)
+            + f'<div style="color: #6e7781; font-size: 12px">{pool}</div>'
+        )
+    return f'<div class="sky-header" style="font-family: sans-serif; font-size: 13px">{pool}</div>'
 
 
 def nodes_html(nodes: Sequence[NodeRow], now: float) -> str:
@@ -122,19 +150,35 @@ def _tail(text: str, limit: int) -> tuple[str, int]:
     return text[cut:], cut
 
 
-def output_html(rank: RankRow, limit: int = SHOWN_OUTPUT) -> str:
-    """A rank's stdout (and stderr, when there is any), newest at the bottom, in view."""
+def output_html(rank: RankRow, limit: int = SHOWN_OUTPUT, in_cell: bool = False) -> str:
+    """A rank's stdout (and stderr, when there is any), newest at the bottom, in view.
+
+    ``in_cell``: the cell's own output shows this rank's (the head's, by default); the tab
+    then says so rather than show it a second time."""
     stdout, cut_out = _tail(rank.stdout, limit)
     stderr, cut_err = _tail(rank.stderr, limit // 4)
-    dropped = rank.dropped + cut_out + cut_err
+    if in_cell:
+        stdout = stderr = ""
+        cut_out = cut_err = 0
+    dropped = 0 if in_cell else rank.dropped + cut_out + cut_err
     pre = "margin: 0; white-space: pre-wrap; font-size: 12px"
     parts = [
         f'<div class="sky-rank-state" style="font-family: sans-serif; font-size: 12px">'
         f"rank {rank.rank} on node {rank.node}: {state_label(rank.state, rank.detail)}"
+        + (
+            f' <span class="sky-error" style="color: #cf222e">{html.escape(rank.detail)}</span>'
+            if rank.detail and rank.state in (RankState.FAILED, RankState.LOST)
+            else ""
+        )
         + (f", {waiting_html(rank.waiting, label=False)}" if rank.waiting else "")
         + "</div>"
     ]
-    if dropped:
+    if in_cell:
+        parts.append(
+            '<div class="sky-in-cell" style="color: #6e7781; font-size: 12px">'
+            "its output is the cell's own, below the panel</div>"
+        )
+    elif dropped:
         parts.append(
             f'<div class="sky-dropped" style="color: #6e7781; font-size: 11px">'
             f"[{dropped} earlier characters not shown]</div>"
@@ -197,5 +241,14 @@ def stacks_html(title: str, text: str = "") -> str:
     return f'<div class="sky-stacks-view" style="{box}">{head}{body}</div>'
 
 
-def tab_title(rank: int) -> str:
-    return "rank 0 (head)" if rank == 0 else f"rank {rank}"
+BADGE_CHARS = 40
+
+
+def tab_title(rank: int, row: RankRow | None = None) -> str:
+    """``rank 1``; a rank that failed or was lost is badged with its error's first line."""
+    title = "rank 0 (head)" if rank == 0 else f"rank {rank}"
+    if row is not None and row.state in (RankState.FAILED, RankState.LOST):
+        what = row.detail or row.state.value
+        what = what if len(what) <= BADGE_CHARS else what[: BADGE_CHARS - 1] + "\u2026"
+        title += f" \u2716 {what}"
+    return title

@@ -118,6 +118,44 @@ class Header:
 
 
 @dataclass(frozen=True, slots=True)
+class Progress:
+    """One cell's progress, as tqdm shows a loop's: elapsed, last step, steps per second, and
+    with a known total a fraction and the time left."""
+
+    number: int | None  # the notebook's execution count: In [number]
+    started_at: float  # epoch seconds
+    ended_at: float | None  # None while the cell runs
+    outcome: str  # "running", "done", "failed on rank 1", "interrupted"
+    step: int | None  # the last step log() gave
+    rate: float | None  # steps per second, over the last steps
+    total: int | None  # log(..., total=N)
+
+    @property
+    def label(self) -> str:
+        return f"In [{self.number}]" if self.number is not None else "cell"
+
+    @property
+    def running(self) -> bool:
+        return self.ended_at is None
+
+    def elapsed(self, now: float) -> float:
+        return max(0.0, (self.ended_at or now) - self.started_at)
+
+    @property
+    def fraction(self) -> float | None:
+        if not self.total or self.step is None:
+            return None
+        return min(1.0, max(0.0, self.step / self.total))
+
+    @property
+    def eta(self) -> float | None:
+        """Seconds left at the current rate (None without a total, a rate, or once ended)."""
+        if not self.running or not self.total or self.step is None or not self.rate:
+            return None
+        return max(0.0, (self.total - self.step) / self.rate)
+
+
+@dataclass(frozen=True, slots=True)
 class PanelSnapshot:
     version: int
     header: Header
@@ -126,3 +164,4 @@ class PanelSnapshot:
     latest: tuple[MetricRow, ...]  # one per metric name, in the order names first appeared
     series: Mapping[str, tuple[MetricRow, ...]]  # per metric name, by step
     messages: tuple[str, ...]
+    progress: Progress | None = None  # a cell's view; None for the pool's own state

@@ -16,11 +16,19 @@ What is kept, and how much of it:
   has waited ``WAITING_MARK_AFTER`` seconds, until a heartbeat says it no longer waits, the rank
   stops running the cell or the cell ends;
 - per metric name: the values of each rank for each step (the last ``max_steps`` steps), reduced
-  to mean, min and max across the ranks that logged that step (:mod:`.metrics`).
+  to mean, min and max across the ranks that logged that step (:mod:`.metrics`);
+- per rank, how the last cell ended on it: a rank whose cell raised shows as failed (a lost one
+  as lost), with the error's first line, until the next cell starts.
+
+A cell's view has a state of its own (:meth:`PanelState.for_cell`): the pool as it was when the
+cell began, then only that cell's output, metrics, notes and progress (:class:`~.snapshot.
+Progress`); its view stops feeding it when the cell ends, so it keeps the cell's final state.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -39,9 +47,10 @@ from ..events import (
     RankUsage,
 )
 from ..model import GONE, PoolFacts, aggregate_state, price_of
+from ..runtime import TOTAL_KEY
 from .buffers import OUTPUT_CAP, TextBuffer
 from .metrics import MAX_STEPS, MetricRow, MetricSteps, StepNumbers
-from .snapshot import Header, NodeInfo, NodeRow, PanelSnapshot, RankRow, Waiting
+from .snapshot import Header, NodeInfo, NodeRow, PanelSnapshot, Progress, RankRow, Waiting
 
 MAX_MESSAGES = 20
 LOST_HOLD = 5.0
@@ -51,6 +60,14 @@ WAITING_MARK_AFTER = 3.0
 """Seconds a rank has been inside the same collective before its rows say so (a collective
 that takes a moment is normal; one that lasts is where a hang shows)."""
 _RESTARTING = (RankState.BOOTING, RankState.CONNECTING, RankState.READY)
+_AFTER_CELL = (RankState.IDLE, RankState.READY)
+"""States in which a rank shows how its last cell ended (a failure), rather than the state."""
+RATE_STEPS = 20
+"""Steps per second are measured over this many of the last log() batches."""
+
+
+def first_line(text: str) -> str:
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")
 
 
 @dataclass(slots=True)
@@ -63,6 +80,8 @@ class _RankState:
     lost_detail: str = ""
     waiting: str | None = None  # the collective its cell waits in, and where (last heartbeat)
     waited: float = 0.0
+    ended: RankState | None = None  # FAILED or LOST: how its last cell ended, until the next
+    ended_detail: str = ""  # the error's first line
 
 
 class PanelState:
@@ -104,6 +123,42 @@ class PanelState:
         self._cell: int | None = None
         self._cells = 0
         self._version = 0
+        self._progress: Progress | None = None  # a cell's view only (for_cell)
+        self._rates: collections.deque[tuple[float, int]] = collections.deque(maxlen=RATE_STEPS)
+
+    def for_cell(self, number: int | None) -> PanelState:
+        """A state for one cell's view: the pool as it is now (nodes, ranks' states and usage,
+        start, price), none of the earlier cells' output, metrics or notes. Feed it the pool's
+        events from now until the cell ends; ``number`` is the notebook's execution count."""
+        with self._lock:
+            cell = PanelState(
+                self.name,
+                self.provider,
+                nodes=list(self._nodes.values()),
+                started_at=self._started_at,
+                price_per_hour=self._price,
+                output_cap=self.output_cap,
+                max_steps=self.max_steps,
+                lost_hold=self.lost_hold,
+                clock=self._clock,
+            )
+            cell._expected_nodes = self._expected_nodes
+            cell._ranks = {
+                i: dataclasses.replace(r, ended=None, ended_detail="")
+                for i, r in self._ranks.items()
+            }
+            cell._booting = dict(self._booting)
+            cell._progress = Progress(number, time.time(), None, "starting", None, None, None)
+            return cell
+
+    @property
+    def progress(self) -> Progress | None:
+        return self._progress
+
+    @property
+    def cell_running(self) -> bool:
+        """Whether a cell runs on the ranks now (from its start to its end)."""
+        return self._cell is not None
 
     @property
     def version(self) -> int:
@@ -178,6 +233,8 @@ class PanelState:
     def apply(self, event: PoolEvent) -> None:
         """Fold one event (the pool's IO thread calls this through ``Pool.subscribe``)."""
         with self._lock:
+            if self._progress is not None and not self._mine(event):
+                return
             if isinstance(event, RankStateChanged):
                 for index, node in event.ranks:
                     self._set_state(index, node, event.state, event.detail)
@@ -197,16 +254,69 @@ class PanelState:
             elif isinstance(event, CellStarted):
                 self._cell = event.cell_id
                 self._cells += 1
+                for rank in self._ranks.values():
+                    rank.ended, rank.ended_detail = None, ""
+                if self._progress is not None:
+                    self._progress = dataclasses.replace(self._progress, outcome="running")
             elif isinstance(event, CellFinished):
                 if self._cell == event.cell_id:
                     self._cell = None
                 for rank in self._ranks.values():
                     rank.waiting, rank.waited = None, 0.0
+                self._finished(event)
             elif isinstance(event, PoolMessage):
                 self._messages = [*self._messages, event.text][-MAX_MESSAGES:]
             self._version += 1
 
     __call__ = apply  # so the state itself can be given to Pool.subscribe
+
+    def _mine(self, event: PoolEvent) -> bool:
+        """A cell's view takes the events of its own cell (and the pool's), not a late line of
+        the cell before, nor anything once its cell has ended."""
+        assert self._progress is not None
+        if not self._progress.running:
+            return False
+        if isinstance(event, CellStarted | CellFinished):
+            return self._cell is None or event.cell_id == self._cell
+        if isinstance(event, OutputReceived | MetricsLogged):
+            return event.cell_id is None or event.cell_id == self._cell
+        return True
+
+    def _finished(self, event: CellFinished) -> None:
+        """Mark the ranks the cell failed on; a cell's view records how the cell ended."""
+        result = event.result
+        for r in result:
+            if r.error is None or (result.interrupted and r.error.type_name == "KeyboardInterrupt"):
+                continue
+            rank = self._rank(r.rank, r.node)
+            rank.ended = RankState.LOST if r.error.type_name == "RankLost" else RankState.FAILED
+            rank.ended_detail = first_line(f"{r.error.type_name}: {r.error.message}")
+        if self._progress is None:
+            return
+        failed = [r.rank for r in result if r.error is not None]
+        if result.interrupted:
+            outcome = "interrupted"
+        elif failed:
+            outcome = f"failed on rank{'s' * (len(failed) > 1)} {', '.join(map(str, failed))}"
+        else:
+            outcome = "done"
+        self._progress = dataclasses.replace(self._progress, ended_at=time.time(), outcome=outcome)
+
+    def pool_ready(self) -> None:
+        """The pool this view's cell started is ready (``%sky up`` runs no cell after it)."""
+        with self._lock:
+            if self._progress is not None and self._progress.outcome == "starting":
+                self._progress = dataclasses.replace(self._progress, outcome="pool ready")
+                self._version += 1
+
+    def end_cell(self) -> None:
+        """The cell ended without a result (the pool failed or closed under it): stop here."""
+        with self._lock:
+            if self._progress is not None and self._progress.running:
+                self._progress = dataclasses.replace(
+                    self._progress, ended_at=time.time(), outcome="ended"
+                )
+                self._version += 1
 
     def _set_state(self, index: int, node: int, state: RankState, detail: str) -> None:
         rank = self._rank(index, node)
@@ -226,13 +336,39 @@ class PanelState:
 
     def _log(self, event: MetricsLogged) -> None:
         now = self._clock()
+        last: int | None = None
+        total: float | None = None
         for step, values in event.rows:
             for name, value in values.items():
+                if name == TOTAL_KEY:
+                    total = value
+                    continue
                 metric = self._metrics.get(name)
                 if metric is None:
                     metric = self._metrics[name] = MetricSteps(self.max_steps)
                 resolved = self._steps.resolve(event.rank, name, step)
                 metric.put(resolved, event.rank, value, event.cell_id, now)
+                last = resolved if last is None else max(last, resolved)
+            if step is not None and (last is None or step > last):
+                last = step  # log(step, total=N) alone still moves the bar
+        progress = self._progress
+        if progress is None or (last is None and total is None):
+            return
+        step = progress.step
+        if last is not None:
+            step = last if step is None else max(last, step)
+            if not self._rates or self._rates[-1][1] < step:
+                self._rates.append((now, step))
+        rate = None
+        if len(self._rates) >= 2:
+            (t0, s0), (t1, s1) = self._rates[0], self._rates[-1]
+            rate = (s1 - s0) / (t1 - t0) if t1 > t0 else None
+        self._progress = dataclasses.replace(
+            progress,
+            step=step,
+            rate=rate if rate is not None else progress.rate,
+            total=int(total) if total is not None else progress.total,
+        )
 
     # ----------------------------------------------------------------------- reading
 
@@ -271,7 +407,14 @@ class PanelState:
             )
             series = {name: tuple(m.rows(name)) for name, m in self._metrics.items()}
             return PanelSnapshot(
-                self._version, header, nodes, ranks, latest, series, tuple(self._messages)
+                self._version,
+                header,
+                nodes,
+                ranks,
+                latest,
+                series,
+                tuple(self._messages),
+                self._progress,
             )
 
     def _rank_row(self, index: int, rank: _RankState, now: float) -> RankRow:
@@ -283,6 +426,8 @@ class PanelState:
             # Restarting after a loss: show the loss for a moment, and what happens now.
             where = "restarted" if state is RankState.READY else f"restarting ({state.value})"
             state, detail = RankState.LOST, f"{rank.lost_detail}; {where}".lstrip("; ")
+        elif rank.ended is not None and state in _AFTER_CELL:
+            state, detail = rank.ended, rank.ended_detail
         return RankRow(
             index,
             rank.node,

@@ -5,12 +5,15 @@ stays after the pool ends, for ``%sky metrics`` and ``%sky panel``, until a pool
 replaces it). On top of it:
 
 - in a kernel with a frontend (``ZMQInteractiveShell``: JupyterLab, Notebook, VS Code, nbclient),
-  a :class:`~.panel.SkyPanel`, displayed once per pool per cell: as the pool starts (so starting
-  shows), else as soon as the cell has run :data:`QUICK_CELL_S` or its ranks wrote output
-  (above that output); and by ``%sky panel``. A quicker cell that printed nothing shows only its
-  result: its panel would have nothing live to show, and in a kernel that display was most of a
-  trivial cell's cost. When the cell ends its display is updated once, so the saved notebook's
-  ``text/plain`` says how the cell left the pool;
+  a :class:`~.panel.SkyPanel` per cell, of that cell only (its state is
+  :meth:`~.state.PanelState.for_cell`'s: its output per rank, its metrics, its progress, named
+  ``In [N]`` as the notebook numbers the cell), displayed as the pool starts (so starting shows),
+  else as soon as the cell has run :data:`QUICK_CELL_S` or its ranks wrote output (above that
+  output). A quicker cell that printed nothing shows only its result: its panel would have
+  nothing live to show, and in a kernel that display was most of a trivial cell's cost. When the
+  cell ends its panel stops: it keeps the cell's final state, and its display is updated once, so
+  the saved notebook's ``text/plain`` says how the cell left the pool. ``%sky panel`` shows a
+  pool-wide panel (every cell), which says so;
 - elsewhere (terminal IPython), a :class:`~.text.TextReport` written from the kernel's thread
   while a cell waits, like the cell's own output.
 
@@ -67,11 +70,16 @@ class _View:
     name: str
     pool: PoolFacts
     state: PanelState
-    panel: SkyPanel | None = None
+    panel: SkyPanel | None = None  # the panel of the cell that runs, or ran last
+    cell_state: PanelState | None = None  # its state, fed while its cell runs
+    cell_feed: Callable[[], None] | None = None  # stops feeding it
+    cell_key: object = None  # the cell it belongs to
+    in_cell: frozenset[int] = frozenset()  # ranks whose output the cell itself shows
+    pool_panel: SkyPanel | None = None  # ``%sky panel``'s, of the pool's whole life
     text: TextReport | None = None
     shown: list[_Shown] = field(default_factory=list)  # displays made in the current cell
     shown_in: object = None  # the cell it was last displayed in
-    in_cell: bool = False
+    running: bool = False
     shutdown_pending: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
     replacing: _View | None = None
@@ -89,7 +97,7 @@ class _CellView:
         self._output = output
         self.on_event = output.on_event
         self._started = time.monotonic()
-        self._panel_due = view is not None and view.panel is not None
+        self._panel_due = view is not None and views.kind == "widgets"
 
     def flush(self) -> None:
         self._show_panel_if_due()
@@ -145,18 +153,9 @@ class PoolViews:
         kind = self.kind
         self._views[entry.name] = view
         if kind == "widgets":
-            try:
-                from .panel import SkyPanel
-
-                view.panel = SkyPanel(
-                    pool,
-                    state,
-                    on_shutdown=lambda: self._request_shutdown(view),
-                )
-            except Exception:  # a view must never keep a pool from starting
-                log.exception("the panel of pool %r could not be made", entry.name)
-                return
-            self._show(view)
+            self._begin_cell(view)  # the start is the first part of this cell's view
+            if self._panel(view) is not None:
+                self._show(view)
         elif kind == "text":
             view.text = TextReport()
             pool.subscribe(view.text.on_event)
@@ -169,6 +168,8 @@ class PoolViews:
     def pool_started(self, entry: EntryFacts) -> None:
         view = self._views.get(entry.name)
         if view is not None and view.pool is entry.pool:
+            if view.cell_state is not None:
+                view.cell_state.pool_ready()
             self._update(view)
 
     def pool_ended(self, entry: EntryFacts) -> None:
@@ -183,9 +184,10 @@ class PoolViews:
             self._views[entry.name] = view.replacing  # its replacement failed: it stays
         view.replacing = None
         view.state.sync(view.pool)
-        if view.panel is not None:
-            view.panel.stop()
-            self._update(view)
+        self._end_cell(view)
+        if view.pool_panel is not None:
+            view.pool_panel.stop()
+        self._update(view)
 
     def cell(self, entry: EntryFacts, stdout: StdoutMode) -> _CellView:
         """A cell is about to run on ``entry``'s pool (kernel thread)."""
@@ -194,23 +196,70 @@ class PoolViews:
         if view is None or view.pool is not entry.pool:
             return _CellView(self, None, output)
         with view.lock:
-            view.in_cell = True
+            view.running = True
+        ranks = entry.pool.world_size or 0
+        view.in_cell = frozenset(
+            {"head": range(min(ranks, 1)), "all": range(ranks)}.get(stdout, ())
+        )
+        if self.kind == "widgets" and view.cell_key != self._cell_key():
+            self._begin_cell(view)
+        if view.panel is not None:
+            view.panel.in_cell = view.in_cell
         if view.text is not None:
             view.text.flush()
         return _CellView(self, view, output)
 
     def _cell_finished(self, view: _View) -> None:
         with view.lock:
-            view.in_cell = False
+            view.running = False
             pending, view.shutdown_pending = view.shutdown_pending, False
         if view.text is not None:
             view.text.flush(final=True)
-        if view.panel is not None:
-            # The widgets: their timer draws what the cell changed within a quarter second
-            # (drawing here too sent them twice a cell, clocks and all); the text: now.
-            self._update(view)
+        self._end_cell(view)
+        self._update(view)
         if pending:
             self._down(view)
+
+    def _begin_cell(self, view: _View) -> None:
+        """A state of this cell's own, fed from now on; its panel is made when first shown."""
+        self._end_cell(view)
+        count = getattr(self.shell, "execution_count", None)
+        view.cell_state = view.state.for_cell(count if isinstance(count, int) else None)
+        view.cell_feed = view.pool.subscribe(view.cell_state.apply)
+        view.cell_key = self._cell_key()
+        view.panel = None
+
+    def _end_cell(self, view: _View) -> None:
+        """The cell's view stops where the cell ended: nothing later changes it."""
+        feed, view.cell_feed = view.cell_feed, None
+        if feed is not None:
+            feed()
+        if view.cell_state is not None:
+            view.cell_state.end_cell()  # a no-op when the cell's end was folded
+        if view.panel is not None:
+            view.panel.stop()
+
+    def _panel(self, view: _View) -> SkyPanel | None:
+        """The running cell's panel, made on first use (a quick cell never needs one)."""
+        if view.panel is None and view.cell_state is not None:
+            view.panel = self._make_panel(view, view.cell_state)
+            if view.panel is not None and view.cell_feed is None:
+                view.panel.stop()  # its cell ended before it was shown
+        return view.panel
+
+    def _make_panel(self, view: _View, state: PanelState) -> SkyPanel | None:
+        try:
+            from .panel import SkyPanel
+
+            return SkyPanel(
+                view.pool,
+                state,
+                on_shutdown=lambda: self._request_shutdown(view),
+                in_cell=view.in_cell,
+            )
+        except Exception:  # a view must never keep a pool from starting or a cell from running
+            log.exception("the panel of pool %r could not be made", view.name)
+            return None
 
     # ---------------------------------------------------------------- commands
 
@@ -227,15 +276,19 @@ class PoolViews:
         return view
 
     def show(self, name: str | None = None, current: str | None = None) -> None:
-        """``%sky panel``: the pool's panel here (its text where widgets cannot show)."""
+        """``%sky panel``: the pool-wide panel here (its text where widgets cannot show)."""
         view = self._find(name, current)
-        if view.panel is not None and view.panel.widget.comm is not None:
-            view.state.sync(view.pool)
-            view.panel.refresh(force=True)
-            self._display(view)
-        else:
-            view.state.sync(view.pool)
-            print(summary_text(view.state.snapshot()))
+        view.state.sync(view.pool)
+        if self.kind == "widgets":
+            if view.pool_panel is None or view.pool_panel.widget.comm is None:
+                view.pool_panel = self._make_panel(view, view.state)
+            if view.pool_panel is not None:
+                if not view.pool.running:
+                    view.pool_panel.stop()
+                view.pool_panel.refresh(force=True)
+                self._display(view, view.pool_panel)
+                return
+        print(summary_text(view.state.snapshot()))
 
     def metrics(self, name: str | None = None, current: str | None = None) -> Any:
         """``%sky metrics``: a DataFrame (pandas importable) or a list of dicts."""
@@ -253,30 +306,32 @@ class PoolViews:
         return (getattr(shell, "execution_count", None), msg_id)
 
     def _show(self, view: _View) -> None:
-        """Display the panel unless it was already displayed in this cell."""
+        """Display the cell's panel unless it was already displayed in this cell."""
         key = self._cell_key()
         if view.shown_in == key:
             return
+        panel = self._panel(view)
+        if panel is None:
+            return
         view.shown_in = key
         view.shown.clear()
-        self._display(view)
+        self._display(view, panel)
 
-    def _display(self, view: _View) -> None:
+    def _display(self, view: _View, panel: SkyPanel) -> None:
         """Publish the panel's own bundle: ``display()`` would ask each of IPython's formatters
         in turn for it, on every cell's path."""
         from IPython.display import DisplayHandle, publish_display_data
 
-        if view.panel is None:
-            return
         try:
             handle = DisplayHandle()  # type: ignore[no-untyped-call]
-            data, metadata = view.panel._repr_mimebundle_()
+            data, metadata = panel._repr_mimebundle_()
             transient = {"display_id": handle.display_id}
             publish_display_data(data, metadata, transient=transient)  # type: ignore[no-untyped-call]
         except Exception:  # the cell runs on without its panel
             log.exception("the panel of pool %r could not be displayed", view.name)
             return
-        view.shown.append(_Shown(handle, _settled_text(view), time.monotonic()))
+        if panel is view.panel:
+            view.shown.append(_Shown(handle, _settled_text(panel), time.monotonic()))
 
     def _update(self, view: _View) -> None:
         """Bring this cell's displays' text/plain up to date (the widget view draws itself).
@@ -284,14 +339,15 @@ class PoolViews:
         A display made less than a second ago whose text would change only in its ticking
         figures (uptime, usage, heartbeat ages) is left alone: a quick cell's panel says at its
         end what it said at its start, and a message to the frontend would only repeat it."""
-        if view.shown_in != self._cell_key() or view.panel is None:
+        panel = view.panel
+        if view.shown_in != self._cell_key() or panel is None:
             return
-        text, now = _settled_text(view), time.monotonic()
+        text, now = _settled_text(panel), time.monotonic()
         for shown in view.shown:
             if shown.text == text and now - shown.at < 1.0:
                 continue
             try:
-                shown.handle.update(view.panel)
+                shown.handle.update(panel)
             except Exception:
                 log.exception("the panel of pool %r could not be updated", view.name)
             else:
@@ -312,7 +368,7 @@ class PoolViews:
     def _request_shutdown(self, view: _View) -> None:
         """The button (whichever thread handles the click)."""
         with view.lock:
-            later = view.shutdown_pending = view.in_cell
+            later = view.shutdown_pending = view.running
         if later:
             view.pool.interrupt()  # the cell ends, then _cell_finished shuts the pool down
         else:
@@ -367,6 +423,6 @@ def metrics_table(rows: list[MetricRow]) -> Any:
     return pd.DataFrame.from_records(list(records), columns=list(_COLUMNS))
 
 
-def _settled_text(view: _View) -> str:
+def _settled_text(panel: SkyPanel) -> str:
     """The panel's text without its ticking figures: it changes only when the pool's does."""
-    return summary_text(view.state.snapshot(), live=False)
+    return summary_text(panel.state.snapshot(), live=False)
