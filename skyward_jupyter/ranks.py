@@ -328,6 +328,11 @@ class Ranks:
             )
             self.emit(PoolMessage(notes[-1]))
         await self.form_group(jax)
+        if after_failure and self.group_backend is not None:
+            # Said where people look (the cell's view, the text after the cell): objects
+            # holding the old group (a DDP-wrapped model) must be made again.
+            notes.append(f"process group re-formed after the failure ({self.worlds_note})")
+            self.emit(PoolMessage(notes[-1]))
         return notes
 
     async def shut_down(self, grace: float, keep_files: bool = False) -> None:

@@ -90,6 +90,16 @@ class Cell:
         return rank_lines("\n".join([*self.shown, self.stdout]))
 
     @property
+    def status_line(self) -> list[str]:
+        """What the one start-up line said, in turn (its display, then each update)."""
+        return [
+            m["content"]["data"]["text/plain"]
+            for m in self.messages
+            if m["msg_type"] in ("display_data", "update_display_data")
+            and "status" in m["content"].get("metadata", {}).get("skyward_jupyter", {})
+        ]
+
+    @property
     def errors(self) -> list[dict[str, Any]]:
         return [m["content"] for m in self.messages if m["msg_type"] == "error"]
 
@@ -101,6 +111,15 @@ class Cell:
     def __str__(self) -> str:
         summary = [(m["msg_type"], m["content"]) for m in self.messages]
         return f"cell {self.code!r}: {self.status} {self.reply.get('evalue', '')!r}\n{summary}"
+
+
+def _text_of(msg: dict[str, Any]) -> str:
+    """The text a stream or a display message shows."""
+    if msg["msg_type"] == "stream":
+        return str(msg["content"]["text"])
+    if msg["msg_type"] in ("display_data", "update_display_data"):
+        return str(msg["content"]["data"].get("text/plain", ""))
+    return ""
 
 
 def _ppid(pid: int) -> int | None:
@@ -157,7 +176,7 @@ class Kernel:
         sent: list[float] = []
 
         def interrupt_once(msg: dict[str, Any]) -> None:
-            if not sent and msg["msg_type"] == "stream" and when in msg["content"]["text"]:
+            if not sent and when in _text_of(msg):
                 sent.append(time.monotonic())
                 self.km.interrupt_kernel()
 
@@ -523,8 +542,11 @@ def test_nccl_without_nccl_or_gpus_is_refused_naming_why_before_the_pool_changes
 def test_a_count_of_one_is_singular(nb: Kernel) -> None:
     cell = nb.ok("%%sky --procs-per-node 1 --name solo\npass")
     try:
-        assert "pool 'solo': starting 1 node x 1 rank, " in cell.stderr, str(cell)
-        assert re.search(r"pool 'solo': 1 rank ready in \d", cell.stderr), str(cell)
+        # One line, not on stderr: "starting ..." turns into "ready in" in place.
+        starting, ready = cell.status_line
+        assert starting.startswith("pool 'solo': starting 1 node x 1 rank, "), str(cell)
+        assert re.match(r"pool 'solo': 1 rank ready in \d", ready), str(cell)
+        assert "pool 'solo'" not in cell.stderr, str(cell)
         restarted = nb.ok("%sky restart solo")
         assert re.search(r"pool 'solo': 1 fresh rank in \d", restarted.stderr), str(restarted)
     finally:
@@ -878,7 +900,13 @@ def test_interrupt_stops_the_cell_and_keeps_the_pool(nb: Kernel) -> None:
     )
     assert took < 15, f"the cell ended {took:.1f} s after the interrupt"
     assert cell.status == "error", str(cell)
-    assert cell.reply["ename"] == "KeyboardInterrupt", str(cell)
+    assert cell.reply["ename"] == "CellInterrupted", str(cell)
+    # The toolbar's stop: a line per rank, where it stopped; no frames of the magic, no source.
+    assert cell.errors[0]["traceback"] == [
+        "KeyboardInterrupt: cell interrupted on 2 ranks",
+        "rank 0: stopped at cell line 3: time.sleep(120)",
+        "rank 1: stopped at cell line 3: time.sleep(120)",
+    ], str(cell)
     assert "woke" not in cell.stdout
 
     cell = nb.ok(
@@ -894,7 +922,7 @@ def test_names_bound_by_an_interrupted_cell_stay_remote(nb: Kernel) -> None:
         "import time\ntime.sleep(120)",
         when="sleeping",
     )
-    assert cell.reply.get("ename") == "KeyboardInterrupt", str(cell)
+    assert cell.reply.get("ename") == "CellInterrupted", str(cell)
     nb.ok("trained = 'notebook model'")
     cell = nb.ok("%%sky --all\ntrained")
     assert cell.per_rank == {0: "'remote model'", 1: "'remote model'"}

@@ -237,7 +237,8 @@ def _panel_displays(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [
         m["content"]
         for m in messages
-        if m["msg_type"] == "display_data" and "skyward_jupyter" in m["content"].get("metadata", {})
+        if m["msg_type"] == "display_data"
+        and "panel" in m["content"].get("metadata", {}).get("skyward_jupyter", {})
     ]
 
 

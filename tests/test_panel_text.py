@@ -134,7 +134,7 @@ def test_a_step_only_some_ranks_log_is_written_after_a_grace_or_at_the_end() -> 
     text.flush()
     assert lines(out) == ["step 0: loss 1 [1 of 2 ranks]"]
     text.flush(final=True)
-    assert lines(out)[-1] == "step 1: loss 0.5 [1 of 2 ranks]"
+    assert lines(out)[-1] == "step 1 (1.0 steps/s): loss 0.5 [1 of 2 ranks]"
 
 
 def test_many_steps_do_not_flood_the_terminal() -> None:

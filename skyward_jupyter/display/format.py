@@ -63,3 +63,16 @@ def progress_parts(progress: Progress, now: float) -> list[str]:
     if p.eta is not None:
         parts.append(f"{format_seconds(p.eta)} left")
     return parts
+
+
+def step_pace(step: int, total: int | None, rate: float | None) -> str:
+    """``step 140/500 (28%, 2.3 steps/s, 2 min 36 s left)``, as much of it as is known."""
+    extra = []
+    if total:
+        extra.append(f"{min(1.0, step / total):.0%}")
+    if rate:
+        extra.append(format_rate(rate))
+        if total and step < total:
+            extra.append(f"{format_seconds((total - step) / rate)} left")
+    head = f"step {step}" + (f"/{total}" if total else "")
+    return head + (f" ({', '.join(extra)})" if extra else "")

@@ -8,12 +8,52 @@ metric 0, 1, 2, ... (after the last step the rank logged for it).
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from ..events import MetricsLogged
+from ..runtime import TOTAL_KEY
+
 MAX_STEPS = 2000
 """Steps kept per metric (the highest ones)."""
+RATE_STEPS = 20
+"""Steps per second are measured over this many of the last new steps."""
+
+
+class Pace:
+    """A cell's last step, its steps per second (over the last :data:`RATE_STEPS` new steps)
+    and its total once ``log(..., total=N)`` gave one: what tqdm shows, for the panel's
+    progress and the text fallback alike. Feed it each :class:`MetricsLogged` of the cell,
+    with the steps :class:`StepNumbers` resolved."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+        self.total: int | None = None
+        self._marks: collections.deque[tuple[float, int]] = collections.deque(maxlen=RATE_STEPS)
+
+    def note(self, now: float, steps: Iterable[int], total: float | None) -> None:
+        if total is not None:
+            self.total = int(total)
+        last = max(steps, default=None)
+        if last is None or (self.step is not None and last <= self.step):
+            return
+        self.step = last
+        self._marks.append((now, last))
+
+    @property
+    def rate(self) -> float | None:
+        if len(self._marks) < 2:
+            return None
+        (t0, s0), (t1, s1) = self._marks[0], self._marks[-1]
+        return (s1 - s0) / (t1 - t0) if t1 > t0 else None
+
+
+def total_of(event: MetricsLogged) -> float | None:
+    """The total steps a log() batch gave (``log(..., total=N)``), if any."""
+    totals = [values[TOTAL_KEY] for _, values in event.rows if TOTAL_KEY in values]
+    return totals[-1] if totals else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,6 @@ Progress`); its view stops feeding it when the cell ends, so it keeps the cell's
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import threading
 import time
@@ -49,7 +48,7 @@ from ..events import (
 from ..model import GONE, PoolFacts, aggregate_state, price_of
 from ..runtime import TOTAL_KEY
 from .buffers import OUTPUT_CAP, TextBuffer
-from .metrics import MAX_STEPS, MetricRow, MetricSteps, StepNumbers
+from .metrics import MAX_STEPS, MetricRow, MetricSteps, Pace, StepNumbers, total_of
 from .snapshot import Header, NodeInfo, NodeRow, PanelSnapshot, Progress, RankRow, Waiting
 
 MAX_MESSAGES = 20
@@ -62,8 +61,6 @@ that takes a moment is normal; one that lasts is where a hang shows)."""
 _RESTARTING = (RankState.BOOTING, RankState.CONNECTING, RankState.READY)
 _AFTER_CELL = (RankState.IDLE, RankState.READY)
 """States in which a rank shows how its last cell ended (a failure), rather than the state."""
-RATE_STEPS = 20
-"""Steps per second are measured over this many of the last log() batches."""
 
 
 def first_line(text: str) -> str:
@@ -124,7 +121,7 @@ class PanelState:
         self._cells = 0
         self._version = 0
         self._progress: Progress | None = None  # a cell's view only (for_cell)
-        self._rates: collections.deque[tuple[float, int]] = collections.deque(maxlen=RATE_STEPS)
+        self._pace = Pace()
 
     def for_cell(self, number: int | None) -> PanelState:
         """A state for one cell's view: the pool as it is now (nodes, ranks' states and usage,
@@ -336,39 +333,25 @@ class PanelState:
 
     def _log(self, event: MetricsLogged) -> None:
         now = self._clock()
-        last: int | None = None
-        total: float | None = None
+        steps = []
         for step, values in event.rows:
+            if step is not None:
+                steps.append(step)  # log(step, total=N) alone still moves the bar
             for name, value in values.items():
                 if name == TOTAL_KEY:
-                    total = value
                     continue
                 metric = self._metrics.get(name)
                 if metric is None:
                     metric = self._metrics[name] = MetricSteps(self.max_steps)
                 resolved = self._steps.resolve(event.rank, name, step)
                 metric.put(resolved, event.rank, value, event.cell_id, now)
-                last = resolved if last is None else max(last, resolved)
-            if step is not None and (last is None or step > last):
-                last = step  # log(step, total=N) alone still moves the bar
-        progress = self._progress
-        if progress is None or (last is None and total is None):
-            return
-        step = progress.step
-        if last is not None:
-            step = last if step is None else max(last, step)
-            if not self._rates or self._rates[-1][1] < step:
-                self._rates.append((now, step))
-        rate = None
-        if len(self._rates) >= 2:
-            (t0, s0), (t1, s1) = self._rates[0], self._rates[-1]
-            rate = (s1 - s0) / (t1 - t0) if t1 > t0 else None
-        self._progress = dataclasses.replace(
-            progress,
-            step=step,
-            rate=rate if rate is not None else progress.rate,
-            total=int(total) if total is not None else progress.total,
-        )
+                steps.append(resolved)
+        if self._progress is not None:
+            pace = self._pace
+            pace.note(now, steps, total_of(event))
+            self._progress = dataclasses.replace(
+                self._progress, step=pace.step, rate=pace.rate, total=pace.total
+            )
 
     # ----------------------------------------------------------------------- reading
 

@@ -7,12 +7,13 @@ import time
 
 from ..events import RankState
 from ..model import GONE
-from .format import format_bytes, format_number, format_seconds
-from .snapshot import NodeRow, PanelSnapshot
+from .format import format_bytes, format_number, format_seconds, progress_parts, text_bar
+from .snapshot import NodeRow, PanelSnapshot, Progress
 
 
 def summary_text(snap: PanelSnapshot, now: float | None = None, live: bool = True) -> str:
-    """The pool line, a line per node, the latest metrics and the last notes.
+    """A cell's progress line (a cell's view), the pool line, a line per node, the latest
+    metrics and the last notes.
 
     ``live=False`` leaves out the figures that tick by themselves (uptime, cost, usage,
     heartbeat ages): what is left changes only when the pool's state does."""
@@ -31,6 +32,8 @@ def summary_text(snap: PanelSnapshot, now: float | None = None, live: bool = Tru
     if live and h.price_per_hour is not None and cost is not None:
         line += f", ${h.price_per_hour:.2f}/hour, ${cost:.2f} so far"
     lines = [line]
+    if snap.progress is not None:
+        lines.insert(0, progress_line(snap.progress, now, live))
     for node in snap.nodes:
         parts = [f"  node {node.index}", node.address or "-", node.kind or "-", node.state.value]
         if live:
@@ -55,6 +58,18 @@ def summary_text(snap: PanelSnapshot, now: float | None = None, live: bool = Tru
     for message in snap.messages[-3:]:
         lines.append(f"  note: {message}")
     return "\n".join(lines)
+
+
+def progress_line(progress: Progress, now: float, live: bool = True) -> str:
+    """``In [7] running, 1 min 05 s, step 140/500, 2.3 steps/s, |#####     | 28%, 36 s left``;
+    not ``live``: only what changes with the cell's state (outcome and step)."""
+    parts = progress_parts(progress, now)
+    if not live:
+        parts = [parts[0], *(p for p in parts if p.startswith("step "))]
+    elif progress.fraction is not None:
+        at = next(i for i, p in enumerate(parts) if p.endswith("%"))
+        parts[at] = f"{text_bar(progress.fraction)} {parts[at]}"
+    return ", ".join(parts)
 
 
 def _usage(node: NodeRow, now: float) -> list[str]:

@@ -18,7 +18,10 @@ IO thread; :meth:`TextReport.flush` writes on the kernel's thread while a cell w
   ended): ``step 3: loss 0.4123 (0.4012 - 0.4234), accuracy 91.2``, mean first and the range
   across ranks when they differ. Never more than one line per step; when steps complete faster
   than a person reads (more than ``burst`` lines, then ``per_second``), the lines in between are
-  left out, the last one is always written, and the cell ends with how many were left out.
+  left out, the last one is always written, and the cell ends with how many were left out. Each
+  step line says the pace as tqdm does: ``step 140/500 (28%, 2.3 steps/s, 2 min 36 s left)``
+  (the total from ``log(..., total=N)``), and a cell that logged steps ends with a line saying
+  how it ended, after how long, at which step and pace.
 
 Plain text only: no ANSI escape codes, control characters are replaced.
 """
@@ -43,8 +46,9 @@ from ..events import (
     RankStateChanged,
     RankUsage,
 )
-from .format import format_number
-from .metrics import MetricRow, StepNumbers
+from ..runtime import TOTAL_KEY
+from .format import format_number, format_seconds, step_pace
+from .metrics import MetricRow, Pace, StepNumbers, total_of
 from .snapshot import Waiting
 from .state import WAITING_MARK_AFTER
 
@@ -57,14 +61,14 @@ def plain(text: str) -> str:
     return _CONTROL.sub(" ", text).strip()
 
 
-def metric_line(step: int, rows: list[MetricRow], expected: int = 0) -> str:
+def metric_line(step: int, rows: list[MetricRow], expected: int = 0, pace: str = "") -> str:
     parts = []
     for row in rows:
         value = format_number(row.mean)
         if row.min != row.max:
             value += f" ({format_number(row.min)} - {format_number(row.max)})"
         parts.append(f"{row.name} {value}")
-    line = f"step {step}: " + ", ".join(parts)
+    line = f"{pace or f'step {step}'}: " + ", ".join(parts)
     ranks = max(r.ranks for r in rows)
     if expected and ranks < expected:
         line += f" [{ranks} of {expected} ranks]"
@@ -104,6 +108,8 @@ class TextReport:
         # on the kernel's: one entry per rank, so heartbeats never fill the queue).
         self._waits: dict[int, RankUsage] = {}
         self._told: set[tuple[int, str]] = set()  # (rank, what) written in this cell
+        self._pace = Pace()
+        self._cell_started = 0.0
 
     # ------------------------------------------------------------------- IO thread
 
@@ -177,19 +183,46 @@ class TextReport:
             self._first.clear()
             self._done.clear()
             self._held, self._skipped = None, 0
+            self._pace, self._cell_started = Pace(), self._clock()
         elif isinstance(event, CellFinished):
             if self._cell == event.cell_id:
                 self._cell = None
+                lines.extend(self._end_line(event))
         elif isinstance(event, MetricsLogged):
             now = self._clock()
+            steps = []
             for step, values in event.rows:
+                if step is not None:
+                    steps.append(step)
                 for name, value in values.items():
+                    if name == TOTAL_KEY:
+                        continue
                     resolved = self._numbers.resolve(event.rank, name, step)
+                    steps.append(resolved)
                     if resolved in self._done:
                         continue  # already written: once per step
                     by_name = self._steps.setdefault(resolved, {})
                     by_name.setdefault(name, {})[event.rank] = value
                     self._first.setdefault(resolved, now)
+            self._pace.note(now, steps, total_of(event))
+
+    def _end_line(self, event: CellFinished) -> list[str]:
+        """How a cell that logged steps ended: ``cell done after 1 min 05 s: step 500/500,
+        7.7 steps/s`` (failed on rank 1, interrupted)."""
+        pace = self._pace
+        if pace.step is None or (pace.rate is None and pace.total is None):
+            return []  # a step or two: the step lines said it all
+        result = event.result
+        failed = [r.rank for r in result if r.error is not None]
+        how = (
+            "interrupted"
+            if result.interrupted
+            else f"failed on rank{'s' * (len(failed) > 1)} {', '.join(map(str, failed))}"
+            if failed
+            else "done"
+        )
+        took = format_seconds(self._clock() - self._cell_started)
+        return [plain(f"cell {how} after {took}: {step_pace(pace.step, pace.total, pace.rate)}")]
 
     def _waiting_lines(self) -> list[str]:
         """Ranks that passed the waiting mark since the last flush, once per call site."""
@@ -238,7 +271,11 @@ class TextReport:
         self._first.pop(step, None)
 
     def _line(self, step: int) -> str:
-        return metric_line(step, self._rows(step), self._expected)
+        pace = self._pace
+        rate = pace.rate if step == pace.step else None  # the pace is now's, not an old step's
+        return metric_line(
+            step, self._rows(step), self._expected, step_pace(step, pace.total, rate)
+        )
 
     def _metric_lines(self, final: bool) -> list[str]:
         now = self._clock()

@@ -17,6 +17,11 @@ replaces it). On top of it:
 - elsewhere (terminal IPython), a :class:`~.text.TextReport` written from the kernel's thread
   while a cell waits, like the cell's own output.
 
+What the session announces (:meth:`PoolViews.announce`) goes to stderr, except in a kernel with a
+frontend, where a line that ends in ``...`` (``pool 'default': starting 2 ranks ...``) is a plain
+display, not an error-coloured band, that the next announcement of the same cell replaces (``...
+2 ranks ready in 0.2 s``): start-up is one line.
+
 The panel's "Shut down" goes through the session (``%sky status`` then knows); pressed while a
 cell runs on the pool, it interrupts the cell and shuts the pool down when the cell has ended.
 """
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import html
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -131,6 +137,7 @@ class PoolViews:
         self.mode: Mode = mode
         self._views: dict[str, _View] = {}
         self._shutdown: Callable[[str, Any], None] | None = None
+        self._pending_line: tuple[Any, object] | None = None  # ("... ..." display, its cell)
 
     def attach(self, shutdown: Callable[[str, Any], None]) -> None:
         """How "Shut down" ends a pool: ``shutdown(name, pool)`` (the session's ``down``)."""
@@ -141,6 +148,26 @@ class PoolViews:
         if self.mode != "auto":
             return self.mode
         return "widgets" if has_widget_frontend(self.shell) else "text"
+
+    def announce(self, text: str) -> None:
+        """The session's announcements (see the module's docstring)."""
+        pending, self._pending_line = self._pending_line, None
+        if self.kind != "widgets":
+            print(text, file=sys.stderr)
+            return
+        from IPython.display import DisplayHandle
+
+        key = self._cell_key()
+        bundle = {"text/plain": text}
+        metadata = {"skyward_jupyter": {"status": True}}
+        if pending is not None and pending[1] == key:
+            pending[0].update(bundle, raw=True, metadata=metadata)
+        elif text.endswith("..."):
+            handle = DisplayHandle()  # type: ignore[no-untyped-call]
+            handle.display(bundle, raw=True, metadata=metadata)  # type: ignore[no-untyped-call]
+            self._pending_line = (handle, key)
+        else:
+            print(text, file=sys.stderr)
 
     # ------------------------------------------------------------ session hooks
 
