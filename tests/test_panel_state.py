@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from skyward_jupyter.display.buffers import TextBuffer
-from skyward_jupyter.display.panel_html import nodes_html, output_html
+from skyward_jupyter.display.panel_html import header_html, nodes_html, output_html, tab_title
 from skyward_jupyter.display.snapshot import NodeInfo, Waiting
 from skyward_jupyter.display.state import WAITING_MARK_AFTER, PanelState
 from skyward_jupyter.display.summary import summary_text
@@ -24,7 +24,8 @@ from skyward_jupyter.events import (
     RankUsage,
 )
 from skyward_jupyter.model import aggregate_state
-from skyward_jupyter.results import RunResult
+from skyward_jupyter.results import INTERRUPTED, RankResult, RemoteError, RunResult
+from skyward_jupyter.runtime import TOTAL_KEY
 
 from .conftest import wait_for
 
@@ -465,3 +466,134 @@ def test_nodes_show_the_providers_progress_until_their_ranks_take_over() -> None
         (RankState.CONNECTING, "i-0 running, waiting for SSH"),
         (RankState.READY, ""),  # node 1's rank speaks for it now
     ]
+
+
+# ------------------------------------------------------------------------- a cell's view
+
+
+def failure(rank: int, node: int, type_name: str, message: str) -> RankResult:
+    error = RemoteError(rank, f"node {node}", type_name, message, f"{type_name}: {message}\n")
+    return RankResult(rank, node, None, None, error, 0.1)
+
+
+def done(rank: int, node: int) -> RankResult:
+    return RankResult(rank, node, None, None, None, 0.1)
+
+
+def test_a_cells_view_shows_that_cell_only_and_keeps_its_final_state() -> None:
+    pool = state_with({0: 0, 1: 1})
+    pool.apply(CellStarted(1, 2, 0))
+    pool.apply(OutputReceived(1, 1, "stdout", "old cell\n"))
+    pool.apply(metrics(1, (139, {"lr": 0.1}), cell=1))
+    pool.apply(PoolMessage("an old note"))
+    pool.apply(CellFinished(1, RunResult(1, (done(0, 0), done(1, 1)))))
+
+    cell = pool.for_cell(7)
+    for event in (
+        CellStarted(2, 2, 0),
+        OutputReceived(1, 1, "stdout", "late line of the cell before\n"),
+        OutputReceived(1, 2, "stdout", "this cell\n"),
+        metrics(0, (0, {"loss": 1.0}), cell=2),
+        RankStateChanged(((0, 0), (1, 1)), S.IDLE),
+        CellFinished(2, RunResult(2, (done(0, 0), done(1, 1)))),
+    ):
+        pool.apply(event)
+        cell.apply(event)
+    snap = cell.snapshot()
+    assert [r.stdout for r in snap.ranks] == ["", "this cell\n"]
+    assert [r.name for r in snap.latest] == ["loss"] and not snap.messages
+    assert snap.progress is not None and snap.progress.label == "In [7]"
+    assert snap.progress.outcome == "done" and not snap.progress.running
+    assert [r.state for r in snap.ranks] == [S.IDLE, S.IDLE], "the pool's states carried over"
+
+    # What follows the cell's end (the next cell, a rank lost) leaves its view as it ended.
+    frozen = cell.version
+    for event in (
+        CellStarted(3, 2, 0),
+        OutputReceived(0, 3, "stdout", "the next cell\n"),
+        RankStateChanged.of(1, 1, S.LOST, "killed"),
+    ):
+        cell.apply(event)
+    assert cell.version == frozen and cell.snapshot().ranks[0].stdout == ""
+    assert "old cell" in pool.snapshot().ranks[1].stdout, "the pool's state keeps every cell's"
+
+
+def test_a_failed_or_lost_rank_is_red_with_its_errors_first_line_until_the_next_cell() -> None:
+    state = state_with({0: 0, 1: 1, 2: 1})
+    state.apply(CellStarted(1, 3, 0))
+    state.apply(RankStateChanged(((0, 0), (1, 1), (2, 1)), S.IDLE))
+    result = RunResult(
+        1,
+        (
+            done(0, 0),
+            failure(1, 1, "ValueError", "only rank one fails\nsecond line"),
+            failure(2, 1, "RankLost", "the rank's process was killed by SIGKILL"),
+        ),
+    )
+    state.apply(CellFinished(1, result))
+    state.apply(RankStateChanged(((1, 1), (2, 1)), S.READY))  # restarted, group re-formed
+    snap = state.snapshot()
+    assert [(r.state, r.detail) for r in snap.ranks] == [
+        (S.IDLE, ""),
+        (S.FAILED, "ValueError: only rank one fails"),
+        (S.LOST, "RankLost: the rank's process was killed by SIGKILL"),
+    ]
+    assert [n.state for n in snap.nodes] == [S.IDLE, S.LOST]  # the worse of its ranks
+    assert 'data-node="1" data-state="lost"' in nodes_html(snap.nodes, 0.0)
+    assert tab_title(1, snap.ranks[1]) == "rank 1 \u2716 ValueError: only rank one fails"
+    assert tab_title(0, snap.ranks[0]) == "rank 0 (head)"
+    assert "sky-error" in output_html(snap.ranks[1]) and "only rank one fails" in output_html(
+        snap.ranks[1]
+    )
+    assert "node 1: 10.0.0.1, T4, lost" in summary_text(snap)
+    state.apply(CellStarted(2, 3, 0))
+    assert [r.state for r in state.snapshot().ranks] == [S.IDLE, S.READY, S.READY]
+
+
+def test_an_interrupted_cell_marks_no_rank_failed() -> None:
+    state = state_with({0: 0, 1: 1})
+    cell = state.for_cell(4)
+    interrupted = RunResult(
+        1,
+        (failure(0, 0, "KeyboardInterrupt", ""), failure(1, 1, "KeyboardInterrupt", "")),
+        notes=(INTERRUPTED,),
+    )
+    for event in (CellStarted(1, 2, 0), CellFinished(1, interrupted)):
+        state.apply(event)
+        cell.apply(event)
+    assert {r.state for r in state.snapshot().ranks} == {S.IDLE}
+    progress = cell.snapshot().progress
+    assert progress is not None and progress.outcome == "interrupted"
+
+
+def test_a_cells_progress_is_its_step_pace_and_with_a_total_a_bar_and_the_time_left() -> None:
+    now = [100.0]
+    state = state_with({0: 0, 1: 1}, clock=lambda: now[0]).for_cell(7)
+    state.apply(CellStarted(1, 2, 0))
+    progress = state.snapshot().progress
+    assert progress is not None and progress.step is None and progress.fraction is None
+    for step in range(0, 11):
+        state.apply(metrics(0, (step, {"loss": 1.0 / (step + 1), TOTAL_KEY: 50.0})))
+        state.apply(metrics(1, (step, {"loss": 1.0 / (step + 1)})))
+        now[0] += 0.5  # two steps a second
+    snap = state.snapshot()
+    progress = snap.progress
+    assert progress is not None
+    assert (progress.step, progress.total, progress.rate) == (10, 50, pytest.approx(2.0))
+    assert progress.fraction == pytest.approx(0.2) and progress.eta == pytest.approx(20.0)
+    assert [r.name for r in snap.latest] == ["loss"], "the total is no metric"
+    started = progress.started_at
+    header = header_html(snap.header, started + 65, progress)
+    assert 'class="sky-progress" data-cell="7" data-state="running" data-step="10"' in header
+    assert 'data-fraction="0.200"' in header
+    assert "<b>In [7] running</b> &middot; 1 min 05 s &middot; step 10/50" in header
+    assert "2.0 steps/s &middot; 20% &middot; 20 s left" in header
+    text = summary_text(snap, now=started + 65)
+    assert text.splitlines()[0] == (
+        "In [7] running, 1 min 05 s, step 10/50, 2.0 steps/s, |####                | 20%, 20 s left"
+    )
+    assert summary_text(snap, live=False).splitlines()[0] == "In [7] running, step 10/50"
+    state.apply(CellFinished(1, RunResult(1, (done(0, 0), done(1, 1)))))
+    ended = state.snapshot().progress
+    assert ended is not None and ended.eta is None and not ended.running
+    assert 'data-state="ended"' in header_html(snap.header, 0.0, ended)
