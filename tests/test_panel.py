@@ -20,6 +20,7 @@ import pytest
 
 from skyward_jupyter import Pool
 from skyward_jupyter.display.panel import SkyPanel
+from skyward_jupyter.display.state import PanelState
 from skyward_jupyter.events import RankState
 
 from .conftest import wait_for
@@ -113,6 +114,59 @@ def test_the_interrupt_button_stops_the_running_cell(pool: Pool) -> None:
         assert {e.type_name for e in result.errors} == {"KeyboardInterrupt"}
         assert pool.run("1 + 1").values == [2, 2], "the pool is usable after the interrupt"
     finally:
+        panel.close()
+
+
+def test_a_cells_panel_follows_its_cell_then_keeps_how_it_ended(pool: Pool) -> None:
+    """Interrupt only while the cell runs; the head's output only in the cell; at the end a
+    failed rank is red and its tab badged, the group's re-forming said, and the view frozen."""
+    pool.start()
+    cell_state = PanelState("default").for_cell(7)
+    feed = pool.subscribe(cell_state.apply)
+    panel = SkyPanel(pool, cell_state, interval=0.05, in_cell={0})
+    try:
+        assert panel.interrupt_button.disabled, "no cell runs yet"
+        assert not panel.shutdown_button.disabled
+        seen_running: list[bool] = []
+
+        def watch() -> None:
+            wait_for(lambda: "started" in cell_state.snapshot().ranks[1].stdout, 30, "the cell")
+            wait_for(lambda: not panel.interrupt_button.disabled, 5, "Interrupt enabled")
+            seen_running.append(True)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        result = pool.run(
+            "import time, torch.distributed as dist\n"
+            "print('started', flush=True)\n"
+            "time.sleep(0.5)\n"
+            "if dist.get_rank() == 1:\n"
+            "    raise ValueError('only rank one fails')\n"
+            "dist.barrier()\n"
+        )
+        watcher.join()
+        assert seen_running and not result.ok
+        wait_for(lambda: not panel.live, 10, "the cell's panel to stop at the cell's end")
+        assert 'data-node="1" data-state="failed"' in panel.nodes.value
+        assert panel.tabs.titles[1] == "rank 1 \u2716 ValueError: only rank one fails"
+        assert "only rank one fails" in panel.outputs[1].value
+        assert "sky-in-cell" in panel.outputs[0].value and "started" not in panel.outputs[0].value
+        assert "started" in panel.outputs[1].value
+        assert "process group re-formed after the failure" in panel.messages.value
+        assert 'data-cell="7" data-state="ended"' in panel.header.value
+        assert "In [7] failed on rank" in panel.header.value
+        assert panel.interrupt_button.disabled and panel.stacks_button.disabled
+        assert not panel.shutdown_button.disabled, "the pool still runs: it can be shut down"
+
+        # Still subscribed: the next cell's events do not reach the ended cell's view.
+        version, header = cell_state.version, panel.header.value
+        assert pool.run("print('the next cell')").ok
+        assert cell_state.version == version and not panel.live
+        panel.refresh(force=True)
+        assert panel.header.value == header, "its elapsed time no longer ticks"
+        assert "the next cell" not in panel.outputs[0].value + panel.outputs[1].value
+    finally:
+        feed()
         panel.close()
 
 
@@ -280,6 +334,7 @@ def test_in_a_kernel_a_cell_worth_watching_shows_the_panel_once_and_its_buttons_
             if m["msg_type"] == "update_display_data"
         ]
         assert updates and "loss  step 2: 2.5 (2 - 3), 2 ranks" in updates[-1], updates
+        assert re.match(r"In \[2\] done, took \d+ s, step 2\n", updates[-1]), "as In [2] is"
 
         # A quick cell that prints nothing shows only its result, and updates no earlier panel.
         again = kernel.ok("%%sky\n1 + 1")
@@ -291,6 +346,8 @@ def test_in_a_kernel_a_cell_worth_watching_shows_the_panel_once_and_its_buttons_
         watched = kernel.ok("%%sky\nimport time\ntime.sleep(0.6)\n3")
         (shown_again,) = _panel_displays(watched.messages)
         assert WIDGET_VIEW in shown_again["data"] and watched.shown == ["3"]
+        model = shown_again["data"][WIDGET_VIEW]["model_id"]
+        assert model != shown["data"][WIDGET_VIEW]["model_id"], "each cell has its own panel"
         kinds = [m["msg_type"] for m in watched.messages if m["msg_type"] != "status"]
         assert kinds.index("display_data") < kinds.index("execute_result"), kinds
 

@@ -250,8 +250,10 @@ class PoolViews:
     def _begin_cell(self, view: _View) -> None:
         """A state of this cell's own, fed from now on; its panel is made when first shown."""
         self._end_cell(view)
+        # IPython counts the cell before running it: the running cell is In [count - 1].
         count = getattr(self.shell, "execution_count", None)
-        view.cell_state = view.state.for_cell(count if isinstance(count, int) else None)
+        number = count - 1 if isinstance(count, int) and count > 1 else None
+        view.cell_state = view.state.for_cell(number)
         view.cell_feed = view.pool.subscribe(view.cell_state.apply)
         view.cell_key = self._cell_key()
         view.panel = None
