@@ -425,6 +425,14 @@ def test_help_documents_every_option(nb: Kernel) -> None:
         assert not missing, f"{code} does not document {missing}:\n{page}"
         for command in ("up", "down", "status", "restart", "pull", "push", "config"):
             assert f"%sky {command}" in page
+        # Grouped as people choose: the pool, the cell's output, then each provider's own.
+        headings = re.findall(r"^(\w[\w ]*) options:$", page, re.M)
+        assert headings[:3] == ["pool", "output", "ssh provider"], headings
+        assert {"aws provider", "slurm provider", "ray provider"} <= set(headings), headings
+        ssh = page.split("ssh provider options:")[1].split("options:")[0]
+        assert "--hosts" in ssh and "--spot" not in ssh and "--partition" not in ssh
+        examples = page.split("examples:\n")[1].split("\n\n")[0].splitlines()
+        assert len(examples) == 3 and all(e.startswith("  %%sky ") for e in examples), examples
 
 
 UNKNOWN_OPTIONS = [
@@ -870,6 +878,20 @@ def test_several_failing_ranks_are_summarised(nb: Kernel) -> None:
     traceback = "\n".join(cell.errors[0]["traceback"])
     assert "raise RuntimeError(f'bad rank {dist.get_rank()}')" in traceback
     assert f"rank {other[1]}: " in traceback
+
+
+def test_the_same_error_on_another_rank_is_not_said_to_follow_the_first(nb: Kernel) -> None:
+    """Both ranks run the same code and raise the same NameError on their own: the other rank's
+    is "the same error", not "after the failure above"."""
+    nb.ok(POOL2)
+    cell = nb.fails("%%sky\nundefined_on_every_rank + 1")
+    traceback = "\n".join(cell.errors[0]["traceback"])
+    assert "after the failure above" not in traceback, traceback
+    assert re.search(
+        r"^rank \d: NameError: name 'undefined_on_every_rank' is not defined \(the same error\)$",
+        traceback,
+        re.M,
+    ), traceback
 
 
 def test_the_group_reforms_after_every_failure(nb: Kernel) -> None:
