@@ -138,6 +138,8 @@ def test_a_cells_panel_follows_its_cell_then_keeps_how_it_ended(pool: Pool) -> N
         watcher.start()
         result = pool.run(
             "import time, torch.distributed as dist\n"
+            "from skyward_jupyter import log\n"
+            "log(step=1, total=4, loss=0.5)\n"
             "print('started', flush=True)\n"
             "time.sleep(0.5)\n"
             "if dist.get_rank() == 1:\n"
@@ -155,6 +157,7 @@ def test_a_cells_panel_follows_its_cell_then_keeps_how_it_ended(pool: Pool) -> N
         assert "process group re-formed after the failure" in panel.messages.value
         assert 'data-cell="7" data-state="ended"' in panel.header.value
         assert "In [7] failed on rank" in panel.header.value
+        assert 'data-fraction="0.250"' in panel.header.value and "step 1/4" in panel.header.value
         assert panel.interrupt_button.disabled and panel.stacks_button.disabled
         assert not panel.shutdown_button.disabled, "the pool still runs: it can be shut down"
 

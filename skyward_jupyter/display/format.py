@@ -65,14 +65,15 @@ def progress_parts(progress: Progress, now: float) -> list[str]:
     return parts
 
 
-def step_pace(step: int, total: int | None, rate: float | None) -> str:
-    """``step 140/500 (28%, 2.3 steps/s, 2 min 36 s left)``, as much of it as is known."""
+def step_pace(step: int, total: int | None, rate: float | None, running: bool = True) -> str:
+    """``step 140/500 (28%, 2.3 steps/s, 2 min 36 s left)``, as much of it as is known (the
+    time left only while ``running``)."""
     extra = []
     if total:
         extra.append(f"{min(1.0, step / total):.0%}")
     if rate:
         extra.append(format_rate(rate))
-        if total and step < total:
+        if running and total and step < total:
             extra.append(f"{format_seconds((total - step) / rate)} left")
     head = f"step {step}" + (f"/{total}" if total else "")
     return head + (f" ({', '.join(extra)})" if extra else "")

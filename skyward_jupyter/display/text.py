@@ -222,7 +222,9 @@ class TextReport:
             else "done"
         )
         took = format_seconds(self._clock() - self._cell_started)
-        return [plain(f"cell {how} after {took}: {step_pace(pace.step, pace.total, pace.rate)}")]
+        return [
+            plain(f"cell {how} after {took}: {step_pace(pace.step, pace.total, pace.rate, False)}")
+        ]
 
     def _waiting_lines(self) -> list[str]:
         """Ranks that passed the waiting mark since the last flush, once per call site."""
