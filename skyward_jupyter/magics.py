@@ -166,9 +166,7 @@ class SkyMagics(Magics):
         )
         if args.out:
             self._user_ns[args.out] = result
-        if result.interrupted and not result.ok:
-            raise CellInterrupted(result)  # the panel's Interrupt: as the toolbar's stop says
-        result.raise_for_errors()
+        _raise_for_errors(result)
         if all(r.value_repr is None for r in result):
             return None
         return result.with_display(every_rank=args.all)
@@ -196,14 +194,16 @@ class SkyMagics(Magics):
                 raise UsageError(
                     "%sky run: which script? %sky run [pool options] SCRIPT [ARGS ...]"
                 )
-            session.run_script(
-                args.script,
-                args.args,
-                name=args.name,
-                spec=self._spec(args),
-                stdout=args.stdout,
-                timeout=args.timeout,
-            ).raise_for_errors()
+            _raise_for_errors(
+                session.run_script(
+                    args.script,
+                    args.args,
+                    name=args.name,
+                    spec=self._spec(args),
+                    stdout=args.stdout,
+                    timeout=args.timeout,
+                )
+            )
         elif command == "down":
             if args.all:
                 session.down_all(keep_files=args.keep_files)
@@ -235,6 +235,14 @@ class SkyMagics(Magics):
         elif command == "sweep":
             print(session.sweep(yes=args.yes, region=args.region, all_owners=args.all_owners))
         return None
+
+
+def _raise_for_errors(result: RunResult) -> None:
+    """The cell's failure, if any; stopped by the panel's Interrupt, it says what the toolbar's
+    stop says (a line per rank), not the traceback of each rank's KeyboardInterrupt."""
+    if result.interrupted and not result.ok:
+        raise CellInterrupted(result)
+    result.raise_for_errors()
 
 
 def _help() -> str:

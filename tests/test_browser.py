@@ -85,13 +85,15 @@ def test_quickstart_panel_then_interrupt(lab: Lab) -> None:
                 " return rows.length === 2 && rows.every(r => r.dataset.state === 'idle'); }",
                 timeout=30_000,
             )
-            # The head's output, and a chart point for every logged step.
-            assert "epoch 5: loss" in panel.locator("pre.sky-stdout[data-rank='0']").inner_text()
+            # The head's output once, in the cell (its tab says so); a chart point per step.
+            assert panel.locator("pre.sky-stdout[data-rank='0']").inner_text() == ""
+            assert "the cell's own" in panel.locator(".sky-in-cell").first.inner_text()
             chart = panel.locator("svg.sky-chart[data-metric='loss']")
             assert chart.get_attribute("data-steps") == str(_epochs())
             assert chart.locator("circle.sky-point").count() == _epochs()
             outputs = "\n".join(page.locator(".jp-OutputArea-output").all_inner_texts())
             assert "'world_size': 2" in outputs
+            assert outputs.count("epoch 5: loss") == 1, outputs
             screenshot(page, "quickstart-panel")
 
             # A long cell, stopped with the panel's Interrupt button.
@@ -101,7 +103,11 @@ def test_quickstart_panel_then_interrupt(lab: Lab) -> None:
             page.keyboard.press("Enter")  # edit the new cell
             page.keyboard.type("%%sky\nimport time\nprint('sleeping', flush=True)\ntime.sleep(300)")
             page.keyboard.press("Shift+Enter")
-            page.wait_for_selector(".jp-OutputArea-output >> text=sleeping", timeout=60_000)
+            page.wait_for_selector(  # the cell's own output (the head's is shown there only)
+                ".jp-RenderedText[data-mime-type='application/vnd.jupyter.stdout']"
+                " >> text=sleeping",
+                timeout=60_000,
+            )
             long_cell = page.locator(".jp-CodeCell", has_text="time.sleep(300)").last
             prompt = long_cell.locator(".jp-InputPrompt")
             assert prompt.inner_text().strip() == "[*]:"
