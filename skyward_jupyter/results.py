@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -70,17 +71,19 @@ class RemoteError(Exception):
         return self.render().splitlines()
 
 
-_CELL_LINE = re.compile(r'File "<sky-cell[^"]*>", line (\d+)[^\n]*\n(?: +(\S[^\n]*))?')
+_FRAME = re.compile(r'File "([^"]*)", line (\d+)[^\n]*\n(?: +(\S[^\n]*))?')
 
 
 def _stopped_at(error: RemoteError | None) -> str:
     """Where a stopped rank was: `` at cell line 3: time.sleep(60)`` (the deepest line of the
-    cell that its traceback names), else ''."""
-    found = _CELL_LINE.findall(error.traceback) if error is not None else []
-    if not found:
+    cell that its traceback names; in a script, its deepest frame: `` at train.py line 9``)."""
+    frames = _FRAME.findall(error.traceback) if error is not None else []
+    cell = [f for f in frames if f[0].startswith("<sky-cell")]
+    if not (cell or frames):
         return ""
-    line, source = found[-1]
-    return f" at cell line {line}" + (f": {source.strip()}" if source else "")
+    name, line, source = (cell or frames)[-1]
+    where = "cell" if cell else os.path.basename(name)
+    return f" at {where} line {line}" + (f": {source.strip()}" if source else "")
 
 
 class CellInterrupted(KeyboardInterrupt):

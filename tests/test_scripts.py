@@ -561,7 +561,11 @@ def test_sky_run_interrupt(kernel: Kernel, tmp_path: Path) -> None:
         tmp_path, "long.py", "import time\nprint('started', flush=True)\ntime.sleep(60)\n"
     )
     cell, _ = kernel.interrupted(f"%sky run --nodes 2 {script}", when="started")
-    assert cell.reply["ename"] == "KeyboardInterrupt", str(cell)
+    assert cell.reply["ename"] == "CellInterrupted", str(cell)
+    assert cell.errors[0]["traceback"][1:] == [
+        "rank 0: stopped at long.py line 3: time.sleep(60)",
+        "rank 1: stopped at long.py line 3: time.sleep(60)",
+    ], str(cell)
     cell = kernel.ok(f"%%sky --all\n{ALL_REDUCE}")
     assert cell.per_rank == {0: "3.0", 1: "3.0"}, str(cell)
     kernel.register_pool_pids()
