@@ -61,6 +61,7 @@ def test_the_panel_draws_nodes_a_tab_per_rank_metrics_and_a_point_per_step(pool:
         wait_for(lambda: node_states(panel) == ["idle", "idle"], 10, "both nodes idle")
 
         assert "2 nodes &times; 1 rank" in panel.header.value
+        assert "pool-wide view (every cell)" in panel.header.value, "not a cell's view"
         assert "local" in panel.header.value
         assert panel.nodes.value.count("127.0.0.1") == 2
 
@@ -132,7 +133,8 @@ def test_a_cells_panel_follows_its_cell_then_keeps_how_it_ended(pool: Pool) -> N
         def watch() -> None:
             wait_for(lambda: "started" in cell_state.snapshot().ranks[1].stdout, 30, "the cell")
             wait_for(lambda: not panel.interrupt_button.disabled, 5, "Interrupt enabled")
-            seen_running.append(True)
+            panel.show_stacks()  # the Stacks button's click
+            seen_running.append("sky-stacks-title" in panel.stacks_view.value)
 
         watcher = threading.Thread(target=watch)
         watcher.start()
@@ -147,7 +149,8 @@ def test_a_cells_panel_follows_its_cell_then_keeps_how_it_ended(pool: Pool) -> N
             "dist.barrier()\n"
         )
         watcher.join()
-        assert seen_running and not result.ok
+        assert seen_running == [True] and not result.ok
+        assert any("process group re-formed" in note for note in result.notes), result.notes
         wait_for(lambda: not panel.live, 10, "the cell's panel to stop at the cell's end")
         assert 'data-node="1" data-state="failed"' in panel.nodes.value
         assert panel.tabs.titles[1] == "rank 1 \u2716 ValueError: only rank one fails"
@@ -160,6 +163,7 @@ def test_a_cells_panel_follows_its_cell_then_keeps_how_it_ended(pool: Pool) -> N
         assert 'data-fraction="0.250"' in panel.header.value and "step 1/4" in panel.header.value
         assert panel.interrupt_button.disabled and panel.stacks_button.disabled
         assert not panel.shutdown_button.disabled, "the pool still runs: it can be shut down"
+        assert panel.stacks_view.value == "", "where the ranks were is not how the cell ended"
 
         # Still subscribed: the next cell's events do not reach the ended cell's view.
         version, header = cell_state.version, panel.header.value

@@ -193,10 +193,15 @@ class SkyPanel:
             timer.join(timeout=5)
         if self.widget.comm is not None:
             self.state.sync(self.pool)
-            self.refresh(force=True)
-            if self.stacks_view.comm is not None and self.stacks_view.value:
-                self.stacks_view.value = ""
+            self._last_draw()
         self._release()
+
+    def _last_draw(self) -> None:
+        """The view as it ended, less a Stacks dump (where the ranks were then, not how the
+        cell or the pool ended)."""
+        self.refresh(force=True)
+        if self.stacks_view.comm is not None and self.stacks_view.value:
+            self.stacks_view.value = ""
 
     def close(self) -> None:
         """Stop redrawing and close every widget of the panel."""
@@ -225,7 +230,7 @@ class SkyPanel:
                 self.state.sync(self.pool)
                 self.refresh()
                 if self._cell_ended() or (self._pool_ended() and self._settled()):
-                    self.refresh(force=True)
+                    self._last_draw()
                     break
             except Exception:  # a drawing bug must not kill the timer silently
                 log.exception("the panel of pool %r failed to draw", self.pool.name)
