@@ -1,16 +1,19 @@
-"""A cell that closes or replaces its rank's stdout or stderr: the rank says so and is heard again.
+"""A rank's stdout and stderr: they keep the order they were written in, and a cell that closes
+or replaces one is told so and is heard again.
 
 Real ranks of a local pool; each cell's output is what the pool's events carried.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from skyward_jupyter import Pool
 from skyward_jupyter.events import OutputReceived
+from skyward_jupyter.protocol import Script
 
 
 @contextmanager
@@ -93,3 +96,62 @@ def test_a_redirected_block_or_a_descriptor_pointed_elsewhere(pool2: Pool, tmp_p
     with heard(pool2) as events:
         assert pool2.run("os.dup2(saved, 1)\nprint('heard')").notes == ()
     assert [text(events, r) for r in (0, 1)] == ["heard\n"] * 2
+
+
+# ---------------------------------------------------------------------------- the streams' order
+
+INTERLEAVED = """\
+import sys
+for i in range(100):
+    print('flushed', i, flush=True)
+    print('to stderr', i, file=sys.stderr)
+    print('plain', i)
+    sys.stderr.write(f'written {i}\\n')
+    print('part', i, end=' ')
+    print('then stderr', i, file=sys.stderr)
+    print()
+"""
+
+
+def in_order(pieces: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Consecutive text of one stream as one piece: where the chunks were cut does not matter."""
+    return [
+        (stream, "".join(text for _, text in group))
+        for stream, group in itertools.groupby(pieces, key=lambda piece: piece[0])
+    ]
+
+
+EXPECTED = in_order(
+    [
+        piece
+        for i in range(100)
+        for piece in (
+            ("stdout", f"flushed {i}\n"),
+            ("stderr", f"to stderr {i}\n"),
+            ("stdout", f"plain {i}\n"),
+            ("stderr", f"written {i}\n"),
+            ("stdout", f"part {i} "),
+            ("stderr", f"then stderr {i}\n"),
+            ("stdout", "\n"),
+        )
+    ]
+)
+
+
+def test_stdout_and_stderr_arrive_in_the_order_a_cell_or_script_wrote_them(
+    pool2: Pool, tmp_path: Path
+) -> None:
+    script = tmp_path / "interleaved.py"
+    script.write_text(INTERLEAVED)
+    runs = {
+        "cell": lambda: pool2.run(INTERLEAVED),
+        "script": lambda: pool2.run(INTERLEAVED, filename=str(script), script=Script(str(script))),
+    }
+    for what, run in runs.items():
+        with heard(pool2) as events:
+            assert run().ok
+        for rank in (0, 1):
+            got = in_order([(e.stream, e.text) for e in events if e.rank == rank])
+            assert got == EXPECTED, f"{what}, rank {rank}: first difference at " + str(
+                next(i for i, (a, b) in enumerate(zip(got, EXPECTED, strict=False)) if a != b)
+            )
