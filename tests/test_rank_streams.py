@@ -155,3 +155,29 @@ def test_stdout_and_stderr_arrive_in_the_order_a_cell_or_script_wrote_them(
             assert got == EXPECTED, f"{what}, rank {rank}: first difference at " + str(
                 next(i for i, (a, b) in enumerate(zip(got, EXPECTED, strict=False)) if a != b)
             )
+
+
+FORKED = """\
+import os, sys, time
+started = time.monotonic()
+child = os.fork()
+if child == 0:
+    for i in range(5):
+        print('child out', i, flush=True)
+        print('child err', i, file=sys.stderr)
+    os._exit(0)
+os.waitpid(child, 0)
+time.monotonic() - started
+"""
+
+
+def test_a_forked_childs_interleaved_prints_do_not_wait_for_the_ranks_pumps(pool2: Pool) -> None:
+    """A DataLoader worker forked by the cell writes through the rank's streams: it has no pump
+    of its own to wait for, and must not stall each time it switches streams."""
+    with heard(pool2) as events:
+        result = pool2.run(FORKED, timeout=60)
+    assert result.ok, result.errors
+    assert max(result.values) < 3.0, result.values
+    for rank in (0, 1):
+        assert text(events, rank).count("child out") == 5
+        assert text(events, rank, "stderr").count("child err") == 5

@@ -61,6 +61,7 @@ class FdCapture:
         self._pipe = _identity(write_end)
         self._elsewhere: tuple[int, int] | None = None
         """Where a cell pointed the descriptor instead, once named (named once)."""
+        self._pid = os.getpid()
         self._thread = threading.Thread(target=self._pump, name=f"capture-{stream}", daemon=True)
         self._thread.start()
 
@@ -75,8 +76,10 @@ class FdCapture:
         # Holding is read again after the pipe: the pump may have read it empty in between.
         if not self._holding and _unread(self._read_end) == 0 and not self._holding:
             return
-        if threading.current_thread() is self._thread:
-            return  # the pump itself wrote (a failure report): it cannot wait for itself
+        if threading.current_thread() is self._thread or os.getpid() != self._pid:
+            # The pump itself wrote (a failure report), or a process the cell forked did (its
+            # copy of this object is not the pump's): neither can wait for it.
+            return
         with self._marks:
             self._marks_written += 1
             mark = self._marks_written
