@@ -7,6 +7,7 @@ Real ranks of a local pool; each cell's output is what the pool's events carried
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -155,6 +156,30 @@ def test_stdout_and_stderr_arrive_in_the_order_a_cell_or_script_wrote_them(
             assert got == EXPECTED, f"{what}, rank {rank}: first difference at " + str(
                 next(i for i, (a, b) in enumerate(zip(got, EXPECTED, strict=False)) if a != b)
             )
+
+
+TORCH_LOGGED = """\
+import logging
+log = logging.getLogger("torch.distributed")  # its handler was made as torch was imported
+for i in range(50):
+    print("printed", i, flush=True)
+    log.warning("logged %d", i)
+"""
+
+
+def test_what_torchs_loggers_write_keeps_its_order_with_prints(pool2: Pool) -> None:
+    with heard(pool2) as events:
+        assert pool2.run(TORCH_LOGGED).ok
+    expected = [(what, i) for i in range(50) for what in ("printed", "logged")]
+    for rank in (0, 1):
+        pieces = in_order([(e.stream, e.text) for e in events if e.rank == rank])
+        lines = [
+            (found.group(1), int(found.group(2)))
+            for _, text in pieces
+            for line in text.splitlines()
+            if (found := re.search(r"(printed|logged) (\d+)$", line))
+        ]
+        assert lines == expected, lines
 
 
 FORKED = """\

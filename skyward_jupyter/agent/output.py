@@ -207,10 +207,13 @@ class PythonStreams:
 
     def __init__(self, captures: Mapping[str, FdCapture]) -> None:
         self._order = WriteOrder(captures)
-        self._own = {name: self._open(name, getattr(sys, name)) for name in _FDS}
+        self._given = {name: getattr(sys, name) for name in _FDS}
+        """Python's own streams, kept: once unreferenced, they would close descriptors 1 and 2."""
+        self._own = {name: self._open(name, given) for name, given in self._given.items()}
         for name, stream in self._own.items():
-            getattr(sys, name).flush()
+            self._given[name].flush()
             setattr(sys, name, stream)
+        _retarget_log_handlers({id(self._given[n]): self._own[n] for n in _FDS})
 
     def _open(self, name: str, like: TextIO) -> TextIO:
         return io.TextIOWrapper(
@@ -242,3 +245,18 @@ class PythonStreams:
                 )
             setattr(sys, name, own)
         return notes
+
+
+def _retarget_log_handlers(streams: Mapping[int, TextIO]) -> None:
+    """Point the log handlers made before the agent (torch's, at its import in the warm
+    template) at the streams that replace the ones they hold (by ``id``), so what they log keeps
+    its order with the rest of the rank's output."""
+    logging = sys.modules.get("logging")
+    if logging is None:
+        return  # nothing was logging yet: handlers made later take sys.stderr as it is then
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    for logger in loggers:
+        for handler in getattr(logger, "handlers", ()):  # a PlaceHolder has none
+            stream = getattr(handler, "stream", None)
+            if isinstance(handler, logging.StreamHandler) and id(stream) in streams:
+                handler.setStream(streams[id(stream)])
