@@ -236,7 +236,9 @@ class PythonStreams:
         notes = []
         for name, own in self._own.items():
             if own.closed:
-                own = self._own[name] = self._open(name, own)
+                closed, own = own, self._open(name, own)
+                self._own[name] = own
+                _retarget_log_handlers({id(closed): own})
                 notes.append(f"the cell closed sys.{name}; it was reopened for the next cells")
             elif getattr(sys, name) is not own:
                 notes.append(
@@ -259,4 +261,9 @@ def _retarget_log_handlers(streams: Mapping[int, TextIO]) -> None:
         for handler in getattr(logger, "handlers", ()):  # a PlaceHolder has none
             stream = getattr(handler, "stream", None)
             if isinstance(handler, logging.StreamHandler) and id(stream) in streams:
-                handler.setStream(streams[id(stream)])
+                # Not setStream: it flushes the stream it replaces, which may be closed.
+                handler.acquire()
+                try:
+                    handler.stream = streams[id(stream)]
+                finally:
+                    handler.release()
