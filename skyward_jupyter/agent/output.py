@@ -14,8 +14,9 @@ stdout and stderr are two pipes with a pump each, so what reaches both pipes at 
 time could be sent in either order. The rank's ``sys.stdout`` and ``sys.stderr`` keep the order
 they are written in, as a terminal shows it: each writes straight to its descriptor (unbuffered,
 as ``PYTHONUNBUFFERED`` has it), and the first write to one after the other waits until the
-other's pump has sent what it had (:class:`WriteOrder`). Writes that bypass them
-(``os.write``, C code, child processes) keep their order within each stream.
+other's pump has sent what it had (:class:`WriteOrder`); the log handlers torch made before
+them are pointed at them. Writes that bypass them (``os.write``, C code, child processes) keep
+their order within each stream.
 """
 
 from __future__ import annotations
