@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -117,9 +118,8 @@ def launched(run_id: str | None, private_dir: str | None) -> Iterator[None]:
     saved = {name: os.environ.get(name) for name in names}
     os.environ.update(TORCHELASTIC_RUN_ID=run_id, TORCHELASTIC_RESTART_COUNT="0")
     run_dir = None
-    if private_dir is not None:
-        run_dir = os.path.join(private_dir, run_id)
-        os.mkdir(run_dir, 0o700)
+    if private_dir is not None:  # named as torchrun names its run's: the id --env chose may recur
+        run_dir = tempfile.mkdtemp(prefix=f"{run_id.replace(os.sep, '_')}_", dir=private_dir)
         os.environ["TORCHELASTIC_ERROR_FILE"] = error_file(run_dir)
     try:
         yield

@@ -225,8 +225,9 @@ class Pool:
         filename = filename or f"<sky-cell-{cell_id}>"
         p.check_syntax(source, filename)
         shipped = {name: pickle_global(name, value) for name, value in (globals or {}).items()}
-        launch = script is not None and "TORCHELASTIC_RUN_ID" not in self._ranks.settings.env
-        run_id = str(uuid.uuid4()) if launch else None
+        run_id = None
+        if script is not None:  # a launch of its own, under the run id --env chose, if any
+            run_id = self._ranks.settings.env.get("TORCHELASTIC_RUN_ID") or str(uuid.uuid4())
         command = p.RunCell(cell_id, source, filename, dict(shipped), script, run_id=run_id)
         files = self._transfer.scan()
         if observer is not None:

@@ -456,20 +456,6 @@ def test_a_rank_has_the_environment_torchrun_gives_a_worker(project: Path) -> No
     assert ours0["TORCHELASTIC_ERROR_FILE"] != ours1["TORCHELASTIC_ERROR_FILE"]
 
 
-def test_the_users_env_wins_over_torchruns_choices() -> None:
-    with Pool(nodes=2, env={"OMP_NUM_THREADS": "2", "ACCELERATE_USE_CPU": "false"}) as pool:
-        values = (
-            pool.run(
-                "import os, torch\n"
-                "(os.environ['OMP_NUM_THREADS'], torch.get_num_threads(), "
-                "os.environ['ACCELERATE_USE_CPU'])"
-            )
-            .raise_for_errors()
-            .values
-        )
-    assert values == [("2", 2, "false")] * 2
-
-
 RECORDED = """\
 import json, os, sys
 import torch.distributed as dist
@@ -497,6 +483,29 @@ if __name__ == "__main__":
 CELLS_LAUNCH = (
     "import os\n[os.environ[n] for n in ('TORCHELASTIC_RUN_ID', 'TORCHELASTIC_ERROR_FILE')]"
 )
+
+
+def test_the_users_env_wins_over_torchruns_choices(tmp_path: Path) -> None:
+    env = {"OMP_NUM_THREADS": "2", "ACCELERATE_USE_CPU": "false", "TORCHELASTIC_RUN_ID": "mine"}
+    script = write(tmp_path, "recorded.py", RECORDED)
+    with Pool(nodes=2, env=env) as pool:
+        values = (
+            pool.run(
+                "import os, torch\n"
+                "(os.environ['OMP_NUM_THREADS'], torch.get_num_threads(), "
+                "os.environ['ACCELERATE_USE_CPU'], os.environ['TORCHELASTIC_RUN_ID'])"
+            )
+            .raise_for_errors()
+            .values
+        )
+        for run in ("first", "second"):  # the same run id twice: each run still has its file
+            (tmp_path / run).mkdir()
+            run_script(pool, script, str(tmp_path / run), "fail", timeout=60)
+            seen = [json.loads((tmp_path / run / f"rank{k}.json").read_text()) for k in (0, 1)]
+            assert [(s["TORCHELASTIC_RUN_ID"], s["TORCHELASTIC_RESTART_COUNT"]) for s in seen] == [
+                ("mine", "0")
+            ] * 2
+    assert values == [("2", 2, "false", "mine")] * 2
 
 
 def test_each_script_run_is_a_launch_of_its_own(tmp_path: Path) -> None:
