@@ -207,6 +207,9 @@ class RunCell:
     workdir: Workdir | None = None
     relay: tuple[str, int] | None = None
     """The head's relay (address, port), where the ranks fetch :class:`Relayed` values."""
+    run_id: str | None = None
+    """A script's ``TORCHELASTIC_RUN_ID``: each ``%sky run`` is a launch of its own, as each
+    torchrun is, with a new id unless ``--env`` chose one (None: a cell, in the pool's launch)."""
 
 
 def check_syntax(source: str, filename: str) -> None:

@@ -43,7 +43,7 @@ import cloudpickle
 
 from .. import protocol as p
 from .. import runtime
-from ..launch_env import error_file
+from ..launch_env import error_file, launched
 from ..wire import SyncChannel
 from .arrivals import Arrivals
 from .cell_result import cell_done
@@ -193,7 +193,7 @@ class Agent:
         threading.Thread(target=self._watchdog, name="watchdog", daemon=True).start()
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         signal.signal(signal.SIGINT, self._on_sigint)
-        self.streams = PythonStreams()
+        self.streams = PythonStreams({c.stream: c for c in self.captures})
         runtime.set_metric_sink(self._record_metric)
 
     # ------------------------------------------------------------------ threads other than main
@@ -434,7 +434,8 @@ class Agent:
                 else:
                     script = command.script
                     path = self.arrivals.files.here(script.path)
-                    run_script(command.source, path, script.argv, self.namespace.module)
+                    with launched(command.run_id, self._private_dir):
+                        run_script(command.source, path, script.argv, self.namespace.module)
             finally:
                 self._in_cell = False
         except BaseException as exc:  # noqa: BLE001 - the cell's failure is its result
