@@ -353,3 +353,34 @@ def test_connections_held_open_from_another_host_do_not_stop_groups_forming(
                 assert threads <= MAX_HANDSHAKES + 16  # the flood's handshakes are bounded
             pool.restart()
             pool.run(FORMS_A_GROUP, timeout=60).raise_for_errors()
+
+
+GROUPS_COME_AND_GO = (
+    "import gc, threading, time, torch, torch.distributed as dist\n"
+    "def tunnel_threads():\n"
+    "    return sum(t.name == 'tunnel' for t in threading.enumerate())\n"
+    "before = tunnel_threads()\n"
+    "for _ in range(10):\n"
+    "    group = dist.new_group()\n"
+    "    dist.all_reduce(torch.ones(3), group=group)\n"
+    "    dist.destroy_process_group(group)\n"
+    "    del group\n"
+    "    gc.collect()\n"
+    "deadline = time.monotonic() + 20\n"
+    "while tunnel_threads() > before and time.monotonic() < deadline:\n"
+    "    time.sleep(0.05)\n"
+    "before, tunnel_threads()"
+)
+
+
+def test_groups_the_code_forms_and_destroys_leave_no_tunnel_threads(
+    hosts: Hosts, tmp_path: Path
+) -> None:
+    """A group formed and destroyed again and again (by the user's code, within a formation of
+    the pool's group) leaves nothing of its own in the tunnels: no thread, no port."""
+    provider = ssh_provider(hosts, 2, tmp_path)
+    with Pool(nodes=2, provider=provider, heartbeat_timeout=10, secure=True) as pool:
+        result = pool.run(GROUPS_COME_AND_GO, timeout=120)
+        result.raise_for_errors()
+        for before, after in result.values:
+            assert after <= before

@@ -152,7 +152,8 @@ class GlooTunnel:
         return _with_address(value, offset, socket.inet_aton(WAIT), published.gloo_port, b"")
 
     def _dial_port(self, peer: _Published) -> int:
-        """The loopback port whose connections go to ``peer``'s gloo (opened on first use)."""
+        """The loopback port whose connection goes to ``peer``'s gloo (opened on first use,
+        until that connection)."""
         where = (peer.host, peer.tunnel_port, peer.gloo_port)
         with self._lock:
             listener = self._dials.get(where)
@@ -160,9 +161,12 @@ class GlooTunnel:
                 listener = socket.create_server((DIAL, 0), backlog=16)
                 self._dials[where] = listener
                 threading.Thread(
-                    target=self._carry_out, args=(listener, peer), name="tunnel", daemon=True
+                    target=self._carry_out,
+                    args=(listener, peer, where),
+                    name="tunnel",
+                    daemon=True,
                 ).start()
-        return int(listener.getsockname()[1])
+            return int(listener.getsockname()[1])
 
     def forget(self) -> None:
         """The group is gone: stop carrying its connections' successors (the next formation
@@ -176,25 +180,33 @@ class GlooTunnel:
 
     # --------------------------------------------------------------------- the traffic
 
-    def _carry_out(self, listener: socket.socket, peer: _Published) -> None:
-        """Carry each connection gloo makes to ``listener`` to ``peer``'s tunnel."""
+    def _carry_out(
+        self, listener: socket.socket, peer: _Published, where: tuple[bytes, int, int]
+    ) -> None:
+        """Carry the connection gloo makes to ``listener`` to ``peer``'s tunnel. A gloo pair
+        connects once: the port closes then, so a group the code forms and destroys again and
+        again leaves no port and no thread behind."""
         target = (socket.inet_ntoa(peer.host), peer.tunnel_port)
-        while True:
-            try:
-                local, _ = listener.accept()
-            except OSError:
-                return  # closed by forget()
-            try:
-                remote = socket.create_connection(target, timeout=HANDSHAKE_WITHIN)
-                remote.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                secured = self._client_tls.wrap_socket(remote)
-                secured.sendall(_PORT.pack(peer.gloo_port))
-                secured.settimeout(None)
-            except OSError as exc:
-                self._note(f"cannot reach the tunnel of the rank at {target[0]}:{target[1]}: {exc}")
-                local.close()
-                continue
-            _join(local, secured)
+        try:
+            local, _ = listener.accept()
+        except OSError:
+            return  # closed by forget()
+        finally:
+            with self._lock:
+                if self._dials.get(where) is listener:
+                    del self._dials[where]
+            listener.close()
+        try:
+            remote = socket.create_connection(target, timeout=HANDSHAKE_WITHIN)
+            remote.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            secured = self._client_tls.wrap_socket(remote)
+            secured.sendall(_PORT.pack(peer.gloo_port))
+            secured.settimeout(None)
+        except OSError as exc:
+            self._note(f"cannot reach the tunnel of the rank at {target[0]}:{target[1]}: {exc}")
+            local.close()
+            return
+        _join(local, secured)
 
     def _serve(self) -> None:
         while True:
