@@ -340,7 +340,9 @@ class _Pair:
             pass  # either side ended (ssl.SSLError is an OSError): both end below
         for sock in self._sockets:
             with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+                # the socket's own shutdown: SSLSocket's drops its TLS first, and a send the
+                # other direction made meanwhile would go out in cleartext
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
         with self._lock:
             self._running -= 1
             last = self._running == 0
