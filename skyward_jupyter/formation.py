@@ -61,8 +61,23 @@ def _nothing_to_form(ranks: Ranks, jax: bool) -> str | None:
     return "torch is not installed on the ranks: torch.distributed setup skipped"
 
 
-async def form_worlds(ranks: Ranks, jax: bool) -> None:
-    """(Re-)form torch.distributed everywhere, and JAX's world when ``jax``."""
+def reformed(backend: str, port: int | None, restarted: bool, earlier: tuple[str, ...]) -> str:
+    """What the notebook is told when the group formed again after a failure: torch cannot move
+    objects built on the earlier group to the new one, so they are named, to be built again."""
+    text = f"the pool formed its process group again ({backend}, port {port}"
+    text += ")" if restarted else "; no rank was restarted)"
+    if earlier:
+        text += (
+            "; built on the earlier group, these must be built again (their next use says how): "
+            + ", ".join(earlier)
+        )
+    return text
+
+
+async def form_worlds(ranks: Ranks, jax: bool) -> tuple[str, ...]:
+    """(Re-)form torch.distributed everywhere, and JAX's world when ``jax``; return what the
+    ranks' namespaces built on the earlier group, as ``name (kind)`` (see
+    :mod:`.agent.earlier_groups`)."""
     skipped = _nothing_to_form(ranks, jax)
     if skipped is not None:
         if skipped:
@@ -70,7 +85,7 @@ async def form_worlds(ranks: Ranks, jax: bool) -> None:
             ranks.emit(PoolMessage(skipped))
         for r in ranks.all:
             ranks.set_state(r, RankState.READY, skipped or ranks.worlds_note)
-        return
+        return ()
     ranks.generation += 1
     generation = ranks.generation
     head, others = ranks.all[0], ranks.all[1:]
@@ -114,3 +129,4 @@ async def form_worlds(ranks: Ranks, jax: bool) -> None:
     ranks.worlds_note = "; ".join(parts)
     for r in ranks.all:
         ranks.set_state(r, RankState.READY, ranks.worlds_note)
+    return tuple(dict.fromkeys(name for s in results for name in s.earlier))

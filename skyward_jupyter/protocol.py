@@ -336,6 +336,9 @@ class GroupState:
     ok: bool
     backend: str | None
     message: str
+    earlier: tuple[str, ...] = ()
+    """What the rank's namespace built on the group formed before, as ``name (kind)``: their
+    next use fails, saying to build them again."""
 
 
 @message

@@ -229,6 +229,11 @@ class ProcessGroup:
         """
         self._retired.append(group)
 
+    @property
+    def retired(self) -> tuple[Any, ...]:
+        """The groups the user's code destroyed since the last formation."""
+        return tuple(self._retired)
+
     def gone(self) -> bool:
         """Formed by the pool, but no longer initialised (something destroyed it)."""
         if self._store is None:

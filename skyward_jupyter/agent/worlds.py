@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
+from typing import Any
 
 from .. import protocol as p
+from .earlier_groups import EarlierGroups
 from .jax_setup import JaxWorld, jax_version, keras_conflict
 from .torch_setup import (
     FORM_TIMEOUT,
@@ -46,6 +48,9 @@ class Worlds:
         self.keras_backend = keras_backend
         self.group = ProcessGroup(settings, diagnose)
         self.user_calls = UserGroupCalls(self.group, note)
+        self.earlier = EarlierGroups()
+        self._left: list[Any] = []
+        """The groups left since the last formation, the default one first."""
         node = int(os.environ.get("GROUP_RANK", "0"))
         self.jax = JaxWorld(
             settings.rank,
@@ -70,6 +75,7 @@ class Worlds:
         self.torch = torch_version()
         if self.uses_torch:
             self.user_calls.install()
+            self.earlier.install()
             # A rank forked from the warm template imported torch before this variable was
             # set: apply it, as the OpenMP runtime of a freshly started process would.
             threads = os.environ.get("OMP_NUM_THREADS", "")
@@ -86,13 +92,23 @@ class Worlds:
     def cuda_devices(self) -> int:
         return cuda_device_count() if self.torch else 0
 
-    def form(self, command: p.FormGroup, send: Callable[[object], None]) -> None:
-        """Join the pool's worlds; the head first says where the others connect."""
+    def form(
+        self,
+        command: p.FormGroup,
+        send: Callable[[object], None],
+        names: dict[str, Any],
+        after: str,
+    ) -> None:
+        """Join the pool's worlds; the head first says where the others connect.
+
+        What ``names`` (the namespace) built on the earlier group is refused from now on, and
+        named to the notebook; ``after`` says when the group was formed again (" after cell 3")."""
         os.environ["TORCHELASTIC_RESTART_COUNT"] = str(command.restarts)
+        stale: list[str] = []
         try:
             backend = None
             if self.uses_torch:
-                self.group.leave()
+                self._leave_torch()
             port, jax_port = command.port, command.jax_port
             if port is None and jax_port is None:
                 port = self.group.host(command.secret) if self.uses_torch else None
@@ -100,6 +116,8 @@ class Worlds:
                 send(p.GroupPort(command.generation, port, jax_port))
             if self.uses_torch and port is not None:
                 backend = self.group.join(port, command.secret)
+                stale = self.earlier.guard(names, self._left, after)
+                self._left = []
             if command.jax and jax_port is not None:
                 self.jax.join(jax_port, FORM_TIMEOUT)
                 if self.keras_backend == "jax":
@@ -110,12 +128,18 @@ class Worlds:
         except Exception as exc:  # noqa: BLE001 - reported to the notebook with its type
             send(p.GroupState(command.generation, False, None, f"{type(exc).__name__}: {exc}"))
             return
-        send(p.GroupState(command.generation, True, backend, "ready"))
+        send(p.GroupState(command.generation, True, backend, "ready", tuple(stale)))
 
     def leave(self) -> None:
         """Leave torch's group (JAX's world ends with the process)."""
         if self.uses_torch:
-            self.group.leave()
+            self._leave_torch()
+
+    def _leave_torch(self) -> None:
+        """Leave torch's groups, remembering them: the next formation guards what was built on
+        them (see :mod:`.earlier_groups`)."""
+        self._left += self.earlier.now() or list(self.group.retired)
+        self.group.leave()
 
     def tick(self) -> None:
         """The watchdog's tick: lower gloo's threads of groups the user's code formed."""
