@@ -392,3 +392,7 @@ class CellDone:
     """The cell's code destroyed the default process group: the pool must form it again."""
     notes: tuple[str, ...] = ()
     """What the rank has to tell the user once (e.g. that the pool's group was used)."""
+    collectives: tuple[tuple[str, int], ...] | None = ()
+    """Each process group's name and how many collectives this rank has called in it (torch's
+    sequence number); None: unknown. Ranks that agree on every group can keep it after a
+    stop."""

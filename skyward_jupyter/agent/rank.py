@@ -449,6 +449,7 @@ class Agent:
             bound=bound,
             group_destroyed=self.worlds.destroyed(),
             notes=tuple(self._notes),
+            collectives=self.worlds.collectives(),
         )
         self._notes.clear()
         self.channel.send(done)

@@ -76,6 +76,7 @@ class Worlds:
         if self.uses_torch:
             self.user_calls.install()
             self.earlier.install()
+            self.group.track_user_groups()
             # A rank forked from the warm template imported torch before this variable was
             # set: apply it, as the OpenMP runtime of a freshly started process would.
             threads = os.environ.get("OMP_NUM_THREADS", "")
@@ -145,6 +146,22 @@ class Worlds:
         """The watchdog's tick: lower gloo's threads of groups the user's code formed."""
         if self.uses_torch:
             self.group.lower_gloo_loops()
+
+    def collectives(self) -> tuple[tuple[str, int], ...] | None:
+        """Each of torch's groups by name, with the collectives this rank called in it (None:
+        a backend that does not count them)."""
+        if not self.uses_torch:
+            return ()
+        from torch.distributed import distributed_c10d as c10d
+
+        try:
+            # (bound at runtime, missing from torch's stubs)
+            return tuple(
+                (pg.group_name, pg._get_sequence_number_for_group())  # type: ignore[attr-defined]
+                for pg in c10d._world.pg_map
+            )
+        except RuntimeError:
+            return None
 
     def destroyed(self) -> bool:
         """The cell's code destroyed torch's group: the pool forms it again."""
