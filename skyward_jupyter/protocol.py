@@ -339,6 +339,8 @@ class GroupState:
     earlier: tuple[str, ...] = ()
     """What the rank's namespace built on the group formed before, as ``name (kind)``: their
     next use fails, saying to build them again."""
+    rewrapped: tuple[str, ...] = ()
+    """The DDP models of the rank's namespace wrapped again on the new group, as ``name (DDP)``."""
 
 
 @message

@@ -29,7 +29,7 @@ from .events import (
     RankStateChanged,
     RankUsage,
 )
-from .formation import check_hellos, form_worlds, reformed
+from .formation import Rebuilt, check_hellos, form_worlds, reformed
 from .frameworks import TORCH_ONLY, Frameworks
 from .launch_env import RankPlace, launcher_env
 from .memory import named_kill
@@ -304,9 +304,9 @@ class Ranks:
                 + (" (JAX's world cannot be formed again in running processes)" * jax)
             )
             self.emit(PoolMessage(notes[-1]))
-        earlier = await self.form_group(jax)
-        if self.group_backend is not None and (after_failure or earlier):
-            notes.append(reformed(self.group_backend, self.master_port, bool(dead), earlier))
+        rebuilt = await self.form_group(jax)
+        if self.group_backend is not None and (after_failure or rebuilt != Rebuilt()):
+            notes.append(reformed(self.group_backend, self.master_port, bool(dead), rebuilt))
             self.emit(PoolMessage(notes[-1]))
         return notes
 
@@ -342,9 +342,9 @@ class Ranks:
 
     # -------------------------------------------------------------- process group
 
-    async def form_group(self, jax: bool = False) -> tuple[str, ...]:
+    async def form_group(self, jax: bool = False) -> Rebuilt:
         """(Re-)form the ranks' distributed worlds (see :mod:`.formation`); ``jax``: JAX's too.
-        Returns what the ranks had built on the earlier group, which must be built again."""
+        Returns what the ranks had built on the earlier group."""
         return await form_worlds(self, jax)
 
     # ------------------------------------------------------------------- the wire

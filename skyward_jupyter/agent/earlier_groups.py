@@ -2,23 +2,30 @@
 
 When a cell fails, is interrupted or times out while ranks wait in a collective, the pool frees
 them by closing the group's connections, and forms a new group before the next cell (see
-``failure_policy``). torch cannot move an object to another group: a DDP model's reducer and an
-FSDP2 module keep the ProcessGroup they were built on, whose connections are closed, and a
-``new_group`` group leaves torch's registry with the default group (its own connections may
-still answer, out of step with the peers'). Their next use would fail with a peer's "Connection
-closed", or hang.
+``failure_policy``). torch cannot move an object to another group: a DDP model's reducer, an
+FSDP2 module and a ``new_group`` group keep the ProcessGroup they were built on, whose
+connections are closed. Their next use would fail with a peer's "Connection closed".
 
-So as the group forms again, each rank finds such objects among its namespace's globals, tells
-the notebook their names, and makes their next use fail at once, on every rank alike, in one
-line saying how to build them again. A ``DeviceMesh`` over the whole world names the default
-group, and the new group takes the same name: such a mesh goes on working on the new group.
+So as the group forms again, each rank looks at its namespace's globals. A DDP model built on
+the default group is wrapped again in place on the new one, with the arguments it was built
+with, as ``model = DDP(model.module, ...)`` would (rank 0's parameters are broadcast, as DDP
+does): the ranks first agree on which, since each wrap runs collectives. A ``DeviceMesh`` over
+the whole world names the default group, and the new group takes the same name: it goes on
+working. The rest (an FSDP module, a ``new_group`` group, a DDP model with a communication hook
+or on another group) is named to the notebook, and its next use fails at once, on every rank
+alike, in one line saying how to build it again.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import weakref
 from collections.abc import Callable
 from typing import Any
+
+_BUILT_WITH = "_skyward_built_with"
+"""The attribute holding a DDP model's constructor arguments (None: it cannot be wrapped again)."""
 
 
 class StaleGroupError(RuntimeError):
@@ -51,6 +58,7 @@ class EarlierGroups:
             return original(group)
 
         c10d._rank_not_in_group = rank_not_in_group
+        _record_ddp_arguments()
 
     @staticmethod
     def now() -> list[Any]:
@@ -60,13 +68,17 @@ class EarlierGroups:
 
         return list(c10d._world.pg_map)
 
-    def guard(self, names: dict[str, Any], earlier: list[Any], after: str) -> list[str]:
-        """The pool's group was formed again ``after`` (" after cell 3", or ""): make the objects
-        in ``names`` built on the ``earlier`` groups fail at their next use; return them as
-        ``name (kind)``."""
+    def guard(
+        self, names: dict[str, Any], earlier: list[Any], after: str, agree: bool
+    ) -> tuple[list[str], list[str]]:
+        """The pool's group was formed again ``after`` (" after cell 3", or ""): wrap the DDP
+        models in ``names`` again on it, and make the other objects built on the ``earlier``
+        groups fail at their next use. Returns both, as ``name (kind)``. ``agree``: every rank
+        calls this (each must, even one with nothing to wrap: a restarted rank)."""
         self._guarded = {k: ref for k, ref in self._guarded.items() if ref() is not None}
+        rewrapped = _wrap_again(names, earlier, agree)
         if not earlier:
-            return []
+            return rewrapped, []
         from torch.distributed import distributed_c10d as c10d
 
         gone = f"which the pool formed again{after}"
@@ -82,6 +94,8 @@ class EarlierGroups:
             seen = self._guarded.get(id(value))
             if name.startswith("_") or (seen is not None and seen() is value):
                 continue
+            if f"{name} (DDP)" in rewrapped:
+                continue
             kind, fix = _kind(value, name, earlier, old_default, new_default)
             if kind is None:
                 continue
@@ -95,7 +109,72 @@ class EarlierGroups:
                 value.register_forward_pre_hook(_refusal(why), prepend=True)
             self._guarded[id(value)] = weakref.ref(value)
             found.append(f"{name} ({kind})")
-        return found
+        return rewrapped, found
+
+
+def _record_ddp_arguments() -> None:
+    """Keep each DDP model's constructor arguments, to wrap it again on a new group; a model
+    given a communication hook is not wrapped again (the hook's state may hold the old group)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    init = DDP.__init__
+    signature = inspect.signature(init)
+
+    @functools.wraps(init)
+    def recording_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        given = signature.bind(self, *args, **kwargs).arguments
+        # Without the group (the model is wrapped again on its default group only), which would
+        # also stop the model from pickling; a model on a mesh is not wrapped again.
+        built_with: dict[str, Any] | None = {
+            k: v for k, v in given.items() if k not in ("self", "module", "process_group")
+        }
+        if given.get("device_mesh") is not None:
+            built_with = None
+        object.__setattr__(self, _BUILT_WITH, built_with)
+
+    DDP.__init__ = recording_init  # type: ignore[method-assign]
+    for name in ("register_comm_hook", "_register_builtin_comm_hook"):
+        method = getattr(DDP, name)
+
+        @functools.wraps(method)
+        def hooked(self: Any, *args: Any, _method: Any = method, **kwargs: Any) -> Any:
+            object.__setattr__(self, _BUILT_WITH, None)
+            return _method(self, *args, **kwargs)
+
+        setattr(DDP, name, hooked)
+
+
+def _wrap_again(names: dict[str, Any], earlier: list[Any], agree: bool) -> list[str]:
+    """Wrap the DDP models of ``names`` built on the earlier default group again, on the new
+    one, in the same order on every rank; return them as ``name (DDP)``."""
+    from torch import distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    mine = sorted(
+        name
+        for name, value in names.items()
+        if type(value) is DDP
+        and earlier
+        and value.process_group is earlier[0]
+        and getattr(value, _BUILT_WITH, None) is not None
+    )
+    if not agree:
+        return []
+    everyone: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(everyone, mine)
+    wrapped = []
+    for name in mine:
+        if not all(name in theirs for theirs in everyone):
+            continue  # a rank lost it (restarted): nobody wraps it, all refuse it
+        model = names[name]
+        module, training = model.module, model.training
+        built_with = dict(getattr(model, _BUILT_WITH))
+        built_with["static_graph"] = built_with.get("static_graph", False) or model.static_graph
+        DDP.__init__(model, module, **built_with)
+        model.train(training)
+        wrapped.append(f"{name} (DDP)")
+    return wrapped
 
 
 def _kind(
@@ -109,7 +188,7 @@ def _kind(
     from torch.nn.parallel import DistributedDataParallel
 
     if isinstance(value, DistributedDataParallel):
-        return "DDP", f"{name} = DDP({name}.module), with the arguments it had"
+        return "DDP", f"{name} = DDP({name}.module, ...) as it was built, its hook too"
     if isinstance(value, nn.Module):
         for module in value.modules():
             if isinstance(module, (FSDPModule, FullyShardedDataParallel)):

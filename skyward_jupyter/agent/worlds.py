@@ -51,6 +51,8 @@ class Worlds:
         self.earlier = EarlierGroups()
         self._left: list[Any] = []
         """The groups left since the last formation, the default one first."""
+        self._kept: list[Any] = []
+        """Those of the formation before, kept until the next."""
         node = int(os.environ.get("GROUP_RANK", "0"))
         self.jax = JaxWorld(
             settings.rank,
@@ -105,6 +107,7 @@ class Worlds:
         What ``names`` (the namespace) built on the earlier group is refused from now on, and
         named to the notebook; ``after`` says when the group was formed again (" after cell 3")."""
         os.environ["TORCHELASTIC_RESTART_COUNT"] = str(command.restarts)
+        rewrapped: list[str] = []
         stale: list[str] = []
         try:
             backend = None
@@ -117,8 +120,11 @@ class Worlds:
                 send(p.GroupPort(command.generation, port, jax_port))
             if self.uses_torch and port is not None:
                 backend = self.group.join(port, command.secret)
-                stale = self.earlier.guard(names, self._left, after)
-                self._left = []
+                rewrapped, stale = self.earlier.guard(
+                    names, self._left, after, agree=command.generation > 1
+                )
+                # Dropped at the next formation, not now (see ProcessGroup.retire).
+                self._kept, self._left = self._left, []
             if command.jax and jax_port is not None:
                 self.jax.join(jax_port, FORM_TIMEOUT)
                 if self.keras_backend == "jax":
@@ -129,7 +135,9 @@ class Worlds:
         except Exception as exc:  # noqa: BLE001 - reported to the notebook with its type
             send(p.GroupState(command.generation, False, None, f"{type(exc).__name__}: {exc}"))
             return
-        send(p.GroupState(command.generation, True, backend, "ready", tuple(stale)))
+        send(
+            p.GroupState(command.generation, True, backend, "ready", tuple(stale), tuple(rewrapped))
+        )
 
     def leave(self) -> None:
         """Leave torch's group (JAX's world ends with the process)."""
