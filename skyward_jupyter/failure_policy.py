@@ -11,10 +11,11 @@ The peers' main complaint is ranks that hang for minutes. So, for a cell:
 3. when ranks left the group or died, or stopped at different counts of collectives in some
    group (each rank reports torch's sequence number of every group), dead ranks are restarted
    and the process group is re-formed on every rank with a fresh port, so the next cell finds
-   the same world. The result says so, whose namespace was lost, and which objects were built
-   on the earlier group, to be built again (see :mod:`.agent.earlier_groups`). Ranks that all
-   stopped in step (a cell that raised on every rank, an interrupt that found every rank
-   outside a collective) keep the group, and what was built on it;
+   the same world. The result says so and whose namespace was lost; DDP models are wrapped
+   again on the new group, and what torch cannot move to it is named, to be built again (see
+   :mod:`.agent.earlier_groups`). Ranks that all stopped in step (a cell that raised on every
+   rank, an interrupt that found every rank outside a collective) keep the group, and what was
+   built on it;
 4. the result marks the failures that followed from another as secondary. When a rank's process
    ended on its own during the cell (not killed by the pool), the first such death the pool saw
    is the cause and every other failure is secondary, even a peer's error that reached the pool

@@ -171,7 +171,10 @@ def _wrap_again(names: dict[str, Any], earlier: list[Any], agree: bool) -> list[
         module, training = model.module, model.training
         built_with = dict(getattr(model, _BUILT_WITH))
         built_with["static_graph"] = built_with.get("static_graph", False) or model.static_graph
-        DDP.__init__(model, module, **built_with)
+        try:
+            DDP.__init__(model, module, **built_with)
+        except (RuntimeError, ValueError):
+            continue  # as on every rank (its checks are collective): refused like the rest
         model.train(training)
         wrapped.append(f"{name} (DDP)")
     return wrapped
