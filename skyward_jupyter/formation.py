@@ -17,6 +17,7 @@ from . import protocol as p
 from . import wire
 from .events import PoolMessage, RankState
 from .results import PoolError, RankEnded
+from .spec import backend_problem
 
 if TYPE_CHECKING:
     from .ranks import Rank, Ranks
@@ -36,6 +37,10 @@ def check_hellos(ranks: Ranks, started: list[Rank]) -> None:
         assert r.hello is not None
         if r.hello.problem:
             raise PoolError(f"rank {r.index} ({r.describe()}): {r.hello.problem}")
+        h, where = r.hello, f"rank {r.index} ({r.describe()})"
+        problem = backend_problem(ranks.settings.backend, where, h.torch, h.nccl, h.cuda_devices)
+        if problem is not None:
+            raise PoolError(problem)
         if wanted.jax and r.hello.jax is None:
             where = f"rank {r.index} ({r.describe()})"
             raise PoolError(f"JAX is not installed on {where}: {JAX_INSTALL}")
@@ -139,7 +144,8 @@ async def form_worlds(ranks: Ranks, jax: bool) -> Rebuilt:
         ranks.group_backend, ranks.master_port = results[0].backend, where.port
         parts.append(f"torch.distributed {ranks.group_backend}, port {where.port}")
     if ranks.settings.frameworks.jax:
-        parts.append(f"jax.distributed, {len(ranks.all)} processes")
+        count = len(ranks.all)
+        parts.append(f"jax.distributed, {count} process{'es' * (count != 1)}")
     ranks.worlds_note = "; ".join(parts)
     for r in ranks.all:
         ranks.set_state(r, RankState.READY, ranks.worlds_note)

@@ -7,32 +7,74 @@ The parsers and the help text are built from the one table of options and comman
 from __future__ import annotations
 
 import argparse
+import difflib
 import functools
 import shlex
-from typing import Any
+from typing import Any, NoReturn
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
-from .options import CELL_OPTIONS, CLEAN_OPTIONS, COMMANDS, POOL_OPTIONS, Command, pool_options
+from .options import (
+    CELL_OPTIONS,
+    CLEAN_OPTIONS,
+    COMMANDS,
+    POOL_OPTIONS,
+    Command,
+    pool_options,
+    unknown_option,
+)
 from .session import USER_ERRORS, CellInterrupted, RunResult, Session
 
 
+class _HelpAsked(Exception):
+    """``-h``/``--help`` among a command's own options: its help is shown, nothing is run."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+
+class _Help(argparse.Action):
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, argparse.SUPPRESS, nargs=0, help="show this help")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        raise _HelpAsked(parser.format_help())
+
+
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> Any:  # one line, no usage dump, no SystemExit
-        raise UsageError(f"%{self.prog}: {message}")
+    """A parser that takes only whole option names (an abbreviation could choose another
+    option, even another provider), answers ``-h``, and fails in one line."""
+
+    def __init__(self, prog: str, **kwargs: Any) -> None:
+        super().__init__(prog=prog, add_help=False, allow_abbrev=False, **kwargs)
+        self.add_argument("-h", "--help", action=_Help)
+
+    def error(self, message: str) -> NoReturn:  # one line, no usage dump, no SystemExit
+        raise UsageError(f"{self.prog}: {message}")
+
+    def parse(self, words: list[str]) -> argparse.Namespace:
+        """``words`` parsed; an unknown option is named with the options it is near."""
+        args, extra = self.parse_known_args(words)
+        if extra:
+            given = next((w for w in extra if w.startswith("-") and len(w) > 1), None)
+            if given is None:
+                self.error(f"unexpected argument {extra[0]!r}")
+            self.error(unknown_option(given, self._option_string_actions))
+        return args
 
 
 @functools.cache
 def _cell_parser() -> _Parser:
-    parser = _Parser(prog="%sky", add_help=False, description="Run the cell on every rank.")
+    parser = _Parser("%%sky", description="Run the cell on every rank.")
     for option in (*POOL_OPTIONS, *CELL_OPTIONS):
         option.add_to(parser)
     return parser
 
 
 def _command_parser(command: Command) -> _Parser:
-    parser = _Parser(prog=f"sky {command.name}", add_help=False)
+    parser = _Parser(f"%sky {command.name}", description=command.help)
     for option in (*(POOL_OPTIONS if command.pool else ()), *command.extra):
         option.add_to(parser)
     for name, kwargs in command.positionals:
@@ -46,7 +88,7 @@ def _line_parsers() -> dict[str, _Parser]:
 
 
 def _line_help() -> str:
-    lines = ["Line magic:"]
+    lines = ["Line magic (%sky COMMAND --help: that command's options):"]
     for c in COMMANDS:
         head = f"  %sky {c.name} {c.usage}".rstrip()
         if len(head) < 34:
@@ -74,6 +116,9 @@ class SkyMagics(Magics):
             if cell is None:
                 return self._line(line)
             return self._cell(line, cell)
+        except _HelpAsked as asked:
+            print(asked.text)
+            return None
         except USER_ERRORS as exc:
             raise UsageError(str(exc)) from None
         except CellInterrupted:
@@ -88,7 +133,7 @@ class SkyMagics(Magics):
         return self.session.spec_from(given)
 
     def _cell(self, line: str, cell: str) -> RunResult | None:
-        args = _cell_parser().parse_args(shlex.split(line))
+        args = _cell_parser().parse(shlex.split(line))
         result = self.session.run_cell(
             cell,
             self._user_ns,
@@ -110,13 +155,23 @@ class SkyMagics(Magics):
         if not words:
             raise UsageError("%sky needs a command: " + ", ".join(parsers))
         command, rest = words[0], words[1:]
+        if command in ("-h", "--help"):
+            raise _HelpAsked(_help())
         if command not in parsers:
-            raise UsageError(f"%sky: unknown command {command!r}; one of {', '.join(parsers)}")
-        args = parsers[command].parse_args(rest)
+            near = difflib.get_close_matches(command, parsers, n=1)
+            hint = f"did you mean {near[0]}? " if near else ""
+            raise UsageError(
+                f"%sky: unknown command {command!r}; {hint}one of {', '.join(parsers)}"
+            )
+        args = parsers[command].parse(rest)
         session = self.session
         if command == "up":
             session.entry(args.name, session.spec_from(pool_options(args)))
         elif command == "run":
+            if args.script is None:
+                raise UsageError(
+                    "%sky run: which script? %sky run [pool options] SCRIPT [ARGS ...]"
+                )
             session.run_script(
                 args.script,
                 args.args,
@@ -158,9 +213,14 @@ class SkyMagics(Magics):
         return None
 
 
-SkyMagics.sky.__doc__ = (
-    "Run the cell on every rank of a warm pool, with torch.distributed initialised.\n\n"
-    + _cell_parser().format_help()
-    + "\n"
-    + _line_help()
-)
+def _help() -> str:
+    """What ``%sky --help`` and ``%%sky?`` show: the cell's options, then the commands."""
+    return (
+        "Run the cell on every rank of a warm pool, with torch.distributed initialised.\n\n"
+        + _cell_parser().format_help()
+        + "\n"
+        + _line_help()
+    )
+
+
+SkyMagics.sky.__doc__ = _help()

@@ -9,9 +9,10 @@ provider is that provider's to check when the pool is made.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -140,6 +141,13 @@ POOL_OPTIONS: tuple[Option, ...] = (
     Option("--gpu", "GPU model, e.g. T4, A10G, L4, A100, H100", {"type": _gpu}),
     Option("--name", "pool name (several pools per kernel)", {"type": identifier}),
     Option("--backend", "torch.distributed backend (auto)", {"choices": ("gloo", "nccl")}),
+    Option(
+        "--secure",
+        "gloo's traffic between hosts through TLS tunnels proving the pool's key, gloo "
+        "listening on loopback only (for networks shared with others; slower, see "
+        "BENCHMARKS.md; gloo only)",
+        _flag(),
+    ),
     Option(
         "--env",
         "environment variable for every rank, set before torch starts (repeatable)",
@@ -272,6 +280,37 @@ CELL_OPTIONS: tuple[Option, ...] = (
 )
 
 
+TORCHRUN: dict[str, str] = {
+    "--nproc-per-node": "--procs-per-node",
+    "--nnodes": "--nodes",
+    "--master-addr": "--head-addr",
+    "--node-rank": "the pool numbers its nodes itself: give --nodes N",
+    "--master-port": "the pool chooses a free port itself",
+    "--standalone": "every pool has its own rendezvous",
+    "--rdzv-backend": "the pool runs its own rendezvous",
+    "--rdzv-endpoint": "the pool runs its own rendezvous",
+    "--rdzv-id": "the pool runs its own rendezvous",
+}
+"""torchrun's options (``_`` spellings too): the option that says the same here, or why none
+is needed."""
+
+
+def unknown_option(given: str, known: Collection[str]) -> str:
+    """Why ``given`` is refused among the ``known`` options, in one line: torchrun's spelling
+    with ours, or the options it is near (none is ever taken for it: no abbreviation expands)."""
+    flag = given.split("=", 1)[0]
+    ours = TORCHRUN.get(flag.replace("_", "-")) if flag.startswith("--") else None
+    if ours is not None and "--nodes" in known:
+        if ours in known:
+            return f"unknown option {flag}: that is torchrun's spelling; here it is {ours}"
+        if not ours.startswith("--"):
+            return f"unknown option {flag}: that is torchrun's; {ours}"
+    near = difflib.get_close_matches(flag, known, n=2, cutoff=0.8)
+    near += [k for k in sorted(known) if len(flag) > 2 and k.startswith(flag) and k not in near]
+    hint = f"; did you mean {' or '.join(near[:3])}?" if near else ""
+    return f"unknown option {flag}{hint}"
+
+
 _POOL_DESTS = tuple(o.dest for o in POOL_OPTIONS if o.dest != "name")
 
 
@@ -315,8 +354,16 @@ COMMANDS: tuple[Command, ...] = (
         pool=True,
         extra=(STDOUT, TIMEOUT),
         positionals=(
-            ("script", {"metavar": "SCRIPT"}),
-            ("args", {"nargs": argparse.REMAINDER, "metavar": "ARGS"}),
+            ("script", {"nargs": "?", "metavar": "SCRIPT", "help": "the script to run"}),
+            (
+                "args",
+                {
+                    "nargs": argparse.REMAINDER,
+                    "metavar": "ARGS",
+                    "help": "the script's arguments: all that follows SCRIPT (--help too) is "
+                    "the script's, as with torchrun",
+                },
+            ),
         ),
     ),
     Command(

@@ -75,6 +75,7 @@ class Pool:
         sync_cap_bytes: int | None = None,
         sync_chosen: bool = True,
         frameworks: Frameworks = TORCH_ONLY,
+        secure: bool = False,
     ) -> None:
         limits.NODES.check(nodes)
         if procs_per_node is not None:
@@ -90,6 +91,10 @@ class Pool:
             limits.SYNC_CAP_BYTES.check(sync_cap_bytes)
         if backend not in (None, "gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        if secure and (backend == "nccl" or frameworks.jax):
+            raise ValueError(
+                "secure=True carries torch's gloo traffic only: use backend='gloo', no JAX"
+            )
         if provider is None:
             from .providers.local import LocalProvider
 
@@ -113,8 +118,11 @@ class Pool:
             start_timeout=start_timeout,
             run_id=self.run_id,
             # Ranks on the notebook's machine get values over their own pipes: no relay there.
-            relay=None if provider.on_notebook_machine else RelaySecrets.make(relay_keys.ENCRYPTED),
+            relay=None
+            if provider.on_notebook_machine
+            else RelaySecrets.make(relay_keys.ENCRYPTED or secure),
             frameworks=frameworks,
+            secure=secure,
         )
         self._ranks = Ranks(provider, settings, self._emit, self._rank_ended)
         self._prompts = Prompts()
@@ -186,7 +194,7 @@ class Pool:
         ``on_wait`` is called on the caller's thread while it waits (a view showing the boot)."""
         if self._io is not None:
             return self
-        self._transfer.scan()  # a directory that cannot be synced fails before any machine
+        self.check()
         self._io = IOThread(f"skyward-pool-{self.name}")
         close_at_exit(self)
         try:
@@ -195,6 +203,11 @@ class Pool:
             self.close()
             raise
         return self
+
+    def check(self) -> None:
+        """Refuse what starting would refuse before reaching any machine (a directory that
+        cannot be synced), as a :class:`PoolError`."""
+        self._transfer.scan()
 
     def run(
         self,

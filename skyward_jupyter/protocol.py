@@ -278,6 +278,8 @@ class Hello:
     """JAX's version, when the pool asked for JAX (None: not installed, or not asked)."""
     problem: str | None = None
     """What stops this rank from serving the pool as asked (e.g. Keras's backend)."""
+    nccl: bool | None = None
+    """Whether this rank's torch has NCCL (None: no torch)."""
 
 
 @message

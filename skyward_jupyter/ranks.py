@@ -132,6 +132,8 @@ class RankSettings:
     relay: RelaySecrets | None = None
     """The head's relay secrets (None: no relay, for ranks on the notebook's own machine)."""
     frameworks: Frameworks = TORCH_ONLY
+    secure: bool = False
+    """gloo's traffic between hosts through TLS tunnels, gloo on loopback (``--secure``)."""
 
 
 class Ranks:
@@ -193,7 +195,10 @@ class Ranks:
 
         self.nodes = tuple(await self.provider.provision(nodes, progress))
         per_node = [self.settings.procs_per_node or len(node.gpus) or 1 for node in self.nodes]
-        limits.check_world(sum(per_node), f"{len(self.nodes)} nodes with one rank per GPU")
+        limits.check_world(
+            sum(per_node),
+            f"{len(self.nodes)} node{'s' * (len(self.nodes) != 1)} with one rank per GPU",
+        )
         for node, count in zip(self.nodes, per_node, strict=True):
             for local in range(count):
                 self.all.append(Rank(len(self.all), node, local, count))
@@ -228,7 +233,8 @@ class Ranks:
             "heartbeat_timeout": notebook_silence(s.heartbeat_timeout),
             "backend": s.backend,
             "pg_timeout": s.pg_timeout,
-            **(s.relay.agent_settings(head=rank.index == 0) if s.relay else {}),
+            "secure": s.secure,
+            **(s.relay.agent_settings(rank.index == 0, s.secure) if s.relay else {}),
             **s.frameworks.agent_settings(),
         }
         place = RankPlace(

@@ -2,7 +2,8 @@
 
 A token every relay request proves it holds (an HMAC over the relay's fresh nonce), and, for pools
 whose ranks are on other machines, a self-signed certificate and its key: the head's relay speaks
-TLS with them and the other ranks trust that certificate alone. They reach the ranks in the
+TLS with them and the other ranks trust that certificate alone (a ``--secure`` pool's gloo
+tunnels too, on every rank: :mod:`.agent.gloo_tunnel`). They reach the ranks in the
 environment that travels over the wire (never a command line); the key goes to the head only.
 """
 
@@ -29,12 +30,13 @@ class RelaySecrets:
         cert, key = _self_signed()
         return cls(secrets.token_hex(32), cert, key)
 
-    def agent_settings(self, head: bool) -> dict[str, str | None]:
-        """What a rank's agent reads; only the head (which serves) gets the key."""
+    def agent_settings(self, head: bool, secure: bool = False) -> dict[str, str | None]:
+        """What a rank's agent reads; only the head (which serves the relay) gets the key,
+        unless the pool is ``--secure``: every rank's gloo tunnel then serves with it too."""
         return {
             "relay_token": self.token,
             "relay_cert": self.cert,
-            "relay_key": self.key if head else None,
+            "relay_key": self.key if head or secure else None,
         }
 
 

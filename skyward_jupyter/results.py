@@ -178,8 +178,9 @@ class RunResult(Sequence[RankResult]):
     def __repr__(self) -> str:
         state = "ok" if self.ok else f"failed on ranks {[e.rank for e in self.errors]}"
         extra = f", lost namespaces of ranks {list(self.lost)}" if self.lost else ""
+        count = len(self.ranks)
         return (
-            f"<RunResult cell {self.cell_id}: {len(self.ranks)} ranks, {state}, "
+            f"<RunResult cell {self.cell_id}: {count} rank{'s' * (count != 1)}, {state}, "
             f"{self.shipped_bytes} bytes shipped{extra}>"
         )
 

@@ -30,7 +30,7 @@ from .providers import UnknownProvider, provider_class, sweep_all
 from .providers.base import ProviderError
 from .results import CellError, CellInterrupted, PoolError, RunResult
 from .spec import PoolSpec, SpecError
-from .status import pool_status
+from .status import failed_status, pool_status
 
 # What the magics use of the layers below, through the session alone.
 __all__ = ["USER_ERRORS", "CellInterrupted", "PoolSpec", "RunResult", "Session", "SessionError"]
@@ -76,6 +76,8 @@ class Session:
         self.views: Views = views or NoViews()
         self.watchers: tuple[PoolWatcher, ...] = tuple(watchers)
         self.current: str | None = None
+        self._failed: dict[str, PoolSpec] = {}
+        """Per name without a pool, the description that last failed to start under it."""
         self.defaults = PoolSpec()
         self.stdout_mode: StdoutMode = "head"
         self.provider_options: dict[str, dict[str, Any]] = {}
@@ -122,48 +124,53 @@ class Session:
         spec: PoolSpec | None = None,
         shipper: Shipper | None = None,
     ) -> PoolEntry:
-        """The pool a cell runs on, started or replaced as the spec asks."""
+        """The pool a cell runs on, started or replaced as the spec asks.
+
+        A new description is checked whole (:meth:`_prepare`) before a running pool is touched.
+        Should it still fail to start, the name keeps the pool it was to replace where that one
+        could stay (``Provider.keeps_old_until_ready``); else the name keeps the description
+        that failed, and a cell without pool options refuses rather than start another."""
         name, reusable = self._reusable(name, spec)
         if reusable is not None:
             self.current = name
             return reusable
-        entry = self._pools.get(name)
-        wanted = spec or (entry.spec if entry else self.defaults)
-        extra = self.provider_options.get(wanted.provider, {})
-        provider = provider_class(wanted.provider).from_spec(wanted, name, extra)
-        if entry is not None:
-            self._announce(
-                f"pool {name!r}: replacing {entry.spec.describe()} "
-                f"({entry.spec.differences(wanted)})"
-            )
-            # The new pool on the same hosts works in the same copies: they stay for it.
-            self.down(name, quiet=True, keep_files=_same_hosts(entry.spec, wanted))
-        self._announce(f"pool {name!r}: starting {wanted.describe()} ...")
-        started = time.perf_counter()
-        pool = Pool(
-            wanted.nodes,
-            wanted.procs_per_node,
-            provider=provider,
-            name=name,
-            backend=wanted.backend,
-            env=dict(wanted.env),
-            **wanted.pool_arguments(os.getcwd(), os.environ),
-        )
+        old = self._pools.get(name)
+        failed = self._failed.get(name)
+        if spec is None and old is None and failed not in (None, self.defaults):
+            self.current = name
+            raise SessionError(self._failed_line(name))
+        wanted = spec or (old.spec if old else self.defaults)
+        pool = self._prepare(name, wanted)
+        keep_old = old is not None and pool.provider.keeps_old_until_ready
         entry = PoolEntry(name, wanted, pool, shipper or Shipper())
-        self.views.pool_created(entry)
-        for watcher in self.watchers:
-            watcher.pool_created(entry)
-        try:
+        try:  # from here on, a failure or Ctrl-C says which pool is left
+            if old is not None:
+                self._announce(
+                    f"pool {name!r}: replacing {old.spec.describe()} "
+                    f"({old.spec.differences(wanted)})"
+                )
+                if not keep_old:
+                    # The new pool on the same hosts works in the same copies: they stay for it.
+                    self.down(name, quiet=True, keep_files=_same_hosts(old.spec, wanted))
+            self._announce(f"pool {name!r}: starting {wanted.describe()} ...")
+            started = time.perf_counter()
+            self.views.pool_created(entry)
+            for watcher in self.watchers:
+                watcher.pool_created(entry)
             pool.start(on_wait=lambda: self.views.pool_starting(entry))
         except BaseException:
             self._ended(entry)
+            self._start_failed(name, wanted, old if keep_old else None)
             raise
+        if keep_old:
+            self.down(name, quiet=True)  # the replaced pool goes once its replacement is ready
+        self._failed.pop(name, None)
         self._pools[name] = entry  # from here on the session owns it (and ends it with itself)
         self._announce(
-            f"pool {name!r}: {pool.world_size} ranks ready in "
+            f"pool {name!r}: {pool.world_size} rank{'s' * (pool.world_size != 1)} ready in "
             f"{time.perf_counter() - started:.1f} s ({pool.worlds_note})"
         )
-        for warning in provider.warnings:
+        for warning in pool.provider.warnings:
             self._announce(f"warning: {warning}")
         entry.last_active = time.monotonic()
         self.current = name
@@ -173,6 +180,56 @@ class Session:
         if wanted.idle_minutes():
             self.idle.watch()
         return entry
+
+    def _prepare(self, name: str, spec: PoolSpec) -> Pool:
+        """The pool ``spec`` describes, not started, after every check that needs no machine:
+        the provider's (:meth:`~skyward_jupyter.providers.base.Provider.check`: this machine's
+        GPUs and memory, key files, client commands), its options, the pool's arguments and
+        the directories to sync. The one place where a description is checked before a
+        running pool is touched."""
+        cls = provider_class(spec.provider)
+        cls.check(spec)
+        provider = cls.from_spec(spec, name, self.provider_options.get(spec.provider, {}))
+        pool = Pool(
+            spec.nodes,
+            spec.procs_per_node,
+            provider=provider,
+            name=name,
+            backend=spec.backend,
+            env=dict(spec.env),
+            **spec.pool_arguments(os.getcwd(), os.environ),
+        )
+        pool.check()
+        return pool
+
+    def _start_failed(self, name: str, wanted: PoolSpec, kept: PoolEntry | None) -> None:
+        """Say which pool is left after ``wanted`` failed to start; with none left under
+        ``name``, remember ``wanted`` so that no cell silently runs on another pool."""
+        self.current = name
+        if kept is not None and self._pools.get(name) is kept and kept.pool.running:
+            self._announce(
+                f"pool {name!r}: its replacement ({kept.spec.differences(wanted)}) did not "
+                f"start; the pool {name!r} is still running as before ({kept.spec.describe()}), "
+                "and cells without pool options run on it"
+            )
+            return
+        self._failed[name] = wanted
+        others = ", ".join(n for n in self._pools if n != name)
+        left = f"; other pools: {others}" if others else ""
+        self._announce(
+            f"pool {name!r}: {wanted.describe()} did not start, and no pool {name!r} is left"
+            f"{left}; cells without pool options refuse to run until it starts (give its "
+            "options again) or %sky down forgets it"
+        )
+
+    def _failed_line(self, name: str) -> str:
+        """Why a cell without pool options does not run on ``name`` (its description failed)."""
+        failed = self._failed[name]
+        return (
+            f"pool {name!r} did not start as {failed.describe()} "
+            f"({self.defaults.differences(failed)}) and no other pool runs in its place: give "
+            f"those pool options again to retry, or %sky down {name} to forget them"
+        )
 
     def run_cell(
         self,
@@ -302,7 +359,8 @@ class Session:
             return self.entry(entry.name, entry.spec)
         entry.shipper.forget()
         took = time.perf_counter() - started
-        self._announce(f"pool {entry.name!r}: {entry.pool.world_size} fresh ranks in {took:.1f} s")
+        size = entry.pool.world_size
+        self._announce(f"pool {entry.name!r}: {size} fresh rank{'s' * (size != 1)} in {took:.1f} s")
         return entry
 
     def down(
@@ -311,6 +369,13 @@ class Session:
         """End a pool (the current one by default); returns the names ended. Its nodes remove
         their copy of the synced directories unless ``keep_files``."""
         target = name or self.current
+        if target is not None and target not in self._pools and target in self._failed:
+            failed = self._failed.pop(target)
+            if self.current == target:
+                self.current = next(iter(self._pools), None)
+            if not quiet:
+                self._announce(f"pool {target!r}: forgot {failed.describe()}, which did not start")
+            return []
         if target is None or target not in self._pools:
             if quiet:
                 return []
@@ -349,6 +414,7 @@ class Session:
             pool.close()
 
     def down_all(self, keep_files: bool = False) -> list[str]:
+        self._failed.clear()
         names = list(self._pools)
         return [n for name in names for n in self.down(name, quiet=True, keep_files=keep_files)]
 
@@ -401,10 +467,17 @@ class Session:
         """``%sky status``: every pool (``*`` the current one), its state and its ranks."""
         pools = self._pools.items()
         lines = [pool_status(n, e.spec.describe(), e.pool, n == self.current) for n, e in pools]
+        lines += [
+            failed_status(n, spec.describe(), n == self.current)
+            for n, spec in self._failed.items()
+            if n not in self._pools
+        ]
         return "\n".join(line for status in lines for line in status) or "no pools"
 
     def _require(self, name: str | None = None) -> PoolEntry:
         target = name or self.current
+        if target is not None and target not in self._pools and target in self._failed:
+            raise SessionError(self._failed_line(target))
         if target is None or target not in self._pools:
             raise SessionError("no pool is running; run a %%sky cell or %sky up first")
         return self._pools[target]

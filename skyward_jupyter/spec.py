@@ -31,6 +31,8 @@ class PoolSpec:
     procs_per_node: int | None = None
     gpu: str | None = None
     backend: str | None = None
+    secure: bool | None = None
+    """gloo's traffic between hosts through TLS tunnels, gloo on loopback only."""
     env: tuple[tuple[str, str], ...] = ()
     hosts: tuple[str, ...] = ()
     """SSH hosts (``user@host[:port]``), one node each."""
@@ -77,6 +79,16 @@ class PoolSpec:
                 limit.check(value)
         if self.procs_per_node:
             limits.check_layout(self.nodes, self.procs_per_node)
+        if self.secure and self.backend == "nccl":
+            raise SpecError(
+                "--secure carries gloo's traffic only: NCCL's cannot go through its tunnels; "
+                "use --backend gloo, or leave out --secure on a network you trust"
+            )
+        if self.secure and "jax" in self.frameworks:
+            raise SpecError(
+                "--secure covers torch's gloo traffic only, not JAX's coordinator and "
+                "collectives: leave out --framework jax, or --secure"
+            )
 
     def pool_arguments(self, cwd: str, notebook_env: Mapping[str, str]) -> dict[str, Any]:
         """The Pool's keyword arguments for the synced directories, the frameworks and the hang
@@ -87,6 +99,7 @@ class PoolSpec:
             "sync_cap_bytes": int(self.sync_cap * 2**20) if self.sync_cap else None,
             "heartbeat_timeout": self.heartbeat_timeout,
             "desync_after": self.desync_after,
+            "secure": self.secure,
             "frameworks": self.framework_setup(notebook_env),
         }
         return {k: v for k, v in given.items() if v is not None}
@@ -101,7 +114,8 @@ class PoolSpec:
             raise SpecError(str(exc)) from None
 
     def describe(self) -> str:
-        ranks = f"{self.procs_per_node} ranks" if self.procs_per_node else "1 rank per GPU or CPU"
+        per = self.procs_per_node
+        ranks = f"{per} rank{'s' * (per != 1)}" if per else "1 rank per GPU or CPU"
         gpu = f", {self.gpu}" if self.gpu else ""
         where = provider_class(self.provider).where(self)
         setup = [n for n in self.frameworks if n != "torch"]
@@ -148,6 +162,28 @@ def check_gpu_name(name: str) -> str:
     if match is None:
         raise SpecError(f"unknown GPU {name!r}; known: {', '.join(KNOWN_GPUS)}")
     return match
+
+
+def backend_problem(
+    backend: str | None, where: str, torch: str | None, nccl: bool | None, gpus: int
+) -> str | None:
+    """Why ``--backend`` cannot run on ranks ``where`` torch ``torch`` is (``nccl``: whether it
+    has NCCL) and ``gpus`` GPUs are visible; None when it can, or when torch is missing (that is
+    named on its own). The notebook asks before starting ranks that run its own torch; every
+    rank's hello answers it for the others, before the group forms."""
+    if backend != "nccl" or torch is None or nccl is None:
+        return None
+    if not nccl:
+        return (
+            f"--backend nccl: {where} has torch {torch}, which is built without NCCL; "
+            "use --backend gloo, or a CUDA build of torch"
+        )
+    if gpus == 0:
+        return (
+            f"--backend nccl: {where} has no GPU that torch can use, and NCCL runs on GPUs "
+            "only; use --backend gloo"
+        )
+    return None
 
 
 _SECRET = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL", re.I)

@@ -27,3 +27,12 @@ def pool_status(name: str, description: str, pool: Pool, current: bool) -> list[
         for r in pool.ranks
     ]
     return lines
+
+
+def failed_status(name: str, description: str, current: bool) -> list[str]:
+    """The line of a name whose pool did not start: cells without pool options refuse it."""
+    mark = "*" if current else " "
+    return [
+        f"{mark} {name}: {description}, did not start (cells without pool options refuse to "
+        "run; give its options again, or %sky down forgets it)"
+    ]

@@ -138,8 +138,9 @@ class Transfer:
             if size > SAY_AFTER_BYTES and not first:
                 self._emit(
                     PoolMessage(
-                        f"sending {len(digests)} files ({human_bytes(size)}) of "
-                        f"{manifest.root} to {len(lacking)} nodes"
+                        f"sending {len(digests)} file{'s' * (len(digests) != 1)} "
+                        f"({human_bytes(size)}) of {manifest.root} to {len(lacking)} "
+                        f"node{'s' * (len(lacking) != 1)}"
                     )
                 )
             try:

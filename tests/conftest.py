@@ -80,6 +80,16 @@ def ranks_among(pids: Iterable[int]) -> list[int]:
     return found
 
 
+def skip_where_nccl_runs() -> None:
+    """Skip a test of ``--backend nccl`` refused where torch cannot run it, on a machine where
+    ranks started here (locally, or on the test hosts, which share this Python) can: a torch
+    built with NCCL, and a GPU."""
+    import torch
+
+    if torch.distributed.is_nccl_available() and torch.cuda.device_count():
+        pytest.skip("this torch runs NCCL on this machine")
+
+
 def wait_for(condition: Callable[[], object], timeout: float, what: str) -> None:
     """Poll ``condition`` until it holds; fail naming ``what`` at the deadline."""
     deadline = time.monotonic() + timeout

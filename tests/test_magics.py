@@ -26,7 +26,17 @@ import pytest
 from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.manager import KernelManager
 
-from .conftest import TEMPLATE, _module_pool_pids, agent_pids, outputs_of, reply_of, wait_for
+from skyward_jupyter.options import COMMANDS
+
+from .conftest import (
+    TEMPLATE,
+    _module_pool_pids,
+    agent_pids,
+    outputs_of,
+    reply_of,
+    skip_where_nccl_runs,
+    wait_for,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 HEALTH = "%%sky --all\nimport torch.distributed as dist\ndist.is_initialized()"
@@ -307,6 +317,8 @@ BAD_OPTIONS = [
     ("--hosts alice@gpu1:99999", "bad port"),
     ("--provider aws --ssh-cidr 0.0.0.0/0", "refusing to open SSH to the whole internet"),
     ("--provider aws --idle-timeout -1", "must be from 0 to 43200 minutes"),
+    ("--secure --backend nccl", "--secure carries gloo's traffic only"),
+    ("--secure --framework jax", "--secure covers torch's gloo traffic only"),
 ]
 
 
@@ -359,13 +371,17 @@ def test_line_commands_check_numbers_before_touching_the_pool(nb: Kernel, tmp_pa
 
 
 def test_a_starting_pool_stops_at_once_on_interrupt(nb: Kernel) -> None:
-    """Ctrl-C while many ranks start ends the start within 2 s and leaves no rank behind."""
+    """Ctrl-C while many ranks start ends the start within 2 s and leaves no rank behind; the
+    name keeps the description until ``%sky down`` forgets it."""
     nb.ok("%sky down --all")
     before = agent_pids()
     cell, took = nb.interrupted("%%sky --nodes 12 --name many\npass", when="starting")
     assert cell.reply.get("ename") == "KeyboardInterrupt", str(cell)
     assert took < 2, f"the start ended {took:.1f} s after the interrupt"
-    assert "many" not in nb.status()
+    status = nb.status()
+    assert re.fullmatch(r"\* many: 12 nodes x .*, did not start \(.*\)\n", status), status
+    nb.ok("%sky down many")
+    assert nb.status().strip() == "no pools"
     wait_for(lambda: agent_pids() <= before, GONE_TIMEOUT, "the interrupted start's ranks to end")
 
 
@@ -389,6 +405,129 @@ def test_help_documents_every_option(nb: Kernel) -> None:
         assert not missing, f"{code} does not document {missing}:\n{page}"
         for command in ("up", "down", "status", "restart", "pull", "push", "config"):
             assert f"%sky {command}" in page
+
+
+UNKNOWN_OPTIONS = [
+    # each of these was once expanded (--gpus to Slurm's --gpus-per-node) or silently taken
+    ("%%sky --gpus 1", "%%sky: unknown option --gpus; did you mean --gpu or --gpus-per-node?"),
+    ("%%sky --node 2", "%%sky: unknown option --node; did you mean --nodes?"),
+    ("%%sky --proc 2", "%%sky: unknown option --proc; did you mean --procs-per-node?"),
+    ("%%sky --nodes 2 --std all", "%%sky: unknown option --std; did you mean --stdout?"),
+    (
+        "%%sky --nproc-per-node 2",
+        "%%sky: unknown option --nproc-per-node: that is torchrun's spelling; here it is "
+        "--procs-per-node",
+    ),
+    ("%%sky --nproc_per_node=2", "here it is --procs-per-node"),
+    (
+        "%%sky --nnodes 2",
+        "%%sky: unknown option --nnodes: that is torchrun's spelling; here it is --nodes",
+    ),
+    ("%%sky --node-rank 0", "the pool numbers its nodes itself"),
+    ("%sky run --gpus 1 {script}", "%sky run: unknown option --gpus; did you mean --gpu"),
+    ("%sky run --node 2 {script}", "%sky run: unknown option --node; did you mean --nodes?"),
+    ("%sky run --nproc-per-node 2 {script}", "here it is --procs-per-node"),
+    ("%sky up --node 2", "%sky up: unknown option --node; did you mean --nodes?"),
+    ("%sky config --node 2", "%sky config: unknown option --node; did you mean --nodes?"),
+    ("%sky down --al", "%sky down: unknown option --al; did you mean --all?"),
+    ("%sky restart --hard", "%sky restart: unknown option --hard"),
+    ("%sky stat", "%sky: unknown command 'stat'; did you mean status?"),
+]
+
+
+def test_no_abbreviation_expands_and_near_misses_are_named(nb: Kernel, tmp_path: Path) -> None:
+    """An option is taken only as written: an abbreviation or torchrun's spelling is refused in
+    one line naming what was meant, and neither the pools nor the defaults change."""
+    nb.ok(POOL2)
+    before, ranks_before = normalised(nb.status()), agent_pids()
+    script = tmp_path / "train.py"
+    script.write_text("print('THE SCRIPT RAN')\n")
+    for line, message in UNKNOWN_OPTIONS:
+        code = line.format(script=script) + ("\nprint('THE CELL RAN')" if line[1] == "%" else "")
+        cell = nb.fails(code)
+        assert cell.reply["ename"] == "UsageError", str(cell)
+        evalue = cell.reply["evalue"]
+        assert message in evalue, str(cell)
+        assert "\n" not in evalue.strip(), f"not one line: {evalue!r}"
+        assert "THE CELL RAN" not in cell.stdout, str(cell)
+        assert "THE SCRIPT RAN" not in cell.stdout, str(cell)
+        assert normalised(nb.status()) == before, f"{line} changed the pools"
+        assert agent_pids() == ranks_before, f"{line} started or ended rank processes"
+    cell = nb.ok("%%sky --all\nimport torch.distributed as dist\ndist.get_world_size()")
+    assert cell.per_rank == {0: "2", 1: "2"}, "the defaults changed"
+
+
+def test_help_after_any_command_shows_it_and_runs_nothing(nb: Kernel, tmp_path: Path) -> None:
+    """``-h``/``--help`` among a command's own options prints its help and nothing else runs:
+    not the cell, not a new pool, not a shutdown or restart. After ``%sky run``'s script, the
+    option is the script's (as torchrun passes it)."""
+    nb.ok(POOL2)
+    before, ranks_before = normalised(nb.status()), agent_pids()
+    script = tmp_path / "train.py"
+    script.write_text("import sys\nprint('THE SCRIPT GOT', sys.argv[1:])\n")
+    cases = [
+        ("%%sky -h\nprint('THE CELL RAN')", "usage: %%sky [-h] [--nodes NODES]"),
+        ("%%sky --nodes 3 --help\nprint('THE CELL RAN')", "usage: %%sky [-h]"),
+        ("%sky --help", "Line magic (%sky COMMAND --help"),
+        ("%sky -h", "usage: %%sky [-h]"),
+        ("%sky run --help", "usage: %sky run [-h]"),
+        (f"%sky run --nodes 3 -h {script}", "the script's arguments: all that follows SCRIPT"),
+    ]
+    cases += [(f"%sky {c.name} --help", f"usage: %sky {c.name} [-h]") for c in COMMANDS]
+    for code, shown in cases:
+        cell = nb.ok(code)
+        assert shown in cell.stdout, str(cell)
+        assert "THE CELL RAN" not in cell.stdout, str(cell)
+        assert "THE SCRIPT GOT" not in cell.stdout, str(cell)
+        assert normalised(nb.status()) == before, f"{code} changed the pools"
+        assert agent_pids() == ranks_before, f"{code} started or ended rank processes"
+    missing = nb.fails("%sky run --nodes 2")  # not "ARGS is required": ARGS may be empty
+    assert (
+        missing.reply["evalue"]
+        == "%sky run: which script? %sky run [pool options] SCRIPT [ARGS ...]"
+    )
+    cell = nb.ok(f"%sky run {script} --help -h")
+    assert "THE SCRIPT GOT ['--help', '-h']" in cell.stdout, str(cell)
+    assert "usage:" not in cell.stdout, str(cell)
+
+
+def test_nccl_without_nccl_or_gpus_is_refused_naming_why_before_the_pool_changes(
+    nb: Kernel, tmp_path: Path
+) -> None:
+    """The cause, not advice about interfaces; and the working pool stays, so the next cell
+    without options still runs on both of its ranks."""
+    skip_where_nccl_runs()
+    nb.ok(POOL2)
+    before, ranks_before = normalised(nb.status()), agent_pids()
+    script = tmp_path / "train.py"
+    script.write_text("print('THE SCRIPT RAN')\n")
+    for code in (
+        "%%sky --nodes 2 --backend nccl\nprint('THE CELL RAN')",
+        f"%sky run --nodes=2 --backend nccl {script}",
+        "%sky up --backend nccl --name other",
+    ):
+        cell = nb.fails(code)
+        assert cell.reply["ename"] == "UsageError", str(cell)
+        evalue = cell.reply["evalue"]
+        assert re.search(r"--backend nccl: this machine .* (built without NCCL|no GPU)", evalue)
+        assert "use --backend gloo" in evalue and "SOCKET_IFNAME" not in evalue, evalue
+        assert "THE CELL RAN" not in cell.stdout, str(cell)
+        assert "THE SCRIPT RAN" not in cell.stdout, str(cell)
+        assert normalised(nb.status()) == before, f"{code} changed the pools"
+        assert agent_pids() == ranks_before, f"{code} started or ended rank processes"
+    cell = nb.ok("%%sky --all\nimport torch.distributed as dist\ndist.get_world_size()")
+    assert cell.per_rank == {0: "2", 1: "2"}
+
+
+def test_a_count_of_one_is_singular(nb: Kernel) -> None:
+    cell = nb.ok("%%sky --procs-per-node 1 --name solo\npass")
+    try:
+        assert "pool 'solo': starting 1 node x 1 rank, " in cell.stderr, str(cell)
+        assert re.search(r"pool 'solo': 1 rank ready in \d", cell.stderr), str(cell)
+        restarted = nb.ok("%sky restart solo")
+        assert re.search(r"pool 'solo': 1 fresh rank in \d", restarted.stderr), str(restarted)
+    finally:
+        nb.ok("%sky down solo")
 
 
 # ------------------------------------------------------------------------------ 2. keep-alive
@@ -866,6 +1005,61 @@ def test_other_options_replace_the_pool_and_names_add_pools(nb: Kernel) -> None:
     nb.ok("%sky down --all")
     assert nb.status().strip() == "no pools"
     wait_for(lambda: not ({*one, *other} & agent_pids()), GONE_TIMEOUT, "the pools' ranks to end")
+
+
+def test_a_failed_replacement_leaves_the_local_pool_as_it_was(nb: Kernel, tmp_path: Path) -> None:
+    """A working 2-node pool, then replacements that fail: one that this CPU machine's torch
+    refuses (NCCL), one that breaks the ranks' start (torch refuses ``TORCH_LOGS`` at import).
+    Each says that the old pool still runs, the next cell without options runs on it (same
+    processes, world size 2), and its panel state (metrics) is still the one shown. The ranks
+    the failed starts made are gone (the leak check after the test)."""
+    world = (
+        "%%sky --all\nimport os, torch.distributed as dist\n(os.getpid(), dist.get_world_size())"
+    )
+    nb.ok(POOL2)
+    nb.ok("%%sky\nfrom skyward_jupyter import log\nlog(step=1, loss=2.5)")
+    before = nb.ok(world).per_rank
+    assert len(before) == 2 and all(v.endswith(", 2)") for v in before.values()), before
+    status = normalised(nb.status())
+    kept = (
+        r"pool 'default': its replacement \(--env \(default\) -> TORCH_LOGS=not_a_log_name\) "
+        r"did not start; the pool 'default' is still running as before \(2 nodes x 1 rank per "
+        r"GPU or CPU, local\), and cells without pool options run on it"
+    )
+    # NCCL may be refused before anything starts, or when the group forms: either way the pool
+    # stays. The bad variable is found only when the ranks start.
+    for options, said in (("--backend nccl", ""), ("--env TORCH_LOGS=not_a_log_name", kept)):
+        failed = nb.fails(f"%%sky --nodes 2 {options}\nprint('THE CELL RAN')")
+        assert "THE CELL RAN" not in failed.stdout, str(failed)
+        assert re.search(said, failed.stderr), str(failed)
+        assert nb.ok(world).per_rank == before, f"after {options}: not the same 2 ranks"
+        assert normalised(nb.status()) == status
+        metrics = nb.ok("%sky metrics")
+        assert re.search(r"\b1\s+loss\s+2\.5\b", metrics.shown[0]), str(metrics)
+    script = tmp_path / "train.py"
+    script.write_text("import torch.distributed as d\nprint('world size', d.get_world_size())\n")
+    failed = nb.fails(f"%sky run --nodes 2 --backend nccl {script}")
+    assert "world size" not in failed.stdout, str(failed)
+    assert "world size 2" in nb.ok(f"%sky run {script}").stdout
+
+
+def test_a_description_its_provider_refuses_leaves_the_pool_untouched(nb: Kernel) -> None:
+    """A pool elsewhere replaces the local one only after it has started, but what its provider
+    can check here comes first: Slurm without its commands on PATH is one line, and the 2-node
+    pool is neither replaced nor restarted."""
+    world = "%%sky --all\nimport os, torch.distributed as d\n(os.getpid(), d.get_world_size())"
+    nb.ok(POOL2)
+    before = nb.ok(world).per_rank
+    nb.ok("import os, sys\n_path = os.environ['PATH']\nos.environ['PATH'] = sys.prefix")
+    try:
+        refused = nb.fails("%%sky --provider slurm --nodes 2\nprint('THE CELL RAN')")
+    finally:
+        nb.ok("os.environ['PATH'] = _path")
+    assert refused.reply["evalue"].startswith("sbatch not found: the slurm provider needs"), str(
+        refused
+    )
+    assert "replacing" not in refused.stderr and "THE CELL RAN" not in refused.stdout
+    assert nb.ok(world).per_rank == before
 
 
 # ------------------------------------------------------------------------------ 8. no ranks left

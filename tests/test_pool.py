@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import textwrap
 import threading
 import time
@@ -15,7 +16,14 @@ from skyward_jupyter import CellError, Pool, PoolError
 from skyward_jupyter.events import CellFinished, CellStarted, OutputReceived, PoolEvent
 from skyward_jupyter.transfer import RELAY_MIN_BYTES, Transfer
 
-from .conftest import TEMPLATE, agent_pids, ctrl_c, kill_and_await_replacement, wait_for
+from .conftest import (
+    TEMPLATE,
+    agent_pids,
+    ctrl_c,
+    kill_and_await_replacement,
+    skip_where_nccl_runs,
+    wait_for,
+)
 
 
 def src(text: str) -> str:
@@ -55,6 +63,26 @@ def test_world_of_one_still_has_a_process_group() -> None:
             "import torch.distributed as dist\n(dist.is_initialized(), dist.get_world_size())"
         )
         assert result.values == [(True, 1)]
+
+
+def test_nccl_on_ranks_without_nccl_or_gpus_fails_the_start_naming_the_rank_and_why() -> None:
+    """What each rank says when it starts is checked before the group forms: the cause, for
+    ranks whose torch the notebook cannot see (a remote host's), never advice about
+    interfaces."""
+    skip_where_nccl_runs()
+    before = agent_pids()
+    pool = Pool(nodes=2, backend="nccl")
+    with pytest.raises(PoolError) as failed:
+        pool.start()
+    message = str(failed.value)
+    assert re.fullmatch(
+        r"--backend nccl: rank 0 \(.*\) has (torch \S+, which is built without NCCL|no GPU "
+        r"that torch can use.*); use --backend gloo.*",
+        message,
+    ), message
+    assert "SOCKET_IFNAME" not in message
+    assert not pool.running
+    wait_for(lambda: agent_pids() <= before, 20, "the refused pool's ranks to end")
 
 
 def test_the_agents_settings_and_secrets_are_not_in_the_ranks_environment(pool2: Pool) -> None:

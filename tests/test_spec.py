@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from skyward_jupyter.spec import PoolSpec
+from skyward_jupyter.spec import PoolSpec, backend_problem
 
 
 def test_a_replacement_names_only_what_changed() -> None:
@@ -61,3 +61,23 @@ def test_slurm_and_ray_options_make_their_providers() -> None:
     ray_spec = session.spec_from({"ray_address": "10.0.0.1:6379"})
     assert ray_spec.provider == "ray"
     assert provider_class("ray").from_spec(ray_spec, "p", {}).address == "10.0.0.1:6379"  # type: ignore[attr-defined]
+
+
+def test_nccl_is_refused_naming_what_the_ranks_lack() -> None:
+    """The cause for each way NCCL cannot run (this machine's torch shows only one of them);
+    nothing is said for gloo, a torch that runs it, or a missing torch (named on its own)."""
+    where = "rank 1 (node 1, gpu2)"
+    no_nccl = backend_problem("nccl", where, "2.5.1+cpu", False, 0)
+    assert no_nccl == (
+        "--backend nccl: rank 1 (node 1, gpu2) has torch 2.5.1+cpu, which is built without "
+        "NCCL; use --backend gloo, or a CUDA build of torch"
+    )
+    no_gpu = backend_problem("nccl", where, "2.5.1+cu124", True, 0)
+    assert no_gpu == (
+        "--backend nccl: rank 1 (node 1, gpu2) has no GPU that torch can use, and NCCL runs on "
+        "GPUs only; use --backend gloo"
+    )
+    assert backend_problem("nccl", where, "2.5.1+cu124", True, 1) is None
+    assert backend_problem("gloo", where, "2.5.1+cpu", False, 0) is None
+    assert backend_problem(None, where, "2.5.1+cpu", False, 0) is None
+    assert backend_problem("nccl", where, None, None, 0) is None

@@ -22,7 +22,7 @@ from skyward_jupyter.providers.base import ProviderError
 from skyward_jupyter.providers.ssh import Host, SSHOptions, SSHProvider
 from skyward_jupyter.providers.ssh_prepare import package_digest
 
-from .conftest import agents_among, ranks_among, wait_for
+from .conftest import agents_among, ranks_among, skip_where_nccl_runs, wait_for
 from .hosts import Hosts, available, ssh_hosts, ssh_provider
 from .lifetime import detach, flat, kill_all, new_tag, running
 
@@ -326,6 +326,72 @@ def test_sky_hosts_cell_in_a_real_kernel(hosts: Hosts, tmp_path: Path) -> None:
         kernel.kc.stop_channels()
 
 
+def test_a_failed_replacement_of_an_ssh_pool_is_named_not_replaced_by_the_default(
+    hosts: Hosts, tmp_path: Path
+) -> None:
+    """Off the notebook's machine the old pool ends before its replacement starts. A description
+    that cannot work (a key file that is not there) is refused before the pool is touched; one
+    that fails only as it starts (no Python at --python) leaves no pool, and the next cell or
+    ``%sky run`` without options fails in one line naming it, rather than start the 1-node local
+    default; ``%sky down`` forgets it."""
+    from .test_magics import Kernel
+
+    (tmp_path / "train.py").write_text("print('THE SCRIPT RAN')\n")
+    targets = ",".join(f"{hosts.user}@{hosts[i].address}:{hosts[i].port}" for i in (0, 1))
+
+    def options(identity: Path = hosts.client_key, python: str = sys.executable) -> str:
+        return (
+            f"--hosts {targets} --identity {identity} --known-hosts {hosts.known_hosts}"
+            f" --python {python}"
+        )
+
+    world = "%%sky --all\nimport os, torch.distributed as d\n(os.getpid(), d.get_world_size())"
+    kernel = Kernel(cwd=tmp_path)
+    try:
+        kernel.ok("%load_ext skyward_jupyter")
+        kernel.ok(f"%%sky {options()}\npass")
+        before = kernel.ok(world).per_rank
+        assert len(before) == 2 and all(v.endswith(", 2)") for v in before.values()), before
+
+        missing = tmp_path / "no_such_key"
+        refused = kernel.fails(f"%%sky {options(identity=missing)}\nprint('THE CELL RAN')")
+        assert refused.reply["evalue"] == (
+            f"--identity {missing}: cannot read it (No such file or directory); name a file "
+            "this user can read"
+        ), str(refused)
+        assert "replacing" not in refused.stderr and "THE CELL RAN" not in refused.stdout
+        assert kernel.ok(world).per_rank == before, "the refused description touched the pool"
+
+        failed = kernel.fails(f"%%sky {options(python='/nonexistent/python3')}\nprint(1)")
+        assert "no Python at" in failed.reply["evalue"], str(failed)
+        assert re.search(
+            r"pool 'default': 2 nodes x 1 rank per GPU or CPU, ssh to .* did not start, and no "
+            r"pool 'default' is left; cells without pool options refuse to run until it starts",
+            failed.stderr,
+        ), str(failed)
+        for code in ("%%sky\nprint('THE CELL RAN')", "%sky run train.py"):
+            cell = kernel.fails(code)
+            assert cell.reply["ename"] == "UsageError", str(cell)
+            assert re.fullmatch(
+                r"pool 'default' did not start as 2 nodes x 1 rank per GPU or CPU, ssh to \S+, "
+                r"\S+ \(.*--python \(default\) -> /nonexistent/python3.*\) and no other pool "
+                r"runs in its place: give those pool options again to retry, or %sky down "
+                r"default to forget them",
+                cell.reply["evalue"],
+            ), str(cell)
+            assert "RAN" not in cell.stdout and "starting" not in cell.stderr, str(cell)
+        status = kernel.ok("%sky status").stdout
+        assert re.fullmatch(r"\* default: 2 nodes x .*, did not start \(.*\)\n", status), status
+
+        forgot = kernel.ok("%sky down")
+        assert "pool 'default': forgot 2 nodes x 1 rank per GPU or CPU" in forgot.stderr
+        assert kernel.ok("%sky status").stdout == "no pools\n"
+        wait_for(lambda: not _remote_agents(hosts), 20, "remote ranks to end")
+    finally:
+        kernel.km.shutdown_kernel(now=True)
+        kernel.kc.stop_channels()
+
+
 def test_versions_are_checked() -> None:
     import platform
 
@@ -416,6 +482,28 @@ def test_a_group_that_cannot_connect_fails_in_seconds_naming_who_and_what_to_set
     del pool
     gc.collect()
     assert "never retrieved" not in caplog.text
+    wait_for(lambda: not _remote_agents(hosts), 10, "remote ranks to end")
+
+
+def test_nccl_on_hosts_whose_torch_cannot_run_it_fails_naming_the_host_and_why(
+    hosts: Hosts, tmp_path: Path
+) -> None:
+    """The notebook cannot see a host's torch: each rank says at its start whether it has NCCL
+    and GPUs, and the start fails on that, before any group forms, naming the rank's host and
+    the cause, not an interface to set."""
+    skip_where_nccl_runs()
+    started = time.monotonic()
+    pool = Pool(nodes=2, provider=ssh_provider(hosts, 2, tmp_path), backend="nccl")
+    with pytest.raises(PoolError) as raised:
+        pool.start()
+    message = str(raised.value)
+    assert re.fullmatch(
+        rf"--backend nccl: rank 0 \(.*{re.escape(hosts[0].address)}.*\) has (torch \S+, which "
+        r"is built without NCCL|no GPU that torch can use.*); use --backend gloo.*",
+        message,
+    ), message
+    assert "SOCKET_IFNAME" not in message
+    assert time.monotonic() - started < 30  # the group's own timeout is 60 s
     wait_for(lambda: not _remote_agents(hosts), 10, "remote ranks to end")
 
 

@@ -170,7 +170,8 @@ class JaxWorld:
         if num_processes not in (None, self.world_size):
             raise ValueError(
                 f"jax.distributed.initialize(num_processes={num_processes}): the pool's JAX "
-                f"world has {self.world_size} processes; leave num_processes out"
+                f"world has {self.world_size} process{'es' * (self.world_size != 1)}; leave "
+                "num_processes out"
             )
         if process_id not in (None, self.rank):
             raise ValueError(
@@ -178,7 +179,8 @@ class JaxWorld:
                 f"{self.rank} in the pool's JAX world; leave process_id out"
             )
         self._say_once(
-            f"jax.distributed.initialize() uses the pool's JAX world ({self.world_size} processes)"
+            "jax.distributed.initialize() uses the pool's JAX world "
+            f"({self.world_size} process{'es' * (self.world_size != 1)})"
         )
 
     def shutdown(self) -> None:

@@ -109,28 +109,39 @@ def advertised(backend: str) -> tuple[str, str]:
     return socket.gethostbyname(host), f"the hostname {host} resolves to it"
 
 
-def check_peers(store: Any, rank: int, world_size: int, backend: str, timeout: float) -> None:
+def check_peers(
+    store: Any,
+    rank: int,
+    world_size: int,
+    backend: str,
+    timeout: float,
+    tunnel: tuple[str, int] | None = None,
+) -> None:
     """Before the group connects: can every rank open a connection to every other's address?
 
-    Each rank listens where its group will, publishes that in the store, and dials the others'
-    within ``CONNECT_TIMEOUT``; a failure anywhere is published too, so every rank stops at
-    once with the same message naming who could not reach whom, instead of each waiting out the
-    group's timeout. Raises :class:`ConnectionError` with that message."""
-    address, source = advertised(backend)
+    Each rank listens where its group will (or names its ``tunnel``, where a secure pool's
+    peers connect instead), publishes that in the store, and dials the others' within
+    ``CONNECT_TIMEOUT``; a failure anywhere is published too, so every rank stops at once with
+    the same message naming who could not reach whom, instead of each waiting out the group's
+    timeout. Raises :class:`ConnectionError` with that message."""
     wait = datetime.timedelta(seconds=timeout)
-    try:
-        listener = socket.create_server((address, 0), backlog=max(16, world_size))
-    except OSError as exc:
-        problem = f"rank {rank} cannot listen on {address} ({source}): {exc.strerror or exc}"
-        store.set(f"{_KEY}/problem/{rank}", problem)
-        listener = None
-    with listener or contextlib.nullcontext():
+    listener: socket.socket | None = None
+    if tunnel is not None:
+        (address, port), source = tunnel, "its --secure tunnel serves there"
+    else:
+        address, source = advertised(backend)
+        try:
+            listener = socket.create_server((address, 0), backlog=max(16, world_size))
+        except OSError as exc:
+            problem = f"rank {rank} cannot listen on {address} ({source}): {exc.strerror or exc}"
+            store.set(f"{_KEY}/problem/{rank}", problem)
         port = listener.getsockname()[1] if listener is not None else 0
+    with listener or contextlib.nullcontext():
         store.set(f"{_KEY}/addr/{rank}", f"{address} {port} {source}")
         everyone = [f"{_KEY}/done/{r}" for r in range(world_size)]
         addresses = [f"{_KEY}/addr/{r}" for r in range(world_size) if r != rank]
         problems = [f"{_KEY}/problem/{r}" for r in range(world_size)]
-        if listener is not None:
+        if port:
             store.wait(addresses, wait)
             for key in addresses:
                 peer = int(key.rsplit("/", 1)[1])

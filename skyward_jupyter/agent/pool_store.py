@@ -21,6 +21,7 @@ import torch.distributed as dist
 from . import store_auth as auth
 
 if TYPE_CHECKING:
+    from .gloo_tunnel import GlooTunnel
     from .store_server import StoreServer
 
 CONNECT_TIMEOUT = 10.0
@@ -48,12 +49,15 @@ class PoolStore(dist.Store):  # type: ignore[misc,name-defined]
         secret: bytes,
         timeout: datetime.timedelta,
         server: StoreServer | None = None,
+        tunnel: GlooTunnel | None = None,
     ) -> None:
         super().__init__()
         self.host = host
         self.port = port
         self.server = server
         """On the head: the server it hosts (its ``refused`` counts connections it dropped)."""
+        self.tunnel = tunnel
+        """A ``--secure`` pool's: gloo's addresses pass through it (see :mod:`.gloo_tunnel`)."""
         self._secret = secret
         self._lock = threading.Lock()
         self.set_timeout(timeout)
@@ -150,10 +154,10 @@ class PoolStore(dist.Store):  # type: ignore[misc,name-defined]
     # ------------------------------------------------------------------- torch's Store
 
     def set(self, key: str, value: str | bytes) -> None:
-        self._call([b"set", _bytes(key), _bytes(value)])
+        self._call([b"set", _bytes(key), self._published(key, _bytes(value))])
 
     def get(self, key: str) -> bytes:
-        return self._waiting(b"get", [key], None)[0]
+        return self._fetched(key, self._waiting(b"get", [key], None)[0])
 
     def add(self, key: str, value: int) -> int:
         return int(self._call([b"add", _bytes(key), str(int(value)).encode()])[0])
@@ -169,10 +173,12 @@ class PoolStore(dist.Store):  # type: ignore[misc,name-defined]
         self._call([b"append", _bytes(key), _bytes(value)])
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        return self._waiting(b"multi_get", keys, None)
+        values = self._waiting(b"multi_get", keys, None)
+        return [self._fetched(k, v) for k, v in zip(keys, values, strict=True)]
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
-        self._call([b"multi_set", *map(_bytes, keys), *map(_bytes, values)])
+        published = [self._published(k, _bytes(v)) for k, v in zip(keys, values, strict=True)]
+        self._call([b"multi_set", *map(_bytes, keys), *published])
 
     def has_extended_api(self) -> bool:
         return True
@@ -190,7 +196,13 @@ class PoolStore(dist.Store):  # type: ignore[misc,name-defined]
         return self._call([b"delete_key", _bytes(key)])[0] == b"1"
 
     def clone(self) -> PoolStore:
-        return PoolStore(self.host, self.port, self._secret, self.timeout)
+        return PoolStore(self.host, self.port, self._secret, self.timeout, tunnel=self.tunnel)
+
+    def _published(self, key: str, value: bytes) -> bytes:
+        return value if self.tunnel is None else self.tunnel.published(key, value)
+
+    def _fetched(self, key: str, value: bytes) -> bytes:
+        return value if self.tunnel is None else self.tunnel.fetched(key, value)
 
     def close(self) -> None:
         """Close the connection (and, on the head, stop the server)."""

@@ -68,7 +68,15 @@ T = TypeVar("T")
 EXIT_CHANNEL_CLOSED = 0
 EXIT_HEARTBEAT_LOST = 75
 EXIT_AGENT_FAILED = 70
-_AGENT_THREADS = {"reader", "watchdog", "capture-stdout", "capture-stderr", "relay", "store"}
+_AGENT_THREADS = {
+    "reader",
+    "watchdog",
+    "capture-stdout",
+    "capture-stderr",
+    "relay",
+    "store",
+    "tunnel",
+}
 HEARTBEAT_FILE_EVERY = 2.0
 """Seconds between touches of ``$SKYWARD_HEARTBEAT_FILE`` (a cloud instance's watchdog reads it)."""
 
@@ -90,6 +98,8 @@ class AgentSettings:
     frameworks: tuple[str, ...] | None = None
     """What the rank sets up (``--framework``); None: torch when it is installed."""
     keras_backend: str | None = None
+    secure: bool = False
+    """gloo on loopback, its traffic between hosts through TLS tunnels (``--secure``)."""
 
     @classmethod
     def from_env(cls) -> AgentSettings:
@@ -123,6 +133,10 @@ class Agent:
             master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
             backend=settings.backend,
             timeout=settings.pg_timeout,
+            secure=settings.secure,
+            pool_keys=(settings.relay_cert, settings.relay_key)
+            if settings.secure and settings.relay_cert and settings.relay_key
+            else None,
         )
         self.worlds = Worlds(
             group, settings.frameworks, settings.keras_backend, self._notes.append, self._diagnose
@@ -360,6 +374,7 @@ class Agent:
                 cloudpickle=cloudpickle.__version__,
                 torch=self.worlds.torch,
                 cuda_devices=self.worlds.cuda_devices(),
+                nccl=self.worlds.nccl(),
                 relay_port=self.arrivals.relay_port,
                 jax=self.worlds.jax_version,
                 problem=self.worlds.problem,

@@ -32,19 +32,18 @@ import contextlib
 import errno
 import hashlib
 import hmac
-import os
 import secrets
 import selectors
 import socket
 import ssl
 import struct
-import tempfile
 import threading
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from . import pool_tls
 from .accepting import CONNECTION_GONE, OUT_OF_DESCRIPTORS
 
 _NONCE = 32
@@ -198,7 +197,7 @@ class RelayServer:
         """Rounds of the loop in a row that failed."""
         self._token = keys.token
         self._wait = wait
-        self._tls = _server_context(keys.cert, keys.key) if keys.cert and keys.key else None
+        self._tls = pool_tls.server_context(keys.cert, keys.key) if keys.cert and keys.key else None
         self._listener = socket.create_server((address, 0), backlog=128)
         self._listener.setblocking(False)
         self.port = int(self._listener.getsockname()[1])
@@ -374,52 +373,6 @@ def _described(exc: Exception) -> str:
     return f"{exc!r}{where}"
 
 
-def _server_context(cert: str, key: str) -> ssl.SSLContext:
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.minimum_version = ssl.TLSVersion.TLSv1_3
-    context.num_tickets = 0  # every fetch is a new connection: nothing to resume
-    _load_chain(context, (cert + key).encode())
-    return context
-
-
-def _load_chain(context: ssl.SSLContext, pem: bytes) -> None:
-    """``load_cert_chain`` reads a file: an anonymous in-memory one (memfd) where the OS has
-    them, so the key touches no disk; elsewhere a 0600 file in a 0700 directory, gone at once."""
-    if hasattr(os, "memfd_create"):
-        fd = os.memfd_create("sky-relay", os.MFD_CLOEXEC)
-        try:
-            _write_all(fd, pem)
-            context.load_cert_chain(f"/proc/self/fd/{fd}")
-        finally:
-            os.close(fd)
-        return
-    with tempfile.TemporaryDirectory(prefix="sky-relay-") as private:
-        path = os.path.join(private, "chain.pem")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            _write_all(fd, pem)
-        finally:
-            os.close(fd)
-        try:
-            context.load_cert_chain(path)
-        finally:
-            os.unlink(path)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view.nbytes:
-        view = view[os.write(fd, view) :]
-
-
-def _client_context(cert: str) -> ssl.SSLContext:
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    context.minimum_version = ssl.TLSVersion.TLSv1_3
-    context.check_hostname = False  # the pool's certificate alone is trusted: no name to check
-    context.load_verify_locations(cadata=cert)
-    return context
-
-
 def fetch(
     head: tuple[str, int], keys: RelayKeys, digest: str, nbytes: int, timeout: float = 600.0
 ) -> bytearray:
@@ -429,7 +382,7 @@ def fetch(
     relay that drops the connection before answering (busy, or flooded) is asked again for a
     while."""
     where = f"{head[0]}:{head[1]}"
-    context = _client_context(keys.cert) if keys.cert else None
+    context = pool_tls.client_context(keys.cert) if keys.cert else None
     started = time.monotonic()
     delay = 0.05
     while True:

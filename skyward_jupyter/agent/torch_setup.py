@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .gloo_loop import LoopPriority
+from .gloo_tunnel import GlooTunnel
 from .network import CONNECT_TIMEOUT, Route, check_peers, choose_interfaces, reach
 from .store_server import StoreServer
 
@@ -31,6 +32,10 @@ class GroupSettings:
     master_addr: str
     backend: str | None
     timeout: float
+    secure: bool = False
+    """gloo listens on loopback only; its traffic between hosts goes through TLS tunnels."""
+    pool_keys: tuple[str, str] | None = None
+    """The pool's certificate and key (PEM) the tunnels prove (multi-host ``--secure`` pools)."""
 
 
 FORM_TIMEOUT = 60.0
@@ -61,6 +66,15 @@ def torch_version() -> str | None:
         # long after the group was formed again.
         import torch.distributed.nn.functional
     return str(torch.__version__)
+
+
+def nccl_available() -> bool | None:
+    """Whether this process's torch has NCCL (None: torch is not installed)."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    return bool(dist.is_available() and dist.is_nccl_available())
 
 
 def cuda_device_count() -> int:
@@ -104,6 +118,7 @@ class ProcessGroup:
         self._retired: list[Any] = []
         self._routed = False
         self._route_found: Route | None = None
+        self._tunnel: GlooTunnel | None = None
         self._loop_priority = LoopPriority()
 
     @property
@@ -125,6 +140,7 @@ class ProcessGroup:
                 secret,
                 datetime.timedelta(seconds=s.timeout),
                 server=server,
+                tunnel=self._tunnel_of(self._route()),
             )
         except BaseException:
             server.close()
@@ -153,16 +169,24 @@ class ProcessGroup:
                     f"{_from(route)}; if the head has an address these hosts reach, pass "
                     "--head-addr ADDRESS"
                 )
+            tunnel = self._tunnel_of(route)
             try:
-                self._store = PoolStore(s.master_addr, port, secret, timeout)
+                self._store = PoolStore(s.master_addr, port, secret, timeout, tunnel=tunnel)
             except RuntimeError as exc:
                 raise GroupError(f"{exc}{_from(route)}") from None
         cuda = torch.cuda.is_available()
-        backend = s.backend or ("nccl" if cuda else "gloo")
+        backend = s.backend or ("nccl" if cuda and nccl_available() and not s.secure else "gloo")
+        if s.secure and backend != "gloo":
+            raise GroupError(
+                f"--secure carries gloo's traffic only, and this pool asks for {backend}: "
+                "use --backend gloo, or leave out --secure on a network you trust"
+            )
         if cuda:
             torch.cuda.set_device(s.local_rank % torch.cuda.device_count())
         try:
-            check_peers(self._store, s.rank, s.world_size, backend, FORM_TIMEOUT)
+            tunnel = self._store.tunnel
+            where = (tunnel.address, tunnel.port) if tunnel is not None else None
+            check_peers(self._store, s.rank, s.world_size, backend, FORM_TIMEOUT, where)
         except ConnectionError as exc:
             variable = "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
             raise GroupError(
@@ -182,11 +206,28 @@ class ProcessGroup:
         return backend
 
     def _route(self) -> Route | None:
-        """Choose the interfaces once per process (see :mod:`.network`)."""
+        """Choose the interfaces once per process (see :mod:`.network`); a secure pool's gloo
+        listens on loopback, whatever was set, as its tunnel carries the rest."""
         if not self._routed:
             self._routed = True
+            if self.settings.secure:
+                os.environ["GLOO_SOCKET_IFNAME"] = "lo"
             self._route_found = choose_interfaces(self.settings.master_addr)
         return self._route_found
+
+    def _tunnel_of(self, route: Route | None) -> GlooTunnel | None:
+        """This rank's gloo tunnel (a multi-host ``--secure`` pool's), made once per process."""
+        keys = self.settings.pool_keys
+        if keys is None:
+            return None
+        if self._tunnel is None:
+            if route is None:
+                raise GroupError(
+                    f"--secure: cannot resolve the head {self.settings.master_addr!r} from "
+                    "this host, so there is no address to serve this rank's tunnel on"
+                )
+            self._tunnel = GlooTunnel(route.address, *keys, say=self._say)
+        return self._tunnel
 
     def rejoin(self, prefix: str, backend: str, timeout: datetime.timedelta, **extra: Any) -> None:
         """Form a new default group over the pool's store, under ``prefix`` (the user's code
@@ -269,6 +310,8 @@ class ProcessGroup:
         # also when the user's code destroyed the group: the next is new
         store, self._store = self._store, None
         self._retired.clear()
+        if self._tunnel is not None:
+            self._tunnel.forget()
         if not c10d.is_initialized():
             self._sockets = {}
         elif c10d.get_backend() == "nccl":

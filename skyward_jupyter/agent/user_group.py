@@ -85,7 +85,7 @@ class UserGroupCalls:
         if world_size not in (-1, s.world_size):
             raise ValueError(
                 f"init_process_group(world_size={world_size}): the pool's group has "
-                f"{s.world_size} ranks; leave world_size out or pass "
+                f"{s.world_size} rank{'s' * (s.world_size != 1)}; leave world_size out or pass "
                 "int(os.environ['WORLD_SIZE'])"
             )
         if c10d.is_initialized():
@@ -93,7 +93,7 @@ class UserGroupCalls:
                 self._noted = True
                 self._note(
                     f"init_process_group() uses the pool's process group "
-                    f"({pool_backend}, {s.world_size} ranks)"
+                    f"({pool_backend}, {s.world_size} rank{'s' * (s.world_size != 1)})"
                 )
             return
         if not self.destroyed or self._group.store is None:

@@ -23,6 +23,7 @@ from .torch_setup import (
     GroupSettings,
     ProcessGroup,
     cuda_device_count,
+    nccl_available,
     torch_version,
 )
 from .user_group import UserGroupCalls
@@ -94,6 +95,9 @@ class Worlds:
 
     def cuda_devices(self) -> int:
         return cuda_device_count() if self.torch else 0
+
+    def nccl(self) -> bool | None:
+        return nccl_available() if self.torch else None
 
     def form(
         self,

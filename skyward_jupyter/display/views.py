@@ -74,6 +74,9 @@ class _View:
     in_cell: bool = False
     shutdown_pending: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+    replacing: _View | None = None
+    """The view of the pool of the same name that this one's pool replaces (a local pool
+    starts before the one it replaces ends): shown again if this one fails to start."""
 
 
 class _CellView:
@@ -138,7 +141,7 @@ class PoolViews:
         pool = entry.pool
         state = PanelState(entry.name, pool.provider.name, price_per_hour=price_of(pool))
         pool.subscribe(state.apply)
-        view = _View(entry.name, pool, state)
+        view = _View(entry.name, pool, state, replacing=self._views.get(entry.name))
         kind = self.kind
         self._views[entry.name] = view
         if kind == "widgets":
@@ -169,9 +172,16 @@ class PoolViews:
             self._update(view)
 
     def pool_ended(self, entry: EntryFacts) -> None:
-        view = self._views.get(entry.name)
-        if view is None or view.pool is not entry.pool:
+        view, newer = self._views.get(entry.name), None
+        while view is not None and view.pool is not entry.pool:
+            newer, view = view, view.replacing
+        if view is None:
             return
+        if newer is not None:  # a replaced pool, ending once its replacement is ready
+            newer.replacing = view.replacing
+        elif view.replacing is not None and view.replacing.pool.running:
+            self._views[entry.name] = view.replacing  # its replacement failed: it stays
+        view.replacing = None
         view.state.sync(view.pool)
         if view.panel is not None:
             view.panel.stop()

@@ -175,6 +175,11 @@ class Provider(abc.ABC):
     on_notebook_machine: ClassVar[bool] = False
     """The ranks run on the notebook's own machine: a large global goes to each over its own
     pipe, since relaying it through the head would only add a hop, a copy and two digests."""
+    keeps_old_until_ready: ClassVar[bool] = False
+    """A pool of this provider replacing one of the same name starts before the old one ends,
+    which then stays when the start fails (this machine: two pools side by side only cost a
+    moment's memory). Elsewhere the old pool ends first: the same hosts' GPUs and ports, or a
+    second bill, would be taken while the new one starts."""
     release_timeout: float = 0.0
     """Seconds :meth:`release` may take beyond the pool's own shutdown (instances to go)."""
     notebook_silence: float = NOTEBOOK_SILENCE
@@ -194,6 +199,17 @@ class Provider(abc.ABC):
         """The provider for ``spec``, or :class:`ProviderError` naming the bad option.
 
         ``extra`` holds settings users never give (tests: an endpoint URL)."""
+
+    @classmethod
+    def check(cls, spec: PoolSpec) -> None:
+        """Refuse ``spec`` for what can be told without starting or reaching anything (this
+        machine's GPUs and memory, a key file that cannot be read, a client command that is
+        missing): :class:`ProviderError` naming the option and the fix.
+
+        The session calls it before a running pool is touched, so a description that cannot
+        work never costs the pool it would replace. Starting still checks what only the
+        machines can tell. The default checks nothing."""
+        return
 
     @classmethod
     def settle(cls, spec: PoolSpec) -> PoolSpec:

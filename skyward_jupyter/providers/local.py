@@ -32,8 +32,10 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..agent.descendants import end_rank, pool_dir
+from ..agent.torch_setup import nccl_available
 from ..memory import meminfo
 from ..procs import end, is_agent, process_alive, process_start
+from ..spec import backend_problem
 from .base import Node, Progress, Provider, ProviderError, ReapReport, StderrTail, no_progress
 from .local_template import (
     base_env,
@@ -259,6 +261,7 @@ class LocalProvider(Provider):
     name = "local"
     shares_files = True
     on_notebook_machine = True
+    keeps_old_until_ready = True
 
     def __init__(
         self,
@@ -276,8 +279,13 @@ class LocalProvider(Provider):
 
     @classmethod
     def from_spec(cls, spec: PoolSpec, pool_name: str, extra: Mapping[str, Any]) -> LocalProvider:
-        """This machine; ``--gpu`` must name the GPUs it has (the nodes split them), and the
-        ranks must fit in its memory."""
+        return cls(**extra)
+
+    @classmethod
+    def check(cls, spec: PoolSpec) -> None:
+        """``--gpu`` must name the GPUs this machine has (the nodes split them), the ranks must
+        fit in its memory, and ``--backend nccl`` needs this machine's torch and GPUs to run
+        NCCL."""
         _check_fits(spec.nodes * (spec.procs_per_node or 1))
         if spec.gpu:
             ids, model = visible_gpus()
@@ -288,7 +296,8 @@ class LocalProvider(Provider):
                 )
             if model and spec.gpu.lower() not in model.lower():
                 raise ProviderError(f"--gpu {spec.gpu}: this machine's GPUs are {model}")
-        return cls(**extra)
+        if spec.backend == "nccl":
+            _check_nccl()
 
     def record(self, pids: Mapping[int, Sequence[int]]) -> dict[str, Any]:
         """The ranks' and templates' pids with their start tokens, on this machine."""
@@ -417,6 +426,21 @@ class LocalProvider(Provider):
         self._ranks.clear()
         for run_id in self._run_ids:
             shutil.rmtree(pool_dir(run_id), ignore_errors=True)
+
+
+def _check_nccl() -> None:
+    """``--backend nccl`` on ranks that run the notebook's own torch, on this machine's GPUs:
+    refused here, before any rank starts, when either cannot run NCCL."""
+    nccl = nccl_available()  # imports the notebook's torch (CUDA stays uninitialised)
+    if nccl is None:
+        return  # the ranks' hellos name the missing torch
+    import torch
+
+    where = "this machine (the local provider's ranks run the notebook's torch)"
+    gpus = len(visible_gpus()[0])
+    problem = backend_problem("nccl", where, str(torch.__version__), nccl, gpus)
+    if problem is not None:
+        raise ProviderError(problem)
 
 
 def _check_fits(ranks: int) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import json
 import logging
 import os
@@ -177,6 +178,9 @@ def _ray_tls() -> bool:
     return os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true")
 
 
+_NO_RAY = "--provider ray needs the ray package here: pip install 'skyward_jupyter[ray]'"
+
+
 class RayProvider(Provider):
     name = "ray"
 
@@ -185,6 +189,12 @@ class RayProvider(Provider):
         return cls(
             spec.ray_address, spec.procs_per_node or 1, spec.gpus_per_node or 0, extra.get("init")
         )
+
+    @classmethod
+    def check(cls, spec: PoolSpec) -> None:
+        """The ray package must be here: this kernel is the cluster's driver."""
+        if importlib.util.find_spec("ray") is None:
+            raise ProviderError(_NO_RAY)
 
     @classmethod
     def where(cls, spec: PoolSpec) -> str:
@@ -214,9 +224,7 @@ class RayProvider(Provider):
             import ray
             from ray.util.placement_group import placement_group, placement_group_table
         except ImportError:
-            raise ProviderError(
-                "--provider ray needs the ray package here: pip install 'skyward_jupyter[ray]'"
-            ) from None
+            raise ProviderError(_NO_RAY) from None
         progress(f"joining the Ray cluster at {self.address}")
         try:
             await asyncio.wait_for(asyncio.to_thread(self._connect), CONNECT_TIMEOUT)

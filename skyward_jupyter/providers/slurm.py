@@ -74,13 +74,18 @@ class SlurmOptions:
     python: str | None = None
 
 
-async def _run(*argv: str, timeout: float = 30) -> str:
-    """Run a Slurm client command; its stdout, or :class:`ProviderError` with its stderr."""
-    if shutil.which(argv[0]) is None:
+def _need(command: str) -> None:
+    """Refuse to go on without a Slurm client command on this machine's PATH."""
+    if shutil.which(command) is None:
         raise ProviderError(
-            f"{argv[0]} not found: the slurm provider needs Slurm's client commands here "
+            f"{command} not found: the slurm provider needs Slurm's client commands here "
             "(run the notebook on a login node or another submit host)"
         )
+
+
+async def _run(*argv: str, timeout: float = 30) -> str:
+    """Run a Slurm client command; its stdout, or :class:`ProviderError` with its stderr."""
+    _need(argv[0])
     proc = await asyncio.create_subprocess_exec(
         *argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL
     )
@@ -153,6 +158,12 @@ class SlurmProvider(Provider):
             ),
             pool_name,
         )
+
+    @classmethod
+    def check(cls, spec: PoolSpec) -> None:
+        """Slurm's client commands must be here: a pool is a job submitted from this machine."""
+        for command in ("sbatch", "srun"):
+            _need(command)
 
     @classmethod
     def where(cls, spec: PoolSpec) -> str:

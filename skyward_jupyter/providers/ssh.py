@@ -223,6 +223,21 @@ class SSHProvider(Provider):
         return cls(hosts, options)
 
     @classmethod
+    def check(cls, spec: PoolSpec) -> None:
+        """The key and known_hosts files named must be readable here (the hosts themselves are
+        reached only when the pool starts: a name may be an alias of the SSH configuration)."""
+        for option, path in (("--identity", spec.identity), ("--known-hosts", spec.known_hosts)):
+            if path is None or (option == "--known-hosts" and spec.accept_new_host_keys):
+                continue  # accepting new keys writes the file, which may not exist yet
+            try:
+                Path(path).expanduser().open("rb").close()
+            except OSError as exc:
+                raise ProviderError(
+                    f"{option} {path}: cannot read it ({exc.strerror}); name a file this user "
+                    "can read"
+                ) from None
+
+    @classmethod
     def settle(cls, spec: PoolSpec) -> PoolSpec:
         """One node per host."""
         return replace(spec, nodes=len(spec.hosts)) if spec.hosts else spec
@@ -266,7 +281,10 @@ class SSHProvider(Provider):
 
     async def provision(self, nodes: int, progress: Progress = no_progress) -> list[Node]:
         if nodes != len(self.hosts):
-            raise ProviderError(f"{len(self.hosts)} hosts given for {nodes} nodes")
+            given = len(self.hosts)
+            raise ProviderError(
+                f"{given} host{'s' * (given != 1)} given for {nodes} node{'s' * (nodes != 1)}"
+            )
         self._progress = progress  # a template lost later is said through it
         for index, host in enumerate(self.hosts):
             progress(f"connecting to {host}", index, RankState.CONNECTING)
