@@ -205,3 +205,33 @@ def test_ranks_that_stop_in_step_keep_the_group_and_what_was_built_on_it(nb: Ker
     assert cell.reply["ename"] == "KeyboardInterrupt", str(cell)
     assert "formed its process group again" not in cell.stderr, str(cell)
     nb.ok("%%sky\n" + use)
+
+
+def _cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.skipif(_cuda_devices() < 2, reason="NCCL with two ranks needs two GPUs")
+def test_with_nccl_a_ddp_model_is_wrapped_again_and_a_group_refused(nb: Kernel) -> None:
+    nb.ok("%%sky --nodes 2 --backend nccl\npass")
+    try:
+        nb.ok(
+            SETUP.replace("%%sky", "%%sky --nodes 2 --backend nccl")
+            + "dev = torch.device('cuda', torch.cuda.current_device())\n"
+            "obj = DDP(nn.Linear(4, 2).to(dev), device_ids=[dev.index])\n"
+            "g = dist.new_group([0, 1])\nFAIL = True"
+        )
+        step = "obj(torch.ones(8, 4, device=dev)).sum().backward()\ntorch.cuda.synchronize()"
+        train = TRAIN.replace("%%sky", "%%sky --nodes 2 --backend nccl").format(use=_indented(step))
+        cell = nb.fails(train)
+        note = _reformed(cell, "g (process group)")
+        assert "wrapped again on the new group: obj (DDP)" in note, note
+        nb.ok("%%sky --nodes 2 --backend nccl\nFAIL = False")
+        assert nb.ok(train).shown == ["'trained'"]
+        group = KINDS["new_group"]
+        use = group.use.replace("obj", "g").replace("torch.ones(2)", "torch.ones(2, device=dev)")
+        _refused(nb.fails("%%sky --nodes 2 --backend nccl\n" + use), group, "g")
+    finally:
+        nb.ok("%sky down")
