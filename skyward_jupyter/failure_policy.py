@@ -3,14 +3,19 @@
 The peers' main complaint is ranks that hang for minutes. So, for a cell:
 
 1. the first rank that fails (raises, or dies) makes the pool interrupt the ranks still running
-   (SIGINT to their main thread) and tell the failed ranks to leave the process group, which
-   makes a peer blocked in a collective with them fail at once instead of at the timeout;
+   (SIGINT to their main thread); those still running :data:`LEAVE_AFTER` seconds later may be
+   blocked in a collective, which SIGINT cannot end, so the failed ranks then leave the process
+   group, which makes a peer blocked in a collective with them fail at once instead of at the
+   timeout;
 2. ranks still running after ``interrupt_grace`` seconds are killed;
-3. when ranks had to be stopped or died, dead ranks are restarted and the process group is
-   re-formed on every rank with a fresh port, so the next cell finds the same world (ranks
-   stopped part-way may disagree on how many collectives ran). The result says whose namespace
-   was lost; objects holding the old group (a DDP-wrapped model) must be wrapped again. A cell
-   that simply raised on every rank leaves the group as it was;
+3. when ranks left the group or died, or stopped at different counts of collectives in some
+   group (each rank reports torch's sequence number of every group), dead ranks are restarted
+   and the process group is re-formed on every rank with a fresh port, so the next cell finds
+   the same world. The result says so and whose namespace was lost; DDP models are wrapped
+   again on the new group, and what torch cannot move to it is named, to be built again (see
+   :mod:`.agent.earlier_groups`). Ranks that all stopped in step (a cell that raised on every
+   rank, an interrupt that found every rank outside a collective) keep the group, and what was
+   built on it;
 4. the result marks the failures that followed from another as secondary. When a rank's process
    ended on its own during the cell (not killed by the pool), the first such death the pool saw
    is the cause and every other failure is secondary, even a peer's error that reached the pool
@@ -38,6 +43,9 @@ from .results import INTERRUPTED, PoolError, RankEnded, RankResult, RemoteError
 DESYNC_AFTER = 1.5
 """Seconds a rank may wait in a collective after others finished the cell, before it is stuck."""
 DESYNC_CHECK_EVERY = 0.5
+LEAVE_AFTER = 0.25
+"""Seconds the ranks still running get to stop at the interrupt before the failed ranks leave
+the group under them (a rank stopped in Python by then keeps the group usable)."""
 
 
 class Cell:
@@ -64,6 +72,8 @@ class Cell:
         """The first rank whose process ended on its own: the cause, whatever reached the pool
         first."""
         self.stop_at: float | None = None
+        self.leave_at: float | None = None
+        """From then on, failed ranks leave the group while others still run."""
         self.kill_now = False
         self.closing = False
         """The pool is closing: deaths are its doing, and what still runs is killed now."""
@@ -106,7 +116,8 @@ class Cell:
         while pending:
             now = time.monotonic()
             check = self.check_at if self.stop_at is None else None
-            limits = [t - now for t in (self.stop_at, self.deadline, check) if t is not None]
+            leave = self.leave_at if self.leave_at is not None and now < self.leave_at else None
+            limits = [t - now for t in (self.stop_at, self.deadline, check, leave) if t is not None]
             timer = loop.call_later(max(0.0, min(limits)), self.wake.set) if limits else None
             await self.wake.wait()
             if timer is not None:
@@ -124,6 +135,8 @@ class Cell:
             if self.deadline is not None and now >= self.deadline and self.stop_at is None:
                 self.notes.append(f"timed out after {self.timeout} s")
                 self._stop()
+            if pending and self.leave_at is not None and now >= self.leave_at:
+                self._free_peers()
             if pending and (self.kill_now or (self.stop_at is not None and now >= self.stop_at)):
                 await self._kill_stuck(pending)
             if pending and self.stop_at is None and self.check_at and now >= self.check_at:
@@ -164,31 +177,32 @@ class Cell:
         if self.first_failure is None and self.stop_at is None:
             self.first_failure = r
             self._stop()
-        elif isinstance(outcome, p.CellDone):
-            self._leave(r)
         return False
 
     def _stop(self) -> None:
-        """Interrupt the ranks still running; make failed ranks leave the group to free peers."""
-        self.stop_at = time.monotonic() + self.grace
+        """Interrupt the ranks still running; failed ranks leave the group if they do not stop
+        within :data:`LEAVE_AFTER`."""
+        now = time.monotonic()
+        self.stop_at = now + self.grace
+        self.leave_at = now + LEAVE_AFTER
         interrupt = wire.encode(p.Interrupt(self.cell_id))
         for r, future in self.futures.items():
             if not future.done():
                 self.asked_to_stop.add(r)
                 self.ranks.send(r, interrupt)
-        for r, outcome in self.outcomes.items():
-            if isinstance(outcome, p.CellDone) and outcome.error is not None:
-                self._leave(r)
 
-    def _leave(self, rank: Rank) -> None:
-        """Make a failed rank leave the group while peers may still wait in a collective with it.
+    def _free_peers(self) -> None:
+        """Make failed ranks leave the group while peers may still wait in a collective with them.
 
-        A peer blocked in a gloo collective does not see SIGINT: only the failed rank's sockets
+        A peer blocked in a gloo collective does not see SIGINT: only the failed ranks' sockets
         closing free it before the group's timeout (or the kill after ``interrupt_grace``).
         """
-        if any(not f.done() for f in self.futures.values()):
-            self.left_group.add(rank)
-            self.ranks.send(rank, wire.encode(p.LeaveGroup()))
+        leave = wire.encode(p.LeaveGroup())
+        for r, outcome in self.outcomes.items():
+            failed = isinstance(outcome, p.CellDone) and outcome.error is not None
+            if failed and r not in self.left_group:
+                self.left_group.add(r)
+                self.ranks.send(r, leave)
 
     async def _kill_stuck(self, pending: dict[Rank, asyncio.Future[p.CellDone]]) -> None:
         stuck = [r for r in pending if r.process is not None]
@@ -264,11 +278,14 @@ class Cell:
         self.notes.extend(dict.fromkeys(n for o in done for n in o.notes))
         destroyed = any(o.group_destroyed for o in done)
         lost = any(not r.alive for r in self.ranks.all)
-        if not (self.asked_to_stop or self.left_group or lost or destroyed):
+        # Ranks stopped part-way may disagree on how many collectives ran: a group is kept only
+        # when they agree. A group the cell destroyed is formed again before the next cell.
+        astray = bool(self.asked_to_stop) and not (
+            len(done) == len(self.ranks.all) and _in_step(done)
+        )
+        if not (astray or self.left_group or lost or destroyed):
             return False
-        # Ranks stopped part-way may disagree on how many collectives ran; a group the cell
-        # destroyed is formed again before the next cell needs it.
-        failed = bool(self.asked_to_stop or self.left_group or lost)
+        failed = bool(astray or self.left_group or lost)
         try:
             self.notes.extend(await self.ranks.restart_dead(after_failure=failed))
         except (PoolError, ProviderError) as exc:
@@ -278,6 +295,18 @@ class Cell:
             self.ranks.emit(PoolMessage(self.notes[-1]))
             return False
         return destroyed
+
+
+def _in_step(done: list[p.CellDone]) -> bool:
+    """Whether the ranks called as many collectives as each other in every group they share."""
+    counts: dict[str, int] = {}
+    for outcome in done:
+        if outcome.collectives is None:
+            return False
+        for name, count in outcome.collectives:
+            if counts.setdefault(name, count) != count:
+                return False
+    return True
 
 
 def _desynced(r: Rank, outcome: p.CellDone | BaseException | None, message: str) -> RankResult:

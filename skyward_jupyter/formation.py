@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from . import protocol as p
@@ -66,8 +67,36 @@ def _nothing_to_form(ranks: Ranks, jax: bool) -> str | None:
     return "torch is not installed on the ranks: torch.distributed setup skipped"
 
 
-async def form_worlds(ranks: Ranks, jax: bool) -> None:
-    """(Re-)form torch.distributed everywhere, and JAX's world when ``jax``."""
+@dataclass(frozen=True, slots=True)
+class Rebuilt:
+    """What the ranks' namespaces had built on the earlier group (see
+    :mod:`.agent.earlier_groups`), as ``name (kind)``."""
+
+    rewrapped: tuple[str, ...] = ()
+    """Wrapped again on the new group (DDP models)."""
+    earlier: tuple[str, ...] = ()
+    """To be built again: their next use fails, saying how."""
+
+
+def reformed(backend: str, port: int | None, restarted: bool, rebuilt: Rebuilt) -> str:
+    """What the notebook is told when the group formed again after a failure: DDP models were
+    wrapped again on the new group; what torch cannot move is named, to be built again."""
+    text = f"the pool formed its process group again ({backend}, port {port}"
+    text += ")" if restarted else "; no rank was restarted)"
+    if rebuilt.rewrapped:
+        text += "; wrapped again on the new group: " + ", ".join(rebuilt.rewrapped)
+    earlier = rebuilt.earlier
+    if earlier:
+        text += (
+            "; built on the earlier group, these must be built again (their next use says how): "
+            + ", ".join(earlier)
+        )
+    return text
+
+
+async def form_worlds(ranks: Ranks, jax: bool) -> Rebuilt:
+    """(Re-)form torch.distributed everywhere, and JAX's world when ``jax``; return what the
+    ranks' namespaces had built on the earlier group."""
     skipped = _nothing_to_form(ranks, jax)
     if skipped is not None:
         if skipped:
@@ -75,7 +104,7 @@ async def form_worlds(ranks: Ranks, jax: bool) -> None:
             ranks.emit(PoolMessage(skipped))
         for r in ranks.all:
             ranks.set_state(r, RankState.READY, skipped or ranks.worlds_note)
-        return
+        return Rebuilt()
     ranks.generation += 1
     generation = ranks.generation
     head, others = ranks.all[0], ranks.all[1:]
@@ -120,3 +149,7 @@ async def form_worlds(ranks: Ranks, jax: bool) -> None:
     ranks.worlds_note = "; ".join(parts)
     for r in ranks.all:
         ranks.set_state(r, RankState.READY, ranks.worlds_note)
+    return Rebuilt(
+        tuple(dict.fromkeys(name for s in results for name in s.rewrapped)),
+        tuple(dict.fromkeys(name for s in results for name in s.earlier)),
+    )

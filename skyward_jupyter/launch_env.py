@@ -12,12 +12,19 @@ Three values are set on the rank itself: ``MASTER_PORT`` (the store's port, fres
 formation of the group), ``TORCHELASTIC_RESTART_COUNT`` (how often the group was formed again
 after a failure; not after a script's own ``destroy_process_group``) and
 ``TORCHELASTIC_ERROR_FILE`` (a file in the rank's private directory, for torch's ``@record``).
+
+Those are the cells' values: the pool is one long launch, its group restarted after failures. A
+script run (``%sky run``) is a launch of its own, as each torchrun is: :func:`launched` gives it
+its own run id, a restart count of 0 and its own error file, and puts the cells' back after it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 
@@ -95,3 +102,40 @@ def error_file(private_dir: str) -> str:
     path = os.path.join(private_dir, "error.json")
     os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
     return path
+
+
+@contextlib.contextmanager
+def launched(run_id: str | None, private_dir: str | None) -> Iterator[None]:
+    """A script run's launch: ``TORCHELASTIC_RUN_ID`` is ``run_id``, ``TORCHELASTIC_RESTART_COUNT``
+    0 (the pool never restarts a run) and, where the rank has a private directory (the user did
+    not choose the file), ``TORCHELASTIC_ERROR_FILE`` a file of the run's own in it, kept when
+    ``@record`` wrote it (it goes with the rank), removed when empty. ``run_id`` None: a cell,
+    nothing changes."""
+    if run_id is None:
+        yield
+        return
+    names = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_ERROR_FILE")
+    saved = {name: os.environ.get(name) for name in names}
+    os.environ.update(TORCHELASTIC_RUN_ID=run_id, TORCHELASTIC_RESTART_COUNT="0")
+    run_dir = None
+    if private_dir is not None:  # named as torchrun names its run's: the id --env chose may recur
+        run_dir = tempfile.mkdtemp(prefix=f"{run_id.replace(os.sep, '_')}_", dir=private_dir)
+        os.environ["TORCHELASTIC_ERROR_FILE"] = error_file(run_dir)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        if run_dir is not None and not _recorded(os.path.join(run_dir, "error.json")):
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _recorded(path: str) -> bool:
+    """Whether ``@record`` wrote the error file at ``path``."""
+    try:
+        return os.path.getsize(path) > 0
+    except OSError:  # the run removed it
+        return False

@@ -106,7 +106,8 @@ class Pool:
         self.interrupt_grace = interrupt_grace
         self.started_at: float | None = None
         self.run_id = str(uuid.uuid4())
-        """The pool's ``TORCHELASTIC_RUN_ID``: one id for the pool's life, as for one torchrun."""
+        """The pool's ``TORCHELASTIC_RUN_ID`` for its cells (and its directories on the nodes);
+        each script run has one of its own."""
         settings = RankSettings(
             pool_name=name,
             procs_per_node=procs_per_node,
@@ -239,7 +240,10 @@ class Pool:
         filename = filename or f"<sky-cell-{cell_id}>"
         p.check_syntax(source, filename)
         shipped = {name: pickle_global(name, value) for name, value in (globals or {}).items()}
-        command = p.RunCell(cell_id, source, filename, dict(shipped), script)
+        run_id = None
+        if script is not None:  # a launch of its own, under the run id --env chose, if any
+            run_id = self._ranks.settings.env.get("TORCHELASTIC_RUN_ID") or str(uuid.uuid4())
+        command = p.RunCell(cell_id, source, filename, dict(shipped), script, run_id=run_id)
         files = self._transfer.scan()
         if observer is not None:
             self._fanout.observers[cell_id] = observer

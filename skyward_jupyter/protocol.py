@@ -207,6 +207,9 @@ class RunCell:
     workdir: Workdir | None = None
     relay: tuple[str, int] | None = None
     """The head's relay (address, port), where the ranks fetch :class:`Relayed` values."""
+    run_id: str | None = None
+    """A script's ``TORCHELASTIC_RUN_ID``: each ``%sky run`` is a launch of its own, as each
+    torchrun is, with a new id unless ``--env`` chose one (None: a cell, in the pool's launch)."""
 
 
 def check_syntax(source: str, filename: str) -> None:
@@ -338,6 +341,11 @@ class GroupState:
     ok: bool
     backend: str | None
     message: str
+    earlier: tuple[str, ...] = ()
+    """What the rank's namespace built on the group formed before, as ``name (kind)``: their
+    next use fails, saying to build them again."""
+    rewrapped: tuple[str, ...] = ()
+    """The DDP models of the rank's namespace wrapped again on the new group, as ``name (DDP)``."""
 
 
 @message
@@ -391,3 +399,7 @@ class CellDone:
     """The cell's code destroyed the default process group: the pool must form it again."""
     notes: tuple[str, ...] = ()
     """What the rank has to tell the user once (e.g. that the pool's group was used)."""
+    collectives: tuple[tuple[str, int], ...] | None = ()
+    """Each process group's name and how many collectives this rank has called in it (torch's
+    sequence number); None: unknown. Ranks that agree on every group can keep it after a
+    stop."""

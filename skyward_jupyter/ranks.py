@@ -29,7 +29,7 @@ from .events import (
     RankStateChanged,
     RankUsage,
 )
-from .formation import check_hellos, form_worlds
+from .formation import Rebuilt, check_hellos, form_worlds, reformed
 from .frameworks import TORCH_ONLY, Frameworks
 from .gpus import lay_out
 from .launch_env import RankPlace, launcher_env
@@ -327,11 +327,9 @@ class Ranks:
                 + (" (JAX's world cannot be formed again in running processes)" * jax)
             )
             self.emit(PoolMessage(notes[-1]))
-        await self.form_group(jax)
-        if after_failure and self.group_backend is not None:
-            # Said where people look (the cell's view, the text after the cell): objects
-            # holding the old group (a DDP-wrapped model) must be made again.
-            notes.append(f"process group re-formed after the failure ({self.worlds_note})")
+        rebuilt = await self.form_group(jax)
+        if self.group_backend is not None and (after_failure or rebuilt != Rebuilt()):
+            notes.append(reformed(self.group_backend, self.master_port, bool(dead), rebuilt))
             self.emit(PoolMessage(notes[-1]))
         return notes
 
@@ -367,9 +365,10 @@ class Ranks:
 
     # -------------------------------------------------------------- process group
 
-    async def form_group(self, jax: bool = False) -> None:
-        """(Re-)form the ranks' distributed worlds (see :mod:`.formation`); ``jax``: JAX's too."""
-        await form_worlds(self, jax)
+    async def form_group(self, jax: bool = False) -> Rebuilt:
+        """(Re-)form the ranks' distributed worlds (see :mod:`.formation`); ``jax``: JAX's too.
+        Returns what the ranks had built on the earlier group."""
+        return await form_worlds(self, jax)
 
     # ------------------------------------------------------------------- the wire
 

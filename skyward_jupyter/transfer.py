@@ -19,6 +19,7 @@ largest), and what it left out: keys and credentials, symlinks leading out of th
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import heapq
 import pickle
@@ -222,15 +223,7 @@ class Transfer:
                 shipped[name] = await self.stash(blob, live)
             else:
                 shipped[name] = value
-        return p.RunCell(
-            command.cell_id,
-            command.source,
-            command.filename,
-            shipped,
-            command.script,
-            command.workdir,
-            relay,
-        )
+        return dataclasses.replace(command, globals=shipped, relay=relay)
 
 
 def _listing(manifest: Manifest) -> str:

@@ -185,3 +185,76 @@ def test_stdout_is_not_held() -> None:
     send(view, 1, "same\n", "stdout")
     view.flush()
     assert sorted(out.getvalue().splitlines()) == ["[rank 0] same", "[rank 1] same"]
+
+
+# ------------------------------------------------------------ the order of a rank's two streams
+
+
+class Log(io.StringIO):
+    """One notebook stream, recording each write as (stream, text) into a log shared by both."""
+
+    def __init__(self, name: str, log: list[tuple[str, str]]) -> None:
+        super().__init__()
+        self._name, self._log = name, log
+
+    def write(self, text: str) -> int:
+        self._log.append((self._name, text))
+        return len(text)
+
+
+def logged(ranks: int, mode: str = "head") -> tuple[CellOutput, list[tuple[str, str]], Clock]:
+    log: list[tuple[str, str]] = []
+    clock = Clock()
+    view = CellOutput(mode, Log("stdout", log), Log("stderr", log), ranks=ranks, clock=clock)  # type: ignore[arg-type]
+    return view, log, clock
+
+
+def test_one_flush_writes_the_streams_in_the_order_they_came() -> None:
+    view, log, _ = logged(ranks=1)
+    for i in range(2):
+        send(view, 0, f"out {i}\n", "stdout")
+        send(view, 0, f"err {i}\n", "stderr")
+    view.flush()
+    assert log == [
+        ("stdout", "out 0\n"),
+        ("stderr", "[rank 0 stderr] err 0\n"),
+        ("stdout", "out 1\n"),
+        ("stderr", "[rank 0 stderr] err 1\n"),
+    ]
+
+
+def test_the_heads_stdout_waits_behind_its_held_stderr_line() -> None:
+    view, log, clock = logged(ranks=2)
+    send(view, 0, "warning\n", "stderr")  # held: rank 1 may write the same line
+    send(view, 0, "after\n", "stdout")
+    view.flush()
+    assert log == []
+    clock.now += STDERR_HOLD_SECONDS
+    send(view, 0, "later\n", "stdout")
+    view.flush()
+    assert log == [("stderr", "[rank 0 stderr] warning\n"), ("stdout", "after\nlater\n")]
+
+
+def test_stdout_behind_a_shared_line_goes_with_it_and_the_line_is_still_joined() -> None:
+    view, log, _ = logged(ranks=2)
+    send(view, 0, "same\n", "stderr")
+    send(view, 0, "step 1\n", "stdout")
+    send(view, 0, "own\n", "stderr")
+    view.flush()
+    send(view, 1, "same\n", "stderr")
+    view.flush()  # every rank wrote "same": it goes, and rank 0's stdout after it
+    assert log == [("stderr", "[ranks 0-1 stderr] same\n"), ("stdout", "step 1\n")]
+    view.finish()
+    assert log[2:] == [("stderr", "[rank 0 stderr] own\n")]
+
+
+def test_each_ranks_streams_keep_their_order_with_every_rank_shown() -> None:
+    view, log, clock = logged(ranks=2, mode="all")
+    send(view, 1, "warn\n", "stderr")
+    send(view, 0, "zero\n", "stdout")  # rank 0 has nothing held: not kept waiting
+    send(view, 1, "one\n", "stdout")
+    view.flush()
+    assert log == [("stdout", "[rank 0] zero\n")]
+    clock.now += STDERR_HOLD_SECONDS
+    view.flush()
+    assert log[1:] == [("stderr", "[rank 1 stderr] warn\n"), ("stdout", "[rank 1] one\n")]

@@ -150,14 +150,14 @@ def test_a_cells_panel_follows_its_cell_then_keeps_how_it_ended(pool: Pool) -> N
         )
         watcher.join()
         assert seen_running == [True] and not result.ok
-        assert any("process group re-formed" in note for note in result.notes), result.notes
+        assert any("formed its process group again" in note for note in result.notes), result.notes
         wait_for(lambda: not panel.live, 10, "the cell's panel to stop at the cell's end")
         assert 'data-node="1" data-state="failed"' in panel.nodes.value
         assert panel.tabs.titles[1] == "rank 1 \u2716 ValueError: only rank one fails"
         assert "only rank one fails" in panel.outputs[1].value
         assert "sky-in-cell" in panel.outputs[0].value and "started" not in panel.outputs[0].value
         assert "started" in panel.outputs[1].value
-        assert "process group re-formed after the failure" in panel.messages.value
+        assert "the pool formed its process group again" in panel.messages.value
         assert 'data-cell="7" data-state="ended"' in panel.header.value
         assert "In [7] failed on rank" in panel.header.value
         assert 'data-fraction="0.250"' in panel.header.value and "step 1/4" in panel.header.value

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import textwrap
@@ -28,7 +30,7 @@ from skyward_jupyter.protocol import Script
 from skyward_jupyter.results import CellError, PoolError, RunResult
 from skyward_jupyter.session import PoolSpec, Session
 
-from .conftest import kill_and_await_replacement
+from .conftest import kill_and_await_replacement, wait_for
 from .test_magics import Kernel
 
 BYO = Path(__file__).resolve().parent / "byo"
@@ -454,18 +456,100 @@ def test_a_rank_has_the_environment_torchrun_gives_a_worker(project: Path) -> No
     assert ours0["TORCHELASTIC_ERROR_FILE"] != ours1["TORCHELASTIC_ERROR_FILE"]
 
 
-def test_the_users_env_wins_over_torchruns_choices() -> None:
-    with Pool(nodes=2, env={"OMP_NUM_THREADS": "2", "ACCELERATE_USE_CPU": "false"}) as pool:
+RECORDED = """\
+import json, os, sys
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+LAUNCH = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_ERROR_FILE")
+
+
+@record
+def main() -> None:
+    dist.init_process_group("gloo")
+    seen = {name: os.environ[name] for name in LAUNCH}
+    with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as out:
+        json.dump(seen, out)
+    dist.barrier()  # both ranks wrote what they saw
+    if sys.argv[2] == "fail":
+        if dist.get_rank() == 1:
+            raise ValueError("rank 1 fails on purpose")
+        dist.barrier()  # waits for rank 1, which failed: the pool stops it
+
+
+if __name__ == "__main__":
+    main()
+"""
+CELLS_LAUNCH = (
+    "import os\n[os.environ[n] for n in ('TORCHELASTIC_RUN_ID', 'TORCHELASTIC_ERROR_FILE')]"
+)
+
+
+def test_the_users_env_wins_over_torchruns_choices(tmp_path: Path) -> None:
+    env = {"OMP_NUM_THREADS": "2", "ACCELERATE_USE_CPU": "false", "TORCHELASTIC_RUN_ID": "mine"}
+    script = write(tmp_path, "recorded.py", RECORDED)
+    with Pool(nodes=2, env=env) as pool:
         values = (
             pool.run(
                 "import os, torch\n"
                 "(os.environ['OMP_NUM_THREADS'], torch.get_num_threads(), "
-                "os.environ['ACCELERATE_USE_CPU'])"
+                "os.environ['ACCELERATE_USE_CPU'], os.environ['TORCHELASTIC_RUN_ID'])"
             )
             .raise_for_errors()
             .values
         )
-    assert values == [("2", 2, "false")] * 2
+        for run in ("first", "second"):  # the same run id twice: each run still has its file
+            (tmp_path / run).mkdir()
+            run_script(pool, script, str(tmp_path / run), "fail", timeout=60)
+            seen = [json.loads((tmp_path / run / f"rank{k}.json").read_text()) for k in (0, 1)]
+            assert [(s["TORCHELASTIC_RUN_ID"], s["TORCHELASTIC_RESTART_COUNT"]) for s in seen] == [
+                ("mine", "0")
+            ] * 2
+    assert values == [("2", 2, "false", "mine")] * 2
+
+
+def test_each_script_run_is_a_launch_of_its_own(tmp_path: Path) -> None:
+    """As each torchrun is: its own run id, no restarts yet (also after a failed run), an error
+    file of its own for ``@record`` that reports as before, private, and gone with the pool."""
+    script = write(tmp_path, "recorded.py", RECORDED)
+
+    def launch(outcome: str) -> tuple[RunResult, list[dict[str, str]]]:
+        seen = tmp_path / outcome
+        seen.mkdir()
+        result = run_script(pool, script, str(seen), outcome, timeout=60)
+        return result, [json.loads((seen / f"rank{k}.json").read_text()) for k in (0, 1)]
+
+    with Pool(nodes=2) as pool:
+        cells = pool.run(CELLS_LAUNCH).raise_for_errors().values
+        failed, first = launch("fail")
+        assert not failed.ok
+        headline = CellError(failed.errors).summary().splitlines()[0]
+        assert headline.startswith("cell failed on rank 1 "), headline
+        assert headline.endswith("ValueError: rank 1 fails on purpose"), headline
+        # The cells' group was formed again after the failure; the next run is a new launch.
+        assert pool.run("import os\nos.environ['TORCHELASTIC_RESTART_COUNT']").values == ["1"] * 2
+        second_result, second = launch("pass")
+        second_result.raise_for_errors()
+        assert pool.run(CELLS_LAUNCH).values == cells  # the cells' own launch, put back
+        for run in (first, second):
+            assert run[0]["TORCHELASTIC_RUN_ID"] == run[1]["TORCHELASTIC_RUN_ID"]
+            assert [r["TORCHELASTIC_RESTART_COUNT"] for r in run] == ["0", "0"]
+        run_ids = {cells[0][0], first[0]["TORCHELASTIC_RUN_ID"], second[0]["TORCHELASTIC_RUN_ID"]}
+        assert len(run_ids) == 3, run_ids
+        # Each rank's error file is the run's own, in the rank's private directory; rank 1's
+        # holds what @record wrote, readable by this user alone; those of the run that passed
+        # (nothing recorded) are gone.
+        for k in (0, 1):
+            private = Path(cells[k][1]).parent
+            files = [Path(run[k]["TORCHELASTIC_ERROR_FILE"]) for run in (first, second)]
+            assert files[0] != files[1] and all(f.parent.parent == private for f in files)
+        recorded = Path(first[1]["TORCHELASTIC_ERROR_FILE"])
+        error = json.loads(recorded.read_text())
+        assert error["message"]["message"] == "ValueError: rank 1 fails on purpose"
+        assert stat.S_IMODE(recorded.stat().st_mode) == 0o600
+        assert stat.S_IMODE(recorded.parent.stat().st_mode) == 0o700
+        assert not any(Path(r["TORCHELASTIC_ERROR_FILE"]).parent.exists() for r in second)
+    wait_for(lambda: not recorded.parent.parent.exists(), 10, "the error file to go with the pool")
 
 
 def test_ranks_sharing_a_machine_get_one_thread_each(pool2: Pool) -> None:
@@ -553,6 +637,39 @@ def test_sky_run_bad_input_is_one_line(kernel: Kernel, project: Path, line: str,
     cell = kernel.fails(line.format(bad=project / "bad.py"))
     assert cell.reply["ename"] == "UsageError", str(cell)
     assert says in cell.reply["evalue"] and "\n" not in cell.reply["evalue"], str(cell)
+    kernel.register_pool_pids()
+
+
+HEAD_INTERLEAVED = """\
+import sys
+import torch.distributed as dist
+
+if dist.get_rank() == 0:
+    for i in range(5):
+        print("step", i)  # a plain print: no flush
+        print("warning", i, file=sys.stderr)
+"""
+
+
+def test_the_heads_stdout_and_stderr_keep_their_order_in_the_notebook(
+    kernel: Kernel, tmp_path: Path
+) -> None:
+    script = write(tmp_path, "interleaved.py", HEAD_INTERLEAVED)
+    expected = [
+        line
+        for i in range(5)
+        for line in (("stdout", f"step {i}"), ("stderr", f"[rank 0 stderr] warning {i}"))
+    ]
+    for run in (f"%sky run --nodes 2 {script}", f"%%sky --nodes 2\n{HEAD_INTERLEAVED}"):
+        cell = kernel.ok(run)
+        shown = [
+            (m["content"]["name"], line)
+            for m in cell.messages
+            if m["msg_type"] == "stream"
+            for line in m["content"]["text"].splitlines()
+            if re.fullmatch(r"(\[rank 0 stderr\] )?(step|warning) \d", line)
+        ]
+        assert shown == expected, run
     kernel.register_pool_pids()
 
 

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import pytest
 
 from skyward_jupyter import Pool
 from skyward_jupyter.agent import pool_tls
-from skyward_jupyter.agent.gloo_tunnel import DIAL, WAIT, GlooTunnel
+from skyward_jupyter.agent.gloo_tunnel import DIAL, MAX_HANDSHAKES, WAIT, GlooTunnel
 from skyward_jupyter.relay_keys import RelaySecrets
 
 from .hosts import Hosts, available, ssh_hosts, ssh_provider
@@ -283,3 +284,103 @@ def test_what_is_not_a_gloo_record_is_left_alone(tunnels: list[GlooTunnel]) -> N
     for value in (b"", b"1", b"x" * 200, _record("10.0.0.5", 4000)):
         assert a.published("pg/0", value) == value
         assert a.fetched("pg/0", value) == value
+
+
+HOLDS = """
+import select, socket, sys, time
+host, port, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+held = []
+while True:  # until killed: keep `count` connections open that never start their handshake
+    readable = select.select(held, [], [], 0)[0]
+    for conn in readable:  # the tunnel hung up on it: open another
+        held.remove(conn)
+        conn.close()
+    while len(held) < count:
+        try:
+            held.append(socket.create_connection((host, port), timeout=5))
+        except OSError:
+            break
+    print(len(held), flush=True)
+    time.sleep(0.05)
+"""
+FORMS_A_GROUP = (
+    "import threading, torch, torch.distributed as dist\n"
+    "total = torch.ones(3)\n"
+    "dist.all_reduce(total, group=dist.new_group())\n"
+    "total.tolist(), sum(t.name == 'tunnel' for t in threading.enumerate())"
+)
+
+
+@contextlib.contextmanager
+def holding(hosts: Hosts, address: str, port: int, count: int) -> Iterator[None]:
+    """From the third host, ``count`` connections to the tunnel at ``address:port`` held open
+    without a handshake (renewed as the tunnel drops them), from when they are all open."""
+    attacker = subprocess.Popen(
+        [*hosts.netns_argv(2), sys.executable, "-c", HOLDS, address, str(port), str(count)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd="/",
+    )
+    try:
+        assert attacker.stdout is not None
+        deadline = time.monotonic() + 30
+        while int(attacker.stdout.readline() or -1) < count:
+            assert attacker.poll() is None and time.monotonic() < deadline, "the flood never held"
+        yield
+    finally:
+        attacker.kill()
+        attacker.communicate()
+
+
+def test_connections_held_open_from_another_host_do_not_stop_groups_forming(
+    hosts: Hosts, tmp_path: Path
+) -> None:
+    """More connections than may prove themselves at once, held by a host without the key
+    (renewed as they are dropped): the ranks still form new groups, and the pool re-forms."""
+    provider = ssh_provider(hosts, 2, tmp_path)
+    with Pool(nodes=2, provider=provider, heartbeat_timeout=10, secure=True) as pool:
+        ports = pool.run(LISTENING)
+        ports.raise_for_errors()
+        with contextlib.ExitStack() as floods:
+            for rank, (_, tunnel, _) in enumerate(ports.values):
+                floods.enter_context(
+                    holding(hosts, hosts[rank].address, tunnel, 2 * MAX_HANDSHAKES)
+                )
+            result = pool.run(FORMS_A_GROUP, timeout=60)
+            result.raise_for_errors()
+            for total, threads in result.values:
+                assert total == [2.0, 2.0, 2.0]
+                assert threads <= MAX_HANDSHAKES + 16  # the flood's handshakes are bounded
+            pool.restart()
+            pool.run(FORMS_A_GROUP, timeout=60).raise_for_errors()
+
+
+GROUPS_COME_AND_GO = (
+    "import gc, threading, time, torch, torch.distributed as dist\n"
+    "def tunnel_threads():\n"
+    "    return sum(t.name == 'tunnel' for t in threading.enumerate())\n"
+    "before = tunnel_threads()\n"
+    "for _ in range(10):\n"
+    "    group = dist.new_group()\n"
+    "    dist.all_reduce(torch.ones(3), group=group)\n"
+    "    dist.destroy_process_group(group)\n"
+    "    del group\n"
+    "    gc.collect()\n"
+    "deadline = time.monotonic() + 20\n"
+    "while tunnel_threads() > before and time.monotonic() < deadline:\n"
+    "    time.sleep(0.05)\n"
+    "before, tunnel_threads()"
+)
+
+
+def test_groups_the_code_forms_and_destroys_leave_no_tunnel_threads(
+    hosts: Hosts, tmp_path: Path
+) -> None:
+    """A group formed and destroyed again and again (by the user's code, within a formation of
+    the pool's group) leaves nothing of its own in the tunnels: no thread, no port."""
+    provider = ssh_provider(hosts, 2, tmp_path)
+    with Pool(nodes=2, provider=provider, heartbeat_timeout=10, secure=True) as pool:
+        result = pool.run(GROUPS_COME_AND_GO, timeout=120)
+        result.raise_for_errors()
+        for before, after in result.values:
+            assert after <= before

@@ -18,6 +18,7 @@ import pytest
 
 from skyward_jupyter import Pool, PoolError
 from skyward_jupyter.events import PoolMessage
+from skyward_jupyter.protocol import Script
 from skyward_jupyter.providers.base import ProviderError
 from skyward_jupyter.providers.ssh import Host, SSHOptions, SSHProvider
 from skyward_jupyter.providers.ssh_prepare import package_digest
@@ -337,7 +338,8 @@ def test_a_failed_replacement_of_an_ssh_pool_is_named_not_replaced_by_the_defaul
     from .test_magics import Kernel
 
     (tmp_path / "train.py").write_text("print('THE SCRIPT RAN')\n")
-    targets = ",".join(f"{hosts.user}@{hosts[i].address}:{hosts[i].port}" for i in (0, 1))
+    # host 1's sshd was killed by an earlier test of this module
+    targets = ",".join(f"{hosts.user}@{hosts[i].address}:{hosts[i].port}" for i in (0, 2))
 
     def options(identity: Path = hosts.client_key, python: str = sys.executable) -> str:
         return (
@@ -493,7 +495,7 @@ def test_nccl_on_hosts_whose_torch_cannot_run_it_fails_naming_the_host_and_why(
     the cause, not an interface to set."""
     skip_where_nccl_runs()
     started = time.monotonic()
-    pool = Pool(nodes=2, provider=ssh_provider(hosts, 2, tmp_path), backend="nccl")
+    pool = Pool(nodes=2, provider=ssh_provider(hosts, 2, tmp_path, which=(0, 2)), backend="nccl")
     with pytest.raises(PoolError) as raised:
         pool.start()
     message = str(raised.value)
@@ -645,3 +647,43 @@ def test_private_directories_on_a_host_go_with_a_kill_and_with_the_template(
         assert pool.run("1").ok and _exists_on(hosts, 0, second)  # nobody removed it yet
     wait_for(lambda: not _remote_agents(hosts), 10, "ranks and templates to end")
     assert not _exists_on(hosts, 0, parent)
+
+
+RECORDED = """\
+import os
+from torch.distributed.elastic.multiprocessing.errors import record
+
+
+@record
+def main() -> None:
+    raise ValueError(os.environ["TORCHELASTIC_ERROR_FILE"])
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_a_script_runs_record_error_file_is_private_and_goes_with_the_pool(
+    hosts: Hosts, tmp_path: Path
+) -> None:
+    """On a host as locally: ``@record`` writes the run's own error file, 0600 in the rank's
+    private directory, and the file is gone once the pool is."""
+    script = tmp_path / "recorded.py"
+    script.write_text(RECORDED)
+    provider = ssh_provider(hosts, 1, tmp_path, which=(0,))
+    with Pool(nodes=1, provider=provider, heartbeat_timeout=8) as pool:
+        private = _private_dir(pool)
+        failed = pool.run(RECORDED, filename=str(script), script=Script(str(script)), timeout=60)
+        assert not failed.ok and failed.errors[0].type_name == "ValueError", failed.errors
+        error_file = failed.errors[0].message
+        assert str(Path(error_file).parent.parent) == private, error_file
+        mode = subprocess.run(
+            hosts.inside_argv(0, "stat", "-c", "%a", error_file),
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        assert mode == "600"
+    wait_for(lambda: not _remote_agents(hosts), 10, "ranks and templates to end")
+    assert not _exists_on(hosts, 0, error_file)

@@ -28,6 +28,7 @@ def cell_done(
     bound: tuple[str, ...] = (),
     group_destroyed: bool = False,
     notes: tuple[str, ...] = (),
+    collectives: tuple[tuple[str, int], ...] | None = (),
 ) -> p.CellDone:
     """The :class:`~skyward_jupyter.protocol.CellDone` for a cell that ended this way."""
     pickled: p.Pickled | None = None
@@ -41,7 +42,9 @@ def cell_done(
         except Exception:  # noqa: BLE001 - an unpicklable value still shows as its repr
             pickled = None
         shown = _safe_repr(value)
-    return p.CellDone(cell_id, pickled, shown, info, seconds, bound, group_destroyed, notes)
+    return p.CellDone(
+        cell_id, pickled, shown, info, seconds, bound, group_destroyed, notes, collectives
+    )
 
 
 def _safe_repr(value: Any) -> str:

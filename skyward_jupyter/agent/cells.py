@@ -20,6 +20,8 @@ import traceback
 import types
 from typing import Any
 
+from .earlier_groups import StaleGroupError
+
 
 class Namespace:
     def __init__(self) -> None:
@@ -180,8 +182,14 @@ _AGENT_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def _without_agent_frames(te: traceback.TracebackException) -> None:
+    frames = list(te.stack)
+    if te.exc_type is StaleGroupError:
+        # Raised in torch's place, before any collective: torch's frames on the way are noise.
+        torch = os.path.dirname(getattr(sys.modules.get("torch"), "__file__", None) or _AGENT_DIR)
+        while frames and os.path.abspath(frames[-1].filename).startswith((_AGENT_DIR, torch)):
+            frames.pop()
     te.stack = traceback.StackSummary.from_list(
-        [f for f in te.stack if not os.path.abspath(f.filename).startswith(_AGENT_DIR)]
+        [f for f in frames if not os.path.abspath(f.filename).startswith(_AGENT_DIR)]
     )
     for chained in (te.__cause__, te.__context__):
         if chained is not None:

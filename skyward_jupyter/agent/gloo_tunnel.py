@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import ssl
 import struct
 import threading
 from collections.abc import Callable
@@ -46,7 +47,8 @@ WAIT = "127.0.0.2"
 HANDSHAKE_WITHIN = 10.0
 """Seconds a connection to a tunnel has to prove the pool's key and name its gloo port."""
 MAX_HANDSHAKES = 64
-"""Connections proving themselves at once; more are closed (a flood cannot exhaust threads)."""
+"""Connections proving themselves at once, each on its own thread. Past that, the oldest of the
+address with the most is dropped: connections held open from one host drop their own."""
 _CHUNK = 1 << 20
 
 
@@ -103,6 +105,9 @@ class GlooTunnel:
         self._dials: dict[tuple[bytes, int, int], socket.socket] = {}
         """Per peer (host, tunnel port, gloo port): the loopback port gloo dials it through."""
         self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        self._proving: dict[str, dict[ssl.SSLSocket, None]] = {}
+        """Connections still proving the pool's key, by their address, oldest first."""
+        self._proving_count = 0
         self._listener = socket.create_server((address, 0), backlog=128)
         self.port: int = self._listener.getsockname()[1]
         threading.Thread(target=self._serve, name="tunnel", daemon=True).start()
@@ -147,7 +152,8 @@ class GlooTunnel:
         return _with_address(value, offset, socket.inet_aton(WAIT), published.gloo_port, b"")
 
     def _dial_port(self, peer: _Published) -> int:
-        """The loopback port whose connections go to ``peer``'s gloo (opened on first use)."""
+        """The loopback port whose connection goes to ``peer``'s gloo (opened on first use,
+        until that connection)."""
         where = (peer.host, peer.tunnel_port, peer.gloo_port)
         with self._lock:
             listener = self._dials.get(where)
@@ -155,9 +161,12 @@ class GlooTunnel:
                 listener = socket.create_server((DIAL, 0), backlog=16)
                 self._dials[where] = listener
                 threading.Thread(
-                    target=self._carry_out, args=(listener, peer), name="tunnel", daemon=True
+                    target=self._carry_out,
+                    args=(listener, peer, where),
+                    name="tunnel",
+                    daemon=True,
                 ).start()
-        return int(listener.getsockname()[1])
+            return int(listener.getsockname()[1])
 
     def forget(self) -> None:
         """The group is gone: stop carrying its connections' successors (the next formation
@@ -171,48 +180,84 @@ class GlooTunnel:
 
     # --------------------------------------------------------------------- the traffic
 
-    def _carry_out(self, listener: socket.socket, peer: _Published) -> None:
-        """Carry each connection gloo makes to ``listener`` to ``peer``'s tunnel."""
+    def _carry_out(
+        self, listener: socket.socket, peer: _Published, where: tuple[bytes, int, int]
+    ) -> None:
+        """Carry the connection gloo makes to ``listener`` to ``peer``'s tunnel. A gloo pair
+        connects once: the port closes then, so a group the code forms and destroys again and
+        again leaves no port and no thread behind."""
         target = (socket.inet_ntoa(peer.host), peer.tunnel_port)
-        while True:
-            try:
-                local, _ = listener.accept()
-            except OSError:
-                return  # closed by forget()
-            try:
-                remote = socket.create_connection(target, timeout=HANDSHAKE_WITHIN)
-                remote.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                secured = self._client_tls.wrap_socket(remote)
-                secured.sendall(_PORT.pack(peer.gloo_port))
-                secured.settimeout(None)
-            except OSError as exc:
-                self._note(f"cannot reach the tunnel of the rank at {target[0]}:{target[1]}: {exc}")
-                local.close()
-                continue
-            _join(local, secured)
+        try:
+            local, _ = listener.accept()
+        except OSError:
+            return  # closed by forget()
+        finally:
+            with self._lock:
+                if self._dials.get(where) is listener:
+                    del self._dials[where]
+            listener.close()
+        try:
+            remote = socket.create_connection(target, timeout=HANDSHAKE_WITHIN)
+            remote.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            secured = self._client_tls.wrap_socket(remote)
+            secured.sendall(_PORT.pack(peer.gloo_port))
+            secured.settimeout(None)
+        except OSError as exc:
+            self._note(f"cannot reach the tunnel of the rank at {target[0]}:{target[1]}: {exc}")
+            local.close()
+            return
+        _join(local, secured)
 
     def _serve(self) -> None:
         while True:
             try:
-                conn, _ = self._listener.accept()
+                conn, (address, _) = self._listener.accept()
             except OSError as exc:
                 if self._listener.fileno() < 0:
                     return
                 self._note(f"tunnel accept failed: {exc}")
                 continue
-            if not self._handshakes.acquire(blocking=False):
-                conn.close()  # a flood: the pool's ranks retry, as gloo does
+            try:
+                conn.settimeout(HANDSHAKE_WITHIN)
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                # no handshake yet: that is the connection's own thread's
+                secured = self._server_tls.wrap_socket(
+                    conn, server_side=True, do_handshake_on_connect=False
+                )
+            except OSError:
+                conn.close()  # gone already
                 continue
-            threading.Thread(target=self._admit, args=(conn,), name="tunnel", daemon=True).start()
+            with self._lock:
+                if self._proving_count >= MAX_HANDSHAKES:
+                    self._drop(max(self._proving.values(), key=len))
+                self._proving.setdefault(address, {})[secured] = None
+                self._proving_count += 1
+            self._handshakes.acquire()  # a dropped handshake's thread ends at once
+            threading.Thread(
+                target=self._admit, args=(secured, address), name="tunnel", daemon=True
+            ).start()
 
-    def _admit(self, conn: socket.socket) -> None:
+    def _drop(self, same: dict[ssl.SSLSocket, None]) -> None:
+        """Hang up on the oldest of ``same``, connections proving the key (holding the lock)."""
+        oldest = next(iter(same))
+        self._proven(oldest, same)
+        with contextlib.suppress(OSError):
+            # the socket's own shutdown, not SSLSocket's: its handshake runs on another thread
+            socket.socket.shutdown(oldest, socket.SHUT_RDWR)
+
+    def _proven(self, secured: ssl.SSLSocket, same: dict[ssl.SSLSocket, None]) -> None:
+        """Out of the connections proving the key (holding the lock)."""
+        if secured in same:
+            del same[secured]
+            self._proving_count -= 1
+
+    def _admit(self, secured: ssl.SSLSocket, address: str) -> None:
         """Prove the pool's key both ways, read the gloo port asked for, and carry the rest."""
         try:
-            conn.settimeout(HANDSHAKE_WITHIN)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            secured = self._server_tls.wrap_socket(conn, server_side=True)
+            secured.do_handshake()
             (port,) = _PORT.unpack(_read_exact(secured, _PORT.size))
             with self._lock:
+                self._proven(secured, self._proving.get(address, {}))
                 ours = port in self._gloo_ports
             if not ours:
                 secured.close()
@@ -220,9 +265,14 @@ class GlooTunnel:
             local = socket.create_connection(("127.0.0.1", port), timeout=HANDSHAKE_WITHIN)
             secured.settimeout(None)
         except OSError:
-            conn.close()  # not the pool's, or gone: nothing to carry
+            secured.close()  # not the pool's, or gone: nothing to carry
             return
         finally:
+            with self._lock:
+                same = self._proving.get(address, {})
+                self._proven(secured, same)
+                if not same:
+                    self._proving.pop(address, None)
             self._handshakes.release()
         _join(local, secured)
 
@@ -290,7 +340,9 @@ class _Pair:
             pass  # either side ended (ssl.SSLError is an OSError): both end below
         for sock in self._sockets:
             with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+                # the socket's own shutdown: SSLSocket's drops its TLS first, and a send the
+                # other direction made meanwhile would go out in cleartext
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
         with self._lock:
             self._running -= 1
             last = self._running == 0

@@ -43,7 +43,7 @@ import cloudpickle
 
 from .. import protocol as p
 from .. import runtime
-from ..launch_env import error_file
+from ..launch_env import error_file, launched
 from ..wire import SyncChannel
 from .arrivals import Arrivals
 from .cell_result import cell_done
@@ -161,6 +161,8 @@ class Agent:
         self._interrupted = False
         """An interrupt arrived during the current cell (its error is then a consequence)."""
         self._stop_cell: int | None = None
+        self._last_cell: int | None = None
+        """The last cell run since the group last formed (when it forms again, it is why)."""
         """A cell the pool stopped before it started here (its interrupt came first)."""
         self._keep_files = False
         """The pool asked the node to keep its copy of the synced directories."""
@@ -193,7 +195,7 @@ class Agent:
         threading.Thread(target=self._watchdog, name="watchdog", daemon=True).start()
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         signal.signal(signal.SIGINT, self._on_sigint)
-        self.streams = PythonStreams()
+        self.streams = PythonStreams({c.stream: c for c in self.captures})
         runtime.set_metric_sink(self._record_metric)
 
     # ------------------------------------------------------------------ threads other than main
@@ -385,7 +387,9 @@ class Agent:
             elif isinstance(command, p.SyncFiles):
                 self.channel.send(self.arrivals.sync(command))
             elif isinstance(command, p.FormGroup):
-                self.worlds.form(command, self.channel.send)
+                after = f" after cell {self._last_cell}" if self._last_cell is not None else ""
+                self._last_cell = None
+                self.worlds.form(command, self.channel.send, self.namespace.globals, after)
             elif isinstance(command, p.LeaveGroup):
                 self._leave_group()
             elif isinstance(command, p.Shutdown):
@@ -413,7 +417,7 @@ class Agent:
         self._notes.extend(f"rank {rank}: {note}" for note in mended if note)
 
     def _run_cell(self, command: p.RunCell) -> None:
-        self.cell_id = command.cell_id
+        self.cell_id = self._last_cell = command.cell_id
         started = time.perf_counter()
         value: Any = None
         error: BaseException | None = None
@@ -434,7 +438,8 @@ class Agent:
                 else:
                     script = command.script
                     path = self.arrivals.files.here(script.path)
-                    run_script(command.source, path, script.argv, self.namespace.module)
+                    with launched(command.run_id, self._private_dir):
+                        run_script(command.source, path, script.argv, self.namespace.module)
             finally:
                 self._in_cell = False
         except BaseException as exc:  # noqa: BLE001 - the cell's failure is its result
@@ -460,6 +465,7 @@ class Agent:
             bound=bound,
             group_destroyed=self.worlds.destroyed(),
             notes=tuple(self._notes),
+            collectives=self.worlds.collectives(),
         )
         self._notes.clear()
         self.channel.send(done)

@@ -251,8 +251,28 @@ class ProcessGroup:
         )
         if before or os.path.isdir("/proc/self/fd"):
             after = _socket_inodes()
-            self._sockets = {k: fd for k, fd in after.items() if k not in before}
+            self._sockets.update({k: fd for k, fd in after.items() if k not in before})
         self.lower_gloo_loops()
+
+    def track_user_groups(self) -> None:
+        """Record the sockets of the groups the user's code forms too (``new_group``, a
+        DeviceMesh's), so that leaving frees a peer blocked in one of them as well: each is
+        formed through ``_new_process_group_helper`` (torch 2.13, which this project pins)."""
+        from torch.distributed import distributed_c10d as c10d
+
+        original = c10d._new_process_group_helper
+
+        def new_process_group_helper(*args: Any, **kwargs: Any) -> Any:
+            if not os.path.isdir("/proc/self/fd"):
+                return original(*args, **kwargs)
+            before = _socket_inodes()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                opened = {k: fd for k, fd in _socket_inodes().items() if k not in before}
+                self._sockets.update(opened)
+
+        c10d._new_process_group_helper = new_process_group_helper
 
     def lower_gloo_loops(self) -> None:
         """gloo's event-loop threads below the training (see :mod:`.gloo_loop`): as each group
@@ -269,6 +289,11 @@ class ProcessGroup:
         long done.
         """
         self._retired.append(group)
+
+    @property
+    def retired(self) -> tuple[Any, ...]:
+        """The groups the user's code destroyed since the last formation."""
+        return tuple(self._retired)
 
     def gone(self) -> bool:
         """Formed by the pool, but no longer initialised (something destroyed it)."""
@@ -290,6 +315,7 @@ class ProcessGroup:
         if not c10d.is_initialized():
             self._sockets = {}
         elif c10d.get_backend() == "nccl":
+            self._sockets = {}
             c10d._abort_process_group()
         else:
             self._shut_sockets()

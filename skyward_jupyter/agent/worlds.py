@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
+from typing import Any
 
 from .. import protocol as p
+from .earlier_groups import EarlierGroups
 from .jax_setup import JaxWorld, jax_version, keras_conflict
 from .torch_setup import (
     FORM_TIMEOUT,
@@ -47,6 +49,11 @@ class Worlds:
         self.keras_backend = keras_backend
         self.group = ProcessGroup(settings, diagnose)
         self.user_calls = UserGroupCalls(self.group, note)
+        self.earlier = EarlierGroups()
+        self._left: list[Any] = []
+        """The groups left since the last formation, the default one first."""
+        self._kept: list[Any] = []
+        """Those of the formation before, kept until the next."""
         node = int(os.environ.get("GROUP_RANK", "0"))
         self.jax = JaxWorld(
             settings.rank,
@@ -71,6 +78,8 @@ class Worlds:
         self.torch = torch_version()
         if self.uses_torch:
             self.user_calls.install()
+            self.earlier.install()
+            self.group.track_user_groups()
             # A rank forked from the warm template imported torch before this variable was
             # set: apply it, as the OpenMP runtime of a freshly started process would.
             threads = os.environ.get("OMP_NUM_THREADS", "")
@@ -90,13 +99,24 @@ class Worlds:
     def nccl(self) -> bool | None:
         return nccl_available() if self.torch else None
 
-    def form(self, command: p.FormGroup, send: Callable[[object], None]) -> None:
-        """Join the pool's worlds; the head first says where the others connect."""
+    def form(
+        self,
+        command: p.FormGroup,
+        send: Callable[[object], None],
+        names: dict[str, Any],
+        after: str,
+    ) -> None:
+        """Join the pool's worlds; the head first says where the others connect.
+
+        What ``names`` (the namespace) built on the earlier group is refused from now on, and
+        named to the notebook; ``after`` says when the group was formed again (" after cell 3")."""
         os.environ["TORCHELASTIC_RESTART_COUNT"] = str(command.restarts)
+        rewrapped: list[str] = []
+        stale: list[str] = []
         try:
             backend = None
             if self.uses_torch:
-                self.group.leave()
+                self._leave_torch()
             port, jax_port = command.port, command.jax_port
             if port is None and jax_port is None:
                 port = self.group.host(command.secret) if self.uses_torch else None
@@ -104,6 +124,11 @@ class Worlds:
                 send(p.GroupPort(command.generation, port, jax_port))
             if self.uses_torch and port is not None:
                 backend = self.group.join(port, command.secret)
+                rewrapped, stale = self.earlier.guard(
+                    names, self._left, after, agree=command.generation > 1
+                )
+                # Dropped at the next formation, not now (see ProcessGroup.retire).
+                self._kept, self._left = self._left, []
             if command.jax and jax_port is not None:
                 self.jax.join(jax_port, FORM_TIMEOUT)
                 if self.keras_backend == "jax":
@@ -114,17 +139,41 @@ class Worlds:
         except Exception as exc:  # noqa: BLE001 - reported to the notebook with its type
             send(p.GroupState(command.generation, False, None, f"{type(exc).__name__}: {exc}"))
             return
-        send(p.GroupState(command.generation, True, backend, "ready"))
+        send(
+            p.GroupState(command.generation, True, backend, "ready", tuple(stale), tuple(rewrapped))
+        )
 
     def leave(self) -> None:
         """Leave torch's group (JAX's world ends with the process)."""
         if self.uses_torch:
-            self.group.leave()
+            self._leave_torch()
+
+    def _leave_torch(self) -> None:
+        """Leave torch's groups, remembering them: the next formation guards what was built on
+        them (see :mod:`.earlier_groups`)."""
+        self._left += self.earlier.now() or list(self.group.retired)
+        self.group.leave()
 
     def tick(self) -> None:
         """The watchdog's tick: lower gloo's threads of groups the user's code formed."""
         if self.uses_torch:
             self.group.lower_gloo_loops()
+
+    def collectives(self) -> tuple[tuple[str, int], ...] | None:
+        """Each of torch's groups by name, with the collectives this rank called in it (None:
+        a backend that does not count them)."""
+        if not self.uses_torch:
+            return ()
+        from torch.distributed import distributed_c10d as c10d
+
+        try:
+            # (bound at runtime, missing from torch's stubs)
+            return tuple(
+                (pg.group_name, pg._get_sequence_number_for_group())  # type: ignore[attr-defined]
+                for pg in c10d._world.pg_map
+            )
+        except RuntimeError:
+            return None
 
     def destroyed(self) -> bool:
         """The cell's code destroyed torch's group: the pool forms it again."""

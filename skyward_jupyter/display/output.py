@@ -12,12 +12,18 @@ per rank. So a complete stderr line is held for a moment in a table keyed by its
 that write the same line share one entry, shown once as ``[ranks 0-1 stderr] ...``. An entry is
 written as soon as every rank has written it (the usual case: all ranks warn at once), else after
 :data:`STDERR_HOLD_SECONDS`, so rank 0's own stderr stays live; the cell's end writes what is left.
+
+A rank's stdout and stderr reach the cell in the order the rank wrote them: stdout that a rank
+writes after a stderr line still held waits behind that line, and one flush writes its streams in
+turn, in that order (not all of stdout, then all of stderr).
 """
 
 from __future__ import annotations
 
 import bisect
 import collections
+import itertools
+import operator
 import re
 import sys
 import time
@@ -35,6 +41,8 @@ MAX_FLUSH_CHARS = 200_000
 STDERR_HOLD_SECONDS = 0.3
 _BREAKS = re.compile(r"([\r\n])")
 _LINES = re.compile(r"[^\n]*\n|[^\n]+")
+_Parts = list[tuple[str, str]]
+"""Text for the cell, in order: (the notebook's stream, text)."""
 
 
 def rank_span(ranks: Iterable[int]) -> str:
@@ -57,12 +65,15 @@ def stderr_label(ranks: Iterable[int]) -> str:
 
 @dataclass
 class _Held:
-    """One held stderr line: who wrote it, and when it was first seen."""
+    """One held stderr line (who wrote it, when it was first seen), or stdout a rank wrote after
+    a stderr line of its own still held (``label`` is then its prefix): it waits behind it."""
 
     seq: int
     text: str
     since: float
     ranks: set[int] = field(default_factory=set)
+    label: str | None = None
+    """Set for held stdout: the prefix its lines get in the cell."""
 
 
 def _seq_of(entry: _Held) -> int:
@@ -90,7 +101,8 @@ class CellOutput:
         self._at_line_start: dict[tuple[int, str], bool] = {}
         # Per stream of the notebook: whose line is still open (no final newline yet).
         self._open_line: dict[str, tuple[int, str] | None] = {"stdout": None, "stderr": None}
-        # Held stderr lines, oldest first (by seq), and the same entries by text.
+        # Held stderr lines and the stdout waiting behind them, oldest first (by seq); the
+        # stderr lines by text.
         self._held: dict[int, _Held] = {}
         self._held_by_text: dict[str, list[_Held]] = {}
         self._seq = 0
@@ -127,7 +139,7 @@ class CellOutput:
     @property
     def held_lines(self) -> int:
         """How many stderr lines are held, waiting for other ranks."""
-        return len(self._held)
+        return sum(entry.label is None for entry in self._held.values())
 
     # ------------------------------------------------------------------------------ internals
 
@@ -157,34 +169,43 @@ class CellOutput:
         return "".join(out)
 
     def _append(
-        self, parts: list[str], target: str, key: tuple[int, str], text: str, label: str
+        self, parts: _Parts, target: str, key: tuple[int, str], text: str, label: str
     ) -> None:
         """Add one rank's text to a notebook stream, ending another rank's unfinished line."""
         other = self._open_line[target]
         if other is not None and other != key:
             # Another rank's line is unfinished: end it here rather than glue onto it.
-            parts.append("\n")
+            parts.append((target, "\n"))
             self._at_line_start[other] = True
-        parts.append(self._prefixed(key, text, label))
+        parts.append((target, self._prefixed(key, text, label)))
         self._open_line[target] = None if text.endswith("\n") else key
 
     def _drain(self, everything: bool) -> None:
         now = self._clock()
-        chunks: dict[str, list[str]] = {"stdout": [], "stderr": []}
+        parts: _Parts = []
         while self._queue:
             event = self._queue.popleft()
             label = self._label(event)
             if label is None or not event.text:
                 continue
             if event.stream == "stderr":
-                self._take_stderr(event, chunks["stderr"], now)
-                continue
-            target = event.stream if event.stream in chunks else "stderr"
-            self._append(chunks[target], target, (event.rank, event.stream), event.text, label)
-        self._release(chunks["stderr"], now, everything=everything)
-        self._write(chunks)
+                self._take_stderr(event, parts, now)
+            elif self._last_seq.get(event.rank, -1) in self._held:
+                self._wait_behind(event.rank, event.text, label, now)
+            else:
+                key = (event.rank, event.stream)
+                self._append(parts, "stdout", key, event.text, label)
+        self._release(parts, now, everything=everything)
+        self._write(parts)
 
-    def _take_stderr(self, event: OutputReceived, parts: list[str], now: float) -> None:
+    def _wait_behind(self, rank: int, text: str, label: str, now: float) -> None:
+        """Hold ``rank``'s stdout behind its stderr lines still held, to keep its order."""
+        entry = _Held(self._seq, text, now, {rank}, label)
+        self._seq += 1
+        self._held[entry.seq] = entry
+        self._last_seq[rank] = entry.seq
+
+    def _take_stderr(self, event: OutputReceived, parts: _Parts, now: float) -> None:
         """Hold a rank's complete stderr lines; pass anything else through at once.
 
         A partial line or a ``\\r`` redraw (a progress bar on stderr) cannot be matched against
@@ -218,12 +239,14 @@ class CellOutput:
         self._last_seq[rank] = entry.seq
 
     def _ready(self, entry: _Held, now: float) -> bool:
+        if entry.label is not None:
+            return False  # stdout goes with the stderr lines it waits behind
         complete = self._ranks is not None and len(entry.ranks) >= self._ranks
         return complete or now >= entry.since + STDERR_HOLD_SECONDS
 
     def _release(
         self,
-        parts: list[str],
+        parts: _Parts,
         now: float,
         *,
         forced: set[int] | None = None,
@@ -232,44 +255,62 @@ class CellOutput:
         """Write the held entries that are ready, and those of ``forced`` ranks.
 
         An entry that is written takes every older entry sharing one of its ranks with it, so no
-        rank's line is shown before a line that rank wrote earlier.
+        rank's line is shown before a line that rank wrote earlier; held stdout goes as soon as
+        nothing older of its rank is held.
         """
         if not self._held:
             return
         pulled = set(forced or ())
-        out: list[_Held] = []
+        out: set[int] = set()
         for entry in reversed(self._held.values()):  # newest first, so pulled ranks reach back
             if everything or self._ready(entry, now) or not pulled.isdisjoint(entry.ranks):
                 pulled |= entry.ranks
-                out.append(entry)
-        for entry in reversed(out):
-            del self._held[entry.seq]
-            same = self._held_by_text[entry.text]
-            same.remove(entry)
-            if not same:
-                del self._held_by_text[entry.text]
-            other = self._open_line["stderr"]
-            if other is not None:
-                # A rank's unfinished line is open in the cell: end it rather than glue onto it.
-                parts.append("\n")
-                self._at_line_start[other] = True
-                self._open_line["stderr"] = None
-            parts.append(stderr_label(entry.ranks) + entry.text)
+                out.add(entry.seq)
+        blocked: set[int] = set()
+        for entry in self._held.values():  # oldest first: stdout that nothing holds back goes
+            if entry.seq not in out:
+                if entry.label is not None and blocked.isdisjoint(entry.ranks):
+                    out.add(entry.seq)
+                else:
+                    blocked |= entry.ranks
+        for seq in sorted(out):
+            self._write_held(parts, self._held.pop(seq))
 
-    def _write(self, chunks: dict[str, list[str]]) -> None:
-        for stream, parts in chunks.items():
-            if not parts:
-                continue
-            text = "".join(parts)
-            if len(text) > MAX_FLUSH_CHARS:
-                cut = len(text) - MAX_FLUSH_CHARS
-                self.skipped_chars += cut
-                text = (
-                    f"[skyward_jupyter: {cut} characters of rank output skipped to keep the "
-                    f"notebook responsive]\n" + text[cut:]
-                )
+    def _write_held(self, parts: _Parts, entry: _Held) -> None:
+        if entry.label is not None:
+            (rank,) = entry.ranks
+            self._append(parts, "stdout", (rank, "stdout"), entry.text, entry.label)
+            return
+        same = self._held_by_text[entry.text]
+        same.remove(entry)
+        if not same:
+            del self._held_by_text[entry.text]
+        other = self._open_line["stderr"]
+        if other is not None:
+            # A rank's unfinished line is open in the cell: end it rather than glue onto it.
+            parts.append(("stderr", "\n"))
+            self._at_line_start[other] = True
+            self._open_line["stderr"] = None
+        parts.append(("stderr", stderr_label(entry.ranks) + entry.text))
+
+    def _write(self, parts: _Parts) -> None:
+        """Write the streams' texts in turn, as they came; what is over
+        :data:`MAX_FLUSH_CHARS` is skipped from the oldest on, and the cell says how much."""
+        skipped = sum(len(text) for _, text in parts) - MAX_FLUSH_CHARS
+        if skipped > 0:
+            self.skipped_chars += skipped
+            cut = skipped
+            while len(parts[0][1]) <= cut:
+                cut -= len(parts.pop(0)[1])
+            stream, text = parts[0]
+            parts[0] = (
+                stream,
+                f"[skyward_jupyter: {skipped} characters of rank output skipped to keep the "
+                f"notebook responsive]\n" + text[cut:],
+            )
+        for stream, group in itertools.groupby(parts, key=operator.itemgetter(0)):
             out = (
                 (self._stdout or sys.stdout) if stream == "stdout" else (self._stderr or sys.stderr)
             )
-            out.write(text)
+            out.write("".join(text for _, text in group))
             out.flush()
