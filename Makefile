@@ -13,7 +13,7 @@ LABSRC := $(wildcard labextension/src/*.ts labextension/style/*) \
 NPMDEP := labextension/node_modules/.package-lock.json
 SHARE  := $(VENV)/share/jupyter
 
-.PHONY: setup system-deps demo test lint labextension bench clean
+.PHONY: setup system-deps demo test lint labextension vendor-uplot bench clean
 
 # Debian packages the tests need, each installed only when missing: chromium for the browser
 # tests (Playwright drives Debian's chromium; it never downloads a browser), openssh-server for
@@ -65,6 +65,13 @@ $(LABEXT): $(LABSRC) $(NPMDEP) $(STAMP)
 	touch $@
 
 labextension: $(LABEXT)
+
+# The panel's charts draw with uPlot, vendored in the package (charts must draw without
+# internet): copied again from the npm package that labextension/package.json pins.
+UPLOT_DIST := labextension/node_modules/uplot/dist
+vendor-uplot: $(NPMDEP)
+	cp $(UPLOT_DIST)/uPlot.iife.min.js $(UPLOT_DIST)/uPlot.min.css skyward_jupyter/display/static/
+	cp labextension/node_modules/uplot/LICENSE skyward_jupyter/display/static/uPlot.LICENSE
 
 setup: $(STAMP) $(LABEXT)
 

@@ -88,9 +88,9 @@ def test_quickstart_panel_then_interrupt(lab: Lab) -> None:
             # The head's output once, in the cell (its tab says so); a chart point per step.
             assert panel.locator("pre.sky-stdout[data-rank='0']").inner_text() == ""
             assert "the cell's own" in panel.locator(".sky-in-cell").first.inner_text()
-            chart = panel.locator("svg.sky-chart[data-metric='loss']")
+            chart = panel.locator(".sky-chart[data-metric='loss']")
             assert chart.get_attribute("data-steps") == str(_epochs())
-            assert chart.locator("circle.sky-point").count() == _epochs()
+            assert chart.get_attribute("data-points") == str(_epochs())
             outputs = "\n".join(page.locator(".jp-OutputArea-output").all_inner_texts())
             assert "'world_size': 2" in outputs
             assert outputs.count("epoch 5: loss") == 1, outputs

@@ -1,141 +1,136 @@
-"""Small SVG line charts of metrics: the mean across ranks as a line over a min-max band.
+"""Live charts of ``log()`` metrics: one uPlot chart per metric, in an anywidget.
 
-Drawn as text, no plotting library: one ``<svg class="sky-chart" data-metric=NAME>`` per metric
-with a title, the y range at the left, the first and last step below, a ``<polygon
-class="sky-band">`` from min to max (left out where every step's ranks agree), a ``<polyline
-class="sky-mean">`` with one vertex per step, and a ``<circle class="sky-point">`` per step while
-there are few enough to see. More steps than ``max_points`` are drawn in buckets (mean of the
-means, lowest min, highest max), so a long run costs the same to send as a short one.
+Each chart draws the mean across ranks as a line over the ranks' min-max band, with axes, ticks
+and a grid, the width of the panel (it follows resizes). Hovering shows the step under the
+cursor with its mean, min, max and how many ranks logged it (without a cursor: the last step);
+dragging zooms, a double click zooms out. Two toggles per chart, "log" (log-scale y, offered
+only while every value is positive) and "smooth" (an exponential moving average of the mean,
+debiased as TensorBoard does, over the raw line), are widget state: the browser redraws at once
+and the kernel keeps them (a chart updated or shown again keeps its scale).
+
+Why uPlot through anywidget: uPlot is a small (50 KB), maintained canvas charting library made
+for live time series: it redraws a few thousand points in a millisecond, and has log scales,
+bands between two series and cursor hooks built in. anywidget ships a plain ES module as a
+Jupyter widget (a pip package with a prebuilt lab extension; JupyterLab, Notebook 7, VS Code),
+so the charts need no build step of ours and no Node.js on the user's side. bqplot, the other
+candidate, pulls d3 and pandas, makes every toggle a round trip through a kernel that is busy
+running the cell, and shows a tooltip per mark rather than one step's mean, min and max.
+uPlot's files are vendored under ``static/`` from the npm package that ``labextension/
+package.json`` pins (``make vendor-uplot`` copies them again), so charts draw without internet.
+
+What the kernel sends stays bounded however long the run: at most :data:`MAX_POINTS` points per
+metric (more steps are bucketed: the bucket's last step, the mean of its means, its lowest min,
+its highest max), and a chart's points at most once per :data:`SEND_INTERVAL` seconds, only when
+they changed (the cell's end sends what is left).
+
+DOM (for browser tests): ``.sky-chart[data-metric=NAME][data-steps=S][data-points=P]
+[data-scale=linear|log][data-smooth=on|off][data-y-ticks=...]``, its toggles ``input.sky-log``
+and ``input.sky-smooth``, the readout ``.sky-hover[data-step][data-mean][data-min][data-max]
+[data-ranks][data-hovered]`` and the uPlot canvas in ``.sky-plot``.
 """
 
 from __future__ import annotations
 
-import html
 import math
 from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
-from .format import format_number
+import anywidget
+import ipywidgets as widgets  # type: ignore[import-untyped]
+import traitlets
+
 from .metrics import MetricRow
 
-WIDTH = 320
-HEIGHT = 170
-MAX_POINTS = 400
-MAX_MARKERS = 60
-COLOUR = "#1f6feb"
-_LEFT, _RIGHT, _TOP, _BOTTOM = 56, 10, 22, 30
+MAX_POINTS = 500
+"""Points sent per metric at most (about one per pixel of a wide chart)."""
+SEND_INTERVAL = 1.0
+"""Seconds between two sends of one chart's points while the cell runs."""
+CHART_MIN_WIDTH = 360
+"""Pixels: charts sit side by side while each gets at least this width."""
+
+_STATIC = Path(__file__).with_name("static")
+Points = dict[str, list[Any]]
 
 
-def _buckets(rows: Sequence[MetricRow], max_points: int) -> list[tuple[float, float, float, float]]:
-    """(step, mean, min, max) per point to draw, at most ``max_points`` of them."""
-    if len(rows) <= max_points:
-        return [(r.step, r.mean, r.min, r.max) for r in rows]
-    out = []
-    size = len(rows) / max_points
-    for i in range(max_points):
-        chunk = rows[int(i * size) : int((i + 1) * size)] or rows[int(i * size) : int(i * size) + 1]
-        out.append(
-            (
-                sum(r.step for r in chunk) / len(chunk),
-                sum(r.mean for r in chunk) / len(chunk),
-                min(r.min for r in chunk),
-                max(r.max for r in chunk),
-            )
-        )
+def _finite(value: float) -> float | None:
+    """JSON has no NaN or infinity: a gap in the chart."""
+    return value if math.isfinite(value) else None
+
+
+def decimate(rows: Sequence[MetricRow], max_points: int = MAX_POINTS) -> Points:
+    """The columns a chart draws (``step``, ``first``, ``mean``, ``min``, ``max``, ``ranks``),
+    at most ``max_points`` long: consecutive steps share a point when there are more, keeping
+    the bucket's last step (``first`` its first), the mean of its means and its extremes."""
+    size = max(1, math.ceil(len(rows) / max_points))
+    out: Points = {k: [] for k in ("step", "first", "mean", "min", "max", "ranks")}
+    for start in range(0, len(rows), size):
+        chunk = rows[start : start + size]
+        means = [r.mean for r in chunk if math.isfinite(r.mean)]
+        lows = [r.min for r in chunk if math.isfinite(r.min)]
+        highs = [r.max for r in chunk if math.isfinite(r.max)]
+        out["step"].append(chunk[-1].step)
+        out["first"].append(chunk[0].step)
+        out["mean"].append(_finite(sum(means) / len(means)) if means else None)
+        out["min"].append(min(lows) if lows else None)
+        out["max"].append(max(highs) if highs else None)
+        out["ranks"].append(max(r.ranks for r in chunk))
     return out
 
 
-def _finite(x: float) -> bool:
-    return math.isfinite(x)
+class MetricChart(anywidget.AnyWidget):
+    """One metric's live chart (the browser side is ``static/chart.js``)."""
+
+    _esm = (_STATIC / "uPlot.iife.min.js").read_text() + (_STATIC / "chart.js").read_text()
+    _css = (_STATIC / "uPlot.min.css").read_text() + (_STATIC / "chart.css").read_text()
+
+    metric = traitlets.Unicode("").tag(sync=True)
+    steps = traitlets.Int(0).tag(sync=True)
+    """Steps logged (``points`` may have fewer, bucketed)."""
+    points = traitlets.Dict().tag(sync=True)
+    log_scale = traitlets.Bool(False).tag(sync=True)
+    smooth = traitlets.Bool(False).tag(sync=True)
 
 
-def line_chart(
-    name: str,
-    rows: Sequence[MetricRow],
-    *,
-    width: int = WIDTH,
-    height: int = HEIGHT,
-    max_points: int = MAX_POINTS,
-) -> str:
-    """One metric's chart as an ``<svg>`` element (text)."""
-    label = html.escape(name)
-    head = (
-        f'<svg class="sky-chart" data-metric="{label}" data-steps="{len(rows)}" '
-        f'xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-        f'viewBox="0 0 {width} {height}" role="img" aria-label="{label} by step" '
-        'style="font-family: sans-serif; font-size: 10px; background: #fff">'
-        f'<text class="sky-chart-title" x="{_LEFT}" y="14" font-size="12" '
-        f'font-weight="bold" fill="#222">{label}</text>'
-    )
-    points = [p for p in _buckets(rows, max_points) if all(_finite(v) for v in p)]
-    plot_w, plot_h = width - _LEFT - _RIGHT, height - _TOP - _BOTTOM
-    axes = (
-        f'<line class="sky-axis" x1="{_LEFT}" y1="{_TOP}" x2="{_LEFT}" y2="{_TOP + plot_h}" '
-        'stroke="#999"/>'
-        f'<line class="sky-axis" x1="{_LEFT}" y1="{_TOP + plot_h}" x2="{_LEFT + plot_w}" '
-        f'y2="{_TOP + plot_h}" stroke="#999"/>'
-        f'<text class="sky-axis-label" x="{_LEFT + plot_w / 2:.1f}" y="{height - 4}" '
-        'text-anchor="middle" fill="#555">step</text>'
-    )
-    if not points:
-        empty = (
-            f'<text x="{_LEFT + plot_w / 2:.1f}" y="{_TOP + plot_h / 2:.1f}" '
-            'text-anchor="middle" fill="#888">no values yet</text>'
+class ChartGrid:
+    """The panel's charts: a :class:`MetricChart` per metric, side by side as the width allows,
+    each sent its points only when they changed, at most once per ``interval`` seconds."""
+
+    def __init__(self, interval: float = SEND_INTERVAL, max_points: int = MAX_POINTS) -> None:
+        self.interval = interval
+        self.max_points = max_points
+        self.charts: dict[str, MetricChart] = {}
+        self._sent_at = -math.inf
+        layout = widgets.Layout(
+            grid_template_columns=f"repeat(auto-fit, minmax({CHART_MIN_WIDTH}px, 1fr))",
+            grid_gap="8px",
+            width="100%",
         )
-        return head + axes + empty + "</svg>"
-    s0, s1 = points[0][0], points[-1][0]
-    lo = min(p[2] for p in points)
-    hi = max(p[3] for p in points)
-    if hi == lo:
-        pad = abs(hi) * 0.05 or 1.0
-        lo, hi = lo - pad, hi + pad
+        self.widget = widgets.GridBox([], layout=layout).add_class("sky-charts")
 
-    def x(step: float) -> float:
-        if s1 == s0:
-            return _LEFT + plot_w / 2
-        return _LEFT + (step - s0) / (s1 - s0) * plot_w
+    def update(self, series: Mapping[str, Sequence[MetricRow]], now: float, force: bool) -> None:
+        """Send what changed, unless the last send was under ``interval`` ago (``force``: the
+        view's first and last draw)."""
+        if not force and now - self._sent_at < self.interval:
+            return
+        if self.widget.comm is None:  # closed
+            return
+        added = False
+        for name, rows in series.items():
+            chart = self.charts.get(name)
+            if chart is None:
+                chart = self.charts[name] = MetricChart(metric=name)
+                added = True
+            points = decimate(rows, self.max_points)
+            if points != chart.points:
+                with chart.hold_sync():
+                    chart.points = points
+                    chart.steps = len(rows)
+                self._sent_at = now
+        if added:
+            self.widget.children = tuple(self.charts.values())
 
-    def y(value: float) -> float:
-        return _TOP + (1 - (value - lo) / (hi - lo)) * plot_h
-
-    parts = [head, axes]
-    for value, anchor_y in ((hi, _TOP + 4), (lo, _TOP + plot_h)):
-        parts.append(
-            f'<text class="sky-axis-label" x="{_LEFT - 4}" y="{anchor_y:.1f}" '
-            f'text-anchor="end" fill="#555">{format_number(value)}</text>'
-        )
-    for step, anchor in ((s0, "start"), (s1, "end")):
-        if step == s1 and s1 == s0 and anchor == "end":
-            continue
-        parts.append(
-            f'<text class="sky-axis-label" x="{x(step):.1f}" y="{_TOP + plot_h + 12}" '
-            f'text-anchor="{"middle" if s1 == s0 else anchor}" fill="#555">'
-            f"{format_number(step)}</text>"
-        )
-    if any(p[2] != p[3] for p in points):
-        upper = [f"{x(p[0]):.1f},{y(p[3]):.1f}" for p in points]
-        lower = [f"{x(p[0]):.1f},{y(p[2]):.1f}" for p in reversed(points)]
-        parts.append(
-            f'<polygon class="sky-band" points="{" ".join(upper + lower)}" fill="{COLOUR}" '
-            'fill-opacity="0.18" stroke="none"/>'
-        )
-    line = " ".join(f"{x(p[0]):.1f},{y(p[1]):.1f}" for p in points)
-    parts.append(
-        f'<polyline class="sky-mean" points="{line}" fill="none" stroke="{COLOUR}" '
-        'stroke-width="1.5"/>'
-    )
-    if len(points) <= MAX_MARKERS:
-        parts.extend(
-            f'<circle class="sky-point" data-step="{format_number(p[0])}" cx="{x(p[0]):.1f}" '
-            f'cy="{y(p[1]):.1f}" r="2.2" fill="{COLOUR}"/>'
-            for p in points
-        )
-    parts.append("</svg>")
-    return "".join(parts)
-
-
-def small_multiples(series: Mapping[str, Sequence[MetricRow]], **kw: int) -> str:
-    """Every metric's chart side by side (wrapping), in a ``<div class="sky-charts">``."""
-    if not series:
-        return '<div class="sky-charts"></div>'
-    charts = "".join(line_chart(name, rows, **kw) for name, rows in series.items())
-    return f'<div class="sky-charts" style="display:flex; flex-wrap:wrap; gap:8px">{charts}</div>'
+    def close(self) -> None:
+        for chart in self.charts.values():
+            chart.close()
+        self.widget.close()

@@ -36,7 +36,8 @@ DOM classes, for styling and for browser tests:
                        error), or ``.sky-in-cell`` where the cell's own output shows the rank's
                        (the head's, by default: shown once, in the cell, where it is saved)
 ``sky-metrics``        the latest-values table; ``tr.sky-metric[data-metric=NAME]`` per metric
-``sky-charts``         the charts: ``svg.sky-chart[data-metric=NAME]`` (see :mod:`.chart`)
+``sky-charts``         the charts, a live uPlot chart per metric: ``.sky-chart[data-metric=NAME]``
+                       with its hover readout and its log and smooth toggles (see :mod:`.chart`)
 ``sky-messages``       the pool's last notes
 =====================  ==========================================================================
 """
@@ -52,7 +53,7 @@ from typing import Any
 import ipywidgets as widgets  # type: ignore[import-untyped]
 
 from ..model import GONE, PoolFacts
-from .chart import small_multiples
+from .chart import ChartGrid
 from .clicks import route_clicks
 from .panel_html import (
     header_html,
@@ -141,7 +142,7 @@ class SkyPanel:
         self.tabs = widgets.Tab().add_class("sky-tabs")
         self.outputs: list[widgets.HTML] = []
         self.metrics = widgets.HTML().add_class("sky-metrics")
-        self.charts = widgets.HTML().add_class("sky-charts")
+        self.charts = ChartGrid()
         self.messages = widgets.HTML().add_class("sky-messages")
         self.widget = widgets.VBox(
             [
@@ -151,7 +152,7 @@ class SkyPanel:
                 self.stacks_view,
                 self.tabs,
                 self.metrics,
-                self.charts,
+                self.charts.widget,
                 self.messages,
             ]
         ).add_class("sky-panel")
@@ -210,6 +211,7 @@ class SkyPanel:
         if timer is not None and timer is not threading.current_thread():
             timer.join(timeout=5)
         self._release()
+        self.charts.close()
         for child in [*self.outputs, *self.buttons.children, *self.widget.children]:
             child.close()
         self.widget.close()
@@ -300,10 +302,10 @@ class SkyPanel:
             snap = self.state.snapshot()
             self.header.value = header_html(snap.header, now, snap.progress)
             self.nodes.value = nodes_html(snap.nodes, now)
+            self.charts.update(snap.series, now, force)
             if force or changed:
                 self._draw_outputs(snap)
                 self.metrics.value = metrics_html(snap)
-                self.charts.value = small_multiples(snap.series)
                 self.messages.value = messages_html(snap.messages)
             self._set_buttons()
             self._drawn_version, self._drawn_at = snap.version, now

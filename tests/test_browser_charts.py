@@ -1,0 +1,123 @@
+"""The panel's live charts in a real JupyterLab, driven in headless Chromium: hovered, toggled
+to a log scale, resized; a picture of them is kept for the README."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import nbformat
+import pytest
+
+from .conftest import agent_pids, wait_for
+from .lab import Lab, chromium_page, jupyter_lab, screenshot
+from .test_browser import ALL_PROMPTS_NUMBERED, _run_all_cells
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+STEPS = 60
+TRAINING = f"""%%sky --nodes 2
+import time
+from skyward_jupyter import instance_info, log
+rank = instance_info().rank
+for step in range({STEPS}):
+    log(step=step, total={STEPS}, loss=(rank + 1) * 10 / (step + 1), lr=0.1 * 0.95 ** step)
+    time.sleep(0.02)
+"""
+
+
+def expected(step: int) -> dict[str, float]:
+    """What the two ranks logged as ``loss`` at ``step``, reduced across them."""
+    low, high = 10 / (step + 1), 20 / (step + 1)
+    return {"mean": (low + high) / 2, "min": low, "max": high, "ranks": 2}
+
+
+@pytest.fixture
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    root = tmp_path_factory.mktemp("lab")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell("%load_ext skyward_jupyter"),
+        nbformat.v4.new_code_cell(TRAINING),
+    ]
+    nbformat.write(nb, root / "charts.ipynb")
+    with jupyter_lab(root) as server:
+        yield server
+    wait_for(lambda: not agent_pids(), 20, "the lab kernels' ranks to end with the server")
+
+
+def _numbers(ticks: str | None) -> list[float]:
+    return [float(t) for t in (ticks or "").split()]
+
+
+def test_a_chart_shows_a_steps_values_on_hover_and_a_log_scale(lab: Lab) -> None:
+    with chromium_page() as page_:
+        page: Any = page_
+        page.goto(lab.page_url("lab/tree/charts.ipynb"))
+        page.wait_for_selector("#jupyterlab-splash", state="detached", timeout=60_000)
+        page.wait_for_selector(
+            ".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000
+        )
+        try:
+            _run_all_cells(page)
+            page.wait_for_function(ALL_PROMPTS_NUMBERED, timeout=120_000)
+            charts = page.locator(".sky-panel .sky-charts").first
+            chart = charts.locator(".sky-chart[data-metric='loss']")
+            chart.wait_for(timeout=30_000)
+            wait_for(lambda: chart.get_attribute("data-steps") == str(STEPS), 30, "every step")
+            assert chart.get_attribute("data-points") == str(STEPS)
+            assert charts.locator(".sky-chart[data-metric='lr']").count() == 1
+
+            # Without a cursor the readout is the last step's.
+            hover = chart.locator(".sky-hover")
+            assert hover.get_attribute("data-hovered") == "false"
+            assert hover.get_attribute("data-step") == str(STEPS - 1)
+
+            # Hovering the middle of the plot: that step's mean, min and max across ranks.
+            over = chart.locator(".u-over").bounding_box()
+            page.mouse.move(over["x"] + over["width"] / 2, over["y"] + over["height"] / 2)
+            wait_for(lambda: hover.get_attribute("data-hovered") == "true", 10, "the hover")
+            step = int(hover.get_attribute("data-step") or -1)
+            assert abs(step - (STEPS - 1) / 2) <= 2, step
+            for key, value in expected(step).items():
+                assert math.isclose(float(hover.get_attribute(f"data-{key}") or "nan"), value)
+            text = hover.inner_text()
+            assert f"step {step}: mean " in text and "(2 ranks)" in text, text
+            assert f"min {expected(step)['min']:.4g}" in text, text
+            DOCS.mkdir(exist_ok=True)
+            charts.screenshot(path=str(DOCS / "panel-charts.png"))
+
+            # Linear, then log: the y ticks go from evenly spaced to powers of ten.
+            assert chart.get_attribute("data-scale") == "linear"
+            linear = _numbers(chart.get_attribute("data-y-ticks"))
+            steps = {round(b - a, 9) for a, b in itertools.pairwise(linear)}
+            assert len(linear) >= 3 and len(steps) == 1, linear
+            chart.locator("input.sky-log").check()
+            wait_for(lambda: chart.get_attribute("data-scale") == "log", 10, "the log scale")
+            logs = _numbers(chart.get_attribute("data-y-ticks"))
+            assert {1.0, 10.0} <= set(logs), logs
+            assert all(math.log10(t).is_integer() for t in logs), logs
+
+            # As wide as the panel, following the window: side by side in a wide one, then
+            # one above the other, narrowing with the window.
+            lr = charts.locator(".sky-chart[data-metric='lr']")
+
+            def fits() -> bool:
+                canvas = chart.locator(".sky-plot canvas").bounding_box()
+                frame = chart.bounding_box()
+                return bool(frame["width"] - 20 <= canvas["width"] <= frame["width"])
+
+            def top(c: Any) -> float:
+                return float(c.bounding_box()["y"])
+
+            assert fits() and top(lr) == top(chart), "side by side, each filling its half"
+            widths = []
+            for width in (900, 760):
+                page.set_viewport_size({"width": width, "height": 900})
+                wait_for(lambda: top(lr) > top(chart) and fits(), 10, f"the charts at {width} px")
+                widths.append(chart.bounding_box()["width"])
+            assert widths[1] < widths[0] - 50, widths
+        finally:
+            screenshot(page, "panel-charts")
