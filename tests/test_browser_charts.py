@@ -34,6 +34,14 @@ def expected(step: int) -> dict[str, float]:
     return {"mean": (low + high) / 2, "min": low, "max": high, "ranks": 2}
 
 
+def moving_average(step: int, weight: float = 0.6) -> float:
+    """The smoothed mean of ``loss`` at ``step``: TensorBoard's debiased moving average."""
+    last = 0.0
+    for s in range(step + 1):
+        last = last * weight + (1 - weight) * expected(s)["mean"]
+    return last / (1 - weight ** (step + 1))
+
+
 @pytest.fixture
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     root = tmp_path_factory.mktemp("lab")
@@ -99,6 +107,23 @@ def test_a_chart_shows_a_steps_values_on_hover_and_a_log_scale(lab: Lab) -> None
             logs = _numbers(chart.get_attribute("data-y-ticks"))
             assert {1.0, 10.0} <= set(logs), logs
             assert all(math.log10(t).is_integer() for t in logs), logs
+
+            # Smoothed: the readout adds the moving average of the mean at the hovered step.
+            chart.locator("input.sky-smooth").check()
+            wait_for(lambda: chart.get_attribute("data-smooth") == "on", 10, "smoothing")
+            page.mouse.move(over["x"] + over["width"] / 2, over["y"] + over["height"] / 2 + 1)
+            wait_for(
+                lambda: (
+                    hover.get_attribute("data-hovered") == "true"
+                    and hover.get_attribute("data-smoothed")
+                ),
+                10,
+                "the smoothed readout",
+            )
+            step = int(hover.get_attribute("data-step") or -1)
+            smoothed = float(hover.get_attribute("data-smoothed") or "nan")
+            assert math.isclose(smoothed, moving_average(step)), (step, smoothed)
+            assert f"smoothed {smoothed:.4g}" in hover.inner_text()
 
             # As wide as the panel, following the window: side by side in a wide one, then
             # one above the other, narrowing with the window.

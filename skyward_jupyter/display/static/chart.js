@@ -82,11 +82,14 @@ function render({ model, el: root }) {
     const first = p.first[i];
     const step = first === steps[i] ? `step ${steps[i]}` : `steps ${first}-${steps[i]}`;
     const ranks = `${p.ranks[i]} rank${p.ranks[i] === 1 ? "" : "s"}`;
+    const smooth = model.get("smooth") ? `, smoothed ${fmt(drawn[4][i])}` : "";
     hover.textContent =
-      `${step}: mean ${fmt(p.mean[i])}, min ${fmt(p.min[i])}, max ${fmt(p.max[i])} (${ranks})`;
+      `${step}: mean ${fmt(p.mean[i])}${smooth}, min ${fmt(p.min[i])}, max ${fmt(p.max[i])} ` +
+      `(${ranks})`;
     Object.assign(hover.dataset, {
       step: String(steps[i]),
       mean: String(p.mean[i]),
+      smoothed: model.get("smooth") ? String(drawn[4][i]) : "",
       min: String(p.min[i]),
       max: String(p.max[i]),
       ranks: String(p.ranks[i]),
@@ -94,10 +97,13 @@ function render({ model, el: root }) {
     });
   }
 
+  // The columns uPlot draws: step, min, max, mean and the mean smoothed (when on).
+  let drawn = [[], [], [], [], []];
   function data() {
     const p = points();
     const mean = p.mean || [];
-    return [p.step || [], p.min || [], p.max || [], mean, model.get("smooth") ? smoothed(mean) : mean];
+    drawn = [p.step || [], p.min || [], p.max || [], mean, model.get("smooth") ? smoothed(mean) : mean];
+    return drawn;
   }
 
   function build() {
