@@ -31,6 +31,8 @@ def test_the_wheel_ships_the_panel_enabled(tmp_path: Path) -> None:
     panel = f"{DATA}/share/jupyter/labextensions/skyward-jupyter"
     assert {f"{panel}/package.json", f"{panel}/install.json", f"{panel}/static/style.js"} <= names
     assert any(n.startswith(f"{panel}/static/remoteEntry.") for n in names)
+    charts = "skyward_jupyter/display/static"  # the panel's charts draw without internet
+    assert {f"{charts}/uPlot.iife.min.js", f"{charts}/chart.js", f"{charts}/chart.css"} <= names
     config = f"{DATA}/etc/jupyter/jupyter_server_config.d/skyward_jupyter.json"
     enabled = json.loads(zipfile.ZipFile(wheel).read(config))
     assert enabled["ServerApp"]["jpserver_extensions"]["skyward_jupyter"] is True
