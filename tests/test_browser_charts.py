@@ -27,6 +27,11 @@ for step in range({STEPS}):
     time.sleep(0.02)
 """
 
+LIVE = (
+    "%%sky\nimport time\nfrom skyward_jupyter import log\n"
+    "for s in range(120): log(step=s, live=1.0 + s); time.sleep(0.1)"
+)
+
 
 def expected(step: int) -> dict[str, float]:
     """What the two ranks logged as ``loss`` at ``step``, reduced across them."""
@@ -144,5 +149,36 @@ def test_a_chart_shows_a_steps_values_on_hover_and_a_log_scale(lab: Lab) -> None
                 wait_for(lambda: top(lr) > top(chart) and fits(), 10, f"the charts at {width} px")
                 widths.append(chart.bounding_box()["width"])
             assert widths[1] < widths[0] - 50, widths
+
+            # A live chart zoomed in by dragging stays zoomed as points arrive; a double click
+            # zooms out to every step again.
+            page.locator(".jp-CodeCell").last.click()
+            page.keyboard.press("Escape")
+            page.keyboard.press("b")
+            page.keyboard.press("Enter")
+            page.keyboard.type(LIVE)
+            page.keyboard.press("Shift+Enter")
+            live = page.locator(".sky-chart[data-metric='live']")
+            live.wait_for(timeout=60_000)
+            wait_for(lambda: int(live.get_attribute("data-steps") or 0) >= 10, 30, "10 steps")
+            box = live.locator(".u-over").bounding_box()
+            y = box["y"] + box["height"] / 2
+            page.mouse.move(box["x"] + box["width"] * 0.1, y)
+            page.mouse.down()
+            page.mouse.move(box["x"] + box["width"] * 0.5, y, steps=5)
+            page.mouse.up()
+            zoomed = live.get_attribute("data-x-range")
+            steps = int(live.get_attribute("data-steps") or 0)
+            wait_for(lambda: int(live.get_attribute("data-steps") or 0) >= steps + 10, 30, "more")
+            assert live.get_attribute("data-x-range") == zoomed
+            live.locator(".u-over").dblclick()
+            wait_for(
+                lambda: (
+                    _numbers(live.get_attribute("data-x-range"))[1]
+                    == int(live.get_attribute("data-steps") or 0) - 1
+                ),
+                30,
+                "the whole range again",
+            )
         finally:
             screenshot(page, "panel-charts")

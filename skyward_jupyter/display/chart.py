@@ -24,7 +24,8 @@ its highest max), and a chart's points at most once per :data:`SEND_INTERVAL` se
 they changed (the cell's end sends what is left).
 
 DOM (for browser tests): ``.sky-chart[data-metric=NAME][data-steps=S][data-points=P]
-[data-scale=linear|log][data-smooth=on|off][data-y-ticks=...]``, its toggles ``input.sky-log``
+[data-scale=linear|log][data-smooth=on|off][data-y-ticks=...][data-x-range=MIN MAX]`` (a range
+dragged to stays while points arrive, until a double click), its toggles ``input.sky-log``
 and ``input.sky-smooth``, the readout ``.sky-hover[data-step][data-mean][data-min][data-max]
 [data-ranks][data-hovered]`` and the uPlot canvas in ``.sky-plot``.
 """

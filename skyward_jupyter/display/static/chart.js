@@ -58,6 +58,7 @@ function render({ model, el: root }) {
   root.append(chart);
 
   let u = null;
+  let zoomed = false; // dragged to a range: new points do not zoom back out
   let yTicks = [];
   const points = () => model.get("points") || {};
 
@@ -135,9 +136,16 @@ function render({ model, el: root }) {
       ],
       hooks: {
         setCursor: [(self) => showHover(self.cursor.idx)],
+        setSelect: [(self) => (zoomed = zoomed || self.select.width > 0)],
+        setScale: [
+          (self, key) => {
+            if (key === "x") chart.dataset.xRange = `${self.scales.x.min} ${self.scales.x.max}`;
+          },
+        ],
         draw: [() => (chart.dataset.yTicks = yTicks.filter((t) => t !== "").join(" "))],
       },
     };
+    zoomed = false;
     u = new uPlot(opts, data(), plot);
   }
 
@@ -176,9 +184,13 @@ function render({ model, el: root }) {
     sync();
     if (!u) return; // not drawn yet: the first draw takes these points
     if (wasLog !== logScale()) build(); // a value at or below 0 arrived: back to linear
-    else u.setData(data());
+    else if (zoomed) {
+      u.setData(data(), false);
+      u.redraw();
+    } else u.setData(data());
     if (u.cursor.idx === null || u.cursor.idx === undefined) showHover(null);
   });
+  plot.addEventListener("dblclick", () => (zoomed = false)); // uPlot zooms out
   model.on("change:log_scale", redraw);
   model.on("change:smooth", redraw);
   model.on("change:metric", sync);
