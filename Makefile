@@ -85,7 +85,7 @@ lint: setup
 
 test: lint system-deps
 	npm --prefix labextension test
-	$(PY) -m pytest
+	PY=$(PY) scripts/run_tests.sh
 
 bench: setup
 	$(PY) bench/bench_core.py --markdown-out BENCHMARKS.md
