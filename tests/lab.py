@@ -33,11 +33,11 @@ from .conftest import outputs_of, reply_of, wait_for
 
 CHROMIUM = os.environ.get("SKYWARD_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
+CHECKOUT = Path(__file__).resolve().parents[1]
+BUILT_PANEL = CHECKOUT / "skyward_jupyter" / "labextension"
+"""This checkout's build of the side panel (make labextension), when there is one."""
 SERVER_EXTENSION_CONFIG = (
-    Path(__file__).resolve().parents[1]
-    / "jupyter-config"
-    / "jupyter_server_config.d"
-    / "skyward_jupyter.json"
+    CHECKOUT / "jupyter-config" / "jupyter_server_config.d" / "skyward_jupyter.json"
 )
 _CHROMIUM_ARGS = [
     "--headless",
@@ -106,6 +106,14 @@ def jupyter_lab(root: Path) -> Iterator[Lab]:
         "JUPYTER_CONFIG_DIR": str(home / "config"),
         "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
     }
+    # The side panel of this checkout, ahead of any the environment links to (the first found
+    # of a name wins), so that a build here is the one tested.
+    if (BUILT_PANEL / "package.json").exists():
+        (home / "data" / "labextensions").mkdir(parents=True)
+        (home / "data" / "labextensions" / "skyward-jupyter").symlink_to(BUILT_PANEL)
+        env["JUPYTER_PATH"] = os.pathsep.join(
+            filter(None, [str(home / "data"), os.environ.get("JUPYTER_PATH")])
+        )
     env.pop("SKYWARD_REGISTRY_DIR", None)  # kernels and server meet in the runtime dir's registry
     log = (root / "lab.log").open("wb")
     server = subprocess.Popen(
