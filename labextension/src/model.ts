@@ -179,7 +179,8 @@ export function describeNode(node: INode): string {
   return parts.join(' · ');
 }
 
-/** Who holds a pool, under its title: why it is gone, else its notebook or kernel. */
+/** Who holds a pool, under its title: why it is gone, else its kernel where no notebook (the
+ * title) says it. */
 export function ownerText(pool: IPool): string {
   if (pool.gone_why) {
     return `gone: ${pool.gone_why}`;
@@ -188,7 +189,7 @@ export function ownerText(pool: IPool): string {
     return 'kernel not of this server';
   }
   if (pool.notebook) {
-    return pool.notebook;
+    return '';
   }
   return pool.kernel_id ? `kernel ${pool.kernel_id.slice(0, 8)}` : 'a process outside this server';
 }

@@ -231,10 +231,13 @@ export class SkyPanel extends Widget {
         'data-state': pool.state,
         'data-orphan': String(pool.orphan)
       },
-      h('div', { class: 'sky-lab-pool-head' }, toggle, title, state, button),
-      h('div', { class: 'sky-lab-details' }, details),
-      h('div', { class: 'sky-lab-owner' }, ownerText(pool))
+      h('div', { class: 'sky-lab-pool-head' }, toggle, title, button),
+      h('div', { class: 'sky-lab-pool-line' }, state, h('span', { class: 'sky-lab-details' }, details))
     );
+    const owner = ownerText(pool);
+    if (owner) {
+      item.append(h('div', { class: 'sky-lab-owner' }, owner));
+    }
     if (expanded) {
       item.append(this._renderNodes(pool.nodes, gone));
     }
