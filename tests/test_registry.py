@@ -154,8 +154,11 @@ def test_orphans_as_the_server_sees_them(tmp_path: Path) -> None:
         pool = served.public(record, {"k1"}, directory, now=100.0 + 1800)
         assert pool["orphan"] is orphan, name
         assert "teardown" not in pool and "format" not in pool
-        assert pool["cost"] == {"price_per_hour": 2.0, "spent": 1.0, "currency": None}
-        assert pool["uptime_s"] == 1800
+        gone = pool["owner"]["alive"] is False  # shown gone: its uptime and cost stop counting
+        assert pool["state"] == ("gone" if gone else None), name
+        spent = None if gone else 1.0
+        assert pool["cost"] == {"price_per_hour": 2.0, "spent": spent, "currency": None}
+        assert pool["uptime_s"] == (None if gone else 1800)
 
     elsewhere = _record(owner=registry.Owner(1, None, "another-machine", "k2").as_dict())
     assert served.owner_alive(elsewhere) is None
@@ -197,17 +200,17 @@ def test_liveness_is_checked_before_a_records_state_is_shown(tmp_path: Path) -> 
             ),
         }
         for name, (nodes, why) in cases.items():
-            record = _record(state="ready", nodes=nodes, updated_at=160.0)
+            record = _record(state="ready", nodes=nodes)
             pool = served.public(record, set(), directory, now=400.0)
             assert pool["gone_why"] == why, name
             assert pool["state"] == ("gone" if why else "ready"), name
-            assert pool["uptime_s"] == (60.0 if why else 300.0), name  # gone: it stops
+            assert pool["uptime_s"] == (None if why else 300.0), name  # gone: not counting
 
         owner = registry.Owner(dead.pid, dead_start, here, "k1").as_dict()
         record = _record(owner=owner, state="ready", nodes=_nodes((live.pid, here)))
-        pool = served.public({**record, "updated_at": 130.0}, {"k1"}, directory, now=400.0)
+        pool = served.public(record, {"k1"}, directory, now=400.0)
         assert pool["state"] == "gone" and pool["gone_why"] == "its kernel's process ended"
-        assert pool["uptime_s"] == 30.0 and pool["orphan"] is True
+        assert pool["uptime_s"] is None and pool["orphan"] is True
     finally:
         live.kill()
         live.wait()

@@ -196,7 +196,7 @@ def test_a_dead_kernels_pool_is_gone_and_cleaned_in_one_action(
     lab: Lab, kernels: list[Kernel]
 ) -> None:
     """A notebook's pool is titled by its notebook; its kernel killed, the record (still
-    saying "ready") is shown ``gone``, its uptime stops, and one DELETE cleans every gone pool.
+    saying "ready") is shown ``gone``, without uptime, and one DELETE cleans every gone pool.
     The listing's stamp changes with what it says, not with the clock."""
     dying, living = Kernel(lab, "dying.ipynb"), Kernel(lab, "living.ipynb")
     kernels += [dying, living]
@@ -221,9 +221,7 @@ def test_a_dead_kernels_pool_is_gone_and_cleaned_in_one_action(
     assert gone["gone_why"] == "its kernel's process ended" and gone["orphan"] is True
     assert registry.read_record(lab.runtime_dir / "skyward", gone["id"])["state"] == "ready"
     assert stamp(lab) != before
-    frozen = gone["uptime_s"]
-    wait_for(lambda: time.time() - gone["started_at"] > frozen + 1.5, 10, "a second")
-    assert pools_of(lab, dying)[0]["uptime_s"] == frozen
+    assert gone["uptime_s"] is None  # no uptime counting on for what no longer runs
 
     status, body = api(lab, "DELETE", "/skyward/pools")
     assert status == 400 and "gone=1" in body["message"]

@@ -8,7 +8,7 @@ whether a shutdown was asked.
 A record is only as true as its writer: a kernel that died (or whose ranks died) cannot say so.
 Before a record's own state is shown, its liveness is checked here: a record whose owner process
 ended, or all of whose ranks' processes on this machine ended, is ``gone`` (with ``gone_why``),
-whatever its last state said, and its uptime stops.
+whatever its last state said, and has no uptime (nor cost so far) any more.
 """
 
 from __future__ import annotations
@@ -79,8 +79,9 @@ def public(
     known = kernel_id is not None and kernel_id in kernel_ids
     why = gone_why(record, alive)
     started = record.get("started_at")
-    until = now if why is None else record.get("updated_at", now)
-    uptime = max(0.0, until - started) if isinstance(started, int | float) else None
+    # Gone: when it ended is not known (its record was last written at its last state change).
+    running = why is None and isinstance(started, int | float)
+    uptime = max(0.0, now - started) if running else None
     price = record.get("price_per_hour")
     spent = price * uptime / 3600 if price is not None and uptime is not None else None
     hidden = ("format", "owner", "teardown", "price_per_hour", "currency")
