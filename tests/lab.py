@@ -224,10 +224,31 @@ class Kernel:
             self.id = body["kernel"]["id"]
         connection = lab.runtime_dir / f"kernel-{self.id}.json"
         wait_for(connection.exists, 30, "the kernel's connection file")
-        self.client = BlockingKernelClient(connection_file=str(connection))
-        self.client.load_connection_file()
-        self.client.start_channels()
-        self.client.wait_for_ready(timeout=60)
+        self.connection = connection
+        self.client = self._connect()
+        self._wait_for_ready(60)
+
+    def _connect(self) -> BlockingKernelClient:
+        client = BlockingKernelClient(connection_file=str(self.connection))
+        client.load_connection_file()
+        client.start_channels()
+        return client
+
+    def _wait_for_ready(self, timeout: float) -> None:
+        """Wait for the kernel's first reply. The server writes the connection file before the
+        kernel listens: under load the client's heartbeat may miss its first beats and call the
+        kernel dead while the server still runs it; then connect again, until the deadline."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.client.wait_for_ready(timeout=max(1.0, deadline - time.monotonic()))
+                return
+            except RuntimeError:
+                alive = api(self.lab, "GET", f"/api/kernels/{self.id}")[0] == 200
+                if not alive or time.monotonic() > deadline:
+                    raise
+                self.client.stop_channels()
+                self.client = self._connect()
 
     def run(self, code: str, timeout: float = 120) -> str:
         """Run ``code``; its stdout, stderr and error as text (an error fails the test)."""

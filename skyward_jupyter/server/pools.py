@@ -80,8 +80,8 @@ def public(
     why = gone_why(record, alive)
     started = record.get("started_at")
     # Gone: when it ended is not known (its record was last written at its last state change).
-    running = why is None and isinstance(started, int | float)
-    uptime = max(0.0, now - started) if running else None
+    counting = why is None and isinstance(started, int | float)
+    uptime = max(0.0, now - float(started)) if counting and started is not None else None
     price = record.get("price_per_hour")
     spent = price * uptime / 3600 if price is not None and uptime is not None else None
     hidden = ("format", "owner", "teardown", "price_per_hour", "currency")
