@@ -10,6 +10,7 @@ entry for it, so that they depend on neither :mod:`.pool` nor :mod:`.session`.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from .events import PoolEvent, RankState
@@ -29,6 +30,59 @@ _PRECEDENCE = (
 )
 GONE = (RankState.LOST, RankState.TERMINATED)
 """States of a rank whose process is no more: its usage and heartbeat are history."""
+
+
+# ------------------------------------------------------------------ the words for states
+
+
+@dataclass(frozen=True, slots=True)
+class StateWord:
+    """How every view (the cell's panel, the lab's side panel, the text) names a state: the
+    word, its tone (which colour) and what it means (the views' tooltip)."""
+
+    word: str
+    tone: str
+    """``starting``, ``good``, ``busy``, ``bad`` or ``over``."""
+    meaning: str
+
+
+RECORD_GONE = "gone"
+"""The side panel's state of a registry record whose kernel or ranks are no more."""
+
+STATE_WORDS: dict[str, StateWord] = {
+    w.word: w
+    for w in (
+        StateWord("provisioning", "starting", "asking the provider for machines"),
+        StateWord("booting", "starting", "starting the rank processes"),
+        StateWord("connecting", "starting", "forming the process group"),
+        StateWord("ready", "good", "started; no cell has run on it yet"),
+        StateWord("running", "busy", "running a cell"),
+        StateWord("idle", "good", "ran a cell; waiting for the next one"),
+        StateWord("failed", "bad", "a cell raised on it"),
+        StateWord("lost", "bad", "a rank's process or machine is gone"),
+        StateWord("terminated", "over", "shut down"),
+        StateWord(RECORD_GONE, "over", "its kernel or its ranks are gone: nothing runs"),
+    )
+}
+"""Every state a view may show, in one place: the rank states and the side panel's ``gone``."""
+
+TONE_COLOURS = {
+    "starting": "#9a6700",
+    "good": "#1a7f37",
+    "busy": "#0969da",
+    "bad": "#cf222e",
+    "over": "#6e7781",
+}
+"""The colour of each tone where a view has no theme of its own (the cell's panel)."""
+
+
+def state_colour(state: RankState) -> str:
+    return TONE_COLOURS[STATE_WORDS[state.value].tone]
+
+
+def state_words() -> dict[str, dict[str, str]]:
+    """The vocabulary as JSON, for the lab's side panel (the server sends it with each list)."""
+    return {word: asdict(w) for word, w in STATE_WORDS.items()}
 
 
 def aggregate_state(states: Iterable[RankState]) -> RankState:

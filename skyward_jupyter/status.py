@@ -1,13 +1,17 @@
 """The text of ``%sky status``: a pool's state and its ranks, one line each.
 
-A pool whose process group cannot run a collective is shown ``broken`` with the reason, never
-``running``.
+A pool's state is said in the words of both panels (:data:`..model.STATE_WORDS`): its ranks'
+states folded as the panels fold them (``ready``, ``running``, ``idle``, ``lost``, ...), or
+``terminated``. A pool whose process group cannot run a collective is shown ``broken`` with the
+reason, never ``ready``.
 """
 
 from __future__ import annotations
 
 import time
 
+from .events import RankState
+from .model import aggregate_state
 from .pool import Pool
 
 
@@ -15,7 +19,8 @@ def pool_status(name: str, description: str, pool: Pool, current: bool) -> list[
     """A pool's lines in ``%sky status``: its state (``broken`` when its group cannot run a
     collective), then one line per rank."""
     uptime = time.time() - (pool.started_at or time.time())
-    state = "running" if pool.running else "ended"
+    ranks = (r.state for r in pool.ranks)
+    state = (aggregate_state(ranks) if pool.running else RankState.TERMINATED).value
     group = pool.group_backend or "no process group"
     if pool.running and pool.group_problem:
         state = "broken"

@@ -33,11 +33,11 @@ from .conftest import outputs_of, reply_of, wait_for
 
 CHROMIUM = os.environ.get("SKYWARD_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
+CHECKOUT = Path(__file__).resolve().parents[1]
+BUILT_PANEL = CHECKOUT / "skyward_jupyter" / "labextension"
+"""This checkout's build of the side panel (make labextension), when there is one."""
 SERVER_EXTENSION_CONFIG = (
-    Path(__file__).resolve().parents[1]
-    / "jupyter-config"
-    / "jupyter_server_config.d"
-    / "skyward_jupyter.json"
+    CHECKOUT / "jupyter-config" / "jupyter_server_config.d" / "skyward_jupyter.json"
 )
 _CHROMIUM_ARGS = [
     "--headless",
@@ -106,6 +106,14 @@ def jupyter_lab(root: Path) -> Iterator[Lab]:
         "JUPYTER_CONFIG_DIR": str(home / "config"),
         "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
     }
+    # The side panel of this checkout, ahead of any the environment links to (the first found
+    # of a name wins), so that a build here is the one tested.
+    if (BUILT_PANEL / "package.json").exists():
+        (home / "data" / "labextensions").mkdir(parents=True)
+        (home / "data" / "labextensions" / "skyward-jupyter").symlink_to(BUILT_PANEL)
+        env["JUPYTER_PATH"] = os.pathsep.join(
+            filter(None, [str(home / "data"), os.environ.get("JUPYTER_PATH")])
+        )
     env.pop("SKYWARD_REGISTRY_DIR", None)  # kernels and server meet in the runtime dir's registry
     log = (root / "lab.log").open("wb")
     server = subprocess.Popen(
@@ -216,10 +224,31 @@ class Kernel:
             self.id = body["kernel"]["id"]
         connection = lab.runtime_dir / f"kernel-{self.id}.json"
         wait_for(connection.exists, 30, "the kernel's connection file")
-        self.client = BlockingKernelClient(connection_file=str(connection))
-        self.client.load_connection_file()
-        self.client.start_channels()
-        self.client.wait_for_ready(timeout=60)
+        self.connection = connection
+        self.client = self._connect()
+        self._wait_for_ready(60)
+
+    def _connect(self) -> BlockingKernelClient:
+        client = BlockingKernelClient(connection_file=str(self.connection))
+        client.load_connection_file()
+        client.start_channels()
+        return client
+
+    def _wait_for_ready(self, timeout: float) -> None:
+        """Wait for the kernel's first reply. The server writes the connection file before the
+        kernel listens: under load the client's heartbeat may miss its first beats and call the
+        kernel dead while the server still runs it; then connect again, until the deadline."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.client.wait_for_ready(timeout=max(1.0, deadline - time.monotonic()))
+                return
+            except RuntimeError:
+                alive = api(self.lab, "GET", f"/api/kernels/{self.id}")[0] == 200
+                if not alive or time.monotonic() > deadline:
+                    raise
+                self.client.stop_channels()
+                self.client = self._connect()
 
     def run(self, code: str, timeout: float = 120) -> str:
         """Run ``code``; its stdout, stderr and error as text (an error fails the test)."""

@@ -154,13 +154,85 @@ def test_orphans_as_the_server_sees_them(tmp_path: Path) -> None:
         pool = served.public(record, {"k1"}, directory, now=100.0 + 1800)
         assert pool["orphan"] is orphan, name
         assert "teardown" not in pool and "format" not in pool
-        assert pool["cost"] == {"price_per_hour": 2.0, "spent": 1.0, "currency": None}
-        assert pool["uptime_s"] == 1800
+        gone = pool["owner"]["alive"] is False  # shown gone: its uptime and cost stop counting
+        assert pool["state"] == ("gone" if gone else None), name
+        spent = None if gone else 1.0
+        assert pool["cost"] == {"price_per_hour": 2.0, "spent": spent, "currency": None}
+        assert pool["uptime_s"] == (None if gone else 1800)
 
     elsewhere = _record(owner=registry.Owner(1, None, "another-machine", "k2").as_dict())
     assert served.owner_alive(elsewhere) is None
     assert not served.concerns(elsewhere, {"k1"})  # another machine's server shows it
     assert served.concerns(elsewhere, {"k2"})  # unless its kernel is one of ours
+
+
+def _nodes(*ranks: tuple[int, str]) -> list[dict[str, Any]]:
+    """One node holding ranks given as (pid, hostname), each last said to be ready."""
+    return [
+        {
+            "index": 0,
+            "state": "ready",
+            "ranks": [{"rank": i, "state": "ready", "pid": pid, "hostname": host}
+                      for i, (pid, host) in enumerate(ranks)],
+        }
+    ]  # fmt: skip
+
+
+def test_liveness_is_checked_before_a_records_state_is_shown(tmp_path: Path) -> None:
+    """A record says what its kernel last wrote; the server checks that its kernel and its
+    ranks' processes still run before showing it, and shows ``gone`` (greyed) when not."""
+    directory = registry.ensure_dir(tmp_path / "skyward")
+    here = socket.gethostname()
+    live = subprocess.Popen(["sleep", "60"])
+    dead = subprocess.Popen(["sleep", "60"])
+    dead_start = procs.process_start(dead.pid)
+    dead.kill()
+    dead.wait()
+    try:
+        cases = {
+            "all ranks run": (_nodes((live.pid, here), (live.pid, here)), None),
+            "one rank of two ended": (_nodes((live.pid, here), (dead.pid, here)), None),
+            "a rank elsewhere": (_nodes((dead.pid, here), (dead.pid, "elsewhere")), None),
+            "not started yet": ([], None),
+            "every rank ended": (
+                _nodes((dead.pid, here), (dead.pid, here)),
+                "its ranks' processes ended",
+            ),
+        }
+        for name, (nodes, why) in cases.items():
+            record = _record(state="ready", nodes=nodes)
+            pool = served.public(record, set(), directory, now=400.0)
+            assert pool["gone_why"] == why, name
+            assert pool["state"] == ("gone" if why else "ready"), name
+            assert pool["uptime_s"] == (None if why else 300.0), name  # gone: not counting
+
+        owner = registry.Owner(dead.pid, dead_start, here, "k1").as_dict()
+        record = _record(owner=owner, state="ready", nodes=_nodes((live.pid, here)))
+        pool = served.public(record, {"k1"}, directory, now=400.0)
+        assert pool["state"] == "gone" and pool["gone_why"] == "its kernel's process ended"
+        assert pool["uptime_s"] is None and pool["orphan"] is True
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_one_vocabulary_of_states() -> None:
+    """Every rank state has its word, tone and meaning, which the server sends to the side
+    panel and the cell's panel colours by; ``gone`` is the side panel's own."""
+    from skyward_jupyter.display.panel_html import state_label
+    from skyward_jupyter.events import RankState
+    from skyward_jupyter.model import STATE_WORDS, TONE_COLOURS, state_words
+
+    assert set(STATE_WORDS) == {s.value for s in RankState} | {"gone"}
+    assert {w.tone for w in STATE_WORDS.values()} <= set(TONE_COLOURS)
+    assert state_words()["idle"] == {
+        "word": "idle",
+        "tone": "good",
+        "meaning": "ran a cell; waiting for the next one",
+    }
+    label = state_label(RankState.READY)
+    assert 'title="started; no cell has run on it yet"' in label
+    assert f"color: {TONE_COLOURS['good']}" in label
 
 
 # -------------------------------------------------------------------- the kernel's side

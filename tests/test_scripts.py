@@ -591,7 +591,7 @@ def test_status_says_broken_when_the_group_cannot_form_again() -> None:
         with pytest.raises(PoolError, match=r"no working process group .* restart it"):
             session.run_cell(ALL_REDUCE, {})
         session.restart()
-        assert ", running, " in session.status()
+        assert ", ready, " in session.status()  # the panels' word: no cell on it yet
         assert session.run_cell(ALL_REDUCE, {}).raise_for_errors().values == [3.0, 3.0]
     finally:
         session.down_all()
@@ -621,7 +621,7 @@ def test_sky_run_in_a_kernel(kernel: Kernel, project: Path) -> None:
     assert "starting" not in second.stderr  # the warm pool, not a new one
     cell = kernel.ok(f"%%sky --all\n{ALL_REDUCE}")
     assert cell.per_rank == {0: "3.0", 1: "3.0"}, str(cell)
-    assert ", running, " in kernel.status()
+    assert ", idle, " in kernel.status()  # the panels' word: waiting for the next cell
     kernel.register_pool_pids()
 
 

@@ -69,6 +69,8 @@ def test_routes_need_authentication(lab: Lab, kernels: list[Kernel]) -> None:
             ("GET", f"/skyward/pools/{pool['id']}"),
             ("GET", "/skyward/pools/default"),
             ("DELETE", f"/skyward/pools/{pool['id']}"),
+            ("GET", "/skyward/stamp"),
+            ("DELETE", "/skyward/pools?gone=1"),
         ):
             status, body = api(lab, method, path, token=token)
             assert status == 403, (method, path, token, status)
@@ -166,7 +168,7 @@ def test_list_one_delete_and_reap_orphans(lab: Lab, kernels: list[Kernel]) -> No
     status, body = api(lab, "DELETE", f"/skyward/pools/{busy['id']}")
     assert status == 200 and body["how"] == "kernel"
     reply, text = first.collect(cell, 60)
-    assert reply["status"] == "error" and "KeyboardInterrupt" in text
+    assert reply["status"] == "error" and "CellInterrupted: cell interrupted" in text
     assert not rank_pids(busy) & agent_pids()
     assert first.run("%sky status").strip() == "no pools"
 
@@ -182,6 +184,54 @@ def test_list_one_delete_and_reap_orphans(lab: Lab, kernels: list[Kernel]) -> No
     wait_for(lambda: not rank_pids(orphan) & agent_pids(), 10, "the orphan's ranks to end")
     assert api(lab, "GET", f"/skyward/pools/{orphan['id']}")[0] == 404
     assert pools(lab) == []
+
+
+def stamp(lab: Lab) -> str:
+    status, body = api(lab, "GET", "/skyward/stamp")
+    assert status == 200, body
+    return str(body["stamp"])
+
+
+def test_a_dead_kernels_pool_is_gone_and_cleaned_in_one_action(
+    lab: Lab, kernels: list[Kernel]
+) -> None:
+    """A notebook's pool is titled by its notebook; its kernel killed, the record (still
+    saying "ready") is shown ``gone``, without uptime, and one DELETE cleans every gone pool.
+    The listing's stamp changes with what it says, not with the clock."""
+    dying, living = Kernel(lab, "dying.ipynb"), Kernel(lab, "living.ipynb")
+    kernels += [dying, living]
+    dying.run("%load_ext skyward_jupyter\n%sky up --nodes 2 --name big")
+    living.run("%load_ext skyward_jupyter\n%sky up --nodes 1")
+
+    status, body = api(lab, "GET", "/skyward/pools")
+    assert status == 200 and body["states"]["gone"]["tone"] == "over"
+    assert body["stamp"] == stamp(lab)
+    (pool,) = pools_of(lab, dying)
+    assert pool["notebook"] == "dying.ipynb" and pool["state"] == "ready"
+    assert pool["gone_why"] is None
+    assert pools_of(lab, living)[0]["notebook"] == "living.ipynb"
+    before = stamp(lab)
+    wait_for(lambda: pools_of(lab, dying)[0]["uptime_s"] > pool["uptime_s"], 10, "a second")
+    assert stamp(lab) == before  # the clock alone changes nothing the panel must fetch
+
+    ranks = rank_pids(pool)
+    os.kill(dying.pid(), signal.SIGKILL)
+    wait_for(lambda: pools_of(lab, dying)[0]["state"] == "gone", 30, "the pool to be gone")
+    (gone,) = pools_of(lab, dying)
+    assert gone["gone_why"] == "its kernel's process ended" and gone["orphan"] is True
+    assert registry.read_record(lab.runtime_dir / "skyward", gone["id"])["state"] == "ready"
+    assert stamp(lab) != before
+    assert gone["uptime_s"] is None  # no uptime counting on for what no longer runs
+
+    status, body = api(lab, "DELETE", "/skyward/pools")
+    assert status == 400 and "gone=1" in body["message"]
+    status, body = api(lab, "DELETE", "/skyward/pools?gone=1")
+    assert status == 200, body
+    (cleaned,) = body["cleaned"]
+    assert cleaned["id"] == gone["id"] and cleaned["how"] == "reaped"
+    wait_for(lambda: not ranks & agent_pids(), 10, "the gone pool's ranks to end")
+    assert pools_of(lab, dying) == []
+    assert [p["state"] for p in pools_of(lab, living)] == ["ready"]  # the live one stays
 
 
 def _fake_rank(rank: int) -> subprocess.Popen[bytes]:

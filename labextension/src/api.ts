@@ -6,7 +6,7 @@
 import { URLExt } from '@jupyterlab/coreutils';
 import { ServerConnection } from '@jupyterlab/services';
 
-import { describeFailure, IListing, IShutdownReply } from './model';
+import { describeFailure, ICleanReply, IListing, IShutdownReply } from './model';
 
 /** A request that failed, with a message for people and the HTTP status (0: unreachable). */
 export class RequestError extends Error {
@@ -18,9 +18,14 @@ export class RequestError extends Error {
   }
 }
 
-async function request<T>(path: string, init: RequestInit, action: string): Promise<T> {
+async function request<T>(
+  path: string,
+  init: RequestInit,
+  action: string,
+  route = 'pools'
+): Promise<T> {
   const settings = ServerConnection.makeSettings();
-  const url = URLExt.join(settings.baseUrl, 'skyward', 'pools', path);
+  const url = URLExt.join(settings.baseUrl, 'skyward', route, path);
   let response: Response;
   try {
     response = await ServerConnection.makeRequest(url, init, settings);
@@ -48,4 +53,15 @@ export function listPools(): Promise<IListing> {
 export function shutDownPool(id: string, name: string): Promise<IShutdownReply> {
   const path = `${encodeURIComponent(id)}?wait=30`;
   return request<IShutdownReply>(path, { method: 'DELETE' }, `shut down "${name}"`);
+}
+
+/** The listing's digest alone: cheap, asked often; a new one means the listing changed. */
+export async function listingStamp(): Promise<string> {
+  const reply = await request<{ stamp: string }>('', { method: 'GET' }, 'list pools', 'stamp');
+  return reply.stamp;
+}
+
+/** End what every gone pool left running and remove their records. */
+export function cleanGonePools(): Promise<ICleanReply> {
+  return request<ICleanReply>('?gone=1&wait=10', { method: 'DELETE' }, 'clean up gone pools');
 }

@@ -21,9 +21,6 @@ const skyIcon = new LabIcon({
     '11.66 1.02A4 4 0 0 1 17.5 19z"/></svg>'
 });
 
-/** Milliseconds between refreshes of the lab's session list for an unknown kernel. */
-const SESSION_REFRESH = 5000;
-
 const plugin: JupyterFrontEndPlugin<void> = {
   id: 'skyward-jupyter:pools',
   description: 'A side panel listing every skyward_jupyter pool, with a shut-down button.',
@@ -31,23 +28,13 @@ const plugin: JupyterFrontEndPlugin<void> = {
   requires: [ILabShell],
   optional: [ILayoutRestorer],
   activate: (app: JupyterFrontEnd, shell: ILabShell, restorer: ILayoutRestorer | null) => {
-    // The lab's session list refreshes slowly; a kernel it does not know yet (a notebook opened
-    // in another tab) asks for a refresh, at most every few seconds.
-    const sessions = app.serviceManager.sessions;
-    let lastRefresh = 0;
-    const notebookOf = (kernelId: string): string | null => {
-      for (const session of sessions.running()) {
-        if (session.kernel?.id === kernelId) {
-          return session.path;
-        }
-      }
-      if (Date.now() - lastRefresh > SESSION_REFRESH) {
-        lastRefresh = Date.now();
-        sessions.refreshRunning().catch(error => console.warn('skyward: sessions', error));
-      }
-      return null;
+    // A pool's title opens its notebook, or brings it to the front where it is open.
+    const openNotebook = (path: string) => {
+      app.commands
+        .execute('docmanager:open', { path })
+        .catch(error => console.warn('skyward: cannot open', path, error));
     };
-    const panel = new SkyPanel(notebookOf);
+    const panel = new SkyPanel(openNotebook);
     panel.title.icon = skyIcon;
     shell.add(panel, 'left', { rank: 900 });
     restorer?.add(panel, panel.id);

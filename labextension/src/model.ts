@@ -5,16 +5,25 @@
  * The shapes mirror `skyward_jupyter/server/pools.py` (the REST routes' pool object).
  */
 
-export type State =
-  | 'provisioning'
-  | 'booting'
-  | 'connecting'
-  | 'ready'
-  | 'running'
-  | 'idle'
-  | 'failed'
-  | 'lost'
-  | 'terminated';
+/**
+ * A state's word, as every view of a pool says it: the rank states (`provisioning` ... `terminated`)
+ * and `gone`, a record whose kernel or ranks ended. The words, their tones and meanings come from
+ * the server with each listing (`skyward_jupyter/model.py`, `STATE_WORDS`): one vocabulary for
+ * the notebook's panel, this panel and the text.
+ */
+export type State = string;
+
+/** The word `gone`: what the server says of a record whose kernel or ranks are no more. */
+export const GONE = 'gone';
+
+export interface IStateWord {
+  word: string;
+  /** `starting`, `good`, `busy`, `bad` or `over`: the colour group. */
+  tone: string;
+  meaning: string;
+}
+
+export type Vocabulary = Record<string, IStateWord>;
 
 export interface IRank {
   rank: number;
@@ -46,6 +55,10 @@ export interface IPool {
   backend: string | null;
   started_at: number | null;
   kernel_id: string | null;
+  /** The path of its kernel's notebook (under the server's root) where a session has one. */
+  notebook: string | null;
+  /** Why the record no longer describes a running pool (its state is then `gone`). */
+  gone_why: string | null;
   owner: { pid: number | null; host: string | null; alive: boolean | null };
   orphan: boolean;
   shutdown_requested: boolean;
@@ -57,6 +70,14 @@ export interface IPool {
 export interface IListing {
   pools: IPool[];
   now: number;
+  /** A digest of the listing that changes when it does (`GET /skyward/stamp` says it alone). */
+  stamp: string;
+  states: Vocabulary;
+}
+
+/** The reply of `DELETE /skyward/pools?gone=1`. */
+export interface ICleanReply {
+  cleaned: IShutdownReply[];
 }
 
 /** The reply of `DELETE /skyward/pools/<id>`. */
@@ -68,23 +89,47 @@ export interface IShutdownReply {
   notes?: string[];
 }
 
-/** A state's colour class: the same groups as the notebook panel (good, busy, bad, over). */
-export function stateClass(state: State): string {
-  switch (state) {
-    case 'ready':
-    case 'idle':
-      return 'sky-good';
-    case 'running':
-    case 'provisioning':
-    case 'booting':
-    case 'connecting':
-      return 'sky-busy';
-    case 'failed':
-    case 'lost':
-      return 'sky-bad';
-    default:
-      return 'sky-over';
+/** A state's colour class, from its tone in the server's vocabulary (unknown: `over`). */
+export function stateClass(state: State, words: Vocabulary): string {
+  return `sky-tone-${words[state]?.tone ?? 'over'}`;
+}
+
+/** What a state means, for its tooltip. */
+export function stateMeaning(state: State, words: Vocabulary): string {
+  return words[state]?.meaning ?? '';
+}
+
+/** A pool's title: its notebook's file name and the pool's name, as `train.ipynb · default`. */
+export function poolTitle(pool: IPool): string {
+  const notebook = pool.notebook?.split('/').pop();
+  return notebook ? `${notebook} · ${pool.name}` : pool.name;
+}
+
+/** The pools that are `gone`: those the header's "Clean up" removes together. */
+export function gonePools(pools: IPool[]): IPool[] {
+  return pools.filter(pool => pool.state === GONE);
+}
+
+/** The confirmation of "Clean up". */
+export function cleanText(gone: IPool[]): string {
+  const names = gone.map(poolTitle).join(', ');
+  return (
+    `Clean up ${gone.length} gone pool${gone.length === 1 ? '' : 's'} (${names})? ` +
+    'Their kernels or ranks ended; what they left running is ended and their records removed.'
+  );
+}
+
+/** What the panel says after "Clean up". */
+export function cleanMessage(reply: ICleanReply): string {
+  const n = reply.cleaned.length;
+  if (!n) {
+    return 'Nothing to clean: no pool is gone.';
   }
+  const killed = reply.cleaned.reduce((sum, r) => sum + (r.killed?.length ?? 0), 0);
+  return (
+    `Cleaned ${n} gone pool${n === 1 ? '' : 's'}: ` +
+    `${killed} process${killed === 1 ? '' : 'es'} ended.`
+  );
 }
 
 /** `42 s`, `3 min`, `2 h 05 min`: an uptime at a glance. */
@@ -134,19 +179,27 @@ export function describeNode(node: INode): string {
   return parts.join(' · ');
 }
 
-/** Who holds a pool when its notebook is not known to this lab. */
+/** Who holds a pool, under its title: why it is gone, else its kernel where no notebook (the
+ * title) says it. */
 export function ownerText(pool: IPool): string {
+  if (pool.gone_why) {
+    return `gone: ${pool.gone_why}`;
+  }
   if (pool.orphan) {
-    return 'kernel gone';
+    return 'kernel not of this server';
+  }
+  if (pool.notebook) {
+    return '';
   }
   return pool.kernel_id ? `kernel ${pool.kernel_id.slice(0, 8)}` : 'a process outside this server';
 }
 
-/** Orphans first (they cost money and nobody watches them), then by name and id. */
+/** Live pools by title (notebook, then name), then the gone ones, greyed, at the end. */
 export function sortPools(pools: IPool[]): IPool[] {
+  const gone = (pool: IPool) => Number(pool.state === GONE);
   return [...pools].sort(
     (a, b) =>
-      Number(b.orphan) - Number(a.orphan) || a.name.localeCompare(b.name) || a.id.localeCompare(b.id)
+      gone(a) - gone(b) || poolTitle(a).localeCompare(poolTitle(b)) || a.id.localeCompare(b.id)
   );
 }
 

@@ -1,13 +1,18 @@
 /**
- * The "Sky" side panel: every pool of this Jupyter server's kernels, refreshed by a poll that
- * backs off when the server fails and stands by while the panel or the browser tab is hidden.
+ * The "Sky" side panel: every pool of this Jupyter server's kernels, refreshed on change: a fast
+ * poll of the listing's digest (`GET /skyward/stamp`, a few times a second) fetches the listing
+ * as soon as it changes, and a slower one keeps uptimes and costs current. Both back off when the
+ * server fails and stand by while the panel or the browser tab is hidden.
+ *
+ * Each pool is titled by its notebook and name (a click opens the notebook); a pool whose kernel
+ * or ranks ended is `gone`, greyed, and the header's "Clean up" ends all of those at once.
  *
  * The DOM is rebuilt from each listing (a few pools, a few nodes each), keeping what the user
  * chose: which pools are expanded, which shut-downs are in flight, the last message.
  *
- * The poll's state is written on the panel's node (`data-poll`: its phase, `data-poll-interval`:
- * milliseconds to the next tick, `data-poll-ticks`: ticks so far), so that its back-off and
- * standby can be seen from the outside (the browser tests read them).
+ * The slow poll's state is written on the panel's node (`data-poll`: its phase,
+ * `data-poll-interval`: milliseconds to the next tick, `data-poll-ticks`: ticks so far), so that
+ * its back-off and standby can be seen from the outside (the browser tests read them).
  */
 
 import { Dialog, showDialog } from '@jupyterlab/apputils';
@@ -15,24 +20,33 @@ import { Poll } from '@lumino/polling';
 import { Message } from '@lumino/messaging';
 import { Widget } from '@lumino/widgets';
 
-import { listPools, RequestError, shutDownPool } from './api';
+import { cleanGonePools, listingStamp, listPools, RequestError, shutDownPool } from './api';
 import {
+  cleanMessage,
+  cleanText,
   confirmText,
-  ownerText,
   describeNode,
   formatCost,
   formatDuration,
+  GONE,
+  gonePools,
   INode,
   IPool,
+  ownerText,
+  poolTitle,
   shutdownMessage,
   sortPools,
   stateClass,
-  summary
+  stateMeaning,
+  summary,
+  Vocabulary
 } from './model';
 
-/** Seconds between refreshes while all is well; failures back off up to `MAX_INTERVAL`. */
+/** Milliseconds between listings while all is well (uptime, cost); failures back off to `MAX_INTERVAL`. */
 const INTERVAL = 3000;
 const MAX_INTERVAL = 30000;
+/** Milliseconds between asks for the listing's digest: how soon a change shows. */
+const STAMP_INTERVAL = 400;
 
 type Attributes = Record<string, string>;
 
@@ -45,13 +59,13 @@ function h(tag: string, attrs: Attributes = {}, ...children: (Node | string)[]):
   return element;
 }
 
-/** The notebook whose kernel owns a pool, where this lab knows it. */
-export type NotebookOf = (kernelId: string) => string | null;
+/** Open (or bring to the front) the notebook at a path under the server's root. */
+export type OpenNotebook = (path: string) => void;
 
 export class SkyPanel extends Widget {
-  constructor(notebookOf: NotebookOf) {
+  constructor(openNotebook: OpenNotebook) {
     super();
-    this._notebookOf = notebookOf;
+    this._openNotebook = openNotebook;
     this.id = 'skyward-pools';
     this.addClass('sky-lab');
     this.title.caption = 'Sky: the pools of this server’s kernels';
@@ -60,8 +74,10 @@ export class SkyPanel extends Widget {
     this._list = h('ul', { class: 'sky-lab-pools' });
     const refresh = h('button', { class: 'sky-lab-refresh jp-Button', title: 'Refresh now' }, '↻');
     refresh.addEventListener('click', () => void this._poll.refresh());
+    this._clean = h('button', { class: 'sky-lab-clean jp-Button' }) as HTMLButtonElement;
+    this._clean.addEventListener('click', () => void this._cleanUp());
     this.node.append(
-      h('header', { class: 'sky-lab-header' }, h('h2', {}, 'Sky pools'), refresh),
+      h('header', { class: 'sky-lab-header' }, h('h2', {}, 'Sky pools'), this._clean, refresh),
       this._message,
       this._list
     );
@@ -77,11 +93,28 @@ export class SkyPanel extends Widget {
       this.node.dataset.pollInterval = String(state.interval);
       this.node.dataset.pollTicks = String(++this._ticks);
     });
+    this._stampPoll = new Poll({
+      factory: () => this._checkStamp(),
+      frequency: { interval: STAMP_INTERVAL, backoff: true, max: MAX_INTERVAL },
+      standby: () => !this.isVisible || 'when-hidden',
+      name: 'skyward:pools-stamp'
+    });
   }
 
   dispose(): void {
     this._poll.dispose();
+    this._stampPoll.dispose();
     super.dispose();
+  }
+
+  /** A new digest means a new listing: fetch it now rather than at the slow poll's next tick. */
+  private async _checkStamp(): Promise<void> {
+    if (!this._loaded || this._listError) {
+      return; // the slow poll (and its back-off) is in charge until a listing arrives
+    }
+    if ((await listingStamp()) !== this._stamp) {
+      await this._poll.refresh();
+    }
   }
 
   /** Showing the panel refreshes at once rather than at the next tick. */
@@ -94,6 +127,8 @@ export class SkyPanel extends Widget {
     try {
       const listing = await listPools();
       this._pools = sortPools(listing.pools);
+      this._stamp = listing.stamp;
+      this._words = listing.states;
       this._loaded = true;
       this._listError = '';
     } catch (error) {
@@ -109,6 +144,12 @@ export class SkyPanel extends Widget {
     this._message.textContent = message;
     this._message.className = 'sky-lab-message' + (this._listError || this._noteIsError ? ' sky-lab-error' : '');
     this._message.hidden = !message;
+
+    const gone = gonePools(this._pools);
+    this._clean.textContent = this._cleaning ? 'Cleaning…' : `Clean up ${gone.length} gone`;
+    this._clean.title = gone.length ? cleanText(gone) : '';
+    this._clean.hidden = !gone.length && !this._cleaning;
+    this._clean.disabled = this._cleaning;
 
     const items = this._pools.map(pool => this._renderPool(pool));
     if (!items.length && this._loaded) {
@@ -126,6 +167,7 @@ export class SkyPanel extends Widget {
   private _renderPool(pool: IPool): HTMLElement {
     const expanded = this._expanded.has(pool.id);
     const stopping = this._stopping.has(pool.id) || pool.shutdown_requested;
+    const gone = pool.state === GONE;
 
     const toggle = h(
       'button',
@@ -134,8 +176,7 @@ export class SkyPanel extends Widget {
         'aria-expanded': String(expanded),
         title: expanded ? 'Hide nodes' : 'Show nodes'
       },
-      expanded ? '▾' : '▸',
-      h('span', { class: 'sky-lab-name' }, pool.name)
+      expanded ? '▾' : '▸'
     );
     toggle.addEventListener('click', () => {
       if (!this._expanded.delete(pool.id)) {
@@ -144,63 +185,85 @@ export class SkyPanel extends Widget {
       this._render();
     });
 
-    const badges = [
-      h('span', { class: `sky-lab-state ${stateClass(pool.state)}`, 'data-state': pool.state }, pool.state)
-    ];
-    if (pool.orphan) {
-      badges.push(
-        h(
-          'span',
-          { class: 'sky-lab-orphan', title: 'Its kernel is gone: nothing will end this pool but you' },
-          'orphan'
-        )
-      );
+    const notebook = pool.notebook;
+    const title = h(
+      notebook ? 'a' : 'span',
+      notebook
+        ? { class: 'sky-lab-title', href: '#', title: `Open ${notebook}` }
+        : { class: 'sky-lab-title' },
+      poolTitle(pool)
+    );
+    if (notebook) {
+      title.addEventListener('click', event => {
+        event.preventDefault();
+        this._openNotebook(notebook);
+      });
     }
+
+    const state = h(
+      'span',
+      {
+        class: `sky-lab-state ${stateClass(pool.state, this._words)}`,
+        'data-state': pool.state,
+        title: stateMeaning(pool.state, this._words)
+      },
+      pool.state
+    );
 
     const button = h(
       'button',
-      { class: 'sky-lab-shutdown jp-mod-styled jp-mod-warn', title: confirmText(pool) },
+      { class: 'sky-lab-shutdown jp-Button', title: confirmText(pool) },
       stopping ? 'Shutting down…' : pool.orphan ? 'Reap' : 'Shut down'
     ) as HTMLButtonElement;
     button.disabled = stopping;
     button.addEventListener('click', () => void this._shutDown(pool));
 
-    const notebook = pool.kernel_id ? this._notebookOf(pool.kernel_id) : null;
-    const details = [summary(pool), formatDuration(pool.uptime_s), formatCost(pool.cost)]
+    const details = [summary(pool), gone ? '' : formatDuration(pool.uptime_s), formatCost(pool.cost)]
       .filter(Boolean)
       .join(' · ');
 
     const item = h(
       'li',
       {
-        class: 'sky-lab-pool',
+        class: 'sky-lab-pool' + (gone ? ' sky-lab-gone' : ''),
         'data-pool-id': pool.id,
         'data-pool-name': pool.name,
         'data-state': pool.state,
         'data-orphan': String(pool.orphan)
       },
-      h('div', { class: 'sky-lab-pool-head' }, toggle, ...badges, button),
-      h('div', { class: 'sky-lab-details' }, details),
-      h(
-        'div',
-        { class: 'sky-lab-owner' },
-        notebook ?? ownerText(pool)
-      )
+      h('div', { class: 'sky-lab-pool-head' }, toggle, title, button),
+      h('div', { class: 'sky-lab-pool-line' }, state, h('span', { class: 'sky-lab-details' }, details))
     );
+    const owner = ownerText(pool);
+    if (owner) {
+      item.append(h('div', { class: 'sky-lab-owner' }, owner));
+    }
     if (expanded) {
-      item.append(this._renderNodes(pool.nodes));
+      item.append(this._renderNodes(pool.nodes, gone));
     }
     return item;
   }
 
-  private _renderNodes(nodes: INode[]): HTMLElement {
+  /** The node table; a gone pool's nodes say what was last heard of them, greyed with it. */
+  private _renderNodes(nodes: INode[], gone: boolean): HTMLElement {
     const rows = nodes.map(node =>
       h(
         'tr',
         { class: 'sky-lab-node', 'data-state': node.state },
         h('td', {}, String(node.index)),
         h('td', {}, describeNode(node)),
-        h('td', {}, h('span', { class: `sky-lab-state ${stateClass(node.state)}` }, node.state))
+        h(
+          'td',
+          {},
+          h(
+            'span',
+            {
+              class: `sky-lab-state ${stateClass(node.state, this._words)}`,
+              title: (gone ? 'last heard: ' : '') + stateMeaning(node.state, this._words)
+            },
+            node.state
+          )
+        )
       )
     );
     if (!rows.length) {
@@ -238,14 +301,42 @@ export class SkyPanel extends Widget {
     }
   }
 
+  private async _cleanUp(): Promise<void> {
+    const gone = gonePools(this._pools);
+    const answer = await showDialog({
+      title: 'Clean up gone pools',
+      body: cleanText(gone),
+      buttons: [Dialog.cancelButton(), Dialog.warnButton({ label: 'Clean up' })]
+    });
+    if (!answer.button.accept) {
+      return;
+    }
+    this._cleaning = true;
+    this._render();
+    try {
+      this._setNote(cleanMessage(await cleanGonePools()), false);
+    } catch (error) {
+      this._setNote(error instanceof RequestError ? error.message : String(error), true);
+    } finally {
+      this._cleaning = false;
+      void this._poll.refresh();
+    }
+  }
+
   private _setNote(text: string, isError: boolean): void {
     this._note = text;
     this._noteIsError = isError;
     this._render();
   }
 
-  private readonly _notebookOf: NotebookOf;
+  private readonly _openNotebook: OpenNotebook;
   private readonly _poll: Poll;
+  private readonly _stampPoll: Poll;
+  private readonly _clean: HTMLButtonElement;
+  private _cleaning = false;
+  /** The digest of the listing shown; the fast poll compares the server's with it. */
+  private _stamp = '';
+  private _words: Vocabulary = {};
   private _ticks = 0;
   private readonly _message: HTMLElement;
   private readonly _list: HTMLElement;

@@ -2,16 +2,22 @@ import assert from 'node:assert/strict';
 import { test } from 'node:test';
 
 import {
+  cleanMessage,
+  cleanText,
   describeFailure,
   describeNode,
   formatCost,
   formatDuration,
+  gonePools,
   IPool,
   ownerText,
+  poolTitle,
   shutdownMessage,
   sortPools,
   stateClass,
-  summary
+  stateMeaning,
+  summary,
+  Vocabulary
 } from '../src/model';
 
 function pool(overrides: Partial<IPool>): IPool {
@@ -27,6 +33,8 @@ function pool(overrides: Partial<IPool>): IPool {
     backend: 'gloo',
     started_at: 0,
     kernel_id: 'k',
+    notebook: null,
+    gone_why: null,
     owner: { pid: 1, host: 'h', alive: true },
     orphan: false,
     shutdown_requested: false,
@@ -54,11 +62,29 @@ test('cost shows only where the provider has prices', () => {
   assert.equal(formatCost({ price_per_hour: 2, spent: null, currency: 'EUR' }), 'EUR 2.00/h');
 });
 
-test('states map to colour groups', () => {
-  assert.equal(stateClass('idle'), 'sky-good');
-  assert.equal(stateClass('booting'), 'sky-busy');
-  assert.equal(stateClass('lost'), 'sky-bad');
-  assert.equal(stateClass('terminated'), 'sky-over');
+// As the server sends them (skyward_jupyter/model.py STATE_WORDS), in part.
+const WORDS: Vocabulary = {
+  booting: { word: 'booting', tone: 'starting', meaning: 'starting the rank processes' },
+  idle: { word: 'idle', tone: 'good', meaning: 'ran a cell; waiting for the next one' },
+  running: { word: 'running', tone: 'busy', meaning: 'running a cell' },
+  lost: { word: 'lost', tone: 'bad', meaning: "a rank's process or machine is gone" },
+  gone: { word: 'gone', tone: 'over', meaning: 'its kernel or its ranks are gone' }
+};
+
+test("states take their colour group and meaning from the server's vocabulary", () => {
+  assert.equal(stateClass('idle', WORDS), 'sky-tone-good');
+  assert.equal(stateClass('booting', WORDS), 'sky-tone-starting');
+  assert.equal(stateClass('running', WORDS), 'sky-tone-busy');
+  assert.equal(stateClass('lost', WORDS), 'sky-tone-bad');
+  assert.equal(stateClass('gone', WORDS), 'sky-tone-over');
+  assert.equal(stateClass('a word of a newer server', WORDS), 'sky-tone-over');
+  assert.equal(stateMeaning('running', WORDS), 'running a cell');
+  assert.equal(stateMeaning('unknown', WORDS), '');
+});
+
+test('a pool is titled by its notebook and name', () => {
+  assert.equal(poolTitle(pool({ notebook: 'runs/train.ipynb', name: 'big' })), 'train.ipynb · big');
+  assert.equal(poolTitle(pool({ notebook: null, name: 'big' })), 'big');
 });
 
 test('summary and node lines', () => {
@@ -82,15 +108,34 @@ test('summary and node lines', () => {
   assert.equal(describeNode(node), '10.0.0.1 · g4dn.12xlarge · 4 × T4 · 4 ranks');
 });
 
-test('orphans sort first', () => {
+test('live pools sort by title, gone ones last', () => {
   const sorted = sortPools([
-    pool({ id: 'b', name: 'b' }),
-    pool({ id: 'z', name: 'z', orphan: true }),
-    pool({ id: 'a', name: 'a' })
+    pool({ id: 'b', name: 'b', notebook: 'b.ipynb' }),
+    pool({ id: 'z', name: 'a', notebook: 'a.ipynb', state: 'gone', orphan: true }),
+    pool({ id: 'a', name: 'a', notebook: 'c.ipynb' }),
+    pool({ id: 'c', name: 'z', notebook: 'a.ipynb' })
   ]);
   assert.deepEqual(
     sorted.map(p => p.id),
-    ['z', 'a', 'b']
+    ['c', 'b', 'a', 'z']
+  );
+});
+
+test('gone pools are cleaned together', () => {
+  const gone = gonePools([
+    pool({ id: 'a', name: 'a', notebook: 'x.ipynb', state: 'gone' }),
+    pool({ id: 'b', name: 'b', state: 'idle' }),
+    pool({ id: 'c', name: 'c', state: 'gone' })
+  ]);
+  assert.deepEqual(
+    gone.map(p => p.id),
+    ['a', 'c']
+  );
+  assert.match(cleanText(gone), /^Clean up 2 gone pools \(x\.ipynb · a, c\)\?/);
+  assert.equal(cleanMessage({ cleaned: [] }), 'Nothing to clean: no pool is gone.');
+  assert.equal(
+    cleanMessage({ cleaned: [{ id: 'a', name: 'a', how: 'reaped', killed: [1, 2, 3] }] }),
+    'Cleaned 1 gone pool: 3 processes ended.'
   );
 });
 
@@ -113,8 +158,13 @@ test('shutdown replies', () => {
   );
 });
 
-test('owners without a known notebook', () => {
-  assert.equal(ownerText(pool({ orphan: true })), 'kernel gone');
+test('under the title: why it is gone, else its notebook or kernel', () => {
+  assert.equal(
+    ownerText(pool({ orphan: true, state: 'gone', gone_why: "its kernel's process ended" })),
+    "gone: its kernel's process ended"
+  );
+  assert.equal(ownerText(pool({ orphan: true })), 'kernel not of this server');
+  assert.equal(ownerText(pool({ notebook: 'runs/train.ipynb' })), ''); // the title says it
   assert.equal(ownerText(pool({ kernel_id: '97db21e8-21fd-469b' })), 'kernel 97db21e8');
   assert.equal(ownerText(pool({ kernel_id: null })), 'a process outside this server');
 });

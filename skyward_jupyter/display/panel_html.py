@@ -11,34 +11,23 @@ import html
 from collections.abc import Sequence
 
 from ..events import RankState
-from ..model import GONE
+from ..model import GONE, STATE_WORDS, state_colour
 from .format import format_bytes, format_number, format_seconds, progress_parts
 from .snapshot import Header, NodeRow, PanelSnapshot, Progress, RankRow, Waiting
 
 SHOWN_OUTPUT = 20_000
 """Characters of a rank's output the panel sends (the state keeps more)."""
 
-STATE_COLOURS = {
-    RankState.PROVISIONING: "#9a6700",
-    RankState.BOOTING: "#9a6700",
-    RankState.CONNECTING: "#9a6700",
-    RankState.READY: "#1a7f37",
-    RankState.RUNNING: "#0969da",
-    RankState.IDLE: "#1a7f37",
-    RankState.FAILED: "#cf222e",
-    RankState.LOST: "#cf222e",
-    RankState.TERMINATED: "#6e7781",
-}
 _CELL = "padding: 2px 10px 2px 0; text-align: left; white-space: nowrap"
 _TABLE = "border-collapse: collapse; font-size: 12px; font-family: sans-serif"
 _WAITING = "#9a6700"
 
 
 def state_label(state: RankState, detail: str = "") -> str:
-    title = f' title="{html.escape(detail)}"' if detail else ""
+    title = f' title="{html.escape(detail or STATE_WORDS[state.value].meaning)}"'
     return (
         f'<span class="sky-state sky-state-{state.value}" data-state="{state.value}"{title} '
-        f'style="color: {STATE_COLOURS[state]}; font-weight: bold">{state.value}</span>'
+        f'style="color: {state_colour(state)}; font-weight: bold">{state.value}</span>'
     )
 
 
