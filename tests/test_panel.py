@@ -147,9 +147,12 @@ def test_a_cells_panel_follows_its_cell_then_keeps_how_it_ended(pool: Pool) -> N
             "from skyward_jupyter import log\n"
             "log(step=1, total=4, loss=0.5)\n"
             "print('started', flush=True)\n"
-            "time.sleep(0.5)\n"
+            "store = dist.distributed_c10d._get_default_store()\n"
             "if dist.get_rank() == 1:\n"
+            "    store.wait(['rank 0 waits'])  # rank 0 is at its barrier\n"
+            "    time.sleep(0.5)\n"
             "    raise ValueError('only rank one fails')\n"
+            "store.set('rank 0 waits', '1')\n"
             "dist.barrier()\n"
         )
         watcher.join()

@@ -369,7 +369,8 @@ def test_a_failed_replacement_of_an_ssh_pool_is_named_not_replaced_by_the_defaul
         assert re.search(
             r"pool 'default': 2 nodes x 1 rank per GPU or CPU, ssh to .* did not start, and no "
             r"pool 'default' is left; cells without pool options refuse to run until it starts",
-            failed.stderr,
+            # said where the start was said: its line ("starting ...") turns into the outcome
+            "\n".join([failed.stderr, *failed.status_line]),
         ), str(failed)
         for code in ("%%sky\nprint('THE CELL RAN')", "%sky run train.py"):
             cell = kernel.fails(code)
