@@ -255,7 +255,7 @@ class GlooTunnel:
         """Prove the pool's key both ways, read the gloo port asked for, and carry the rest."""
         try:
             secured.do_handshake()
-            (port,) = _PORT.unpack(_read_exact(secured, _PORT.size))
+            (port,) = _PORT.unpack(pool_tls.read_exact(secured, _PORT.size, "naming a port"))
             with self._lock:
                 self._proven(secured, self._proving.get(address, {}))
                 ours = port in self._gloo_ports
@@ -300,16 +300,6 @@ def _peer(value: bytes) -> tuple[int, _Published] | None:
 def _prefix(key: str) -> str:
     """The group's part of a gloo key (``<prefix>/<rank>``)."""
     return key.rpartition("/")[0]
-
-
-def _read_exact(conn: socket.socket, n: int) -> bytes:
-    data = bytearray()
-    while len(data) < n:
-        chunk = conn.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError("closed before naming a port")
-        data += chunk
-    return bytes(data)
 
 
 def _join(local: socket.socket, secured: socket.socket) -> None:

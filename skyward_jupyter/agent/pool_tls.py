@@ -8,6 +8,7 @@ The relay (:mod:`.relay`) serves with it; a ``--secure`` pool's gloo tunnels
 from __future__ import annotations
 
 import os
+import socket
 import ssl
 import tempfile
 
@@ -63,3 +64,15 @@ def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view.nbytes:
         view = view[os.write(fd, view) :]
+
+
+def read_exact(conn: socket.socket, n: int, before: str) -> bytes:
+    """``n`` bytes from ``conn``; ``ConnectionError`` ("closed before ``before``") when it ends
+    first (a TLS read returns at most one record, so a short read is normal)."""
+    data = bytearray()
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError(f"closed before {before}")
+        data += chunk
+    return bytes(data)

@@ -424,10 +424,10 @@ def _fetch_once(
         conn = plain if context is None else context.wrap_socket(plain)
         with conn:
             conn.settimeout(2 * REQUEST_WITHIN)
-            nonce = _read_exact(conn, _NONCE)
+            nonce = pool_tls.read_exact(conn, _NONCE, "answering")
             conn.sendall(_REQUEST.pack(digest.encode(), _mac(keys.token, nonce, digest.encode())))
             conn.settimeout(timeout)
-            (length,) = _LENGTH.unpack(_read_exact(conn, _LENGTH.size))
+            (length,) = _LENGTH.unpack(pool_tls.read_exact(conn, _LENGTH.size, "answering"))
             if length < 0:
                 raise RelayError(f"the head's relay at {where} does not have {digest[:12]}")
             if length != nbytes:
@@ -448,13 +448,3 @@ def _fetch_once(
                     raise _Answered(0, f"closed after {got} of {length} bytes")
                 got += n
     return blob
-
-
-def _read_exact(conn: socket.socket, n: int) -> bytes:
-    data = bytearray()
-    while len(data) < n:
-        chunk = conn.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError("closed before answering")
-        data += chunk
-    return bytes(data)
