@@ -244,3 +244,18 @@ def reply_of(client: Any, msg_id: str, deadline: float, what: str) -> dict[str, 
             continue
         if reply["parent_header"].get("msg_id") == msg_id:
             return dict(reply["content"])
+
+
+def ssh_hosts_fixture(count: int, folder: str = "hosts") -> Any:
+    """A module's ``hosts`` fixture: ``count`` real SSH hosts (tests/hosts.py) for the whole
+    module, in a temporary ``folder``; the module is skipped where they cannot be made."""
+    from .hosts import available, ssh_hosts
+
+    @pytest.fixture(scope="module")
+    def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+        if available() is not None:
+            pytest.skip(str(available()))
+        with ssh_hosts(count, tmp_path_factory.mktemp(folder)) as made:
+            yield made
+
+    return hosts

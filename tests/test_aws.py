@@ -33,8 +33,8 @@ from skyward_jupyter.providers.base import ProviderError
 from skyward_jupyter.providers.ssh import Host
 
 from .aws_server import Ec2Stand, NamespaceResolver, running
-from .conftest import ctrl_c, wait_for
-from .hosts import Hosts, available, ssh_hosts
+from .conftest import ctrl_c, ssh_hosts_fixture, wait_for
+from .hosts import Hosts, available
 
 REGION = "us-east-1"
 KNOWN_BEFORE = ("T4", "A10G", "L4", "L40S", "V100", "A100", "H100")
@@ -104,12 +104,7 @@ def address_url() -> Iterator[str]:
         thread.join()
 
 
-@pytest.fixture(scope="module")
-def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
-    if available() is not None:
-        pytest.skip(str(available()))
-    with ssh_hosts(2, tmp_path_factory.mktemp("aws-hosts")) as made:
-        yield made
+hosts = ssh_hosts_fixture(2, "aws-hosts")
 
 
 def _ec2(stand: Ec2Stand, region: str = REGION) -> Any:

@@ -14,7 +14,6 @@ import logging
 import os
 import secrets
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,7 +26,8 @@ from skyward_jupyter.registry.writer import Registry
 from skyward_jupyter.session import Session
 from skyward_jupyter.spec import PoolSpec, SpecError
 
-from .hosts import Hosts, available, ssh_hosts, ssh_provider
+from .conftest import ssh_hosts_fixture
+from .hosts import Hosts, ssh_provider
 
 DIGEST = "import hashlib, os\nhashlib.sha256(os.environ.get('HF_TOKEN', '').encode()).hexdigest()"
 FAIL = "raise RuntimeError('the cell failed: ' + ' '.join(sorted(os.environ)))"
@@ -108,12 +108,7 @@ def test_the_notebooks_hf_token_is_the_default_and_a_missing_variable_is_named(
 # ------------------------------------------------------------------------------ SSH hosts
 
 
-@pytest.fixture(scope="module")
-def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
-    if available() is not None:
-        pytest.skip(str(available()))
-    with ssh_hosts(2, tmp_path_factory.mktemp("hosts")) as made:
-        yield made
+hosts = ssh_hosts_fixture(2, "hosts")
 
 
 def _host_files_holding(hosts: Hosts, token: str) -> list[str]:

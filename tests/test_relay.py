@@ -25,18 +25,15 @@ from skyward_jupyter import Pool
 from skyward_jupyter.agent.relay import REQUEST_WITHIN
 from skyward_jupyter.providers.ssh import Host, SSHOptions, SSHProvider
 
-from .conftest import wait_for
-from .hosts import Hosts, available, ssh_hosts
+from .conftest import ssh_hosts_fixture, wait_for
+from .hosts import Hosts, available
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
 
 ATTACKER = 2
 
 
-@pytest.fixture(scope="module")
-def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
-    with ssh_hosts(3, tmp_path_factory.mktemp("relay-hosts")) as made:
-        yield made
+hosts = ssh_hosts_fixture(3, "relay-hosts")
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,8 @@ from skyward_jupyter.agent import pool_tls
 from skyward_jupyter.agent.gloo_tunnel import DIAL, MAX_HANDSHAKES, WAIT, GlooTunnel
 from skyward_jupyter.relay_keys import RelaySecrets
 
-from .hosts import Hosts, available, ssh_hosts, ssh_provider
+from .conftest import ssh_hosts_fixture
+from .hosts import Hosts, ssh_provider
 
 SO_RCVBUFFORCE = 33  # linux/socket.h: a receive buffer beyond rmem_max, for root
 MARK = b"cleartext-of-the-pool!"
@@ -92,12 +93,7 @@ class Capture:
         self._sock.close()
 
 
-@pytest.fixture(scope="module")
-def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
-    if available() is not None:
-        pytest.skip(str(available()))
-    with ssh_hosts(3, tmp_path_factory.mktemp("hosts")) as made:
-        yield made
+hosts = ssh_hosts_fixture(3, "hosts")
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ from skyward_jupyter.providers.base import ProviderError
 from skyward_jupyter.providers.ssh import Host, SSHOptions, SSHProvider
 from skyward_jupyter.providers.ssh_prepare import package_digest
 
-from .conftest import agents_among, ranks_among, skip_where_nccl_runs, wait_for
+from .conftest import agents_among, ranks_among, skip_where_nccl_runs, ssh_hosts_fixture, wait_for
 from .hosts import Hosts, available, ssh_hosts, ssh_provider
 from .lifetime import detach, flat, kill_all, new_tag, running
 
@@ -37,10 +37,7 @@ ALL_REDUCE = (
 )
 
 
-@pytest.fixture(scope="module")
-def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
-    with ssh_hosts(3, tmp_path_factory.mktemp("hosts")) as made:
-        yield made
+hosts = ssh_hosts_fixture(3, "hosts")
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ import asyncio
 import dataclasses
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,15 +15,13 @@ import pytest
 from skyward_jupyter.providers.base import ProviderError
 from skyward_jupyter.providers.ssh import Host, SSHOptions, SSHProvider
 
-from .hosts import Hosts, available, ssh_hosts
+from .conftest import ssh_hosts_fixture
+from .hosts import Hosts, available
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
 
 
-@pytest.fixture(scope="module")
-def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
-    with ssh_hosts(1, tmp_path_factory.mktemp("hosts")) as made:
-        yield made
+hosts = ssh_hosts_fixture(1, "hosts")
 
 
 @pytest.fixture(scope="module")

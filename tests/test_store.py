@@ -25,8 +25,8 @@ from skyward_jupyter.agent import store_auth as auth
 from skyward_jupyter.agent.pool_store import PoolStore
 from skyward_jupyter.agent.store_server import StoreServer
 
-from .conftest import wait_for
-from .hosts import Hosts, available, ssh_hosts, ssh_provider
+from .conftest import ssh_hosts_fixture, wait_for
+from .hosts import Hosts, ssh_provider
 
 ATTACKER = Path(__file__).with_name("store_attacker.py")
 AS_NOBODY = ("setpriv", "--reuid", "nobody", "--regid", "nogroup", "--clear-groups")
@@ -222,12 +222,7 @@ def test_the_head_exits_loudly_when_its_store_thread_ends() -> None:
         assert pool.run("1").values == [1, 1]
 
 
-@pytest.fixture(scope="module")
-def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
-    if available() is not None:
-        pytest.skip(str(available()))
-    with ssh_hosts(3, tmp_path_factory.mktemp("hosts")) as made:
-        yield made
+hosts = ssh_hosts_fixture(3, "hosts")
 
 
 def test_a_host_on_the_pools_network_cannot_read_write_list_or_replay(

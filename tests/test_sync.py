@@ -21,16 +21,13 @@ from skyward_jupyter import Pool, PoolError
 from skyward_jupyter.events import PoolMessage
 from skyward_jupyter.providers.ssh import Host, SSHOptions, SSHProvider
 
-from .conftest import agents_among, wait_for
+from .conftest import agents_among, ssh_hosts_fixture, wait_for
 from .hosts import Hosts, available, ssh_hosts
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
 
 
-@pytest.fixture(scope="module")
-def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
-    with ssh_hosts(3, tmp_path_factory.mktemp("sync-hosts")) as made:
-        yield made
+hosts = ssh_hosts_fixture(3, "sync-hosts")
 
 
 def _provider(hosts: Hosts, which: tuple[int, ...] = (0, 1), **changes: object) -> SSHProvider:
