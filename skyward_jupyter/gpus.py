@@ -103,8 +103,7 @@ def check_cpu_or_gpus(gpu: str | None, gpus_per_node: int | None, flag: str) -> 
     (its option ``flag``)."""
     if gpu == NO_GPU and gpus_per_node:
         raise LayoutError(
-            f"--gpu none asks for CPU ranks, {flag} {gpus_per_node} for GPUs: "
-            "leave out one of them"
+            f"--gpu none asks for CPU ranks, {flag} {gpus_per_node} for GPUs: leave out one of them"
         )
 
 

@@ -112,7 +112,7 @@ class PoolSpec:
             )
         kept = base.options if provider == base.provider else None
         options = options_class.from_given(own, kept)
-        spec = replace(base, **common, provider=provider, options=options)
+        spec = replace(base, **{**common, "provider": provider, "options": options})
         return provider_class(provider).settle(spec)
 
     def pool_arguments(self, cwd: str, notebook_env: Mapping[str, str]) -> dict[str, Any]:

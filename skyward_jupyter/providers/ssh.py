@@ -106,9 +106,7 @@ class SSHOptions(ProviderOptions):
         action="store_true",
     )
     python: str = option("Python on the hosts (python3)", default="python3", metavar="PATH")
-    head_addr: str | None = option(
-        "the head's address as the other hosts reach it", metavar="ADDR"
-    )
+    head_addr: str | None = option("the head's address as the other hosts reach it", metavar="ADDR")
     connect_timeout: float = 15.0
     keepalive_interval: float = 5.0
     cache_dir: str = ".cache/skyward_jupyter"
