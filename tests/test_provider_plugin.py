@@ -13,12 +13,12 @@ import os
 import signal
 import subprocess
 import sys
-import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import tomllib
 
 from skyward_jupyter.providers import BUILT_IN, GROUP
 
