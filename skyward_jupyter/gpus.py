@@ -98,12 +98,12 @@ def _plural(count: int, word: str) -> str:
     return f"{count} {word}{'s' * (count != 1)}"
 
 
-def check_cpu_or_gpus(gpu: str | None, gpus_per_node: int | None, flag: str) -> None:
+def check_cpu_or_gpus(gpu: str | None, gpus: int | None, flag: str) -> None:
     """Refuse ``--gpu none`` (CPU ranks) together with a provider's count of GPUs per node
-    (its option ``flag``)."""
-    if gpu == NO_GPU and gpus_per_node:
+    (``gpus``, given as its option ``flag``)."""
+    if gpu == NO_GPU and gpus:
         raise LayoutError(
-            f"--gpu none asks for CPU ranks, {flag} {gpus_per_node} for GPUs: leave out one of them"
+            f"--gpu none asks for CPU ranks, {flag} {gpus} for GPUs: leave out one of them"
         )
 
 

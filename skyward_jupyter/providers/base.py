@@ -332,8 +332,8 @@ class Provider(abc.ABC):
         """``%sky clean``: remove, on the nodes, the caches no running pool uses (the shipped
         package, copies of synced directories); one line per node saying what went."""
         raise ProviderError(
-            f"%sky clean reaches hosts over SSH; the {self.name} provider's nodes are not "
-            "reachable that way (name SSH hosts with --hosts)"
+            f"%sky clean: the {self.name} provider keeps no caches on its nodes; name the "
+            "hosts to clean with their provider's options (%sky clean --help)"
         )
 
     # ------------------------------------------------------------- after the notebook is gone
