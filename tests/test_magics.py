@@ -435,9 +435,9 @@ def test_help_documents_every_option(nb: Kernel) -> None:
         assert headings[:2] == ["pool", "output"], headings
         providers = {"aws provider", "slurm provider", "ray provider", "ssh provider"}
         assert providers | {"ray, slurm provider"} <= set(headings), headings
-        ssh = page.split("\nssh provider options:")[1].split("options:")[0]
+        ssh = page.split("\nssh provider options:")[1].split("\n\n")[0]
         assert "--hosts" in ssh and "--spot" not in ssh and "--partition" not in ssh
-        shared = page.split("\nray, slurm provider options:")[1].split("options:")[0]
+        shared = page.split("\nray, slurm provider options:")[1].split("\n\n")[0]
         assert "--gpus-per-node" in shared and "ray: " in shared and "slurm: " in shared
         examples = page.split("examples:\n")[1].split("\n\n")[0].splitlines()
         lines = [e for e in examples if e.startswith("  %%sky ")]
