@@ -18,13 +18,12 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from . import limits
-from .flags import Option, identifier, int_at_least, ranged, switch
+from .flags import Option as Option  # the magics read the rows' type from here
+from .flags import identifier, int_at_least, ranged, switch
 from .frameworks import FRAMEWORKS, KERAS_BACKENDS
 from .gpus import parse_gpu
 from .providers import DEFAULT, names, provider_classes
 from .providers.base import ProviderError
-
-__all__ = ["Option", "identifier"]
 
 
 def _env(text: str) -> tuple[str, str]:
