@@ -113,7 +113,7 @@ class PoolSpec:
         kept = base.options if provider == base.provider else None
         options = options_class.from_given(own, kept)
         spec = replace(base, **{**common, "provider": provider, "options": options})
-        return provider_class(provider).settle(spec)
+        return spec.settled()
 
     def pool_arguments(self, cwd: str, notebook_env: Mapping[str, str]) -> dict[str, Any]:
         """The Pool's keyword arguments for the synced directories, the frameworks, the GPU

@@ -33,8 +33,10 @@ def test_each_provider_describes_its_own_pools() -> None:
     other = PoolSpec(provider="ssh", options=SSHOptions(hosts=("a@h1",))).settled()
     assert ssh.differences(other) == "--nodes 2 -> 1, --hosts a@h1,a@h2 -> a@h1"
     assert PoolSpec().differences(aws) == (
-        "--provider local -> aws, --region (default) -> us-east-1, --spot (default) -> True, "
-        "--python (default) -> /opt/pytorch/bin/python3"
+        "--provider local -> aws, --region (default) -> us-east-1, --spot (default) -> True"
+    )
+    assert aws.differences(PoolSpec(provider="aws")) == (
+        "--region us-east-1 -> (default), --spot True -> (default)"
     )
 
 

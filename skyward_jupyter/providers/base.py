@@ -109,8 +109,14 @@ class ProviderOptions:
         return replace(base, **changes) if base is not None else cls(**changes)
 
     def shown(self) -> dict[str, Any]:
-        """``--flag`` -> value, for every option users give (what a replacement compares)."""
-        return {flag.flag: getattr(self, name) for name, flag in self.declared().items()}
+        """``--flag`` -> value, for the options given other than their defaults (what a
+        replacement says changed)."""
+        defaults = {each.name: each.default for each in fields(self)}
+        return {
+            flag.flag: getattr(self, name)
+            for name, flag in self.declared().items()
+            if getattr(self, name) != defaults[name]
+        }
 
 
 @dataclass(frozen=True, slots=True)
