@@ -10,7 +10,7 @@ What is compared, and why it is fair:
   the user is done; it is reported apart). Ranks are forked from a warm template process that
   has imported torch (``skyward_jupyter.providers.local``), so two pool figures are reported,
   both from the same subprocess: **cold**, the first pool of a fresh process without
-  ``prewarm()`` (it starts the template, which imports torch, then forks the ranks), and **warm
+  ``LocalProvider.prewarm()`` (it starts the template, which imports torch, then forks the ranks), and **warm
   template**, a second pool started after the first one's ``close()`` while the template still
   runs, which is what a user gets after ``%load_ext skyward_jupyter`` (it prewarms the template
   in the background) or for any later pool in the same kernel. ``shutdown_template()`` ends the
