@@ -121,3 +121,37 @@ def test_the_built_in_providers_are_this_packages_entry_points() -> None:
     """The names read while an install predates the entry points are the ones declared."""
     declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"]
     assert declared[GROUP] == BUILT_IN
+
+
+def test_a_provider_that_cannot_load_leaves_the_others_and_says_why(tmp_path: Path) -> None:
+    """An installed entry point whose module is gone (a package half uninstalled): the
+    magics still load with every other provider, a warning names it, and asking for it is
+    one line saying why."""
+    info = tmp_path / "skyward_gone-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: skyward-gone\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[{GROUP}]\ngone = skyward_gone:GoneProvider\n")
+    code = (
+        "import warnings\n"
+        "warnings.simplefilter('always')\n"
+        "with warnings.catch_warnings(record=True) as said:\n"
+        "    from skyward_jupyter.magics import _help\n"
+        "print('WARNED', *[str(w.message) for w in said])\n"
+        "print('HELP', 'ssh provider options' in _help())\n"
+        "from skyward_jupyter.session import USER_ERRORS, Session\n"
+        "try:\n"
+        "    Session().spec_from({'provider': 'gone'})\n"
+        "except USER_ERRORS as exc:\n"
+        "    print('REFUSED', exc)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    why = (
+        "the gone provider cannot be loaded from skyward_gone:GoneProvider (No module named "
+        "'skyward_gone'); reinstall its package, or uninstall it"
+    )
+    assert f"WARNED {why}\n" in out, out
+    assert "HELP True\n" in out, out
+    assert f"REFUSED {why}\n" in out, out

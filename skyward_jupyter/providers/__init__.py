@@ -9,6 +9,7 @@ through :class:`~skyward_jupyter.providers.base.Provider`, never through its nam
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Mapping
 from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,7 @@ too while the installed metadata predates them (an editable install made before 
 added); a test holds the two the same."""
 
 _loaded: dict[str, type[Provider]] = {}
+_broken: set[str] = set()
 
 
 class UnknownProvider(LookupError):
@@ -55,7 +57,13 @@ def provider_class(name: str) -> type[Provider]:
         point = _entry_points().get(name)
         if point is None:
             raise UnknownProvider(f"unknown provider {name!r}; known: {', '.join(names())}")
-        cls = point.load()
+        try:
+            cls = point.load()
+        except (ImportError, AttributeError) as exc:
+            raise UnknownProvider(
+                f"the {name} provider cannot be loaded from {point.value} ({exc}); "
+                f"reinstall its package, or uninstall it"
+            ) from None
         if getattr(cls, "name", None) != name:
             raise UnknownProvider(
                 f"the entry point {name} = {point.value!r} of {GROUP} is a "
@@ -66,8 +74,17 @@ def provider_class(name: str) -> type[Provider]:
 
 
 def provider_classes() -> list[type[Provider]]:
-    """Every provider, in :func:`names`' order (each module is imported)."""
-    return [provider_class(name) for name in names()]
+    """Every provider that loads, in :func:`names`' order (each module is imported); one that
+    does not is said once, as a warning, and left out (``--provider NAME`` then says why)."""
+    found = []
+    for name in names():
+        try:
+            found.append(provider_class(name))
+        except UnknownProvider as exc:
+            if name not in _broken:
+                _broken.add(name)
+                warnings.warn(str(exc), stacklevel=2)
+    return found
 
 
 def sweep_all(
