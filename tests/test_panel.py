@@ -356,6 +356,19 @@ def test_in_a_kernel_a_cell_worth_watching_shows_the_panel_once_and_its_buttons_
         assert not _panel_displays(again.messages), "a quick cell shows no panel"
         assert not [m for m in again.messages if m["msg_type"] == "update_display_data"]
 
+        # A quick cell that fails on every rank shows its panel at its end, each rank red.
+        failed = kernel.execute("%%sky\nraise ValueError('on every rank')")
+        assert failed.status == "error"
+        (red,) = _panel_displays(failed.messages)
+        lines = red["data"]["text/plain"].splitlines()
+        assert re.match(r"In \[4\] failed on ranks 0, 1, took \d+ s$", lines[0]), lines
+        for node in (0, 1):
+            assert re.search(
+                rf"^  node {node}: .*, failed, .*ValueError: on every rank$",
+                "\n".join(lines[2:]),
+                re.M,
+            ), lines
+
         # A cell that runs a while shows it once, while it runs.
         watched = kernel.ok("%%sky\nimport time\ntime.sleep(0.6)\n3")
         (shown_again,) = _panel_displays(watched.messages)

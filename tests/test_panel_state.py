@@ -550,6 +550,35 @@ def test_a_failed_or_lost_rank_is_red_with_its_errors_first_line_until_the_next_
     assert [r.state for r in state.snapshot().ranks] == [S.IDLE, S.READY, S.READY]
 
 
+def test_a_failure_on_every_rank_marks_each_red_with_its_error_whatever_its_number() -> None:
+    state = state_with({0: 0, 1: 1, 2: 1})
+    cell = state.for_cell(5)
+    same = "ValueError: same everywhere"
+    failed = tuple(
+        failure(r, n, "ValueError", "same everywhere") for r, n in ((0, 0), (1, 1), (2, 1))
+    )
+    for event in (
+        CellStarted(1, 3, 0),
+        # The pool marks each failed rank as its answer comes, before the cell's result.
+        RankStateChanged(((0, 0), (1, 1), (2, 1)), S.FAILED),
+        CellFinished(1, RunResult(1, failed)),
+    ):
+        state.apply(event)
+        cell.apply(event)
+    assert cell.cell_failed and state.cell_failed
+    for snap in (state.snapshot(), cell.snapshot()):
+        assert [(r.state, r.detail) for r in snap.ranks] == [(S.FAILED, same)] * 3
+        assert [(n.state, n.detail) for n in snap.nodes] == [(S.FAILED, same)] * 2
+        assert [tab_title(r.rank, r) for r in snap.ranks] == [
+            f"rank 0 (head) \u2716 {same}",
+            f"rank 1 \u2716 {same}",
+            f"rank 2 \u2716 {same}",
+        ]
+        assert "node 0: 10.0.0.0, T4, failed, ValueError: same everywhere" in summary_text(snap)
+    state.apply(CellStarted(2, 3, 0))
+    assert not state.cell_failed
+
+
 def test_an_interrupted_cell_marks_no_rank_failed() -> None:
     state = state_with({0: 0, 1: 1})
     cell = state.for_cell(4)

@@ -153,6 +153,12 @@ class PanelState:
         return self._progress
 
     @property
+    def cell_failed(self) -> bool:
+        """Whether the last cell failed on a rank or lost one (until the next cell starts)."""
+        with self._lock:
+            return any(r.ended is not None for r in self._ranks.values())
+
+    @property
     def cell_running(self) -> bool:
         """Whether a cell runs on the ranks now (from its start to its end)."""
         return self._cell is not None
@@ -409,7 +415,8 @@ class PanelState:
             # Restarting after a loss: show the loss for a moment, and what happens now.
             where = "restarted" if state is RankState.READY else f"restarting ({state.value})"
             state, detail = RankState.LOST, f"{rank.lost_detail}; {where}".lstrip("; ")
-        elif rank.ended is not None and state in _AFTER_CELL:
+        elif rank.ended is not None and (state in _AFTER_CELL or state is rank.ended):
+            # Failed in the cell, idle or re-formed since: how the cell ended, and its error.
             state, detail = rank.ended, rank.ended_detail
         return RankRow(
             index,
