@@ -85,7 +85,8 @@ def test_the_panel_draws_nodes_a_tab_per_rank_metrics_and_a_point_per_step(pool:
         assert chart.points["max"] == [2, 3, 4, 5]
 
         (row,) = re.findall(
-            r'<tr class="sky-metric" data-metric="loss">(.*?)</tr>', panel.metrics.value
+            r'<tr class="sky-metric" data-metric="loss" data-waiting="false">(.*?)</tr>',
+            panel.metrics.value,
         )
         assert re.findall(r">([^<]*)</td>", row) == ["loss", "3", "4.5", "4", "5", "2"]
 

@@ -8,7 +8,14 @@ from typing import Any
 import pytest
 
 from skyward_jupyter.display.buffers import TextBuffer
-from skyward_jupyter.display.panel_html import header_html, nodes_html, output_html, tab_title
+from skyward_jupyter.display.metrics import GRACE
+from skyward_jupyter.display.panel_html import (
+    header_html,
+    metrics_html,
+    nodes_html,
+    output_html,
+    tab_title,
+)
 from skyward_jupyter.display.snapshot import NodeInfo, Waiting
 from skyward_jupyter.display.state import WAITING_MARK_AFTER, PanelState
 from skyward_jupyter.display.summary import summary_text
@@ -345,6 +352,38 @@ def test_each_step_is_reduced_across_the_ranks_that_logged_it() -> None:
     snap = state.snapshot()
     assert [(r.name, r.step) for r in snap.latest] == [("loss", 1), ("acc", 1)]
     assert [r.step for r in snap.series["loss"]] == [0, 1]
+
+
+def test_a_step_not_every_rank_logged_yet_waits_rather_than_show_one_ranks_min_and_max() -> None:
+    now = [100.0]
+    state = state_with({0: 0, 1: 1}, clock=lambda: now[0])
+    state.apply(CellStarted(1, 2, 0))
+    state.apply(metrics(0, (0, {"loss": 4.0})))
+    (row,) = state.snapshot().latest
+    assert (row.step, row.ranks_text, row.waiting) == (0, "1 of 2", True)
+    table = metrics_html(state.snapshot())
+    assert 'data-metric="loss" data-waiting="true"' in table
+    assert table.count(">waiting</span>") == 2 and "<td" in table and ">1 of 2</td>" in table
+    assert "loss  step 0: 4, 1 of 2 ranks, waiting for the others" in summary_text(state.snapshot())
+
+    # Once both logged it, the step is whole; a step one rank alone reached does not replace it.
+    state.apply(metrics(1, (0, {"loss": 6.0})))
+    state.apply(metrics(0, (1, {"loss": 3.0})))
+    (row,) = state.snapshot().latest
+    assert (row.step, row.mean, row.min, row.max, row.ranks_text, row.waiting) == (
+        0, 5.0, 4.0, 6.0, "2", False
+    )  # fmt: skip
+    assert 'data-waiting="false"' in metrics_html(state.snapshot())
+    assert "loss  step 0: 5 (4 - 6), 2 ranks" in summary_text(state.snapshot())
+
+    # A rank that does not log it within the grace: the step stands without it, as the text's.
+    now[0] += GRACE
+    (row,) = state.snapshot().latest
+    assert (row.step, row.ranks_text, row.waiting) == (1, "1 of 2", False)
+    state.apply(metrics(0, (2, {"loss": 2.0})))
+    state.apply(CellFinished(1, RunResult(1, (done(0, 0), done(1, 1)))))
+    (row,) = state.snapshot().latest
+    assert (row.step, row.waiting) == (2, False), "the cell's end: every step is all there is"
 
 
 def test_log_without_a_step_numbers_each_ranks_values_in_order() -> None:

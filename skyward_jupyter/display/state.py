@@ -118,6 +118,7 @@ class PanelState:
         self._steps = StepNumbers()
         self._messages: list[str] = []
         self._cell: int | None = None
+        self._cell_ranks = 0  # the ranks the last cell ran on: who is to log each step
         self._cells = 0
         self._version = 0
         self._progress: Progress | None = None  # a cell's view only (for_cell)
@@ -255,7 +256,7 @@ class PanelState:
             elif isinstance(event, MetricsLogged):
                 self._log(event)
             elif isinstance(event, CellStarted):
-                self._cell = event.cell_id
+                self._cell, self._cell_ranks = event.cell_id, event.ranks
                 self._cells += 1
                 for rank in self._ranks.values():
                     rank.ended, rank.ended_detail = None, ""
@@ -389,10 +390,11 @@ class PanelState:
                 self._cell,
                 self._cells,
             )
+            running = self._cell is not None
             latest = tuple(
                 row
                 for name, metric in self._metrics.items()
-                if (row := metric.latest(name)) is not None
+                if (row := metric.latest(name, self._cell_ranks, now, running)) is not None
             )
             series = {name: tuple(m.rows(name)) for name, m in self._metrics.items()}
             return PanelSnapshot(
