@@ -423,10 +423,11 @@ def test_in_a_kernel_a_cell_worth_watching_shows_the_panel_once_and_its_buttons_
             timeout=90,
         )
         assert stopped.status == "error" and stopped.reply["ename"] == "CellInterrupted"
+        number = stopped.reply["execution_count"]
         assert stopped.errors[0]["traceback"] == [
             "KeyboardInterrupt: cell interrupted on 2 ranks",
-            "rank 0: stopped at cell line 3: time.sleep(120)",
-            "rank 1: stopped at cell line 3: time.sleep(120)",
+            f"rank 0: stopped at In [{number}] line 3: time.sleep(120)",
+            f"rank 1: stopped at In [{number}] line 3: time.sleep(120)",
         ], "the panel's Interrupt says what the toolbar's stop says"
         assert time.monotonic() - started < 60, "the clicks were handled while the cell ran"
         (view,) = stacks

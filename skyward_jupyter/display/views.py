@@ -251,13 +251,17 @@ class PoolViews:
         if pending:
             self._down(view)
 
+    def cell_number(self) -> int | None:
+        """The running cell's ``In [N]``: the panel's name for it, and its file name on the
+        ranks (so tracebacks name it as the notebook does)."""
+        # IPython counts the cell before running it: the running cell is In [count - 1].
+        count = getattr(self.shell, "execution_count", None)
+        return count - 1 if isinstance(count, int) and count > 1 else None
+
     def _begin_cell(self, view: _View) -> None:
         """A state of this cell's own, fed from now on; its panel is made when first shown."""
         self._end_cell(view)
-        # IPython counts the cell before running it: the running cell is In [count - 1].
-        count = getattr(self.shell, "execution_count", None)
-        number = count - 1 if isinstance(count, int) and count > 1 else None
-        view.cell_state = view.state.for_cell(number)
+        view.cell_state = view.state.for_cell(self.cell_number())
         view.cell_feed = view.pool.subscribe(view.cell_state.apply)
         view.cell_key = self._cell_key()
         view.panel = None
