@@ -618,6 +618,30 @@ def test_a_failure_on_every_rank_marks_each_red_with_its_error_whatever_its_numb
     assert not state.cell_failed
 
 
+def test_a_rank_the_pool_stopped_after_anothers_failure_is_not_marked_failed() -> None:
+    state = state_with({0: 0, 1: 1})
+    cell = state.for_cell(3)
+    stopped = RemoteError(0, "node 0", "KeyboardInterrupt", "", "KeyboardInterrupt\n", True)
+    result = RunResult(
+        1, (RankResult(0, 0, None, None, stopped, 0.1), failure(1, 1, "ValueError", "x"))
+    )
+    for event in (
+        CellStarted(1, 2, 0),
+        RankStateChanged(((1, 1), (0, 0)), S.FAILED),  # the pool marks each rank that raised
+        CellFinished(1, result),
+    ):
+        state.apply(event)
+        cell.apply(event)
+    for snap in (state.snapshot(), cell.snapshot()):
+        assert [(r.state, r.detail) for r in snap.ranks] == [
+            (S.IDLE, ""),
+            (S.FAILED, "ValueError: x"),
+        ]
+        assert tab_title(0, snap.ranks[0]) == "rank 0 (head)"
+    progress = cell.snapshot().progress
+    assert progress is not None and progress.outcome == "failed on rank 1"
+
+
 def test_an_interrupted_cell_marks_no_rank_failed() -> None:
     state = state_with({0: 0, 1: 1})
     cell = state.for_cell(4)

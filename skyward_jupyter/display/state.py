@@ -287,17 +287,27 @@ class PanelState:
         return True
 
     def _finished(self, event: CellFinished) -> None:
-        """Mark the ranks the cell failed on; a cell's view records how the cell ended."""
+        """Mark the ranks the cell failed on; a cell's view records how the cell ended.
+
+        A rank that was only stopped (the user's interrupt, or the pool's after another rank
+        failed: a ``KeyboardInterrupt`` that followed) did not fail: it is not marked."""
         result = event.result
+        failed = []
         for r in result:
-            if r.error is None or (result.interrupted and r.error.type_name == "KeyboardInterrupt"):
+            error = r.error
+            if error is None:
                 continue
+            if error.type_name == "KeyboardInterrupt" and (result.interrupted or error.secondary):
+                stopped = self._ranks.get(r.rank)
+                if stopped is not None and stopped.state is RankState.FAILED:
+                    stopped.state, stopped.detail = RankState.IDLE, ""  # the pool marked it
+                continue
+            failed.append(r.rank)
             rank = self._rank(r.rank, r.node)
-            rank.ended = RankState.LOST if r.error.type_name == "RankLost" else RankState.FAILED
-            rank.ended_detail = first_line(f"{r.error.type_name}: {r.error.message}")
+            rank.ended = RankState.LOST if error.type_name == "RankLost" else RankState.FAILED
+            rank.ended_detail = first_line(f"{error.type_name}: {error.message}")
         if self._progress is None:
             return
-        failed = [r.rank for r in result if r.error is not None]
         if result.interrupted:
             outcome = "interrupted"
         elif failed:
