@@ -176,7 +176,7 @@ def test_a_cells_panel_shows_its_progress_then_its_failure_and_then_stays_as_it_
             _run_all_cells(page)
 
             # While it runs: In [2], elapsed, step k/60, steps/s, a bar and the time left.
-            page.wait_for_function(PROGRESS_AT, arg=[1, 20], timeout=120_000)
+            page.wait_for_function(PROGRESS_AT, arg=[1, 12], timeout=120_000)
             progress = training.locator(".sky-progress")
             text = re.sub(r"(\s*·\s*)+", " · ", progress.inner_text())  # the bar has no text
             assert re.fullmatch(
