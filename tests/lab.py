@@ -34,8 +34,10 @@ from .conftest import outputs_of, reply_of, wait_for
 CHROMIUM = os.environ.get("SKYWARD_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
 CHECKOUT = Path(__file__).resolve().parents[1]
-DOCS = CHECKOUT / "docs"
-"""The README's pictures, each made by the browser test that shows what it pictures."""
+DOCS = CHECKOUT / "docs" if os.environ.get("SKYWARD_PICTURES") == "docs" else ARTIFACTS
+"""Where the README's pictures go, each made by the browser test that shows what it pictures:
+``docs/`` when ``make pictures`` asks for them (``SKYWARD_PICTURES=docs``), else beside the other
+artifacts, so that a test run leaves the checkout as it found it."""
 BUILT_PANEL = CHECKOUT / "skyward_jupyter" / "labextension"
 """This checkout's build of the side panel (make labextension), when there is one."""
 SERVER_EXTENSION_CONFIG = (
@@ -171,7 +173,8 @@ def screenshot(page: object, name: str) -> Path:
 
 def picture(element: object, name: str, where: Path = DOCS) -> Path:
     """A PNG of one element (a panel, not the page: small enough to commit), by default for
-    the README."""
+    the README (see :data:`DOCS`).
+    """
     where.mkdir(exist_ok=True)
     path = where / f"{name}.png"
     element.screenshot(path=str(path))  # type: ignore[attr-defined]

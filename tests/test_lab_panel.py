@@ -161,6 +161,7 @@ def _scenario(lab: Lab, page: Any, kernels: list[Kernel]) -> None:
     assert details == "local · 2 nodes · gloo", details  # no uptime counting on
     clean = page.locator(f"{PANEL} .sky-lab-clean")
     assert clean.inner_text() == "Clean up 1 gone"
+    DOCS.mkdir(exist_ok=True)
     shoot_panel(page, PANEL_SHOT)
     screenshot(page, "lab_panel_gone")
 
