@@ -11,7 +11,6 @@ arrives, and only that value reports its error. Its buffers stay out-of-band in 
 
 from __future__ import annotations
 
-import functools
 import operator
 import pickle
 from collections.abc import Callable
@@ -210,25 +209,6 @@ class RunCell:
     run_id: str | None = None
     """A script's ``TORCHELASTIC_RUN_ID``: each ``%sky run`` is a launch of its own, as each
     torchrun is, with a new id unless ``--env`` chose one (None: a cell, in the pool's launch)."""
-
-
-def check_syntax(source: str, filename: str) -> None:
-    """Raise the SyntaxError a rank would for a :class:`RunCell`'s source, before it is sent:
-    compiled with the source's own ``__future__`` imports only, not the sender's (string
-    annotations reject valid code, such as a walrus in an annotation)."""
-    try:
-        _compiles(source)
-    except SyntaxError as exc:
-        exc.filename = filename  # the error names the cell or script, as the ranks' would
-        raise
-
-
-@functools.lru_cache(maxsize=16)
-def _compiles(source: str) -> None:
-    """Checked once per source: the session checks a cell before a pool starts and the pool
-    again as it sends it, and a cell run again (a training loop) is not compiled again (a
-    140-line cell took 0.6 ms on the notebook's thread each time). Errors are not cached."""
-    compile(source, "<unnamed>", "exec", dont_inherit=True)
 
 
 @message

@@ -20,17 +20,18 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .capture import CaptureError, Shipment, Shipper
+from .checked_source import CheckedSource
 from .idle import IdleStop
 from .limits import LimitError
 from .observers import NoViews, PoolWatcher, Views
 from .options import StdoutMode, implied_provider
 from .pool import Pool
-from .protocol import Script, check_syntax
+from .protocol import Script
 from .providers import UnknownProvider, provider_class, sweep_all
 from .providers.base import ProviderError
 from .results import CellError, CellInterrupted, PoolError, RunResult
 from .spec import PoolSpec, SpecError
-from .status import failed_status, pool_status
+from .status import status_text
 
 # What the magics use of the layers below, through the session alone.
 __all__ = ["USER_ERRORS", "CellInterrupted", "PoolSpec", "RunResult", "Session", "SessionError"]
@@ -84,13 +85,7 @@ class Session:
         """Per provider, options users never need (tests: ``{"aws": {"endpoint_url": ...}}``)."""
         self._announce = announce or (lambda text: print(text, file=sys.stderr))
         self._lock = threading.RLock()
-        self.idle: IdleStop[PoolEntry] = IdleStop(
-            self._lock,
-            lambda: list(self._pools.values()),
-            self._forget,
-            self._close,
-            self._announce,
-        )
+        self.idle: IdleStop[PoolEntry] = IdleStop(self)
 
     @property
     def pools(self) -> dict[str, PoolEntry]:
@@ -98,7 +93,8 @@ class Session:
 
     def spec_from(self, options: Mapping[str, Any], base: PoolSpec | None = None) -> PoolSpec:
         """A spec from the defaults (or ``base``) overlaid with the options given; options
-        that belong to one provider choose it when ``--provider`` is not given."""
+        that belong to one provider choose it when ``--provider`` is not given.
+        """
         changes = {k: v for k, v in options.items() if v is not None}
         if "env" in changes:
             changes["env"] = tuple(sorted(changes["env"]))
@@ -129,7 +125,8 @@ class Session:
         A new description is checked whole (:meth:`_prepare`) before a running pool is touched.
         Should it still fail to start, the name keeps the pool it was to replace where that one
         could stay (``Provider.keeps_old_until_ready``); else the name keeps the description
-        that failed, and a cell without pool options refuses rather than start another."""
+        that failed, and a cell without pool options refuses rather than start another.
+        """
         name, reusable = self._reusable(name, spec)
         if reusable is not None:
             self.current = name
@@ -186,7 +183,8 @@ class Session:
         the provider's (:meth:`~skyward_jupyter.providers.base.Provider.check`: this machine's
         GPUs and memory, key files, client commands), its options, the pool's arguments and
         the directories to sync. The one place where a description is checked before a
-        running pool is touched."""
+        running pool is touched.
+        """
         cls = provider_class(spec.provider)
         cls.check(spec)
         provider = cls.from_spec(spec, name, self.provider_options.get(spec.provider, {}))
@@ -204,7 +202,8 @@ class Session:
 
     def _start_failed(self, name: str, wanted: PoolSpec, kept: PoolEntry | None) -> None:
         """Say which pool is left after ``wanted`` failed to start; with none left under
-        ``name``, remember ``wanted`` so that no cell silently runs on another pool."""
+        ``name``, remember ``wanted`` so that no cell silently runs on another pool.
+        """
         self.current = name
         if kept is not None and self._pools.get(name) is kept and kept.pool.running:
             self._announce(
@@ -245,7 +244,7 @@ class Session:
 
         A syntax error, or a global that cannot be sent, fails before any pool starts or changes.
         """
-        check_syntax(source, "<%%sky cell>")
+        checked = CheckedSource.check(source, "<%%sky cell>")
         _, reusable = self._reusable(name, spec)
         shipper = reusable.shipper if reusable else Shipper()
         shipment = shipper.prepare(source, user_ns)
@@ -253,7 +252,7 @@ class Session:
             entry = self.entry(name, spec, shipper)
             entry.busy += 1
         try:
-            return self._run_on(entry, source, shipment, stdout, timeout)
+            return self._run_on(entry, checked, shipment, stdout, timeout)
         finally:
             entry.busy -= 1
             entry.last_active = time.monotonic()
@@ -287,7 +286,7 @@ class Session:
     def _run_on(
         self,
         entry: PoolEntry,
-        source: str,
+        source: CheckedSource,
         shipment: Shipment,
         stdout: StdoutMode | None,
         timeout: float | None,
@@ -349,7 +348,8 @@ class Session:
 
     def restart(self, name: str | None = None) -> PoolEntry:
         """Fresh processes and worlds for the pool, on its machines (a pool that stopped, or
-        whose ranks cannot be restarted, is started afresh with the same spec)."""
+        whose ranks cannot be restarted, is started afresh with the same spec).
+        """
         entry, started = self._require(name), time.perf_counter()
         try:
             entry.pool.restart()
@@ -367,7 +367,8 @@ class Session:
         self, name: str | None = None, *, quiet: bool = False, keep_files: bool = False
     ) -> list[str]:
         """End a pool (the current one by default); returns the names ended. Its nodes remove
-        their copy of the synced directories unless ``keep_files``."""
+        their copy of the synced directories unless ``keep_files``.
+        """
         target = name or self.current
         if target is not None and target not in self._pools and target in self._failed:
             failed = self._failed.pop(target)
@@ -391,6 +392,25 @@ class Session:
         if self.current == name:
             self.current = next(iter(self._pools), None)
         return entry
+
+    def take_pools(
+        self, chosen: Callable[[Sequence[PoolEntry]], Sequence[PoolEntry]]
+    ) -> Sequence[PoolEntry]:
+        """Take the pools ``chosen`` picks out of the session, under its lock, so that no cell
+        takes one meanwhile (the idle stop's)."""
+        with self._lock:
+            taken = chosen(list(self._pools.values()))
+            for entry in taken:
+                self._forget(entry.name)
+            return taken
+
+    def end_pool(self, entry: PoolEntry, why: str) -> None:
+        """End a pool :meth:`take_pools` took, saying ``why`` (and why it failed to end)."""
+        self._announce(why)
+        try:
+            self._close(entry)
+        except Exception as exc:  # noqa: BLE001 - said; the pool is out of the session anyway
+            self._announce(f"pool {entry.name!r}: shutdown failed: {exc}")
 
     def _close(self, entry: PoolEntry, keep_files: bool = False) -> None:
         try:
@@ -440,7 +460,8 @@ class Session:
         self, *, yes: bool = False, region: str | None = None, all_owners: bool = False
     ) -> str:
         """What providers made that no live pool (this session's, or the registry's with a live
-        owner) owns: EC2 instances, key pairs, groups; listed, or with ``yes`` ended."""
+        owner) owns: EC2 instances, key pairs, groups; listed, or with ``yes`` ended.
+        """
         from .registry import live_teardowns
 
         return sweep_all(
@@ -454,7 +475,8 @@ class Session:
 
     def clean(self, given: Mapping[str, Any]) -> list[str]:
         """``%sky clean``: on the hosts named in ``given`` (SSH options), or else the current
-        pool's, remove the caches no running pool uses; one line per host."""
+        pool's, remove the caches no running pool uses; one line per host.
+        """
         if any(v is not None for v in given.values()):
             spec = self.spec_from(given)
             extra = self.provider_options.get(spec.provider, {})
@@ -465,14 +487,11 @@ class Session:
 
     def status(self) -> str:
         """``%sky status``: every pool (``*`` the current one), its state and its ranks."""
-        pools = self._pools.items()
-        lines = [pool_status(n, e.spec.describe(), e.pool, n == self.current) for n, e in pools]
-        lines += [
-            failed_status(n, spec.describe(), n == self.current)
-            for n, spec in self._failed.items()
-            if n not in self._pools
-        ]
-        return "\n".join(line for status in lines for line in status) or "no pools"
+        return status_text(
+            {n: (e.spec.describe(), e.pool) for n, e in self._pools.items()},
+            {n: spec.describe() for n, spec in self._failed.items()},
+            self.current,
+        )
 
     def _require(self, name: str | None = None) -> PoolEntry:
         target = name or self.current
@@ -490,7 +509,8 @@ def _same_hosts(old: PoolSpec, new: PoolSpec) -> bool:
 
 def _interruptible(work: Coroutine[Any, Any, T]) -> T:
     """Run ``work`` in a thread of its own, the kernel's thread waiting so that Ctrl-C reaches
-    it: the work is then cancelled (its connections closed), and the interrupt goes on."""
+    it: the work is then cancelled (its connections closed), and the interrupt goes on.
+    """
     loop = asyncio.new_event_loop()
     task = loop.create_task(work)
 
@@ -513,15 +533,15 @@ def _interruptible(work: Coroutine[Any, Any, T]) -> T:
     return task.result()
 
 
-def _read_script(path: str) -> tuple[str, str]:
+def _read_script(path: str) -> tuple[str, CheckedSource]:
     """The script's absolute path (its name in tracebacks) and its source, checked."""
     script = Path(path).expanduser()
     if not script.is_file():
         where = "" if script.is_absolute() else f" (looked in {Path.cwd()})"
         raise SessionError(f"no such script: {path}{where}")
     try:
-        resolved, source = str(script.resolve()), script.read_text()
-        check_syntax(source, resolved)
+        resolved = str(script.resolve())
+        source = CheckedSource.check(script.read_text(), resolved)
     except (OSError, UnicodeDecodeError) as exc:
         raise SessionError(f"cannot read {path}: {exc}") from None
     except SyntaxError as exc:
