@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .capture import CaptureError, Shipment, Shipper
+from .capture import Shipment, Shipper
 from .checked_source import CheckedSource
 from .idle import IdleStop
 from .limits import LimitError
@@ -45,7 +45,6 @@ class SessionError(Exception):
 
 USER_ERRORS = (
     SessionError,
-    CaptureError,
     PoolError,
     ProviderError,
     SpecError,
