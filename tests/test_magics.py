@@ -26,6 +26,7 @@ import pytest
 from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.manager import KernelManager
 
+from skyward_jupyter.magics import _HANDLERS
 from skyward_jupyter.options import COMMANDS
 
 from .conftest import (
@@ -403,6 +404,11 @@ def test_a_starting_pool_stops_at_once_on_interrupt(nb: Kernel) -> None:
     nb.ok("%sky down many")
     assert nb.status().strip() == "no pools"
     wait_for(lambda: agent_pids() <= before, GONE_TIMEOUT, "the interrupted start's ranks to end")
+
+
+def test_one_table_runs_every_command() -> None:
+    """Each command of the table that builds the parsers and the help has its one handler."""
+    assert set(_HANDLERS) == {c.name for c in COMMANDS}
 
 
 def test_help_documents_every_option(nb: Kernel) -> None:
