@@ -291,7 +291,6 @@ class Cell:
         except (PoolError, ProviderError) as exc:
             # The cell's own result still matters most; the next cell says more.
             self.notes.append(f"the pool could not recover: {exc}")
-            self.ranks.group_problem = str(exc)
             self.ranks.emit(PoolMessage(self.notes[-1]))
             return False
         return destroyed

@@ -426,7 +426,6 @@ class Pool:
                 await self._ranks.restart_dead()
             except (PoolError, ProviderError) as exc:
                 self._emit(PoolMessage(f"could not recover rank {rank.index}: {exc}"))
-                self._ranks.group_problem = str(exc)
                 return
             self._lost_while_idle.append(rank.index)
 

@@ -29,12 +29,12 @@ from .events import (
     RankStateChanged,
     RankUsage,
 )
-from .formation import Rebuilt, check_hellos, form_worlds, reformed
+from .formation import Rebuilt, check_hellos, form_worlds, nothing_to_form, reformed
 from .frameworks import TORCH_ONLY, Frameworks
 from .gpus import lay_out
 from .launch_env import RankPlace, launcher_env
 from .memory import named_kill
-from .providers.base import Node, Provider, RankProcess, notebook_silence
+from .providers.base import Node, Provider, ProviderError, RankProcess, notebook_silence
 from .relay_keys import RelaySecrets
 from .results import PoolError, RankEnded, RankInfo
 
@@ -308,10 +308,18 @@ class Ranks:
 
     async def restart_dead(self, after_failure: bool = True) -> list[str]:
         """Restart dead ranks and re-form the process group everywhere; say what was lost.
+        Should that fail, :attr:`group_problem` says why until a restart mends it.
 
         ``after_failure``: the group is formed again because a cell failed (torchrun would have
         restarted its workers: ``TORCHELASTIC_RESTART_COUNT`` counts it), not because the
         cell's own code destroyed it."""
+        try:
+            return await self._restart_dead(after_failure)
+        except (PoolError, ProviderError) as exc:
+            self.group_problem = str(exc)
+            raise
+
+    async def _restart_dead(self, after_failure: bool) -> list[str]:
         self.restarts += after_failure
         dead = [r for r in self.all if not r.alive]
         notes = []
@@ -368,7 +376,23 @@ class Ranks:
     async def form_group(self, jax: bool = False) -> Rebuilt:
         """(Re-)form the ranks' distributed worlds (see :mod:`.formation`); ``jax``: JAX's too.
         Returns what the ranks had built on the earlier group."""
-        return await form_worlds(self, jax)
+        skipped = nothing_to_form(self, jax)
+        if skipped is not None:
+            if skipped:
+                self.worlds_note = skipped
+                self.emit(PoolMessage(skipped))
+            for r in self.all:
+                self.set_state(r, RankState.READY, skipped or self.worlds_note)
+            return Rebuilt()
+        self.generation += 1
+        formed = await form_worlds(self, self.generation, jax)
+        self.group_problem = None
+        if formed.port is not None:
+            self.group_backend, self.master_port = formed.backend, formed.port
+        self.worlds_note = formed.note
+        for r in self.all:
+            self.set_state(r, RankState.READY, self.worlds_note)
+        return formed.rebuilt
 
     # ------------------------------------------------------------------- the wire
 
