@@ -61,7 +61,9 @@ class Cell:
     ) -> None:
         self.cell_id = cell_id
         self.ranks = ranks
-        self.futures: dict[Rank, asyncio.Future[p.CellDone]] = {r: r.expect("cell") for r in live}
+        self.futures: dict[Rank, asyncio.Future[p.CellDone]] = {
+            r: r.expect(p.CellDone, cell_id) for r in live
+        }
         self.timeout = timeout
         self.deadline = time.monotonic() + timeout if timeout else None
         self.grace = grace

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import protocol as p
 from . import wire
@@ -114,19 +114,18 @@ async def form_worlds(ranks: Ranks, generation: int, jax: bool) -> Formed:
     head, others = ranks.all[0], ranks.all[1:]
     for r in ranks.all:
         ranks.set_state(r, RankState.CONNECTING)
-    states = {r: r.expect("group") for r in ranks.all}
-    port_future = head.expect("port")
+    states = {r: r.expect(p.GroupState, generation) for r in ranks.all}
+    port_future = head.expect(p.GroupPort, generation)
+    first: list[asyncio.Future[Any]] = [port_future, states[head]]  # the head hosts, or fails
     secret = secrets.token_bytes(32)  # the store's, for this formation only
     ranks.send(head, wire.encode(p.FormGroup(generation, None, secret, ranks.restarts, jax)))
     try:
-        await asyncio.wait(
-            [port_future, states[head]], timeout=FORM_TIMEOUT, return_when=asyncio.FIRST_COMPLETED
-        )
+        await asyncio.wait(first, timeout=FORM_TIMEOUT, return_when=asyncio.FIRST_COMPLETED)
         if not port_future.done():
             state = states[head].result() if states[head].done() else None
             reason = state.message if state else "no answer"
             raise PoolError(f"rank 0 ({head.describe()}) could not host the rendezvous: {reason}")
-        where: p.GroupPort = port_future.result()
+        where = port_future.result()
         command = p.FormGroup(generation, where.port, secret, ranks.restarts, jax, where.jax_port)
         frame = wire.encode(command)
         for r in others:

@@ -383,3 +383,26 @@ class CellDone:
     """Each process group's name and how many collectives this rank has called in it (torch's
     sequence number); None: unknown. Ranks that agree on every group can keep it after a
     stop."""
+
+
+Answer = Hello | CellDone | GroupPort | GroupState | Synced | Stacks
+"""What the pool waits for from a rank, each the answer to one request: :class:`Hello` to the
+rank's start, :class:`CellDone` to :class:`RunCell`, :class:`GroupPort` (the head's) and
+:class:`GroupState` to :class:`FormGroup`, :class:`Synced` to :class:`SyncFiles`,
+:class:`Stacks` to :class:`StackRequest`."""
+ANSWERS = (Hello, CellDone, GroupPort, GroupState, Synced, Stacks)
+
+
+def request_of(answer: Answer) -> int | str | None:
+    """Which request ``answer`` answers, among those of its type a rank may have pending: the
+    cell, the formation's generation, the synced directory's key, the stacks request; None for
+    the one :class:`Hello` of a rank's process."""
+    if isinstance(answer, CellDone):
+        return answer.cell_id
+    if isinstance(answer, GroupPort | GroupState):
+        return answer.generation
+    if isinstance(answer, Synced):
+        return answer.key
+    if isinstance(answer, Stacks):
+        return answer.request
+    return None

@@ -169,7 +169,7 @@ class Transfer:
         return paths
 
     async def _ask(self, ranks: list[Rank], command: p.SyncFiles) -> dict[Rank, p.Synced]:
-        futures = {r: r.expect("synced") for r in ranks}
+        futures = {r: r.expect(p.Synced, command.key) for r in ranks}
         frame = wire.encode(command)
         for r in ranks:
             self._ranks.send(r, frame)
