@@ -3,7 +3,7 @@
 One session per IPython shell. A cell without pool options runs on the current pool (started
 with the configured defaults the first time); a cell whose options describe a different pool
 replaces the pool of that name, and says so. Pools end with ``%sky down``, with the kernel, or
-when the extension is unloaded; the views and watchers hear of every pool's life.
+when the extension is unloaded; the listeners (the views among them) hear of every pool's life.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from .capture import Shipment, Shipper
 from .checked_source import CheckedSource
 from .idle import IdleStop
 from .limits import LimitError
-from .observers import NoViews, PoolWatcher, Views
+from .observers import NoViews, PoolListener, Views
 from .options import StdoutMode, implied_provider
 from .pool import Pool
 from .protocol import Script
@@ -70,11 +70,12 @@ class Session:
         self,
         announce: Announce | None = None,
         views: Views | None = None,
-        watchers: Sequence[PoolWatcher] = (),
+        listeners: Sequence[PoolListener] = (),
     ) -> None:
         self._pools: dict[str, PoolEntry] = {}
         self.views: Views = views or NoViews()
-        self.watchers: tuple[PoolWatcher, ...] = tuple(watchers)
+        self._listeners: tuple[PoolListener, ...] = (self.views, *listeners)
+        """Who hears of every pool's life, the views first."""
         self.current: str | None = None
         self._failed: dict[str, PoolSpec] = {}
         """Per name without a pool, the description that last failed to start under it."""
@@ -150,10 +151,8 @@ class Session:
                     self.down(name, quiet=True, keep_files=_same_hosts(old.spec, wanted))
             self._announce(f"pool {name!r}: starting {wanted.describe()} ...")
             started = time.perf_counter()
-            self.views.pool_created(entry)
-            for watcher in self.watchers:
-                watcher.pool_created(entry)
-            pool.start(on_wait=lambda: self.views.pool_starting(entry))
+            self._tell(lambda listener: listener.pool_created(entry))
+            pool.start(on_wait=lambda: self._tell(lambda listener: listener.pool_starting(entry)))
         except BaseException:
             self._ended(entry)
             self._start_failed(name, wanted, old if keep_old else None)
@@ -170,9 +169,7 @@ class Session:
             self._announce(f"warning: {warning}")
         entry.last_active = time.monotonic()
         self.current = name
-        self.views.pool_started(entry)
-        for watcher in self.watchers:
-            watcher.pool_started(entry)
+        self._tell(lambda listener: listener.pool_started(entry))
         if wanted.idle_minutes():
             self.idle.watch()
         return entry
@@ -418,11 +415,19 @@ class Session:
             self._ended(entry)
 
     def _ended(self, entry: PoolEntry) -> None:
-        try:
-            self.views.pool_ended(entry)
-        finally:
-            for watcher in self.watchers:
-                watcher.pool_ended(entry)
+        self._tell(lambda listener: listener.pool_ended(entry))
+
+    def _tell(self, event: Callable[[PoolListener], None]) -> None:
+        """Every listener hears ``event``, in order; one that fails keeps it from no other (the
+        first failure is raised once all have heard it)."""
+        failure: Exception | None = None
+        for listener in self._listeners:
+            try:
+                event(listener)
+            except Exception as exc:  # noqa: BLE001 - raised below, once the others heard
+                failure = failure or exc
+        if failure is not None:
+            raise failure
 
     def down_pool(self, name: str, pool: Pool) -> None:
         """End ``pool`` if it is still the pool called ``name`` (a panel's "Shut down")."""
