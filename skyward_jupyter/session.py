@@ -302,14 +302,16 @@ class Session:
                 on_wait=view.flush,
             )
         except CellInterrupted as interrupted:
-            self._settle(entry, shipment, interrupted.result)
+            self._after_cell(entry, shipment, interrupted.result)
             raise
         finally:
             view.finish()
-        self._settle(entry, shipment, result)
+        self._after_cell(entry, shipment, result)
         return result
 
-    def _settle(self, entry: PoolEntry, shipment: Shipment, result: RunResult) -> None:
+    def _after_cell(self, entry: PoolEntry, shipment: Shipment, result: RunResult) -> None:
+        """What the ranks hold once a cell ended (its globals, the names it bound; nothing
+        where a rank was lost), and what they had to say."""
         if result.lost:
             entry.shipper.forget()
         else:

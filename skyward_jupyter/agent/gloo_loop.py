@@ -42,7 +42,7 @@ class LoopPriority:
     def __init__(self) -> None:
         self._usable = os.path.isdir(_TASKS) and hasattr(os, "setpriority")
         self._lock = threading.Lock()
-        self._settled: set[int] = set()
+        self._decided: set[int] = set()
         """Threads lowered, or known not to be a loop thread."""
         self._first_seen: dict[int, float] = {}
         """Threads seen under another name, and when they were first seen."""
@@ -56,9 +56,9 @@ class LoopPriority:
             try:
                 tids = {int(tid) for tid in os.listdir(_TASKS)}
                 now = time.monotonic()
-                self._settled &= tids
+                self._decided &= tids
                 self._first_seen = {t: s for t, s in self._first_seen.items() if t in tids}
-                for tid in tids - self._settled:
+                for tid in tids - self._decided:
                     self._look_at(tid, now)
             except OSError as exc:
                 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
@@ -73,8 +73,8 @@ class LoopPriority:
                 target = min(os.getpriority(os.PRIO_PROCESS, os.getpid()) + NICE_ABOVE_RANK, 19)
                 if os.getpriority(os.PRIO_PROCESS, tid) < target:
                     os.setpriority(os.PRIO_PROCESS, tid, target)
-                self._settled.add(tid)
+                self._decided.add(tid)
             elif now - self._first_seen.setdefault(tid, now) >= NAMED_WITHIN:
-                self._settled.add(tid)
+                self._decided.add(tid)
         except (FileNotFoundError, ProcessLookupError):
-            self._settled.add(tid)  # it ended meanwhile (its group was destroyed)
+            self._decided.add(tid)  # it ended meanwhile (its group was destroyed)

@@ -294,7 +294,7 @@ class LocalRank:
 
     async def wait(self) -> str:
         code = await self._status()
-        await self._stderr.settle()
+        await self._stderr.drain()
         self.writer.close()
         if code is None:
             return "ended (exit status unknown)"
@@ -432,12 +432,12 @@ class LocalProvider(Provider):
         loop = asyncio.get_running_loop()
         exited: asyncio.Future[int] = loop.create_future()
 
-        def settle(status: int) -> None:
+        def record_exit(status: int) -> None:
             if not exited.done():
                 exited.set_result(status)
 
         def on_exit(status: int) -> None:
-            loop.call_soon_threadsafe(settle, status)
+            loop.call_soon_threadsafe(record_exit, status)
 
         wire_in_r, wire_in_w = _pipe()
         wire_out_r, wire_out_w = _pipe()
