@@ -61,8 +61,8 @@ def names_used_by(value: Any) -> set[str]:
 
 
 def _digest(pickled: Pickled) -> bytes:
-    """A change detector, not a security check: XXH3 reads 100 MB in a few milliseconds (sha1,
-    the fastest of hashlib's, took 50)."""
+    """A change detector, not a security check: XXH3, because it reads a large global many times
+    faster than hashlib's fastest (BENCHMARKS.md, "Measurements behind the code")."""
     h = xxhash.xxh3_128()
     h.update(pickled.data)
     for buffer in pickled.buffers:

@@ -7,10 +7,8 @@ collective. On a CPU-bound rank that core is the training thread's, which then r
 collective later still. A nice value 5 above the rank's keeps the thread running whenever a core
 is free and still gives it a quarter of a contended one, so messages keep flowing.
 
-Measured by ``make bench`` (``bench/bench_byo.py``, 2 ranks on 2 cores, torchrun's workers
-keeping the thread at nice 0): a plain DDP loop went from 0.96-0.98 of torchrun's steps per
-second to 1.18-1.23, the Hugging Face Trainer from 0.93 to 0.96-1.02 (two runs); rank 0's loop
-used 0.47 ms of CPU per DDP step against torchrun's 0.75.
+What it changes in steps per second and in the loop's CPU per step is measured beside torchrun
+in BENCHMARKS.md ("Bring your own code", and "Measurements behind the code").
 
 The rank lowers the threads of its own group as it forms and, at each watchdog tick, those of
 groups the user's code forms. It finds the thread by the name gloo gives it in the torch this
