@@ -229,7 +229,8 @@ class Pool:
         """Run ``source`` on every rank with ``globals`` bound first; one result per rank.
 
         With ``script``, the source runs as that script would under torchrun (its own
-        ``__main__``, argv and directory). A syntax error or an unpicklable global fails here.
+        ``__main__``, argv and directory). A syntax error or an unpicklable global fails here; a
+        :class:`CheckedSource` (the session's) was checked already and is sent as it is.
         ``observer`` gets this cell's events only (on the IO thread); ``on_wait`` is called on
         the caller's thread about 20 times a second while it waits, so a view can draw output
         from the thread that owns the notebook cell. Closing the pool meanwhile ends the cell

@@ -311,7 +311,8 @@ class Session:
 
     def _after_cell(self, entry: PoolEntry, shipment: Shipment, result: RunResult) -> None:
         """What the ranks hold once a cell ended (its globals, the names it bound; nothing
-        where a rank was lost), and what they had to say."""
+        where a rank was lost), and what they had to say.
+        """
         if result.lost:
             entry.shipper.forget()
         else:
@@ -395,7 +396,8 @@ class Session:
         self, chosen: Callable[[Sequence[PoolEntry]], Sequence[PoolEntry]]
     ) -> Sequence[PoolEntry]:
         """Take the pools ``chosen`` picks out of the session, under its lock, so that no cell
-        takes one meanwhile (the idle stop's)."""
+        takes one meanwhile (the idle stop's).
+        """
         with self._lock:
             taken = chosen(list(self._pools.values()))
             for entry in taken:
@@ -421,7 +423,8 @@ class Session:
 
     def _tell(self, event: Callable[[PoolListener], None]) -> None:
         """Every listener hears ``event``, in order; one that fails keeps it from no other (the
-        first failure is raised once all have heard it)."""
+        first failure is raised once all have heard it).
+        """
         failure: Exception | None = None
         for listener in self._listeners:
             try:
