@@ -22,13 +22,10 @@ from typing import Any
 import xxhash
 
 from .protocol import Pickled
+from .transfer import pickle_global
 
 LARGE_GLOBAL_BYTES = 100 * 1024 * 1024
 _NOTEBOOK_INTERNALS = {"In", "Out", "get_ipython", "exit", "quit"}
-
-
-class CaptureError(Exception):
-    """A global the cell needs cannot be sent; the message names it and says why."""
 
 
 def names_read(source: str) -> set[str]:
@@ -64,8 +61,8 @@ def names_used_by(value: Any) -> set[str]:
 
 
 def _digest(pickled: Pickled) -> bytes:
-    """A change detector, not a security check: XXH3 reads 100 MB in a few milliseconds (sha1,
-    the fastest of hashlib's, took 50)."""
+    """A change detector, not a security check: XXH3, because it reads a large global many times
+    faster than hashlib's fastest (BENCHMARKS.md, "Measurements behind the code")."""
     h = xxhash.xxh3_128()
     h.update(pickled.data)
     for buffer in pickled.buffers:
@@ -100,7 +97,8 @@ class Shipper:
     def prepare(
         self, source: str, user_ns: Mapping[str, Any], force: frozenset[str] = frozenset()
     ) -> Shipment:
-        """Pickle the globals ``source`` needs; raises :class:`CaptureError` naming a bad one."""
+        """Pickle the globals ``source`` needs (:func:`.transfer.pickle_global`: a PoolError
+        names one that cannot travel)."""
         wanted = sorted(self._closure(names_read(source) | force, user_ns))
         send: dict[str, Pickled] = {}
         digests: dict[str, bytes] = {}
@@ -109,15 +107,7 @@ class Shipper:
             if name in self._remote and name not in force:
                 remote.append(name)
                 continue
-            value = user_ns[name]
-            try:
-                pickled = Pickled.dump(value)
-            except Exception as exc:
-                raise CaptureError(
-                    f"global {name!r} ({type(value).__name__}) cannot be sent to the ranks: "
-                    f"{type(exc).__name__}: {exc}. Create it inside the %%sky cell instead, "
-                    "or pass what it is built from."
-                ) from exc
+            pickled = pickle_global(name, user_ns[name])
             digest = _digest(pickled)
             digests[name] = digest
             if self._sent.get(name) == digest and name not in force:

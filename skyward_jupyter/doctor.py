@@ -37,8 +37,7 @@ async def stacks(
 ) -> dict[Rank, p.Stacks | None]:
     """Each live target's stacks; None for one that did not answer within ``timeout``."""
     request = next(_requests)
-    key = f"stacks {request}"
-    futures = {r: r.expect(key) for r in targets if r.alive and r.process is not None}
+    futures = {r: r.expect(p.Stacks, request) for r in targets if r.alive and r.process is not None}
     frame = wire.encode(p.StackRequest(request))
     for r in futures:
         ranks.send(r, frame)
@@ -46,7 +45,7 @@ async def stacks(
         await asyncio.wait(futures.values(), timeout=timeout)
     answers: dict[Rank, p.Stacks | None] = {r: None for r in targets}
     for r, future in futures.items():
-        r.waiters.pop(key, None)
+        r.give_up(p.Stacks, request)
         if future.done() and not future.cancelled() and future.exception() is None:
             answers[r] = future.result()
         else:

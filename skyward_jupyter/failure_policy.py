@@ -61,7 +61,9 @@ class Cell:
     ) -> None:
         self.cell_id = cell_id
         self.ranks = ranks
-        self.futures: dict[Rank, asyncio.Future[p.CellDone]] = {r: r.expect("cell") for r in live}
+        self.futures: dict[Rank, asyncio.Future[p.CellDone]] = {
+            r: r.expect(p.CellDone, cell_id) for r in live
+        }
         self.timeout = timeout
         self.deadline = time.monotonic() + timeout if timeout else None
         self.grace = grace
@@ -291,7 +293,6 @@ class Cell:
         except (PoolError, ProviderError) as exc:
             # The cell's own result still matters most; the next cell says more.
             self.notes.append(f"the pool could not recover: {exc}")
-            self.ranks.group_problem = str(exc)
             self.ranks.emit(PoolMessage(self.notes[-1]))
             return False
         return destroyed

@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import secrets
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import protocol as p
 from . import wire
-from .events import PoolMessage, RankState
+from .events import RankState
 from .results import PoolError, RankEnded
 from .spec import backend_problem
 
@@ -52,8 +52,8 @@ def check_hellos(ranks: Ranks, started: list[Rank]) -> None:
         raise PoolError(f"torch is missing on {where}{others}: install it there")
 
 
-def _nothing_to_form(ranks: Ranks, jax: bool) -> str | None:
-    """Why no world is formed now (None: one is)."""
+def nothing_to_form(ranks: Ranks, jax: bool) -> str | None:
+    """Why no world is formed now (None: one is; empty: JAX's world stands, nothing to say)."""
     wanted = ranks.settings.frameworks
     has_torch = wanted.torch is not False and all(
         r.hello is not None and r.hello.torch is not None for r in ranks.all
@@ -78,6 +78,19 @@ class Rebuilt:
     """To be built again: their next use fails, saying how."""
 
 
+@dataclass(frozen=True, slots=True)
+class Formed:
+    """What a formation made, for :class:`~.ranks.Ranks` to keep."""
+
+    backend: str | None
+    """torch.distributed's backend (None: no torch group formed)."""
+    port: int | None
+    """Where the head's rendezvous store listens (None: no torch group formed)."""
+    note: str
+    """What the ranks formed, as the pool says it ("torch.distributed gloo, port 4242")."""
+    rebuilt: Rebuilt
+
+
 def reformed(backend: str, port: int | None, restarted: bool, rebuilt: Rebuilt) -> str:
     """What the notebook is told when the group formed again after a failure: DDP models were
     wrapped again on the new group; what torch cannot move is named, to be built again."""
@@ -94,35 +107,25 @@ def reformed(backend: str, port: int | None, restarted: bool, rebuilt: Rebuilt) 
     return text
 
 
-async def form_worlds(ranks: Ranks, jax: bool) -> Rebuilt:
-    """(Re-)form torch.distributed everywhere, and JAX's world when ``jax``; return what the
-    ranks' namespaces had built on the earlier group."""
-    skipped = _nothing_to_form(ranks, jax)
-    if skipped is not None:
-        if skipped:
-            ranks.worlds_note = skipped
-            ranks.emit(PoolMessage(skipped))
-        for r in ranks.all:
-            ranks.set_state(r, RankState.READY, skipped or ranks.worlds_note)
-        return Rebuilt()
-    ranks.generation += 1
-    generation = ranks.generation
+async def form_worlds(ranks: Ranks, generation: int, jax: bool) -> Formed:
+    """Form torch.distributed everywhere as formation ``generation``, and JAX's world when
+    ``jax``; return what was formed and what the ranks' namespaces had built on the earlier
+    group. Only ranks with a world to form come here (:func:`nothing_to_form`)."""
     head, others = ranks.all[0], ranks.all[1:]
     for r in ranks.all:
         ranks.set_state(r, RankState.CONNECTING)
-    states = {r: r.expect("group") for r in ranks.all}
-    port_future = head.expect("port")
+    states = {r: r.expect(p.GroupState, generation) for r in ranks.all}
+    port_future = head.expect(p.GroupPort, generation)
+    first: list[asyncio.Future[Any]] = [port_future, states[head]]  # the head hosts, or fails
     secret = secrets.token_bytes(32)  # the store's, for this formation only
     ranks.send(head, wire.encode(p.FormGroup(generation, None, secret, ranks.restarts, jax)))
     try:
-        await asyncio.wait(
-            [port_future, states[head]], timeout=FORM_TIMEOUT, return_when=asyncio.FIRST_COMPLETED
-        )
+        await asyncio.wait(first, timeout=FORM_TIMEOUT, return_when=asyncio.FIRST_COMPLETED)
         if not port_future.done():
             state = states[head].result() if states[head].done() else None
             reason = state.message if state else "no answer"
             raise PoolError(f"rank 0 ({head.describe()}) could not host the rendezvous: {reason}")
-        where: p.GroupPort = port_future.result()
+        where = port_future.result()
         command = p.FormGroup(generation, where.port, secret, ranks.restarts, jax, where.jax_port)
         frame = wire.encode(command)
         for r in others:
@@ -138,18 +141,15 @@ async def form_worlds(ranks: Ranks, jax: bool) -> Rebuilt:
         raise PoolError(
             f"rank {r.index} ({r.describe()}) could not join the process group: {s.message}"
         )
-    ranks.group_problem = None
     parts = []
+    backend = results[0].backend if where.port is not None else None
     if where.port is not None:
-        ranks.group_backend, ranks.master_port = results[0].backend, where.port
-        parts.append(f"torch.distributed {ranks.group_backend}, port {where.port}")
+        parts.append(f"torch.distributed {backend}, port {where.port}")
     if ranks.settings.frameworks.jax:
         count = len(ranks.all)
         parts.append(f"jax.distributed, {count} process{'es' * (count != 1)}")
-    ranks.worlds_note = "; ".join(parts)
-    for r in ranks.all:
-        ranks.set_state(r, RankState.READY, ranks.worlds_note)
-    return Rebuilt(
+    rebuilt = Rebuilt(
         tuple(dict.fromkeys(name for s in results for name in s.rewrapped)),
         tuple(dict.fromkeys(name for s in results for name in s.earlier)),
     )
+    return Formed(backend, where.port, "; ".join(parts), rebuilt)

@@ -89,7 +89,7 @@ def wait(
     :class:`CellInterrupted` (a KeyboardInterrupt) carrying how each rank ended.
     """
 
-    def settle() -> T:
+    def result() -> T:
         while True:
             try:
                 return future.result(timeout=WAIT_TICK if on_wait else None)
@@ -98,16 +98,16 @@ def wait(
                 on_wait()
 
     try:
-        return settle()
+        return result()
     except concurrent.futures.CancelledError:
         raise KeyboardInterrupt from None  # the start was cancelled by an interrupt elsewhere
     except KeyboardInterrupt:
         interrupt()
         try:
-            outcome = settle()
+            outcome = result()
         except KeyboardInterrupt:
             interrupt()
-            outcome = settle()
+            outcome = result()
         except concurrent.futures.CancelledError:
             raise KeyboardInterrupt from None  # the start was cancelled by this Ctrl-C
         if isinstance(outcome, RunResult):

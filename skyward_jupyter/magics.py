@@ -10,6 +10,7 @@ import argparse
 import difflib
 import functools
 import shlex
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from IPython.core.error import UsageError
@@ -123,6 +124,21 @@ def _line_help() -> str:
     return "\n".join(lines) + "\n"
 
 
+Handler = Callable[["SkyMagics", argparse.Namespace], Any]
+_HANDLERS: dict[str, Handler] = {}
+"""What runs each ``%sky`` command of :data:`.options.COMMANDS`, by its name: the one dispatch."""
+
+
+def _handles(command: str) -> Callable[[Handler], Handler]:
+    """Register the method below as what ``%sky COMMAND`` runs (its arguments parsed)."""
+
+    def register(handler: Handler) -> Handler:
+        _HANDLERS[command] = handler
+        return handler
+
+    return register
+
+
 @magics_class
 class SkyMagics(Magics):
     def __init__(self, shell: Any, session: Session) -> None:
@@ -189,57 +205,79 @@ class SkyMagics(Magics):
             raise UsageError(
                 f"%sky: unknown command {command!r}; {hint}one of {', '.join(parsers)}"
             )
-        args = parsers[command].parse(rest)
-        session = self.session
-        if command == "up":
-            session.entry(args.name, session.spec_from(pool_options(args)))
-        elif command == "run":
-            if args.script is None:
-                raise UsageError(
-                    "%sky run: which script? %sky run [pool options] SCRIPT [ARGS ...]"
-                )
-            _raise_for_errors(
-                session.run_script(
-                    args.script,
-                    args.args,
-                    name=args.name,
-                    spec=self._spec(args),
-                    stdout=args.stdout,
-                    timeout=args.timeout,
-                )
+        return _HANDLERS[command](self, parsers[command].parse(rest))
+
+    @_handles("up")
+    def _up(self, args: argparse.Namespace) -> None:
+        self.session.entry(args.name, self.session.spec_from(pool_options(args)))
+
+    @_handles("run")
+    def _run(self, args: argparse.Namespace) -> None:
+        if args.script is None:
+            raise UsageError("%sky run: which script? %sky run [pool options] SCRIPT [ARGS ...]")
+        _raise_for_errors(
+            self.session.run_script(
+                args.script,
+                args.args,
+                name=args.name,
+                spec=self._spec(args),
+                stdout=args.stdout,
+                timeout=args.timeout,
             )
-        elif command == "down":
-            if args.all:
-                session.down_all(keep_files=args.keep_files)
-            else:
-                session.down(args.name, keep_files=args.keep_files)
-        elif command == "status":
-            print(session.status())
-        elif command == "clean":
-            print("\n".join(session.clean(provider_given(args))))
-        elif command == "stacks":
-            print(session.stacks(args.name))
-        elif command == "restart":
-            session.restart(args.name)
-        elif command == "pull":
-            value = session.pull(args.name, "all" if args.all else args.rank)
-            self._user_ns[args.name] = value
-        elif command == "push":
-            result = session.push(args.names, self._user_ns)
-            print(f"pushed {', '.join(args.names)}: {result.shipped_bytes} bytes to each rank")
-        elif command == "config":
-            session.defaults = session.spec_from(pool_options(args))
-            if args.stdout:
-                session.stdout_mode = args.stdout
-            print(f"defaults: {session.defaults.describe()}, stdout {session.stdout_mode}")
-        elif command == "panel":
-            session.panel(args.name)
-        elif command == "metrics":
-            return session.metrics(args.name)
-        elif command == "sweep":
-            given = provider_given(args)
-            print(session.sweep(given, yes=args.yes, all_owners=args.all_owners))
-        return None
+        )
+
+    @_handles("down")
+    def _down(self, args: argparse.Namespace) -> None:
+        if args.all:
+            self.session.down_all(keep_files=args.keep_files)
+        else:
+            self.session.down(args.name, keep_files=args.keep_files)
+
+    @_handles("status")
+    def _status(self, args: argparse.Namespace) -> None:
+        print(self.session.status())
+
+    @_handles("clean")
+    def _clean(self, args: argparse.Namespace) -> None:
+        print("\n".join(self.session.clean(provider_given(args))))
+
+    @_handles("stacks")
+    def _stacks(self, args: argparse.Namespace) -> None:
+        print(self.session.stacks(args.name))
+
+    @_handles("restart")
+    def _restart(self, args: argparse.Namespace) -> None:
+        self.session.restart(args.name)
+
+    @_handles("pull")
+    def _pull(self, args: argparse.Namespace) -> None:
+        self._user_ns[args.name] = self.session.pull(args.name, "all" if args.all else args.rank)
+
+    @_handles("push")
+    def _push(self, args: argparse.Namespace) -> None:
+        result = self.session.push(args.names, self._user_ns)
+        print(f"pushed {', '.join(args.names)}: {result.shipped_bytes} bytes to each rank")
+
+    @_handles("config")
+    def _config(self, args: argparse.Namespace) -> None:
+        session = self.session
+        session.defaults = session.spec_from(pool_options(args))
+        if args.stdout:
+            session.stdout_mode = args.stdout
+        print(f"defaults: {session.defaults.describe()}, stdout {session.stdout_mode}")
+
+    @_handles("panel")
+    def _panel(self, args: argparse.Namespace) -> None:
+        self.session.panel(args.name)
+
+    @_handles("metrics")
+    def _metrics(self, args: argparse.Namespace) -> Any:
+        return self.session.metrics(args.name)
+
+    @_handles("sweep")
+    def _sweep(self, args: argparse.Namespace) -> None:
+        given = provider_given(args)
+        print(self.session.sweep(given, yes=args.yes, all_owners=args.all_owners))
 
 
 def _raise_for_errors(result: RunResult) -> None:

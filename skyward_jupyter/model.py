@@ -3,17 +3,20 @@
 The widget panel, the text fallback (:mod:`.display`) and the lab panel's registry
 (:mod:`.registry`, served by :mod:`.server`) all show one state per node and per pool, folded
 from the ranks' states by :func:`aggregate_state`, and a price where the provider has one
-(:func:`price_of`). The protocols say what those views read of a pool and of the session's
-entry for it, so that they depend on neither :mod:`.pool` nor :mod:`.session`.
+(:func:`price_of`). :class:`EntryFacts` is the session's entry for a pool as they read it,
+so that they depend on neither :mod:`.pool` nor :mod:`.session` at run time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from .events import PoolEvent, RankState
+from .events import RankState
+
+if TYPE_CHECKING:
+    from .pool import Pool
 
 # Which state a group of ranks (a node, the pool) shows: the first of these any rank is in.
 # Trouble first, then the slowest stage of starting, then activity.
@@ -100,7 +103,7 @@ def aggregate_state(states: Iterable[RankState]) -> RankState:
     return RankState.TERMINATED  # pragma: no cover - every state is in _PRECEDENCE
 
 
-def price_of(pool: PoolFacts) -> float | None:
+def price_of(pool: Pool) -> float | None:
     """$/hour of a pool where its provider knows prices; local has none."""
     return pool.provider.price_per_hour
 
@@ -108,118 +111,20 @@ def price_of(pool: PoolFacts) -> float | None:
 # ------------------------------------------------------------- what the views read of a pool
 
 
-class ProviderFacts(Protocol):
-    """What views and the registry read of a provider (see ``providers.base.Provider``)."""
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def price_per_hour(self) -> float | None: ...
-
-    def record(self, pids: Mapping[int, Sequence[int]]) -> dict[str, Any]: ...
-
-
-class NodeFacts(Protocol):
-    """A machine of the pool, as its provider found it."""
-
-    @property
-    def index(self) -> int: ...
-
-    @property
-    def address(self) -> str: ...
-
-    @property
-    def gpus(self) -> Sequence[str]: ...
-
-    @property
-    def gpu_type(self) -> str | None: ...
-
-    @property
-    def instance_type(self) -> str | None: ...
-
-
-class HelloFacts(Protocol):
-    """What a rank said of itself when it connected."""
-
-    @property
-    def pid(self) -> int: ...
-
-    @property
-    def hostname(self) -> str: ...
-
-
-class RankFacts(Protocol):
-    @property
-    def rank(self) -> int: ...
-
-    @property
-    def node(self) -> int: ...
-
-    @property
-    def local_rank(self) -> int: ...
-
-    @property
-    def state(self) -> RankState: ...
-
-    @property
-    def process(self) -> str: ...
-
-    @property
-    def hello(self) -> HelloFacts | None: ...
-
-
-class PoolFacts(Protocol):
-    """A pool as its views see it (:class:`skyward_jupyter.pool.Pool` is one)."""
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def provider(self) -> ProviderFacts: ...
-
-    @property
-    def requested_nodes(self) -> int: ...
-
-    @property
-    def nodes(self) -> Sequence[NodeFacts]: ...
-
-    @property
-    def ranks(self) -> Sequence[RankFacts]: ...
-
-    @property
-    def world_size(self) -> int: ...
-
-    @property
-    def started_at(self) -> float | None: ...
-
-    @property
-    def running(self) -> bool: ...
-
-    @property
-    def group_backend(self) -> str | None: ...
-
-    def subscribe(self, callback: Callable[[PoolEvent], None]) -> Callable[[], None]: ...
-
-    def interrupt(self) -> None: ...
-
-    def stacks(self) -> str: ...
-
-    def close(self) -> None: ...
-
-
-class SpecFacts(Protocol):
-    def describe(self) -> str: ...
-
-
 class EntryFacts(Protocol):
-    """A pool as the session hands it to its views (:class:`skyward_jupyter.session.PoolEntry`)."""
+    """A pool as the session hands it to its views and the registry (the session's
+    ``PoolEntry``): they read the pool itself, typed as :class:`~skyward_jupyter.pool.Pool`
+    for the checker only, so that neither imports the session or the pool at run time."""
 
     @property
     def name(self) -> str: ...
 
     @property
-    def spec(self) -> SpecFacts: ...
+    def spec(self) -> _Described: ...
 
     @property
-    def pool(self) -> PoolFacts: ...
+    def pool(self) -> Pool: ...
+
+
+class _Described(Protocol):
+    def describe(self) -> str: ...

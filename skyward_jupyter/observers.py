@@ -1,6 +1,7 @@
-"""Who the session tells of a pool's life: the display (:class:`Views`) and watchers (the lab
-panel's registry). The session holds them as these protocols only, so it knows no display
-module; ``display/views.py`` and ``registry/`` implement them.
+"""Who the session tells of a pool's life: its listeners (:class:`PoolListener`), the display
+(:class:`Views`, a listener that also draws cells) and the lab panel's registry among them. The
+session holds them as these protocols only, so it knows no display module; ``display/views.py``
+and ``registry/`` implement them.
 """
 
 from __future__ import annotations
@@ -25,18 +26,24 @@ class CellView(Protocol):
         """Kernel thread, once the cell ended (also when it failed)."""
 
 
-class Views(Protocol):
-    """The display layer's part in a pool's life (``display/views.py``); no widgets here."""
+class PoolListener(Protocol):
+    """One listener of a pool's life: every listener hears every event, in this order."""
 
     def pool_created(self, entry: EntryFacts) -> None:
-        """The pool exists and is about to start."""
+        """The pool exists and is about to start (its own events can be subscribed to now)."""
 
     def pool_starting(self, entry: EntryFacts) -> None:
         """Kernel thread, while the pool starts (about 20 times a second): show its progress."""
 
-    def pool_started(self, entry: EntryFacts) -> None: ...
+    def pool_started(self, entry: EntryFacts) -> None:
+        """The pool is ready and the session's own."""
 
-    def pool_ended(self, entry: EntryFacts) -> None: ...
+    def pool_ended(self, entry: EntryFacts) -> None:
+        """The pool ended, or failed to start."""
+
+
+class Views(PoolListener, Protocol):
+    """The display layer (``display/views.py``): the listener that also draws; no widgets here."""
 
     def cell(self, entry: EntryFacts, stdout: StdoutMode) -> CellView:
         """A cell is about to run on the pool; ``stdout``: whose output it shows."""
@@ -50,16 +57,6 @@ class Views(Protocol):
 
     def metrics(self, name: str | None, current: str | None) -> Any:
         """A pool's metrics as rows (``%sky metrics``); LookupError when there is no such pool."""
-
-
-class PoolWatcher(Protocol):
-    """Another view of a pool's life beside the display (the lab panel's registry)."""
-
-    def pool_created(self, entry: EntryFacts) -> None: ...
-
-    def pool_started(self, entry: EntryFacts) -> None: ...
-
-    def pool_ended(self, entry: EntryFacts) -> None: ...
 
 
 class _NoCellView:

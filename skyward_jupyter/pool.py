@@ -19,6 +19,7 @@ from typing import Any
 
 from . import doctor, limits, relay_keys, wire
 from . import protocol as p
+from .checked_source import CheckedSource
 from .events import (
     CellFinished,
     CellStarted,
@@ -193,7 +194,8 @@ class Pool:
 
     def start(self, on_wait: Callable[[], None] | None = None) -> Pool:
         """Start every rank and form the process group; blocks until the pool is ready.
-        ``on_wait`` is called on the caller's thread while it waits (a view showing the boot)."""
+        ``on_wait`` is called on the caller's thread while it waits (a view showing the boot).
+        """
         if self._io is not None:
             return self
         self.check()
@@ -208,12 +210,13 @@ class Pool:
 
     def check(self) -> None:
         """Refuse what starting would refuse before reaching any machine (a directory that
-        cannot be synced), as a :class:`PoolError`."""
+        cannot be synced), as a :class:`PoolError`.
+        """
         self._transfer.scan()
 
     def run(
         self,
-        source: str,
+        source: str | CheckedSource,
         globals: Mapping[str, Any] | None = None,
         *,
         timeout: float | None = None,
@@ -225,11 +228,13 @@ class Pool:
         """Run ``source`` on every rank with ``globals`` bound first; one result per rank.
 
         With ``script``, the source runs as that script would under torchrun (its own
-        ``__main__``, argv and directory). A syntax error or an unpicklable global fails here.
+        ``__main__``, argv and directory). A syntax error or an unpicklable global fails here; a
+        :class:`CheckedSource` (the session's) was checked already and is sent as it is.
         ``observer`` gets this cell's events only (on the IO thread); ``on_wait`` is called on
         the caller's thread about 20 times a second while it waits, so a view can draw output
         from the thread that owns the notebook cell. Closing the pool meanwhile ends the cell
-        with a :class:`PoolError`."""
+        with a :class:`PoolError`.
+        """
         if timeout is not None:
             limits.TIMEOUT.check(timeout)
         io = self._io
@@ -237,12 +242,13 @@ class Pool:
             raise PoolError(f"pool {self.name!r} is not running; start it first")
         cell_id = next(self._cell_ids)
         filename = filename or p.pool_cell_filename(cell_id)
-        p.check_syntax(source, filename)
+        if not isinstance(source, CheckedSource):
+            source = CheckedSource.check(source, filename)
         shipped = {name: pickle_global(name, value) for name, value in (globals or {}).items()}
         run_id = None
         if script is not None:  # a launch of its own, under the run id --env chose, if any
             run_id = self._ranks.settings.env.get("TORCHELASTIC_RUN_ID") or str(uuid.uuid4())
-        command = p.RunCell(cell_id, source, filename, dict(shipped), script, run_id=run_id)
+        command = p.RunCell(cell_id, source.text, filename, dict(shipped), script, run_id=run_id)
         files = self._transfer.scan()
         if observer is not None:
             self._fanout.observers[cell_id] = observer
@@ -259,7 +265,8 @@ class Pool:
 
     def restart(self) -> None:
         """Fresh rank processes and worlds on the same machines (``%sky restart``): no machine
-        is provisioned again, and a node's warm template forks the ranks."""
+        is provisioned again, and a node's warm template forks the ranks.
+        """
         if self._io is None or self._closing or self._op_lock is None:
             raise PoolError(f"pool {self.name!r} is not running")
         lock, ranks = self._op_lock, self._ranks
@@ -290,7 +297,8 @@ class Pool:
         """End every rank (leaving the process group first) and release the provider's resources.
         A cell still running is ended: its ranks are killed and its ``run`` raises PoolError.
         The nodes remove their copy of the synced directories (one no other pool uses) unless
-        ``keep_files``."""
+        ``keep_files``.
+        """
         io, self._io = self._io, None
         if io is None:
             return
@@ -310,7 +318,8 @@ class Pool:
 
     def _rank_ended(self, rank: Rank, how: str) -> None:
         """A rank's process ended: the running cell hears of it; an idle rank is restarted
-        (while starting, the start itself fails, naming the rank)."""
+        (while starting, the start itself fails, naming the rank).
+        """
         if self._closing:
             self._ranks.set_state(rank, RankState.TERMINATED, how)
             return
@@ -417,7 +426,6 @@ class Pool:
                 await self._ranks.restart_dead()
             except (PoolError, ProviderError) as exc:
                 self._emit(PoolMessage(f"could not recover rank {rank.index}: {exc}"))
-                self._ranks.group_problem = str(exc)
                 return
             self._lost_while_idle.append(rank.index)
 

@@ -11,7 +11,6 @@ arrives, and only that value reports its error. Its buffers stay out-of-band in 
 
 from __future__ import annotations
 
-import functools
 import operator
 import pickle
 from collections.abc import Callable
@@ -233,25 +232,6 @@ def cell_name(filename: str) -> str | None:
     return "cell" if filename.startswith("<sky-cell-") else None
 
 
-def check_syntax(source: str, filename: str) -> None:
-    """Raise the SyntaxError a rank would for a :class:`RunCell`'s source, before it is sent:
-    compiled with the source's own ``__future__`` imports only, not the sender's (string
-    annotations reject valid code, such as a walrus in an annotation)."""
-    try:
-        _compiles(source)
-    except SyntaxError as exc:
-        exc.filename = filename  # the error names the cell or script, as the ranks' would
-        raise
-
-
-@functools.lru_cache(maxsize=16)
-def _compiles(source: str) -> None:
-    """Checked once per source: the session checks a cell before a pool starts and the pool
-    again as it sends it, and a cell run again (a training loop) is not compiled again (a
-    140-line cell took 0.6 ms on the notebook's thread each time). Errors are not cached."""
-    compile(source, "<unnamed>", "exec", dont_inherit=True)
-
-
 @message
 class Interrupt:
     """Raise KeyboardInterrupt in cell ``cell_id`` (SIGINT to the rank's main thread); when it
@@ -424,3 +404,26 @@ class CellDone:
     """Each process group's name and how many collectives this rank has called in it (torch's
     sequence number); None: unknown. Ranks that agree on every group can keep it after a
     stop."""
+
+
+Answer = Hello | CellDone | GroupPort | GroupState | Synced | Stacks
+"""What the pool waits for from a rank, each the answer to one request: :class:`Hello` to the
+rank's start, :class:`CellDone` to :class:`RunCell`, :class:`GroupPort` (the head's) and
+:class:`GroupState` to :class:`FormGroup`, :class:`Synced` to :class:`SyncFiles`,
+:class:`Stacks` to :class:`StackRequest`."""
+ANSWERS = (Hello, CellDone, GroupPort, GroupState, Synced, Stacks)
+
+
+def request_of(answer: Answer) -> int | str | None:
+    """Which request ``answer`` answers, among those of its type a rank may have pending: the
+    cell, the formation's generation, the synced directory's key, the stacks request; None for
+    the one :class:`Hello` of a rank's process."""
+    if isinstance(answer, CellDone):
+        return answer.cell_id
+    if isinstance(answer, GroupPort | GroupState):
+        return answer.generation
+    if isinstance(answer, Synced):
+        return answer.key
+    if isinstance(answer, Stacks):
+        return answer.request
+    return None

@@ -15,7 +15,7 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from . import limits, wire
 from . import protocol as p
@@ -29,16 +29,17 @@ from .events import (
     RankStateChanged,
     RankUsage,
 )
-from .formation import Rebuilt, check_hellos, form_worlds, reformed
+from .formation import Rebuilt, check_hellos, form_worlds, nothing_to_form, reformed
 from .frameworks import TORCH_ONLY, Frameworks
 from .gpus import lay_out
 from .launch_env import RankPlace, launcher_env
 from .memory import named_kill
-from .providers.base import Node, Provider, RankProcess, notebook_silence
+from .providers.base import Node, Provider, ProviderError, RankProcess, notebook_silence
 from .relay_keys import RelaySecrets
 from .results import PoolError, RankEnded, RankInfo
 
 log = logging.getLogger(__name__)
+A = TypeVar("A", bound=p.Answer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +63,7 @@ class Rank:
         self.hello: p.Hello | None = None
         self.alive = False
         self.last_heard = 0.0
-        self.waiters: dict[str, asyncio.Future[Any]] = {}
+        self._waiting: dict[tuple[type, int | str | None], asyncio.Future[Any]] = {}
         self.usage: p.Usage | None = None
         self.silenced: str | None = None
         """Why the pool declared it lost (it stopped answering), for the loss's message."""
@@ -96,24 +97,37 @@ class Rank:
     def heard(self) -> None:
         self.last_heard = time.monotonic()
 
-    def expect(self, key: str) -> asyncio.Future[Any]:
-        """A future for answer ``key``. When the rank ends first it fails with RankEnded, which
-        the pool reports anyway (``on_ended``): nobody has to be there to retrieve it."""
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    def expect(self, answer: type[A], request: int | str | None = None) -> asyncio.Future[A]:
+        """A future for this rank's ``answer`` to ``request`` (:func:`.protocol.request_of`).
+        When the rank ends first it fails with RankEnded, which the pool reports anyway
+        (``on_ended``): nobody has to be there to retrieve it."""
+        future: asyncio.Future[A] = asyncio.get_running_loop().create_future()
         future.add_done_callback(lambda f: f.cancelled() or f.exception())
-        self.waiters[key] = future
+        self._waiting[answer, request] = future
         return future
 
-    def resolve(self, key: str, value: object) -> None:
-        future = self.waiters.pop(key, None)
+    def waiting(
+        self, answer: type[A], request: int | str | None = None
+    ) -> asyncio.Future[A] | None:
+        """The future :meth:`expect` gave for that answer, while it is not answered yet."""
+        future: asyncio.Future[A] | None = self._waiting.get((answer, request))
+        return future
+
+    def resolve(self, answer: p.Answer) -> None:
+        """The rank answered: the future waiting for it (if any) has its answer."""
+        future = self._waiting.pop((type(answer), p.request_of(answer)), None)
         if future is not None and not future.done():
-            future.set_result(value)
+            future.set_result(answer)
+
+    def give_up(self, answer: type[p.Answer], request: int | str | None = None) -> None:
+        """No longer wait for that answer (one that comes later is dropped)."""
+        self._waiting.pop((answer, request), None)
 
     def fail_all(self, exc: BaseException) -> None:
-        for future in self.waiters.values():
+        for future in self._waiting.values():
             if not future.done():
                 future.set_exception(exc)
-        self.waiters.clear()
+        self._waiting.clear()
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,11 +297,11 @@ class Ranks:
         rank.process, rank.alive, rank.hello, rank.killed = process, True, None, False
         rank.usage = None  # the last process's: this one reports its own
         rank.last_heard = time.monotonic()
-        rank.expect("hello")
+        rank.expect(p.Hello)
         rank.reader = asyncio.get_running_loop().create_task(self._read(rank, process))
 
     async def await_hellos(self, ranks: list[Rank]) -> None:
-        futures = [r.waiters["hello"] for r in ranks if "hello" in r.waiters]
+        futures = [f for r in ranks if (f := r.waiting(p.Hello)) is not None]
         try:
             await asyncio.wait_for(asyncio.gather(*futures), self.settings.start_timeout)
         except RankEnded:
@@ -308,10 +322,18 @@ class Ranks:
 
     async def restart_dead(self, after_failure: bool = True) -> list[str]:
         """Restart dead ranks and re-form the process group everywhere; say what was lost.
+        Should that fail, :attr:`group_problem` says why until a restart mends it.
 
         ``after_failure``: the group is formed again because a cell failed (torchrun would have
         restarted its workers: ``TORCHELASTIC_RESTART_COUNT`` counts it), not because the
         cell's own code destroyed it."""
+        try:
+            return await self._restart_dead(after_failure)
+        except (PoolError, ProviderError) as exc:
+            self.group_problem = str(exc)
+            raise
+
+    async def _restart_dead(self, after_failure: bool) -> list[str]:
         self.restarts += after_failure
         dead = [r for r in self.all if not r.alive]
         notes = []
@@ -368,7 +390,23 @@ class Ranks:
     async def form_group(self, jax: bool = False) -> Rebuilt:
         """(Re-)form the ranks' distributed worlds (see :mod:`.formation`); ``jax``: JAX's too.
         Returns what the ranks had built on the earlier group."""
-        return await form_worlds(self, jax)
+        skipped = nothing_to_form(self, jax)
+        if skipped is not None:
+            if skipped:
+                self.worlds_note = skipped
+                self.emit(PoolMessage(skipped))
+            for r in self.all:
+                self.set_state(r, RankState.READY, skipped or self.worlds_note)
+            return Rebuilt()
+        self.generation += 1
+        formed = await form_worlds(self, self.generation, jax)
+        self.group_problem = None
+        if formed.port is not None:
+            self.group_backend, self.master_port = formed.backend, formed.port
+        self.worlds_note = formed.note
+        for r in self.all:
+            self.set_state(r, RankState.READY, self.worlds_note)
+        return formed.rebuilt
 
     # ------------------------------------------------------------------- the wire
 
@@ -404,8 +442,10 @@ class Ranks:
             self.emit(OutputReceived(rank.index, message.cell_id, message.stream, message.text))
         elif isinstance(message, p.Metrics):
             self.emit(MetricsLogged(rank.index, message.cell_id, message.rows))
-        elif isinstance(message, p.CellDone):
-            rank.resolve("cell", message)
+        elif isinstance(message, p.ANSWERS):
+            if isinstance(message, p.Hello):
+                rank.hello = message
+            rank.resolve(message)
         elif isinstance(message, p.Usage):
             rank.usage = message
             self.emit(
@@ -421,16 +461,5 @@ class Ranks:
                     message.waited,
                 )
             )
-        elif isinstance(message, p.Hello):
-            rank.hello = message
-            rank.resolve("hello", message)
-        elif isinstance(message, p.GroupPort) and message.generation == self.generation:
-            rank.resolve("port", message)
-        elif isinstance(message, p.GroupState) and message.generation == self.generation:
-            rank.resolve("group", message)
-        elif isinstance(message, p.Synced):
-            rank.resolve("synced", message)
-        elif isinstance(message, p.Stacks):
-            rank.resolve(f"stacks {message.request}", message)
         elif isinstance(message, p.InputRequest):
             self.on_input(rank, message)

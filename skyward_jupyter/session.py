@@ -3,7 +3,7 @@
 One session per IPython shell. A cell without pool options runs on the current pool (started
 with the configured defaults the first time); a cell whose options describe a different pool
 replaces the pool of that name, and says so. Pools end with ``%sky down``, with the kernel, or
-when the extension is unloaded; the views and watchers hear of every pool's life.
+when the extension is unloaded; the listeners (the views among them) hear of every pool's life.
 """
 
 from __future__ import annotations
@@ -19,18 +19,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .capture import CaptureError, Shipment, Shipper
+from .capture import Shipment, Shipper
+from .checked_source import CheckedSource
 from .idle import IdleStop
 from .limits import LimitError
-from .observers import NoViews, PoolWatcher, Views
+from .observers import NoViews, PoolListener, Views
 from .options import StdoutMode
 from .pool import Pool
-from .protocol import Script, cell_filename, check_syntax
+from .protocol import Script, cell_filename
 from .providers import UnknownProvider, provider_class, sweep_all
 from .providers.base import ProviderError
 from .results import CellError, CellInterrupted, PoolError, RunResult
 from .spec import PoolSpec, SpecError
-from .status import failed_status, pool_status
+from .status import status_text
 
 # What the magics use of the layers below, through the session alone.
 __all__ = ["USER_ERRORS", "CellInterrupted", "PoolSpec", "RunResult", "Session", "SessionError"]
@@ -44,7 +45,6 @@ class SessionError(Exception):
 
 USER_ERRORS = (
     SessionError,
-    CaptureError,
     PoolError,
     ProviderError,
     SpecError,
@@ -70,11 +70,12 @@ class Session:
         self,
         announce: Announce | None = None,
         views: Views | None = None,
-        watchers: Sequence[PoolWatcher] = (),
+        listeners: Sequence[PoolListener] = (),
     ) -> None:
         self._pools: dict[str, PoolEntry] = {}
         self.views: Views = views or NoViews()
-        self.watchers: tuple[PoolWatcher, ...] = tuple(watchers)
+        self._listeners: tuple[PoolListener, ...] = (self.views, *listeners)
+        """Who hears of every pool's life, the views first."""
         self.current: str | None = None
         self._failed: dict[str, PoolSpec] = {}
         """Per name without a pool, the description that last failed to start under it."""
@@ -84,13 +85,7 @@ class Session:
         """Per provider, options users never need (tests: ``{"aws": {"endpoint_url": ...}}``)."""
         self._announce = announce or (lambda text: print(text, file=sys.stderr))
         self._lock = threading.RLock()
-        self.idle: IdleStop[PoolEntry] = IdleStop(
-            self._lock,
-            lambda: list(self._pools.values()),
-            self._forget,
-            self._close,
-            self._announce,
-        )
+        self.idle: IdleStop[PoolEntry] = IdleStop(self)
 
     @property
     def pools(self) -> dict[str, PoolEntry]:
@@ -99,7 +94,8 @@ class Session:
     def spec_from(self, options: Mapping[str, Any], base: PoolSpec | None = None) -> PoolSpec:
         """A spec from the defaults (or ``base``) overlaid with the options given; options
         that belong to one provider choose it when ``--provider`` is not given
-        (:meth:`PoolSpec.from_options`)."""
+        (:meth:`PoolSpec.from_options`).
+        """
         spec = PoolSpec.from_options(options, base or self.defaults)
         spec.framework_setup(os.environ)  # options that clash fail here, before any machine
         return spec
@@ -122,7 +118,8 @@ class Session:
         A new description is checked whole (:meth:`_prepare`) before a running pool is touched.
         Should it still fail to start, the name keeps the pool it was to replace where that one
         could stay (``Provider.keeps_old_until_ready``); else the name keeps the description
-        that failed, and a cell without pool options refuses rather than start another."""
+        that failed, and a cell without pool options refuses rather than start another.
+        """
         name, reusable = self._reusable(name, spec)
         if reusable is not None:
             self.current = name
@@ -147,10 +144,8 @@ class Session:
                     self.down(name, quiet=True, keep_files=_same_hosts(old.spec, wanted))
             self._announce(f"pool {name!r}: starting {wanted.describe()} ...")
             started = time.perf_counter()
-            self.views.pool_created(entry)
-            for watcher in self.watchers:
-                watcher.pool_created(entry)
-            pool.start(on_wait=lambda: self.views.pool_starting(entry))
+            self._tell(lambda listener: listener.pool_created(entry))
+            pool.start(on_wait=lambda: self._tell(lambda listener: listener.pool_starting(entry)))
         except BaseException:
             self._ended(entry)
             self._start_failed(name, wanted, old if keep_old else None)
@@ -167,9 +162,7 @@ class Session:
             self._announce(f"warning: {warning}")
         entry.last_active = time.monotonic()
         self.current = name
-        self.views.pool_started(entry)
-        for watcher in self.watchers:
-            watcher.pool_started(entry)
+        self._tell(lambda listener: listener.pool_started(entry))
         if wanted.idle_minutes():
             self.idle.watch()
         return entry
@@ -179,7 +172,8 @@ class Session:
         the provider's (:meth:`~skyward_jupyter.providers.base.Provider.check`: this machine's
         GPUs and memory, key files, client commands), its options, the pool's arguments and
         the directories to sync. The one place where a description is checked before a
-        running pool is touched."""
+        running pool is touched.
+        """
         cls = provider_class(spec.provider)
         cls.check(spec)
         provider = cls.from_spec(spec, name, self.provider_options.get(spec.provider, {}))
@@ -197,7 +191,8 @@ class Session:
 
     def _start_failed(self, name: str, wanted: PoolSpec, kept: PoolEntry | None) -> None:
         """Say which pool is left after ``wanted`` failed to start; with none left under
-        ``name``, remember ``wanted`` so that no cell silently runs on another pool."""
+        ``name``, remember ``wanted`` so that no cell silently runs on another pool.
+        """
         self.current = name
         if kept is not None and self._pools.get(name) is kept and kept.pool.running:
             self._announce(
@@ -241,7 +236,7 @@ class Session:
         """
         number = self.views.cell_number()
         filename = cell_filename(number) if number is not None else None
-        check_syntax(source, filename or "<%%sky cell>")
+        checked = CheckedSource.check(source, filename or "<%%sky cell>")
         _, reusable = self._reusable(name, spec)
         shipper = reusable.shipper if reusable else Shipper()
         shipment = shipper.prepare(source, user_ns)
@@ -249,7 +244,7 @@ class Session:
             entry = self.entry(name, spec, shipper)
             entry.busy += 1
         try:
-            return self._run_on(entry, source, shipment, stdout, timeout, filename=filename)
+            return self._run_on(entry, checked, shipment, stdout, timeout, filename=filename)
         finally:
             entry.busy -= 1
             entry.last_active = time.monotonic()
@@ -283,7 +278,7 @@ class Session:
     def _run_on(
         self,
         entry: PoolEntry,
-        source: str,
+        source: CheckedSource,
         shipment: Shipment,
         stdout: StdoutMode | None,
         timeout: float | None,
@@ -304,14 +299,17 @@ class Session:
                 on_wait=view.flush,
             )
         except CellInterrupted as interrupted:
-            self._settle(entry, shipment, interrupted.result)
+            self._after_cell(entry, shipment, interrupted.result)
             raise
         finally:
             view.finish()
-        self._settle(entry, shipment, result)
+        self._after_cell(entry, shipment, result)
         return result
 
-    def _settle(self, entry: PoolEntry, shipment: Shipment, result: RunResult) -> None:
+    def _after_cell(self, entry: PoolEntry, shipment: Shipment, result: RunResult) -> None:
+        """What the ranks hold once a cell ended (its globals, the names it bound; nothing
+        where a rank was lost), and what they had to say.
+        """
         if result.lost:
             entry.shipper.forget()
         else:
@@ -346,7 +344,8 @@ class Session:
 
     def restart(self, name: str | None = None) -> PoolEntry:
         """Fresh processes and worlds for the pool, on its machines (a pool that stopped, or
-        whose ranks cannot be restarted, is started afresh with the same spec)."""
+        whose ranks cannot be restarted, is started afresh with the same spec).
+        """
         entry, started = self._require(name), time.perf_counter()
         try:
             entry.pool.restart()
@@ -364,7 +363,8 @@ class Session:
         self, name: str | None = None, *, quiet: bool = False, keep_files: bool = False
     ) -> list[str]:
         """End a pool (the current one by default); returns the names ended. Its nodes remove
-        their copy of the synced directories unless ``keep_files``."""
+        their copy of the synced directories unless ``keep_files``.
+        """
         target = name or self.current
         if target is not None and target not in self._pools and target in self._failed:
             failed = self._failed.pop(target)
@@ -389,6 +389,26 @@ class Session:
             self.current = next(iter(self._pools), None)
         return entry
 
+    def take_pools(
+        self, chosen: Callable[[Sequence[PoolEntry]], Sequence[PoolEntry]]
+    ) -> Sequence[PoolEntry]:
+        """Take the pools ``chosen`` picks out of the session, under its lock, so that no cell
+        takes one meanwhile (the idle stop's).
+        """
+        with self._lock:
+            taken = chosen(list(self._pools.values()))
+            for entry in taken:
+                self._forget(entry.name)
+            return taken
+
+    def end_pool(self, entry: PoolEntry, why: str) -> None:
+        """End a pool :meth:`take_pools` took, saying ``why`` (and why it failed to end)."""
+        self._announce(why)
+        try:
+            self._close(entry)
+        except Exception as exc:  # noqa: BLE001 - said; the pool is out of the session anyway
+            self._announce(f"pool {entry.name!r}: shutdown failed: {exc}")
+
     def _close(self, entry: PoolEntry, keep_files: bool = False) -> None:
         try:
             entry.pool.close(keep_files)
@@ -396,11 +416,20 @@ class Session:
             self._ended(entry)
 
     def _ended(self, entry: PoolEntry) -> None:
-        try:
-            self.views.pool_ended(entry)
-        finally:
-            for watcher in self.watchers:
-                watcher.pool_ended(entry)
+        self._tell(lambda listener: listener.pool_ended(entry))
+
+    def _tell(self, event: Callable[[PoolListener], None]) -> None:
+        """Every listener hears ``event``, in order; one that fails keeps it from no other (the
+        first failure is raised once all have heard it).
+        """
+        failure: Exception | None = None
+        for listener in self._listeners:
+            try:
+                event(listener)
+            except Exception as exc:  # noqa: BLE001 - raised below, once the others heard
+                failure = failure or exc
+        if failure is not None:
+            raise failure
 
     def down_pool(self, name: str, pool: Pool) -> None:
         """End ``pool`` if it is still the pool called ``name`` (a panel's "Shut down")."""
@@ -438,7 +467,8 @@ class Session:
     ) -> str:
         """What providers made that no live pool (this session's, or the registry's with a live
         owner) owns: cloud instances and what was made with them; listed, or with ``yes`` ended.
-        ``given``: the providers' options (where to look), over the configured defaults."""
+        ``given``: the providers' options (where to look), over the configured defaults.
+        """
         from .registry import live_teardowns
 
         return sweep_all(
@@ -453,7 +483,8 @@ class Session:
 
     def clean(self, given: Mapping[str, Any]) -> list[str]:
         """``%sky clean``: on the hosts that the providers' options in ``given`` name, or else
-        the current pool's, remove the caches no running pool uses; one line per host."""
+        the current pool's, remove the caches no running pool uses; one line per host.
+        """
         if any(v is not None for v in given.values()):
             spec = self.spec_from(given)
             extra = self.provider_options.get(spec.provider, {})
@@ -464,14 +495,11 @@ class Session:
 
     def status(self) -> str:
         """``%sky status``: every pool (``*`` the current one), its state and its ranks."""
-        pools = self._pools.items()
-        lines = [pool_status(n, e.spec.describe(), e.pool, n == self.current) for n, e in pools]
-        lines += [
-            failed_status(n, spec.describe(), n == self.current)
-            for n, spec in self._failed.items()
-            if n not in self._pools
-        ]
-        return "\n".join(line for status in lines for line in status) or "no pools"
+        return status_text(
+            {n: (e.spec.describe(), e.pool) for n, e in self._pools.items()},
+            {n: spec.describe() for n, spec in self._failed.items()},
+            self.current,
+        )
 
     def _require(self, name: str | None = None) -> PoolEntry:
         target = name or self.current
@@ -490,7 +518,8 @@ def _same_hosts(old: PoolSpec, new: PoolSpec) -> bool:
 
 def _interruptible(work: Coroutine[Any, Any, T]) -> T:
     """Run ``work`` in a thread of its own, the kernel's thread waiting so that Ctrl-C reaches
-    it: the work is then cancelled (its connections closed), and the interrupt goes on."""
+    it: the work is then cancelled (its connections closed), and the interrupt goes on.
+    """
     loop = asyncio.new_event_loop()
     task = loop.create_task(work)
 
@@ -513,15 +542,15 @@ def _interruptible(work: Coroutine[Any, Any, T]) -> T:
     return task.result()
 
 
-def _read_script(path: str) -> tuple[str, str]:
+def _read_script(path: str) -> tuple[str, CheckedSource]:
     """The script's absolute path (its name in tracebacks) and its source, checked."""
     script = Path(path).expanduser()
     if not script.is_file():
         where = "" if script.is_absolute() else f" (looked in {Path.cwd()})"
         raise SessionError(f"no such script: {path}{where}")
     try:
-        resolved, source = str(script.resolve()), script.read_text()
-        check_syntax(source, resolved)
+        resolved = str(script.resolve())
+        source = CheckedSource.check(script.read_text(), resolved)
     except (OSError, UnicodeDecodeError) as exc:
         raise SessionError(f"cannot read {path}: {exc}") from None
     except SyntaxError as exc:

@@ -169,7 +169,7 @@ class Transfer:
         return paths
 
     async def _ask(self, ranks: list[Rank], command: p.SyncFiles) -> dict[Rank, p.Synced]:
-        futures = {r: r.expect("synced") for r in ranks}
+        futures = {r: r.expect(p.Synced, command.key) for r in ranks}
         frame = wire.encode(command)
         for r in ranks:
             self._ranks.send(r, frame)
@@ -263,11 +263,16 @@ def _some(names: Sequence[str]) -> str:
 
 
 def pickle_global(name: str, value: Any) -> p.Pickled:
+    """The one gate a notebook global passes to travel: pickled once for every rank (a value
+    already pickled passes as it is), or a :class:`PoolError` that names it and says what to do.
+    """
     if isinstance(value, p.Pickled):
         return value
     try:
         return p.Pickled.dump(value)
     except Exception as exc:
         raise PoolError(
-            f"global {name!r} ({type(value).__name__}) cannot be sent to the ranks: {exc}"
+            f"global {name!r} ({type(value).__name__}) cannot be sent to the ranks: "
+            f"{type(exc).__name__}: {exc}. Create it inside the %%sky cell instead, "
+            "or pass what it is built from."
         ) from exc

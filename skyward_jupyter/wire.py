@@ -8,7 +8,7 @@ Segment 0 is a pickle (protocol 5) of a :mod:`.protocol` message; the others are
 out-of-band buffers. Messages hold only the protocol's own types and builtins; a user's value
 travels inside as :class:`~skyward_jupyter.protocol.Pickled`, already pickled with cloudpickle (so
 notebook-defined functions travel by value), so the frame itself needs only the C pickler: on
-the pool's hottest path, a trivial cell, that is several times faster than cloudpickle's. A
+the pool's hottest path, a trivial cell, that is much cheaper than cloudpickle's. A
 large numpy array or tensor is written straight from its own memory and read straight into a
 fresh buffer, never copied into or out of the pickle stream; a buffer that was ``bytes`` on the
 sending side is read straight into a new ``bytes`` object (its length carries a flag), so a

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from skyward_jupyter import capture
-from skyward_jupyter.capture import CaptureError, Shipper, names_read
+from skyward_jupyter.capture import Shipper, names_read
+from skyward_jupyter.results import PoolError
 
 CELL = """
 import torch as T, os.path
@@ -76,7 +77,7 @@ def test_functions_take_the_globals_they_use() -> None:
 
 
 def test_an_unpicklable_global_is_named() -> None:
-    with pytest.raises(CaptureError, match=r"global 'lock' \(lock\) cannot be sent"):
+    with pytest.raises(PoolError, match=r"global 'lock' \(lock\) cannot be sent"):
         Shipper().prepare("lock.acquire()", _ns(lock=threading.Lock()))
 
 

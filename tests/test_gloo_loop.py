@@ -81,7 +81,7 @@ def test_a_thread_named_after_it_was_first_seen_is_still_lowered() -> None:
     priority = LoopPriority()
     naming = threading.Event()
     with named_thread(b"gloo_tcp_loop", named=naming) as loop:
-        priority.lower()  # seen before its name: not settled yet
+        priority.lower()  # seen before its name: not decided yet
         naming.set()
         wait_named(loop, b"gloo_tcp_loop")
         priority.lower()
@@ -102,7 +102,7 @@ def test_a_thread_under_another_name_for_long_enough_is_not_read_again(
             "builtins.open", lambda path, *a, **k: opened.append(path) or real_open(path, *a, **k)
         )
         priority.lower()
-    assert not [p for p in opened if f"/{other}/" in p], "a settled thread was read again"
+    assert not [p for p in opened if f"/{other}/" in p], "a decided thread was read again"
 
 
 @pytest.mark.parametrize(

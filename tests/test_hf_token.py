@@ -71,7 +71,7 @@ def test_the_token_reaches_local_ranks_and_nothing_else(
     said: list[str] = []
     events: list[PoolEvent] = []
     registry = Registry(tmp_path / "registry")
-    session = Session(announce=said.append, watchers=[registry])
+    session = Session(announce=said.append, listeners=[registry])
     registry.attach(session.down_pool)
     caplog.set_level(logging.DEBUG)
     try:

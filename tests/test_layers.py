@@ -5,6 +5,9 @@ no line cap to squeeze code under."""
 from __future__ import annotations
 
 import ast
+import io
+import re
+import tokenize
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "skyward_jupyter"
@@ -91,3 +94,40 @@ def test_layers_only_downward() -> None:
         if module.startswith("skyward_jupyter.registry"):
             assert not _reaches(module, "skyward_jupyter.display"), module
             assert not _reaches(module, "skyward_jupyter.session"), module
+
+
+_FIGURE = re.compile(
+    r"\b\d+(?:\.\d+)?\s?(?:ms|µs|ns)\b"  # a time taken: "took 100 ms"
+    r"|\b\d+(?:\.\d+)?%\s(?:faster|slower|shorter|longer)\b"  # a measured gain: "6% shorter"
+    r"|\b\d+(?:\.\d+)?x\s(?:faster|slower)\b"
+)
+
+
+def _prose(path: Path) -> list[tuple[int, str]]:
+    """The docstrings and comments of a module, with their line numbers."""
+    source = path.read_text()
+    found = [
+        (node.body[0].lineno, text)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and (text := ast.get_docstring(node, clean=False))
+    ]
+    found += [
+        (token.start[0], token.string)
+        for token in tokenize.generate_tokens(io.StringIO(source).readline)
+        if token.type == tokenize.COMMENT
+    ]
+    return found
+
+
+def test_figures_live_in_benchmarks_not_in_docstrings() -> None:
+    """What a part costs goes stale in a docstring as BENCHMARKS.md is regenerated: the code
+    says why, and BENCHMARKS.md how much."""
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}: {match.group(0)}"
+        for path in PACKAGE.rglob("*.py")
+        for line, text in _prose(path)
+        if (match := _FIGURE.search(text))
+    ]
+    where = "; ".join(found)
+    assert not found, f"figures in docstrings or comments (move them to BENCHMARKS.md): {where}"

@@ -26,7 +26,10 @@ import pytest
 from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.manager import KernelManager
 
+from skyward_jupyter import checked_source
+from skyward_jupyter.magics import _HANDLERS
 from skyward_jupyter.options import COMMANDS
+from skyward_jupyter.session import PoolSpec, Session
 
 from .conftest import (
     TEMPLATE,
@@ -409,6 +412,11 @@ def test_a_starting_pool_stops_at_once_on_interrupt(nb: Kernel) -> None:
     wait_for(lambda: agent_pids() <= before, GONE_TIMEOUT, "the interrupted start's ranks to end")
 
 
+def test_one_table_runs_every_command() -> None:
+    """Each command of the table that builds the parsers and the help has its one handler."""
+    assert set(_HANDLERS) == {c.name for c in COMMANDS}
+
+
 def test_help_documents_every_option(nb: Kernel) -> None:
     options = [
         "--nodes",
@@ -686,6 +694,24 @@ def test_a_cell_is_checked_and_run_as_python_compiles_it(nb: Kernel) -> None:
     nb.ok(POOL2)
     cell = nb.ok("%%sky --nodes 2\ndef f(x: (y := int)) -> None: ...\nf.__annotations__['x'] is y")
     assert cell.shown == ["True"], str(cell)
+
+
+def test_a_cell_is_compiled_once_on_the_notebook(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The session checks a cell before its pool starts, and the pool sends what was checked:
+    the notebook compiles the cell once, under the name its errors give."""
+    compiled: list[str] = []
+
+    def counting(source: str, filename: str, *args: Any, **kwargs: Any) -> Any:
+        compiled.append(filename)
+        return compile(source, filename, *args, **kwargs)
+
+    monkeypatch.setattr(checked_source, "compile", counting, raising=False)
+    session = Session(announce=lambda text: None)
+    try:
+        assert session.run_cell("x = 1\nx + 1", {}, spec=PoolSpec(nodes=1)).values == [2]
+    finally:
+        session.down_all()
+    assert compiled == ["<%%sky cell>"]
 
 
 def test_a_syntax_error_in_a_cell_starts_no_pool(nb: Kernel) -> None:

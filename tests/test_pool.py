@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import textwrap
@@ -13,7 +14,10 @@ import numpy as np
 import pytest
 
 from skyward_jupyter import CellError, Pool, PoolError
+from skyward_jupyter import protocol as p
 from skyward_jupyter.events import CellFinished, CellStarted, OutputReceived, PoolEvent
+from skyward_jupyter.providers.base import Node
+from skyward_jupyter.ranks import Rank
 from skyward_jupyter.transfer import RELAY_MIN_BYTES, Transfer
 
 from .conftest import (
@@ -163,6 +167,24 @@ def test_a_large_global_goes_to_local_ranks_over_their_own_pipes(
     result = pool2.run("float(data.sum())", {"data": data}).raise_for_errors()
     assert result.values == [float(data.sum())] * 2
     assert stashed == []
+
+
+def test_an_answer_resolves_only_the_request_it_answers() -> None:
+    """A rank's answers are matched by type and request: a late CellDone of an earlier cell, or
+    a GroupState of an earlier formation, leaves the wait for the current one pending."""
+
+    async def answers() -> None:
+        rank = Rank(0, Node(index=0, address="127.0.0.1"), 0, 1)
+        cell, group = rank.expect(p.CellDone, 2), rank.expect(p.GroupState, 5)
+        rank.resolve(p.CellDone(1, None, None, None, 0.0))
+        rank.resolve(p.GroupState(4, True, "gloo", ""))
+        rank.resolve(p.Stacks("", request=2))
+        assert not cell.done() and not group.done()
+        rank.resolve(p.CellDone(2, None, "2", None, 0.0))
+        rank.resolve(p.GroupState(5, True, "gloo", ""))
+        assert cell.result().value_repr == "2" and group.result().generation == 5
+
+    asyncio.run(answers())
 
 
 def test_unpicklable_global_fails_before_anything_runs(pool2: Pool) -> None:

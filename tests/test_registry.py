@@ -241,7 +241,7 @@ def test_one_vocabulary_of_states() -> None:
 @pytest.fixture
 def session(tmp_path: Path) -> Iterator[tuple[Session, Registry]]:
     reg = Registry(tmp_path / "skyward")
-    session = Session(announce=lambda text: None, watchers=[reg])
+    session = Session(announce=lambda text: None, listeners=[reg])
     reg.attach(session.down_pool)
     try:
         yield session, reg
@@ -346,7 +346,7 @@ def test_an_unusable_directory_does_not_stop_pools(tmp_path: Path) -> None:
     blocked = tmp_path / "file"
     blocked.write_text("not a directory")
     reg = Registry(blocked / "skyward")
-    session = Session(announce=lambda text: None, watchers=[reg])
+    session = Session(announce=lambda text: None, listeners=[reg])
     try:
         entry = session.entry(None, PoolSpec(nodes=1))
         assert entry.pool.run("1 + 1").values == [2]

@@ -95,9 +95,9 @@ def _compiled(
 def _compiled_once(source: str, future: int) -> tuple[types.CodeType, types.CodeType | None]:
     """Compiled once per source and ``__future__`` features (the cell's and earlier cells'
     only, not this module's: a cell's annotations are evaluated, as Python does). A cell run
-    again (a training loop, a benchmark) is not parsed and compiled again; on a trivial cell
-    that was a quarter of a rank's work. Each run gets the code renamed for it
-    (:func:`_named`)."""
+    again (a training loop, a benchmark) is not parsed and compiled again: on a trivial cell that
+    is much of a rank's work (BENCHMARKS.md, "Measurements behind the code"). Each run gets the
+    code renamed for it (:func:`_named`)."""
     tree = compile(source, _UNNAMED, "exec", future | ast.PyCF_ONLY_AST, dont_inherit=True)
     last: ast.expr | None = None
     if tree.body and isinstance(final := tree.body[-1], ast.Expr):

@@ -7,10 +7,8 @@ collective. On a CPU-bound rank that core is the training thread's, which then r
 collective later still. A nice value 5 above the rank's keeps the thread running whenever a core
 is free and still gives it a quarter of a contended one, so messages keep flowing.
 
-Measured by ``make bench`` (``bench/bench_byo.py``, 2 ranks on 2 cores, torchrun's workers
-keeping the thread at nice 0): a plain DDP loop went from 0.96-0.98 of torchrun's steps per
-second to 1.18-1.23, the Hugging Face Trainer from 0.93 to 0.96-1.02 (two runs); rank 0's loop
-used 0.47 ms of CPU per DDP step against torchrun's 0.75.
+What it changes in steps per second and in the loop's CPU per step is measured beside torchrun
+in BENCHMARKS.md ("Bring your own code", and "Measurements behind the code").
 
 The rank lowers the threads of its own group as it forms and, at each watchdog tick, those of
 groups the user's code forms. It finds the thread by the name gloo gives it in the torch this
@@ -42,7 +40,7 @@ class LoopPriority:
     def __init__(self) -> None:
         self._usable = os.path.isdir(_TASKS) and hasattr(os, "setpriority")
         self._lock = threading.Lock()
-        self._settled: set[int] = set()
+        self._decided: set[int] = set()
         """Threads lowered, or known not to be a loop thread."""
         self._first_seen: dict[int, float] = {}
         """Threads seen under another name, and when they were first seen."""
@@ -56,9 +54,9 @@ class LoopPriority:
             try:
                 tids = {int(tid) for tid in os.listdir(_TASKS)}
                 now = time.monotonic()
-                self._settled &= tids
+                self._decided &= tids
                 self._first_seen = {t: s for t, s in self._first_seen.items() if t in tids}
-                for tid in tids - self._settled:
+                for tid in tids - self._decided:
                     self._look_at(tid, now)
             except OSError as exc:
                 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
@@ -73,8 +71,8 @@ class LoopPriority:
                 target = min(os.getpriority(os.PRIO_PROCESS, os.getpid()) + NICE_ABOVE_RANK, 19)
                 if os.getpriority(os.PRIO_PROCESS, tid) < target:
                     os.setpriority(os.PRIO_PROCESS, tid, target)
-                self._settled.add(tid)
+                self._decided.add(tid)
             elif now - self._first_seen.setdefault(tid, now) >= NAMED_WITHIN:
-                self._settled.add(tid)
+                self._decided.add(tid)
         except (FileNotFoundError, ProcessLookupError):
-            self._settled.add(tid)  # it ended meanwhile (its group was destroyed)
+            self._decided.add(tid)  # it ended meanwhile (its group was destroyed)

@@ -2,19 +2,19 @@
 the main thread runs one.
 
 A message handed from one thread to another costs a thread's wake-up and the interpreter's lock
-changing hands: measured, a quarter of what a trivial cell costs a rank. So the idle main thread
-reads the next command itself. While it runs one (a cell, a rendezvous), the messages that must
-be answered at once (heartbeats, interrupts, stack requests, input replies) still need a reader:
-at the watchdog's next tick the reader thread takes the wire and reads until the command ends,
-queueing any command that comes meanwhile. A command shorter than a tick never wakes it; one that
-is longer hears an interrupt a tick later at most.
+changing hands, a large part of what a trivial cell costs a rank (BENCHMARKS.md, "Measurements
+behind the code"). So the idle main thread reads the next command itself. While it runs one (a
+cell, a rendezvous), the messages that must be answered at once (heartbeats, interrupts, stack
+requests, input replies) still need a reader: at the watchdog's next tick the reader thread takes
+the wire and reads until the command ends, queueing any command that comes meanwhile. A command
+shorter than a tick never wakes it; one that is longer hears an interrupt a tick later at most.
 
 While it waits, the main thread is a batch task (Linux's ``SCHED_BATCH``), and a normal one again
 as soon as a command is in: a waking rank then does not preempt the notebook thread that is still
-writing the same cell to the other ranks (a trivial cell's round trip measured 6% shorter on 2
-and on 16 ranks). The user's code and the threads it starts run as normal tasks; only what the
-main thread runs while it waits (a signal handler, a finaliser) runs as a batch one. A policy
-other than the normal one (set by whoever started the rank, or by a cell) is left as it is.
+writing the same cell to the other ranks, which shortens a trivial cell's round trip (ibid.).
+The user's code and the threads it starts run as normal tasks; only what the main thread runs
+while it waits (a signal handler, a finaliser) runs as a batch one. A policy other than the
+normal one (set by whoever started the rank, or by a cell) is left as it is.
 """
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ class NodeTemplate:
         become_subreaper()
         torch_version()  # the point of the template
         # What torch and the agent allocated is never garbage: frozen, a rank's first collection
-        # skips it (it took 100 ms, and copied every page it touched out of the template).
+        # skips it (walking it would copy every page it touches out of the template).
         gc.collect()
         gc.freeze()
         directory = tempfile.mkdtemp(prefix="skyward-template-")  # mode 0700

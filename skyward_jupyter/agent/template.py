@@ -61,7 +61,7 @@ def serve(sock: socket.socket) -> None:
 
     torch_version()  # the point of the template; without torch, ranks report it themselves
     # What torch and the agent allocated is never garbage: frozen, a rank's first collection
-    # skips it (it took 100 ms, and copied every page it touched out of the template).
+    # skips it (walking it would copy every page it touches out of the template).
     gc.collect()
     gc.freeze()
     del rank

@@ -51,11 +51,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ipywidgets as widgets  # type: ignore[import-untyped]
 
-from ..model import GONE, PoolFacts
+from ..model import GONE
 from .chart import ChartGrid
 from .clicks import route_clicks
 from .panel_html import (
@@ -71,11 +71,14 @@ from .snapshot import PanelSnapshot
 from .state import PanelState
 from .summary import summary_text
 
+if TYPE_CHECKING:
+    from ..pool import Pool
+
 log = logging.getLogger(__name__)
 
 INTERVAL = 0.25
 """Seconds between redraws at most (about 4 a second)."""
-SETTLE = 30.0
+ENDING_GRACE = 30.0
 """After the pool ended, how long to keep drawing while its ranks report how they ended."""
 
 
@@ -91,7 +94,7 @@ class SkyPanel:
 
     def __init__(
         self,
-        pool: PoolFacts,
+        pool: Pool,
         state: PanelState | None = None,
         *,
         on_interrupt: Callable[[], None] | None = None,
@@ -234,7 +237,7 @@ class SkyPanel:
             try:
                 self.state.sync(self.pool)
                 self.refresh()
-                if self._cell_ended() or (self._pool_ended() and self._settled()):
+                if self._cell_ended() or (self._pool_ended() and self._ends_known()):
                     self._last_draw()
                     break
             except Exception:  # a drawing bug must not kill the timer silently
@@ -246,13 +249,13 @@ class SkyPanel:
         progress = self.state.progress
         return progress is not None and not progress.running
 
-    def _settled(self) -> bool:
+    def _ends_known(self) -> bool:
         """After the pool ended: whether every rank said how it ended (or long enough passed)."""
         now = time.monotonic()
         if self._ended_at is None:
             self._ended_at = now
         ranks = self.state.snapshot().ranks
-        return all(r.state in GONE for r in ranks) or now - self._ended_at > SETTLE
+        return all(r.state in GONE for r in ranks) or now - self._ended_at > ENDING_GRACE
 
     def _click(self, action: Callable[[], None]) -> None:
         try:

@@ -32,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..events import (
     CellFinished,
@@ -45,11 +46,14 @@ from ..events import (
     RankStateChanged,
     RankUsage,
 )
-from ..model import GONE, PoolFacts, aggregate_state, price_of
+from ..model import GONE, aggregate_state, price_of
 from ..runtime import TOTAL_KEY
 from .buffers import OUTPUT_CAP, TextBuffer
 from .metrics import MAX_STEPS, MetricRow, MetricSteps, Pace, StepNumbers, total_of
 from .snapshot import Header, NodeInfo, NodeRow, PanelSnapshot, Progress, RankRow, Waiting
+
+if TYPE_CHECKING:
+    from ..pool import Pool
 
 MAX_MESSAGES = 20
 LOST_HOLD = 5.0
@@ -209,7 +213,7 @@ class PanelState:
             if changed:
                 self._version += 1
 
-    def sync(self, pool: PoolFacts) -> None:
+    def sync(self, pool: Pool) -> None:
         """Read the facts of a :class:`~skyward_jupyter.pool.Pool` (any thread, cheap)."""
         nodes = [
             NodeInfo(

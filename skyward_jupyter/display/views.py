@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from ..model import EntryFacts, PoolFacts, price_of
+from ..model import EntryFacts, price_of
 from ..options import StdoutMode
 from .format import format_number
 from .metrics import MetricRow
@@ -48,6 +48,7 @@ from .summary import summary_text
 from .text import TextReport
 
 if TYPE_CHECKING:
+    from ..pool import Pool
     from .panel import SkyPanel
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ class _Shown:
 @dataclass
 class _View:
     name: str
-    pool: PoolFacts
+    pool: Pool
     state: PanelState
     panel: SkyPanel | None = None  # the panel of the cell that runs, or ran last
     cell_state: PanelState | None = None  # its state, fed while its cell runs
@@ -368,7 +369,7 @@ class PoolViews:
             log.exception("the panel of pool %r could not be displayed", view.name)
             return
         if panel is view.panel:
-            view.shown.append(_Shown(handle, _settled_text(panel), time.monotonic()))
+            view.shown.append(_Shown(handle, _text_without_ticks(panel), time.monotonic()))
 
     def _update(self, view: _View) -> None:
         """Bring this cell's displays' text/plain up to date (the widget view draws itself).
@@ -379,7 +380,7 @@ class PoolViews:
         panel = view.panel
         if view.shown_in != self._cell_key() or panel is None:
             return
-        text, now = _settled_text(panel), time.monotonic()
+        text, now = _text_without_ticks(panel), time.monotonic()
         for shown in view.shown:
             if shown.text == text and now - shown.at < 1.0:
                 continue
@@ -460,6 +461,6 @@ def metrics_table(rows: list[MetricRow]) -> Any:
     return pd.DataFrame.from_records(list(records), columns=list(_COLUMNS))
 
 
-def _settled_text(panel: SkyPanel) -> str:
+def _text_without_ticks(panel: SkyPanel) -> str:
     """The panel's text without its ticking figures: it changes only when the pool's does."""
     return summary_text(panel.state.snapshot(), live=False)

@@ -219,7 +219,7 @@ class AWSProvider(Provider):
         self._progress(text, node, state)
 
     def _run_work(self, future: concurrent.futures.Future[list[Reachable]], nodes: int) -> None:
-        future.set_running_or_notify_cancel()  # from now on only this thread settles it
+        future.set_running_or_notify_cancel()  # from now on only this thread completes it
         try:
             future.set_result(self._launch.run(nodes))
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting coroutine

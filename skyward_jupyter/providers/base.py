@@ -191,7 +191,7 @@ class StderrTail:
 
         self.task = asyncio.get_running_loop().create_task(read())
 
-    async def settle(self, timeout: float = 1.0) -> None:
+    async def drain(self, timeout: float = 1.0) -> None:
         """Let the last lines arrive after the process ended."""
         if self.task is not None:
             await asyncio.wait([self.task], timeout=timeout)

@@ -65,9 +65,6 @@ it shares with its template aside): a local pool that could never fit is refused
 _PIPE_BYTES = 1 << 20
 
 
-# Variables the template's import of torch does not read: the agent applies the thread count
-# itself (torch.set_num_threads); NCCL's error handling and flight recorder are read when a
-# group forms.
 def visible_gpus() -> tuple[tuple[str, ...], str | None]:
     """GPU ids this process may use, and their model, without initialising CUDA here."""
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -96,7 +93,8 @@ def visible_gpus() -> tuple[tuple[str, ...], str | None]:
 def split_gpus(gpus: tuple[str, ...], nodes: int) -> tuple[list[tuple[str, ...]], str]:
     """Split ``gpus`` evenly across ``nodes``, and the line that says what an uneven split
     left out ("" when nothing): the GPUs over stay unused, and fewer GPUs than nodes give
-    every node none."""
+    every node none.
+    """
     per = len(gpus) // nodes
     shares = [gpus[i * per : (i + 1) * per] for i in range(nodes)]
     if not gpus or len(gpus) % nodes == 0:
@@ -117,7 +115,8 @@ def split_gpus(gpus: tuple[str, ...], nodes: int) -> tuple[list[tuple[str, ...]]
 def check_gpus(spec: PoolSpec, ids: tuple[str, ...], model: str | None) -> None:
     """Whether this machine's GPUs (``ids``, of ``model``) carry the pool ``spec`` describes:
     ``--gpu`` names their model, and NCCL (``--backend nccl``, or ``--gpu``) gets a GPU for each
-    rank of every node; raises ProviderError (a LayoutError for the layout) saying what to do."""
+    rank of every node; raises ProviderError (a LayoutError for the layout) saying what to do.
+    """
     if spec.gpu and spec.gpu != NO_GPU and not ids:
         raise ProviderError(
             f"--gpu {spec.gpu}: this machine has no GPU, and the local provider runs "
@@ -271,7 +270,8 @@ class LocalRank:
 
     async def kill(self) -> None:
         """Kill the rank with every process below it (what its cells detached too), and remove
-        its private directory."""
+        its private directory.
+        """
         if not self._exited.done():
             await asyncio.to_thread(end_rank, self.pid, self._run_id)
         await self._status()
@@ -292,7 +292,7 @@ class LocalRank:
 
     async def wait(self) -> str:
         code = await self._status()
-        await self._stderr.settle()
+        await self._stderr.drain()
         self.writer.close()
         if code is None:
             return "ended (exit status unknown)"
@@ -341,7 +341,8 @@ class LocalProvider(Provider):
     def check(cls, spec: PoolSpec) -> None:
         """This machine: its GPUs must carry the pool as described (:func:`check_gpus`), the
         ranks must fit in its memory, and ``--backend nccl`` needs this machine's torch and GPUs
-        to run NCCL. Checked before a running pool is replaced."""
+        to run NCCL. Checked before a running pool is replaced.
+        """
         if spec.gpu == NO_GPU:
             _check_fits(spec.nodes * (spec.procs_per_node or 1))
             return
@@ -415,7 +416,8 @@ class LocalProvider(Provider):
 
     def _rank_env(self, node: Node, env: Mapping[str, str]) -> dict[str, str]:
         """The rank's environment: its node's GPUs only (none where the node got none of this
-        machine's, or the pool keeps its ranks off them)."""
+        machine's, or the pool keeps its ranks off them).
+        """
         full = {**base_env(), **env}
         if env.get("CUDA_VISIBLE_DEVICES") == "":
             return full  # the pool (or --env) keeps this node's ranks off the GPUs
@@ -433,12 +435,12 @@ class LocalProvider(Provider):
         loop = asyncio.get_running_loop()
         exited: asyncio.Future[int] = loop.create_future()
 
-        def settle(status: int) -> None:
+        def record_exit(status: int) -> None:
             if not exited.done():
                 exited.set_result(status)
 
         def on_exit(status: int) -> None:
-            loop.call_soon_threadsafe(settle, status)
+            loop.call_soon_threadsafe(record_exit, status)
 
         wire_in_r, wire_in_w = _pipe()
         wire_out_r, wire_out_w = _pipe()
@@ -484,7 +486,8 @@ class LocalProvider(Provider):
 
     async def release(self) -> None:
         """End the ranks, and remove the pool's private directories (those of ranks killed
-        without a word: the OOM killer's)."""
+        without a word: the OOM killer's).
+        """
         await asyncio.gather(*(r.kill() for r in self._ranks))
         self._ranks.clear()
         for run_id in self._run_ids:
@@ -493,7 +496,8 @@ class LocalProvider(Provider):
 
 def _check_nccl() -> None:
     """``--backend nccl`` on ranks that run the notebook's own torch, on this machine's GPUs:
-    refused here, before any rank starts, when either cannot run NCCL."""
+    refused here, before any rank starts, when either cannot run NCCL.
+    """
     nccl = nccl_available()  # imports the notebook's torch (CUDA stays uninitialised)
     if nccl is None:
         return  # the ranks' hellos name the missing torch

@@ -162,7 +162,7 @@ class SlurmRank:
 
     async def wait(self) -> str:
         code = await self._proc.wait()
-        await self._stderr.settle()
+        await self._stderr.drain()
         if code < 0:
             return f"srun killed by signal {-code} ({self.describe()})"
         return f"exited with status {code} on {self._node} (slurm job {self._job})"

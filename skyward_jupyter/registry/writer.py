@@ -1,6 +1,6 @@
 """The kernel's side of the registry: a session's pools kept published while they live.
 
-:class:`Registry` is one more watcher of the session's pools: it writes a record when a pool is
+:class:`Registry` is one more listener of the session's pools: it writes a record when a pool is
 created and when it is ready, removes it when the pool ends (and at exit), and rewrites it from a
 small thread of its own when rank states change (at most every :attr:`Registry.interval`
 seconds; the pool's IO thread only marks the record stale).
@@ -55,7 +55,7 @@ _live: weakref.WeakSet[Registry] = weakref.WeakSet()
 
 
 class Registry:
-    """A session's pools, published in the registry directory (a session watcher).
+    """A session's pools, published in the registry directory (a session listener).
 
     Never raises into the session: a registry that cannot write says so once in the log and
     the pools work on without it.
@@ -108,6 +108,9 @@ class Registry:
             self._cond.notify_all()
         tracked.unsubscribe = entry.pool.subscribe(lambda event: self._on_event(tracked, event))
         self._write(tracked)
+
+    def pool_starting(self, entry: EntryFacts) -> None:
+        """Nothing to write: the start's progress reaches the record through the pool's events."""
 
     def pool_started(self, entry: EntryFacts) -> None:
         tracked = self._tracked.get(id(entry.pool))
