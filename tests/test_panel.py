@@ -47,6 +47,11 @@ def _chart_steps(panel: SkyPanel, metric: str) -> int | None:
     return None if chart is None else chart.steps
 
 
+def _chart_points(panel: SkyPanel, metric: str, key: str) -> list[float] | None:
+    chart = panel.charts.charts.get(metric)
+    return None if chart is None else chart.points.get(key)
+
+
 def test_the_panel_draws_nodes_a_tab_per_rank_metrics_and_a_point_per_step(pool: Pool) -> None:
     panel = SkyPanel(pool, interval=0.05)
     try:
@@ -62,7 +67,13 @@ def test_the_panel_draws_nodes_a_tab_per_rank_metrics_and_a_point_per_step(pool:
             "print(f'done on rank {rank}')\n"
         )
         assert result.ok, result
-        wait_for(lambda: _chart_steps(panel, "loss") == 4, 10, "the chart of 4 steps")
+        # Each rank's values reach the panel on their own: the chart has its 4 steps once either
+        # rank's did, and both ranks' values once the other's came too.
+        wait_for(
+            lambda: _chart_points(panel, "loss", "min") == [1, 2, 3, 4],
+            10,
+            "the chart of 4 steps with both ranks' values",
+        )
         wait_for(lambda: node_states(panel) == ["idle", "idle"], 10, "both nodes idle")
 
         assert "2 nodes &times; 1 rank" in panel.header.value
