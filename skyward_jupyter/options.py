@@ -14,9 +14,11 @@ import os
 import re
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from . import limits
+from .environments import requirement_lines
 from .frameworks import FRAMEWORKS, KERAS_BACKENDS
 from .gpus import parse_gpu
 from .limits import LimitError, Range
@@ -67,6 +69,18 @@ def _directory(text: str) -> str:
     if not os.path.isdir(path):
         raise argparse.ArgumentTypeError(f"no such directory: {text} ({path})")
     return path
+
+
+def _requirements(text: str) -> tuple[str, ...]:
+    """A requirements file's requirements, read now: the pool is described by what it holds."""
+    try:
+        content = Path(text).expanduser().read_text()
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {text}: {exc.strerror or exc}") from None
+    lines = requirement_lines(content)
+    if not lines:
+        raise argparse.ArgumentTypeError(f"{text} names no requirement")
+    return tuple(lines)
 
 
 def _frameworks(text: str) -> list[str]:
@@ -207,6 +221,17 @@ POOL_OPTIONS: tuple[Option, ...] = (
         {"type": _directory, "action": "append", "metavar": "DIR"},
     ),
     Option("--no-sync", "send no directory to the nodes", _flag()),
+    Option(
+        "--pip",
+        "packages every node installs before its ranks start, as pip reads them (several per "
+        "flag, repeatable; built once per node and cached, over what the node's Python has)",
+        {"nargs": "+", "action": "extend", "metavar": "SPEC"},
+    ),
+    Option(
+        "--requirements",
+        "a requirements file whose packages every node installs, as --pip (read when given)",
+        {"type": _requirements, "metavar": "FILE"},
+    ),
     Option(
         "--sync-cap",
         "the most a synced directory may hold, in MB (default 200)",

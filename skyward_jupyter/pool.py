@@ -19,6 +19,7 @@ from typing import Any
 
 from . import doctor, limits, relay_keys, wire
 from . import protocol as p
+from .environments import Packages
 from .events import (
     CellFinished,
     CellStarted,
@@ -77,6 +78,7 @@ class Pool:
         frameworks: Frameworks = TORCH_ONLY,
         secure: bool = False,
         gpu: str | None = None,
+        packages: Packages | None = None,
     ) -> None:
         limits.NODES.check(nodes)
         if procs_per_node is not None:
@@ -126,6 +128,7 @@ class Pool:
             frameworks=frameworks,
             secure=secure,
             gpu=gpu,
+            packages=packages,
         )
         self._ranks = Ranks(provider, settings, self._emit, self._rank_ended)
         self._prompts = Prompts()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import limits
+from .environments import Packages
 from .frameworks import FrameworkError, Frameworks
 from .gpus import NO_GPU, check_gpu_layout
 from .providers import provider_class
@@ -64,6 +65,10 @@ class PoolSpec:
     no_sync: bool | None = None
     sync_cap: float | None = None
     """Megabytes a synced directory may hold (None: the default)."""
+    pip: tuple[str, ...] = ()
+    """``--pip`` specs every node installs."""
+    requirements: tuple[str, ...] = ()
+    """The requirements of the ``--requirements`` file, as read when it was given."""
     frameworks: tuple[str, ...] = ()
     """``--framework`` names (): torch, when the ranks have it."""
     keras_backend: str | None = None
@@ -109,6 +114,7 @@ class PoolSpec:
             "secure": self.secure,
             "frameworks": self.framework_setup(notebook_env),
             "gpu": self.gpu,
+            "packages": Packages.from_options(self.pip, self.requirements),
         }
         return {k: v for k, v in given.items() if v is not None}
 

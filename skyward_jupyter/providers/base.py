@@ -21,6 +21,7 @@ from ..events import RankState
 from ..wire import AsyncByteReader, AsyncByteWriter
 
 if TYPE_CHECKING:
+    from ..environments import NodeEnvironment, Packages
     from ..spec import PoolSpec
 
 
@@ -233,6 +234,17 @@ class Provider(abc.ABC):
 
     @abc.abstractmethod
     async def start_rank(self, node: Node, env: Mapping[str, str]) -> RankProcess: ...
+
+    async def build_environments(
+        self, nodes: Sequence[Node], packages: Packages, progress: Progress
+    ) -> dict[int, NodeEnvironment]:
+        """Give every node the environment of ``packages`` (``--pip``, ``--requirements``),
+        before any rank starts; node index -> its environment. Raises
+        :class:`~skyward_jupyter.environments.PackagesError` naming the node and the reason."""
+        raise ProviderError(
+            f"--pip/--requirements: the {self.name} provider cannot install packages on its "
+            "nodes; install them there, or use the local or ssh provider"
+        )
 
     @abc.abstractmethod
     async def release(self) -> None:
