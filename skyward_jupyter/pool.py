@@ -19,7 +19,7 @@ from typing import Any
 
 from . import doctor, limits, relay_keys, wire
 from . import protocol as p
-from .environments import Packages
+from .environments import NodeEnvironment, Packages
 from .events import (
     CellFinished,
     CellStarted,
@@ -168,6 +168,11 @@ class Pool:
     @property
     def nodes(self) -> tuple[Node, ...]:
         return self._ranks.nodes
+
+    @property
+    def environments(self) -> dict[int, NodeEnvironment]:
+        """Each node's environment of ``packages`` (none without), by node index."""
+        return dict(self._ranks.environments)
 
     @property
     def worlds_note(self) -> str:

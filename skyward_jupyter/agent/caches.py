@@ -22,6 +22,7 @@ import stat
 import sys
 from pathlib import Path
 
+from . import environments
 from .workdir import REMOVING, WorkdirCopy, removal_leftovers, remove_tree, tree_bytes
 
 CACHE = "~/.cache/skyward_jupyter"
@@ -52,6 +53,9 @@ def clean(cache: str = CACHE) -> tuple[list[tuple[str, int]], list[str]]:
                 kept.append(str(item))
             else:
                 removed.append((str(item), size))
+    gone, in_use = environments.clean()
+    removed += [(str(path), size) for path, size in gone]
+    kept += in_use
     if base.is_dir():
         running = _running_paths()
         for item in sorted(base.iterdir()):

@@ -128,7 +128,10 @@ def _make(env: Path, requirements: list[str], torch: str | None, say: Say) -> No
     # What this Python sees (a venv's own site-packages too, which the new venv's
     # --system-site-packages would not show): the installer counts it as installed.
     ours = [p for p in [*site.getsitepackages(), site.getusersitepackages()] if os.path.isdir(p)]
-    (site_dir / "_skyward_node.pth").write_text("".join(f"{p}\n" for p in ours))
+    # As site directories, so that their own .pth files count (a path file, an editable install).
+    (site_dir / "_skyward_node.pth").write_text(
+        f"import site; [site.addsitedir(p) for p in {ours!r}]\n"
+    )
     (env / "requirements.txt").write_text("".join(f"{r}\n" for r in requirements))
     pins = _pins(torch)
     (env / "constraints.txt").write_text("".join(f"{p}\n" for p in pins))
@@ -251,11 +254,11 @@ def describe() -> list[dict[str, object]]:
     ]
 
 
-def clean() -> tuple[list[Path], list[str]]:
+def clean() -> tuple[list[tuple[Path, int]], list[str]]:
     """Remove the cached environments no rank uses (and builds that were cut off); what is
-    removed, and what is kept as in use."""
+    removed (and its bytes), and what is kept as in use."""
     base = root()
-    removed: list[Path] = []
+    removed: list[tuple[Path, int]] = []
     kept: list[str] = []
     if not base.is_dir():
         return removed, kept
@@ -263,6 +266,7 @@ def clean() -> tuple[list[Path], list[str]]:
         name = item.name.split(".", 1)[0]
         if not _KEY.fullmatch(name) or not item.is_dir() or item.is_symlink():
             continue
+        size = sum(f.lstat().st_size for f in item.rglob("*"))
         if item.name == name:  # a whole environment: in use while a rank holds its lock
             try:
                 with _locked(item / _IN_USE, fcntl.LOCK_EX | fcntl.LOCK_NB):
@@ -277,7 +281,7 @@ def clean() -> tuple[list[Path], list[str]]:
             except BlockingIOError:
                 kept.append(str(item))
                 continue
-        removed.append(item)
+        removed.append((item, size))
     return removed, kept
 
 

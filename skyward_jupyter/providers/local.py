@@ -42,6 +42,7 @@ from ..gpus import NO_GPU, LayoutError, check_gpu_layout, gpu_model, same_gpu
 from ..memory import meminfo
 from ..procs import end, is_agent, process_alive, process_start
 from ..spec import backend_problem
+from ..workdir import human_bytes
 from .base import Node, Progress, Provider, ProviderError, ReapReport, StderrTail, no_progress
 from .local_template import (
     base_env,
@@ -431,6 +432,18 @@ class LocalProvider(Provider):
         )
         say(f"packages ready: {built.describe()}")
         return {node.index: built for node in nodes}
+
+    async def clean(self) -> list[str]:
+        """``%sky clean`` here: the package environments (``--pip``) no running rank uses."""
+        removed, kept = await asyncio.to_thread(node_environments.clean)
+        count = len(removed)
+        text = (
+            f"this machine: removed {count} package environment{'s' * (count != 1)} "
+            f"({human_bytes(sum(size for _, size in removed))})"
+            if removed
+            else "this machine: nothing"
+        )
+        return [text + (f"; kept {len(kept)} in use by a running pool" if kept else "")]
 
     def _rank_env(self, node: Node, env: Mapping[str, str]) -> dict[str, str]:
         """The rank's environment: its node's GPUs only (none where the node got none of this

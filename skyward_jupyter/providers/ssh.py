@@ -23,13 +23,14 @@ import contextlib
 import json
 import shlex
 import socket
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import asyncssh
 
+from ..environments import BUILDER, NodeEnvironment, Packages, PackagesError, follow
 from ..events import RankState
 from ..gpus import NO_GPU, gpu_model, same_gpu
 from .base import Node, Progress, Provider, ProviderError, ReapReport, StderrTail, no_progress
@@ -485,6 +486,51 @@ class SSHProvider(Provider):
             if pid is None
             else SSHRank(host, sessions, process, pid, [*ender, str(pid), run_id])
         )
+
+    async def build_environments(
+        self, nodes: Sequence[Node], packages: Packages, progress: Progress
+    ) -> dict[int, NodeEnvironment]:
+        """Every host builds (or finds cached) the environment, all at once; the first host
+        that fails fails the start, naming itself and the installer's reason."""
+
+        async def one(node: Node) -> NodeEnvironment:
+            host = self.hosts[node.index]
+            command = shlex.join(
+                [
+                    "env",
+                    f"PYTHONPATH={self._remote_package[node.index]}",
+                    self._python[node.index],
+                    *BUILDER,
+                ]
+            )
+            try:
+                process = await self._sessions[node.index].process(command)
+            except (asyncssh.Error, OSError) as exc:
+                raise PackagesError(f"{host}: cannot start the package installer: {exc}") from None
+            process.stdin.write(packages.request())
+            process.stdin.write_eof()
+
+            async def lines() -> AsyncIterator[str]:
+                async for raw in process.stdout:
+                    yield raw.decode(errors="replace")
+
+            def say(text: str) -> None:
+                progress(text, node.index, RankState.BOOTING)
+
+            try:
+                built = await follow(lines(), packages.digest, str(host), say)
+            except PackagesError as exc:
+                said = (await process.stderr.read()).decode(errors="replace").strip()
+                raise PackagesError(
+                    f"{exc}: {said.splitlines()[-1]}" if said else str(exc)
+                ) from None
+            finally:
+                process.close()
+            say(f"packages ready: {built.describe()}")
+            return built
+
+        built = await asyncio.gather(*(one(node) for node in nodes))
+        return {node.index: env for node, env in zip(nodes, built, strict=True)}
 
     async def clean(self) -> list[str]:
         """``%sky clean``: on every host, remove the package's cache and the sync copies that
