@@ -215,7 +215,16 @@ def _reason(stderr: str) -> str:
     errors = [line[len("ERROR:") :].strip() for line in lines if line.startswith("ERROR:")]
     # pip says "Could not find a version ..." then "No matching distribution found for X":
     # the first names what was asked and what exists.
-    return (errors[0] if errors else _last_line(stderr)) or "the installer failed"
+    reason = (errors[0] if errors else _last_line(stderr)) or "the installer failed"
+    # pip retries an index it cannot reach, saying why: "... [Errno -3] Temporary failure in
+    # name resolution)", "... [Errno 101] Network is unreachable')"
+    unreachable = re.search(r"WARNING: Retrying .*\[Errno -?\d+\] ([^)\"']+)", stderr)
+    if unreachable:
+        reason += (
+            f"; no package index answered from this node ({unreachable.group(1)}): name one it "
+            "reaches (--index-url, --find-links in --requirements)"
+        )
+    return reason
 
 
 def _last_line(text: str) -> str:

@@ -1,0 +1,146 @@
+"""``--pip`` / ``--requirements`` on honest SSH hosts: their Python has torch, cloudpickle and pip,
+and nothing else of the notebook's (tests/hosts.py's private hosts, each with its own home and
+cache, in network namespaces with no route out).
+
+The hosts reach no package index: the tests that install give pip this machine's file index
+(``file:///opt/pypi/simple``, which the hosts see) as a requirements line, standing in for an
+index the nodes can reach; one test leaves it out and reads pip's reason.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from skyward_jupyter.environments import Packages, PackagesError
+from skyward_jupyter.pool import Pool
+
+from .conftest import agents_among, ssh_hosts_fixture, wait_for
+from .hosts import Hosts, ssh_provider
+from .test_packages import IMPORT_BOTH
+
+hosts = ssh_hosts_fixture(2, "hosts")
+INDEX = "--index-url=file:///opt/pypi/simple"
+ON_HOSTS = Packages((INDEX, "tabulate", "ujson"))
+"""The pure-Python and the compiled package, from an index the hosts can read."""
+HONEST_DISTS = ("torch", "cloudpickle", "pip")
+
+
+def _with_requirements(names: tuple[str, ...]) -> set[str]:
+    """``names`` and every distribution they need (extras left out)."""
+    found: set[str] = set()
+    todo = list(names)
+    while todo:
+        name = todo.pop()
+        if name.lower() in found:
+            continue
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        found.add(name.lower())
+        for requirement in dist.requires or ():
+            if "extra ==" not in requirement:
+                todo.append(re.split(r"[\s<>=!~;\[(]", requirement, maxsplit=1)[0])
+    return found
+
+
+@pytest.fixture(scope="module")
+def honest_python() -> Iterator[str]:
+    """A Python the hosts see (under /var/tmp) whose packages are torch, cloudpickle and pip
+    with what they need, linked from the notebook's venv: nothing else of the notebook's."""
+    top = Path("/var/tmp") / f"sky-honest-{Path(sys.prefix).name}-{id(object()):x}"
+    subprocess.run(
+        [sys._base_executable, "-m", "venv", "--without-pip", str(top / "venv")],  # type: ignore[attr-defined]
+        check=True,
+    )
+    deps = top / "deps"
+    deps.mkdir()
+    for name in sorted(_with_requirements(HONEST_DISTS)):
+        dist = metadata.distribution(name)
+        base = Path(str(dist.locate_file("")))
+        for first in {Path(str(f)).parts[0] for f in dist.files or ()} - {"..", "__pycache__"}:
+            if (base / first).exists() and not (deps / first).exists():
+                (deps / first).symlink_to(base / first)
+    site = next((top / "venv" / "lib").glob("python3*/site-packages"))
+    (site / "_honest.pth").write_text(f"{deps}\n")
+    try:
+        yield str(top / "venv" / "bin" / "python")
+    finally:
+        shutil.rmtree(top)
+
+
+def _on_host(hosts: Hosts, i: int, python: str, code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        hosts.inside_argv(i, python, "-c", code), capture_output=True, text=True, timeout=60
+    )
+
+
+def test_the_honest_hosts_have_torch_but_not_the_notebooks_other_packages(
+    hosts: Hosts, honest_python: str
+) -> None:
+    found = _on_host(hosts, 0, honest_python, "import torch, cloudpickle; print(torch.__version__)")
+    assert found.returncode == 0 and found.stdout.strip() == metadata.version("torch"), found
+    for name in ("tabulate", "ujson", "asyncssh", "ipywidgets"):
+        assert _on_host(hosts, 0, honest_python, f"import {name}").returncode != 0, name
+
+
+def test_pip_packages_import_on_every_ssh_rank_and_a_second_pool_finds_them_cached(
+    hosts: Hosts, honest_python: str, tmp_path: Path
+) -> None:
+    provider = ssh_provider(hosts, 2, tmp_path, python=honest_python)
+    with Pool(nodes=2, provider=provider, packages=ON_HOSTS) as pool:
+        result = pool.run(IMPORT_BOTH)
+        assert result.ok, result.errors
+        files = [v[0] for v in result.values]
+        home = f"/home/{hosts.user}/.cache/skyward_jupyter/envs/"
+        assert all(f.startswith(home) for f in files), files
+        assert [v[1] for v in result.values] == ['{"rank":0}', '{"rank":1}']
+        built = pool.environments
+        assert [built[n].cached for n in (0, 1)] == [False, False]
+        assert [built[n].packages for n in (0, 1)] == [2, 2]
+    again = ssh_provider(hosts, 2, tmp_path, python=honest_python)
+    with Pool(nodes=2, provider=again, packages=ON_HOSTS) as pool:
+        assert [pool.environments[n].cached for n in (0, 1)] == [True, True]
+        assert pool.run(IMPORT_BOTH).ok
+    wait_for(lambda: not _remote_agents(hosts), 10, "remote ranks to end after close")
+
+
+def test_a_bad_spec_names_the_host_the_package_and_pips_reason(
+    hosts: Hosts, honest_python: str, tmp_path: Path
+) -> None:
+    provider = ssh_provider(hosts, 1, tmp_path, python=honest_python)
+    bad = Packages((INDEX, "skyward-no-such-package-xq"))
+    with pytest.raises(PackagesError) as failed:
+        Pool(nodes=1, provider=provider, packages=bad).start()
+    text = str(failed.value)
+    assert "\n" not in text, text
+    assert text.startswith(f"{hosts.user}@{hosts[0].address}:{hosts[0].port}: "), text
+    assert "satisfies the requirement skyward-no-such-package-xq" in text, text
+    wait_for(lambda: not _remote_agents(hosts), 10, "no rank left on the hosts")
+
+
+def test_a_host_without_an_index_fails_naming_it_and_pips_reason(
+    hosts: Hosts, honest_python: str, tmp_path: Path
+) -> None:
+    """The hosts have no route out: pip (with this machine's global configuration) finds no
+    index and says so; the pool does not start."""
+    provider = ssh_provider(hosts, 1, tmp_path, python=honest_python)
+    with pytest.raises(PackagesError) as failed:
+        Pool(nodes=1, provider=provider, packages=Packages(("tabulate",))).start()
+    text = str(failed.value)
+    assert "\n" not in text and "tabulate" in text, text
+    assert "no package index answered from this node (" in text, text
+    assert text.startswith(f"{hosts.user}@{hosts[0].address}:{hosts[0].port}: "), text
+    wait_for(lambda: not _remote_agents(hosts), 10, "no rank left on the hosts")
+
+
+def _remote_agents(hosts: Hosts) -> list[int]:
+    return agents_among(pid for i in range(len(hosts)) for pid in hosts.pids(i))
