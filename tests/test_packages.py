@@ -23,6 +23,7 @@ from skyward_jupyter.environments import BUILDER, Packages, PackagesError
 from skyward_jupyter.events import PoolEvent
 from skyward_jupyter.pool import Pool
 from skyward_jupyter.providers.local import LocalProvider
+from skyward_jupyter.spec import PoolSpec
 
 from .conftest import agent_pids
 
@@ -159,3 +160,45 @@ def test_local_clean_says_what_went(envs: Path) -> None:
     lines = asyncio.run(LocalProvider().clean())
     assert len(lines) == 1, lines
     assert lines[0].startswith("this machine: removed 1 package environment ("), lines
+
+
+def test_pip_and_requirements_options_make_the_pools_packages(tmp_path: Path) -> None:
+    """``%%sky --pip ... --requirements FILE`` (and ``%sky config`` defaults): the file is read
+    when given, so a pool is described by what it asks for; another list is another pool."""
+    from skyward_jupyter.magics import _cell_parser
+    from skyward_jupyter.options import pool_options
+    from skyward_jupyter.session import Session
+
+    wanted = tmp_path / "requirements.txt"
+    wanted.write_text("# pinned\nujson==6.1.0  # compiled\n\n--index-url=file:///opt/pypi/simple\n")
+    parser = _cell_parser()
+    args = parser.parse(
+        ["--pip", "tabulate", "rich>=13", "--requirements", str(wanted), "--nodes", "2"]
+    )
+    session = Session()
+    spec = session.spec_from(pool_options(args))
+    packages = spec.pool_arguments(str(tmp_path), {})["packages"]
+    assert packages.requirements == (
+        "tabulate",
+        "rich>=13",
+        "ujson==6.1.0",
+        "--index-url=file:///opt/pypi/simple",
+    )
+    assert spec.nodes == 2
+    session.defaults = spec  # as %sky config sets them
+    same = session.spec_from({})
+    assert same == spec
+    other = session.spec_from(pool_options(parser.parse(["--pip", "tabulate"])))
+    assert other != spec and "--pip" in spec.differences(other)
+    assert "packages" not in PoolSpec().pool_arguments(str(tmp_path), {})
+    with pytest.raises(Exception, match="cannot read"):
+        parser.parse(["--requirements", str(tmp_path / "missing.txt")])
+
+
+def test_no_requirement_chooses_torch_the_node_has_it_pinned(envs: Path) -> None:
+    """torch is pinned to the node's version for every install: a requirement asking another
+    fails with pip's reason, and nothing is downloaded or built."""
+    report = _report(_build(envs, ["torch==2.12.0"]))
+    assert "error" in report, report
+    assert "torch" in str(report["error"]), report
+    assert not [p for p in envs.iterdir() if p.is_dir()]

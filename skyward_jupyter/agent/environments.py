@@ -132,9 +132,11 @@ def _make(env: Path, requirements: list[str], torch: str | None, say: Say) -> No
     (site_dir / "_skyward_node.pth").write_text(
         f"import site; [site.addsitedir(p) for p in {ours!r}]\n"
     )
-    (env / "requirements.txt").write_text("".join(f"{r}\n" for r in requirements))
-    pins = _pins(torch)
-    (env / "constraints.txt").write_text("".join(f"{p}\n" for p in pins))
+    (env / "constraints.txt").write_text("".join(f"{p}\n" for p in _pins(torch)))
+    # The pins as a line of the file, not pip's -c: that would replace the constraints pip's
+    # configuration names (a machine's own cap on torch).
+    lines = [*requirements, f"-c {env / 'constraints.txt'}"]
+    (env / "requirements.txt").write_text("".join(f"{line}\n" for line in lines))
     _install(env, say)
 
 
@@ -163,12 +165,7 @@ def _install(env: Path, say: Say) -> None:
         "--no-input",
         "-r",
         str(env / "requirements.txt"),
-        "-c",
-        str(env / "constraints.txt"),
     ]
-    config_constraint = _pip_config_constraint(python)
-    if config_constraint:
-        command += ["-c", config_constraint]
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1
     )
@@ -183,18 +180,6 @@ def _install(env: Path, say: Say) -> None:
                 "pip there"
             )
         raise BuildError(_reason(errors))
-
-
-def _pip_config_constraint(python: Path) -> str | None:
-    """The constraints file pip's configuration names: giving ``-c`` replaces it, so it is
-    passed again (a machine's cap on torch stays)."""
-    found = subprocess.run(
-        [str(python), "-m", "pip", "config", "get", "global.constraint"],
-        capture_output=True,
-        text=True,
-    )
-    value = found.stdout.strip()
-    return value if found.returncode == 0 and value else None
 
 
 _DOWNLOAD = re.compile(r"Downloading (\S+?)(?:-\d[^ ]*)? \(([^)]*)\)")
