@@ -100,6 +100,11 @@ class PoolSpec:
                 "leave out one of them"
             )
         check_gpu_layout((), self.procs_per_node, self.backend, self.gpu)  # what needs no GPUs
+        if (self.pip or self.requirements) and not provider_class(self.provider).installs_packages:
+            raise SpecError(
+                f"--pip/--requirements: the {self.provider} provider cannot install packages on "
+                "its nodes yet; install them there, or use the local, ssh or aws provider"
+            )
 
     def pool_arguments(self, cwd: str, notebook_env: Mapping[str, str]) -> dict[str, Any]:
         """The Pool's keyword arguments for the synced directories, the frameworks, the GPU

@@ -202,3 +202,11 @@ def test_no_requirement_chooses_torch_the_node_has_it_pinned(envs: Path) -> None
     assert "error" in report, report
     assert "torch" in str(report["error"]), report
     assert not [p for p in envs.iterdir() if p.is_dir()]
+
+
+def test_a_provider_that_installs_nothing_refuses_pip_before_any_machine() -> None:
+    from skyward_jupyter.spec import SpecError
+
+    with pytest.raises(SpecError, match=r"^--pip/--requirements: the slurm provider cannot"):
+        PoolSpec(provider="slurm", pip=("tabulate",))
+    assert PoolSpec(provider="ssh", hosts=("a@b",), pip=("tabulate",)).pip == ("tabulate",)

@@ -42,6 +42,7 @@ from .base import Node, Progress, Provider, ProviderError, ReapReport, no_progre
 from .ssh import SSHOptions, SSHProvider, SSHRank
 
 if TYPE_CHECKING:
+    from ..environments import NodeEnvironment, Packages
     from ..spec import PoolSpec
 
 __all__ = ["AWSOptions", "AWSProvider", "Instance", "Reachable"]
@@ -52,6 +53,7 @@ HEARTBEAT_ENV = "SKYWARD_HEARTBEAT_FILE"
 class AWSProvider(Provider):
     name = "aws"
     default_idle_minutes = 30.0
+    installs_packages = True
 
     @classmethod
     def from_spec(cls, spec: PoolSpec, pool_name: str, extra: Mapping[str, Any]) -> AWSProvider:
@@ -159,6 +161,13 @@ class AWSProvider(Provider):
                 await provisioned
             await self._teardown()
             raise
+
+    async def build_environments(
+        self, nodes: Sequence[Node], packages: Packages, progress: Progress
+    ) -> dict[int, NodeEnvironment]:
+        """The instances are SSH hosts: each builds the environment as one does."""
+        assert self._ssh is not None, "provision() first"
+        return await self._ssh.build_environments(nodes, packages, progress)
 
     async def start_rank(self, node: Node, env: Mapping[str, str]) -> SSHRank:
         assert self._ssh is not None, "provision() first"

@@ -181,6 +181,9 @@ class Provider(abc.ABC):
     which then stays when the start fails (this machine: two pools side by side only cost a
     moment's memory). Elsewhere the old pool ends first: the same hosts' GPUs and ports, or a
     second bill, would be taken while the new one starts."""
+    installs_packages: ClassVar[bool] = False
+    """The provider builds ``--pip``/``--requirements`` environments on its nodes
+    (:meth:`build_environments`); a spec asking for packages elsewhere is refused up front."""
     release_timeout: float = 0.0
     """Seconds :meth:`release` may take beyond the pool's own shutdown (instances to go)."""
     notebook_silence: float = NOTEBOOK_SILENCE
@@ -241,10 +244,7 @@ class Provider(abc.ABC):
         """Give every node the environment of ``packages`` (``--pip``, ``--requirements``),
         before any rank starts; node index -> its environment. Raises
         :class:`~skyward_jupyter.environments.PackagesError` naming the node and the reason."""
-        raise ProviderError(
-            f"--pip/--requirements: the {self.name} provider cannot install packages on its "
-            "nodes; install them there, or use the local or ssh provider"
-        )
+        raise ProviderError(f"the {self.name} provider installs no packages on its nodes")
 
     @abc.abstractmethod
     async def release(self) -> None:

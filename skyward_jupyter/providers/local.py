@@ -309,6 +309,7 @@ class LocalRank:
 
 class LocalProvider(Provider):
     name = "local"
+    installs_packages = True
     shares_files = True
     on_notebook_machine = True
     keeps_old_until_ready = True

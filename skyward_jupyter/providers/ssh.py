@@ -224,6 +224,7 @@ class Sessions:
 
 class SSHProvider(Provider):
     name = "ssh"
+    installs_packages = True
 
     @classmethod
     def from_spec(cls, spec: PoolSpec, pool_name: str, extra: Mapping[str, Any]) -> SSHProvider:
