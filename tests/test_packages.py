@@ -9,6 +9,7 @@ are in tests/test_packages_ssh.py.
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import subprocess
@@ -19,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from skyward_jupyter.agent import environments as node_environments
+from skyward_jupyter.display.text import TextReport
 from skyward_jupyter.environments import BUILDER, Packages, PackagesError
-from skyward_jupyter.events import PoolEvent
 from skyward_jupyter.pool import Pool
 from skyward_jupyter.providers.local import LocalProvider
 from skyward_jupyter.spec import PoolSpec
@@ -54,9 +55,10 @@ def test_the_notebook_lacks_the_test_packages() -> None:
 def test_pip_packages_import_on_every_local_rank_and_a_second_pool_finds_them_cached(
     envs: Path,
 ) -> None:
-    said: list[PoolEvent] = []
+    out = io.StringIO()
+    text = TextReport(out)  # the text view; the panel folds the same node events
     pool = Pool(nodes=2, procs_per_node=1, packages=PURE_AND_COMPILED)
-    pool.subscribe(said.append)
+    pool.subscribe(text.on_event)
     with pool:
         result = pool.run(IMPORT_BOTH)
         assert result.ok, result.errors
@@ -65,8 +67,14 @@ def test_pip_packages_import_on_every_local_rank_and_a_second_pool_finds_them_ca
         assert [v[1] for v in result.values] == ['{"rank":0}', '{"rank":1}']
         first = pool.environments
         assert set(first) == {0, 1} and not first[0].cached and first[0].packages == 2
-    steps = " ".join(str(getattr(e, "detail", "")) for e in said)
-    assert "packages: installing" in steps and "packages ready" in steps, steps
+    text.flush()
+    shown = out.getvalue().splitlines()
+    for node in (0, 1):
+        steps = [line for line in shown if line.startswith(f"node {node}: booting, packages")]
+        assert any(": installing " in line for line in steps), shown
+        assert steps[-1] == (
+            f"node {node}: booting, packages ready: env {first[0].digest[:12]} (2 packages)"
+        ), shown
     with Pool(nodes=1, packages=PURE_AND_COMPILED) as again:
         assert again.environments[0].cached
         assert again.environments[0].site == first[0].site
