@@ -12,6 +12,7 @@ import asyncio
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -218,3 +219,27 @@ def test_a_provider_that_installs_nothing_refuses_pip_before_any_machine() -> No
     with pytest.raises(SpecError, match=r"^--pip/--requirements: the slurm provider cannot"):
         PoolSpec(provider="slurm", pip=("tabulate",))
     assert PoolSpec(provider="ssh", hosts=("a@b",), pip=("tabulate",)).pip == ("tabulate",)
+
+
+def test_pip_defaults_status_and_clean_through_the_magics_of_a_real_kernel(
+    envs: Path, tmp_path: Path
+) -> None:
+    from .test_magics import Kernel
+
+    (tmp_path / "nb").mkdir()
+    kernel = Kernel(cwd=tmp_path / "nb")
+    try:
+        kernel.ok("%load_ext skyward_jupyter")
+        kernel.ok("%sky config --pip tabulate ujson")
+        cell = kernel.ok(
+            "%%sky --nodes 2 --all\n" + IMPORT_BOTH.replace("(tabulate.__file__, ", "(")
+        )
+        assert cell.per_rank == {0: """'{"rank":0}'""", 1: """'{"rank":1}'"""}, str(cell)
+        status = kernel.status()
+        for node in (0, 1):
+            assert re.search(rf"node {node} packages: env [0-9a-f]{{12}} \(2 packages\), ", status)
+        cleaned = kernel.ok("%sky clean").stdout
+        assert cleaned.strip() == "this machine: nothing; kept 1 in use by a running pool", cleaned
+        kernel.ok("%sky down")
+    finally:
+        kernel.close()
