@@ -10,14 +10,26 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import io
 import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
+from .agent.environments import installer_reason
 from .providers.base import ProviderError
 
 BUILDER = ("-m", "skyward_jupyter.agent.environments", "build")
 """The builder's arguments after the node's Python."""
+WHEELS = "~/.cache/skyward_jupyter/wheels"
+"""Where the notebook keeps the wheels it downloads for nodes without an index."""
 
 
 class PackagesError(ProviderError):
@@ -30,27 +42,83 @@ class Packages:
     lines), in the order given."""
 
     requirements: tuple[str, ...]
+    wheels: bool = False
+    """The nodes install from wheels the notebook downloads and sends (``--ship-wheels``)."""
 
     @classmethod
-    def from_options(cls, pip: Sequence[str], requirements: Sequence[str]) -> Packages | None:
+    def from_options(
+        cls, pip: Sequence[str], requirements: Sequence[str], wheels: bool = False
+    ) -> Packages | None:
         """``--pip`` specs, then the ``--requirements`` file's lines; None when nothing is
         asked."""
         lines = (*pip, *requirements)
-        return cls(lines) if lines else None
+        return cls(lines, wheels) if lines else None
 
     @property
     def digest(self) -> str:
         """The content hash: equal requirements share an environment on a node."""
         return hashlib.sha256("\n".join(self.requirements).encode()).hexdigest()
 
-    def request(self) -> bytes:
-        """The builder's input line (torch pinned to the notebook's, where a node has none)."""
-        try:
-            torch: str | None = importlib.metadata.version("torch")
-        except importlib.metadata.PackageNotFoundError:
-            torch = None
-        given = {"hash": self.digest, "requirements": list(self.requirements), "torch": torch}
+    def request(self, wheels: str | None = None) -> bytes:
+        """The builder's input line (torch pinned to the notebook's, where a node has none;
+        ``wheels``: the node's folder of wheels sent from here, its only source)."""
+        given = {
+            "hash": self.digest,
+            "requirements": list(self.requirements),
+            "torch": _notebook_torch(),
+            "wheels": wheels,
+        }
         return json.dumps(given).encode() + b"\n"
+
+    def download(self) -> Path:
+        """The wheels of these packages and of all they need, downloaded here once per content
+        (``pip download``, binary only, torch pinned to the notebook's): what nodes without an
+        index install from. They are this machine's platform's: nodes must share it."""
+        root = Path(os.path.expanduser(os.environ.get("SKYWARD_WHEELS") or WHEELS))
+        target = root / self.digest[:16]
+        if target.is_dir():
+            return target
+        root.mkdir(parents=True, exist_ok=True)
+        staging = root / f"{target.name}.{secrets.token_hex(4)}"
+        with tempfile.TemporaryDirectory(prefix="sky-wheels-") as scratch:
+            pins = Path(scratch) / "constraints.txt"
+            torch = _notebook_torch()
+            pins.write_text(f"torch=={torch}\n" if torch else "")
+            wanted = Path(scratch) / "requirements.txt"
+            wanted.write_text("".join(f"{line}\n" for line in (*self.requirements, f"-c {pins}")))
+            done = subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--only-binary=:all:", "--no-input",
+                 "--progress-bar", "off", "-d", str(staging), "-r", str(wanted)],
+                capture_output=True,
+                text=True,
+            )  # fmt: skip
+        if done.returncode != 0:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise PackagesError(
+                "this notebook could not download the wheels to send: "
+                + installer_reason(done.stderr)
+            )
+        try:
+            os.rename(staging, target)
+        except OSError:  # another kernel downloaded them meanwhile
+            shutil.rmtree(staging, ignore_errors=True)
+        return target
+
+
+def _notebook_torch() -> str | None:
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def wheels_tarball(folder: Path) -> bytes:
+    """The folder's wheels as a gzipped tar (stored: wheels are compressed already)."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=1) as tar:
+        for wheel in sorted(folder.glob("*.whl")):
+            tar.add(wheel, arcname=wheel.name)
+    return buffer.getvalue()
 
 
 def requirement_lines(text: str) -> list[str]:

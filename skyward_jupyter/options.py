@@ -233,6 +233,12 @@ POOL_OPTIONS: tuple[Option, ...] = (
         {"type": _requirements, "metavar": "FILE"},
     ),
     Option(
+        "--ship-wheels",
+        "the nodes install --pip/--requirements from wheels this notebook downloads and sends "
+        "(nodes that reach no package index; they must share this machine's platform)",
+        _flag(),
+    ),
+    Option(
         "--sync-cap",
         "the most a synced directory may hold, in MB (default 200)",
         {"type": _ranged(limits.SYNC_CAP), "metavar": "MB"},

@@ -69,6 +69,8 @@ class PoolSpec:
     """``--pip`` specs every node installs."""
     requirements: tuple[str, ...] = ()
     """The requirements of the ``--requirements`` file, as read when it was given."""
+    ship_wheels: bool | None = None
+    """The nodes install from wheels downloaded here and sent (nodes without an index)."""
     frameworks: tuple[str, ...] = ()
     """``--framework`` names (): torch, when the ranks have it."""
     keras_backend: str | None = None
@@ -119,7 +121,7 @@ class PoolSpec:
             "secure": self.secure,
             "frameworks": self.framework_setup(notebook_env),
             "gpu": self.gpu,
-            "packages": Packages.from_options(self.pip, self.requirements),
+            "packages": Packages.from_options(self.pip, self.requirements, bool(self.ship_wheels)),
         }
         return {k: v for k, v in given.items() if v is not None}
 

@@ -144,3 +144,34 @@ def test_a_host_without_an_index_fails_naming_it_and_pips_reason(
 
 def _remote_agents(hosts: Hosts) -> list[int]:
     return agents_among(pid for i in range(len(hosts)) for pid in hosts.pids(i))
+
+
+def test_hosts_without_an_index_install_wheels_sent_from_the_notebook(
+    hosts: Hosts,
+    honest_python: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--ship-wheels``: the notebook downloads the wheels once (this machine reaches the
+    index), each host gets them and installs with no index at all; a second pool sends none."""
+    monkeypatch.setenv("SKYWARD_WHEELS", str(tmp_path / "wheels"))
+    shipped = Packages(("tabulate", "ujson"), wheels=True)
+    said: list[str] = []
+    provider = ssh_provider(hosts, 2, tmp_path, python=honest_python)
+    pool = Pool(nodes=2, provider=provider, packages=shipped)
+    pool.subscribe(lambda event: said.append(str(getattr(event, "detail", ""))))
+    with pool:
+        result = pool.run(IMPORT_BOTH)
+        assert result.ok, result.errors
+        assert [v[1] for v in result.values] == ['{"rank":0}', '{"rank":1}']
+    downloaded = sorted(p.name.split("-")[0] for p in (tmp_path / "wheels").glob("*/*.whl"))
+    assert downloaded == ["tabulate", "ujson"]
+    assert sum("sending wheels" in line for line in said) == 2, said
+    said.clear()
+    again = Pool(nodes=2, provider=ssh_provider(hosts, 2, tmp_path, python=honest_python),
+                 packages=shipped)  # fmt: skip
+    again.subscribe(lambda event: said.append(str(getattr(event, "detail", ""))))
+    with again:
+        assert [again.environments[n].cached for n in (0, 1)] == [True, True]
+    assert not any("sending wheels" in line for line in said), said
+    wait_for(lambda: not _remote_agents(hosts), 10, "remote ranks to end after close")

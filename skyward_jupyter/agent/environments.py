@@ -16,8 +16,9 @@ A rank puts the environment's site directory first on ``sys.path`` (:func:`use`)
 shared lock on it, which ``%sky clean`` (:func:`clean`) respects.
 
 Run as ``python -m skyward_jupyter.agent.environments build`` with one JSON line on stdin
-(``{"hash", "requirements", "torch"}``); it prints JSON lines ``{"step", "detail"}`` as the
-install goes, then ``{"ready": SITE, "packages": N, "cached": BOOL}`` or ``{"error": WHY}``.
+(``{"hash", "requirements", "torch", "wheels"}``: ``wheels``, a folder sent from the notebook,
+then the only source); it prints JSON lines ``{"step", "detail"}`` as the install goes, then
+``{"ready": SITE, "packages": N, "cached": BOOL}`` or ``{"error": WHY}``.
 
 Standard library only: this runs on the nodes.
 """
@@ -92,8 +93,15 @@ def cached(digest: str) -> dict[str, object] | None:
     return {"ready": str(site_dir), "packages": _count(site_dir), "cached": True}
 
 
-def build(digest: str, requirements: list[str], torch: str | None, say: Say) -> dict[str, object]:
-    """The environment for ``requirements`` on this node, built unless a whole one is cached."""
+def build(
+    digest: str,
+    requirements: list[str],
+    torch: str | None,
+    say: Say,
+    wheels: str | None = None,
+) -> dict[str, object]:
+    """The environment for ``requirements`` on this node, built unless a whole one is cached;
+    from the folder ``wheels`` alone (no index) when given."""
     base = root()
     base.mkdir(parents=True, exist_ok=True)
     name = key(digest)
@@ -106,7 +114,8 @@ def build(digest: str, requirements: list[str], torch: str | None, say: Say) -> 
         staging = base / f"{name}.building-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
         try:
-            _make(staging, requirements, torch, say)
+            sources = ["--no-index", f"--find-links {wheels}"] if wheels else []
+            _make(staging, [*sources, *requirements], torch, say)
             (staging / _IN_USE).touch()
             os.rename(staging, final)
         finally:
@@ -179,7 +188,7 @@ def _install(env: Path, say: Say) -> None:
                 f"the node's Python ({sys.executable}) has no pip to install with; install "
                 "pip there"
             )
-        raise BuildError(_reason(errors))
+        raise BuildError(installer_reason(errors))
 
 
 _DOWNLOAD = re.compile(r"Downloading (\S+?)(?:-\d[^ ]*)? \(([^)]*)\)")
@@ -194,7 +203,7 @@ def _progress(line: str, say: Say) -> None:
         say("installing", line.split(":", 1)[1].strip())
 
 
-def _reason(stderr: str) -> str:
+def installer_reason(stderr: str) -> str:
     """pip's reason in one line: its last ``ERROR:`` line, else its last line."""
     lines = stderr.splitlines()
     errors = [line[len("ERROR:") :].strip() for line in lines if line.startswith("ERROR:")]
@@ -289,7 +298,13 @@ def main() -> int:
         print(json.dumps({"step": step, "detail": detail}), flush=True)
 
     try:
-        result = build(request["hash"], list(request["requirements"]), request.get("torch"), say)
+        result = build(
+            request["hash"],
+            list(request["requirements"]),
+            request.get("torch"),
+            say,
+            request.get("wheels"),
+        )
     except (BuildError, OSError) as exc:
         print(json.dumps({"error": str(exc)}), flush=True)
         return 1

@@ -526,6 +526,7 @@ class LocalProvider(Provider):
 
 async def _build_here(packages: Packages, say: Callable[[str], None]) -> NodeEnvironment:
     """Run the node-side builder on this machine and read its report."""
+    wheels = str(await asyncio.to_thread(packages.download)) if packages.wheels else None
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         *BUILDER,
@@ -537,7 +538,7 @@ async def _build_here(packages: Packages, say: Callable[[str], None]) -> NodeEnv
     )
     assert process.stdin is not None and process.stdout is not None
     assert process.stderr is not None
-    process.stdin.write(packages.request())
+    process.stdin.write(packages.request(wheels))
     process.stdin.close()
     stdout, stderr = process.stdout, process.stderr
 

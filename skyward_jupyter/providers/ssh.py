@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import posixpath
 import shlex
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -30,13 +31,21 @@ from typing import TYPE_CHECKING, Any
 
 import asyncssh
 
-from ..environments import BUILDER, NodeEnvironment, Packages, PackagesError, follow
+from ..environments import (
+    BUILDER,
+    NodeEnvironment,
+    Packages,
+    PackagesError,
+    follow,
+    wheels_tarball,
+)
 from ..events import RankState
 from ..gpus import NO_GPU, gpu_model, same_gpu
+from ..workdir import human_bytes
 from .base import Node, Progress, Provider, ProviderError, ReapReport, StderrTail, no_progress
 from .ssh_clean import clean_host
 from .ssh_keys import changed_key, known_hosts_file, record_if_new
-from .ssh_prepare import check_versions, probe, ship
+from .ssh_prepare import check_versions, probe, ship, unpack
 from .ssh_template import HostTemplate
 
 if TYPE_CHECKING:
@@ -494,8 +503,28 @@ class SSHProvider(Provider):
         """Every host builds (or finds cached) the environment, all at once; the first host
         that fails fails the start, naming itself and the installer's reason."""
 
+        sent: tuple[str, bytes] | None = None
+        if packages.wheels:
+            for node in nodes:
+                progress("packages: downloading wheels to send", node.index, RankState.BOOTING)
+            folder = await asyncio.to_thread(packages.download)
+            sent = (folder.name, await asyncio.to_thread(wheels_tarball, folder))
+
         async def one(node: Node) -> NodeEnvironment:
             host = self.hosts[node.index]
+            wheels = None
+            if sent is not None:
+                name, tarball = sent
+                cache = posixpath.dirname(self._remote_package[node.index])
+                wheels = f"{cache}/wheels/{name}"
+                conn = self._sessions[node.index].conns[0]
+                if (await conn.run(shlex.join(["test", "-d", wheels]), check=False)).exit_status:
+                    progress(
+                        f"packages: sending wheels ({human_bytes(len(tarball))})",
+                        node.index,
+                        RankState.BOOTING,
+                    )
+                    await unpack(host, conn, wheels, tarball)
             command = shlex.join(
                 [
                     "env",
@@ -508,7 +537,7 @@ class SSHProvider(Provider):
                 process = await self._sessions[node.index].process(command)
             except (asyncssh.Error, OSError) as exc:
                 raise PackagesError(f"{host}: cannot start the package installer: {exc}") from None
-            process.stdin.write(packages.request())
+            process.stdin.write(packages.request(wheels))
             process.stdin.write_eof()
 
             async def lines() -> AsyncIterator[str]:
