@@ -233,6 +233,12 @@ POOL_OPTIONS: tuple[Option, ...] = (
         {"type": _requirements, "metavar": "FILE"},
     ),
     Option(
+        "--mirror",
+        "every node also installs the notebook's versions of the packages behind the modules "
+        "bound in the notebook (where it lacks them or has others; torch stays the node's)",
+        _flag(),
+    ),
+    Option(
         "--ship-wheels",
         "the nodes install --pip/--requirements from wheels this notebook downloads and sends "
         "(nodes that reach no package index; they must share this machine's platform)",

@@ -216,7 +216,9 @@ def test_no_requirement_chooses_torch_the_node_has_it_pinned(envs: Path) -> None
 def test_a_provider_that_installs_nothing_refuses_pip_before_any_machine() -> None:
     from skyward_jupyter.spec import SpecError
 
-    with pytest.raises(SpecError, match=r"^--pip/--requirements: the slurm provider cannot"):
+    with pytest.raises(
+        SpecError, match=r"^--pip/--requirements/--mirror: the slurm provider cannot"
+    ):
         PoolSpec(provider="slurm", pip=("tabulate",))
     assert PoolSpec(provider="ssh", hosts=("a@b",), pip=("tabulate",)).pip == ("tabulate",)
 
@@ -243,3 +245,30 @@ def test_pip_defaults_status_and_clean_through_the_magics_of_a_real_kernel(
         kernel.ok("%sky down")
     finally:
         kernel.close()
+
+
+def test_mirror_pins_the_notebooks_versions_of_what_its_namespace_uses() -> None:
+    import importlib.metadata as metadata
+
+    import cloudpickle
+    import pathspec
+    import torch
+    import xxhash
+
+    from skyward_jupyter.mirror import modules_in, notebook_requirements
+
+    namespace = {
+        "xx": xxhash,  # a module bound under another name
+        "GitIgnoreSpec": pathspec.GitIgnoreSpec,  # a class imported from a package
+        "os": os,  # the standard library: never
+        "torch": torch,  # the node's own torch stays
+        "_": cloudpickle,  # IPython's names
+        "answer": 42,
+    }
+    assert modules_in(namespace) == {"xxhash", "pathspec", "os", "torch"}
+    pinned, local = notebook_requirements(modules_in(namespace))
+    assert pinned == (
+        f"pathspec=={metadata.version('pathspec')}",
+        f"xxhash=={metadata.version('xxhash')}",
+    )
+    assert local == ()

@@ -175,3 +175,44 @@ def test_hosts_without_an_index_install_wheels_sent_from_the_notebook(
         assert [again.environments[n].cached for n in (0, 1)] == [True, True]
     assert not any("sending wheels" in line for line in said), said
     wait_for(lambda: not _remote_agents(hosts), 10, "remote ranks to end after close")
+
+
+def test_mirror_gives_index_less_hosts_the_notebooks_versions_through_the_session(
+    hosts: Hosts, honest_python: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--mirror --ship-wheels``: what the notebook's namespace uses (xxhash, compiled, and
+    pathspec), at the notebook's versions, on hosts whose Python has neither and no index."""
+    import pathspec
+    import xxhash
+
+    from skyward_jupyter.session import Session
+
+    monkeypatch.setenv("SKYWARD_WHEELS", str(tmp_path / "wheels"))
+    said: list[str] = []
+    namespace = {"xxhash": xxhash, "GitIgnoreSpec": pathspec.GitIgnoreSpec}
+    session = Session(announce=said.append, namespace=namespace)
+    spec = session.spec_from(
+        {
+            "hosts": [f"{hosts.user}@{hosts[i].address}:{hosts[i].port}" for i in (0, 1)],
+            "identity": str(hosts.client_key),
+            "known_hosts": str(hosts.known_hosts),
+            "python": honest_python,
+            "no_sync": True,
+            "mirror": True,
+            "ship_wheels": True,
+        }
+    )
+    try:
+        result = session.run_cell(
+            "import xxhash, pathspec\n(xxhash.VERSION, pathspec.__version__)", {}, spec=spec
+        )
+        assert result.ok, (result.errors, said)
+        assert result.values == [(xxhash.VERSION, pathspec.__version__)] * 2
+    finally:
+        session.down_all()
+    mirrored = [line for line in said if "--mirror" in line]
+    assert mirrored == [
+        f"pool 'default': --mirror: the nodes get pathspec=={pathspec.__version__}, "
+        f"xxhash=={xxhash.VERSION}"
+    ], said
+    wait_for(lambda: not _remote_agents(hosts), 10, "remote ranks to end after close")
