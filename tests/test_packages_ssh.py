@@ -10,10 +10,7 @@ index the nodes can reach; one test leaves it out and reads pip's reason.
 from __future__ import annotations
 
 import importlib.metadata as metadata
-import re
-import shutil
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +20,7 @@ from skyward_jupyter.environments import Packages, PackagesError
 from skyward_jupyter.pool import Pool
 
 from .conftest import agents_among, ssh_hosts_fixture, wait_for
+from .honest_python import honest_python as made_honest_python
 from .hosts import Hosts, ssh_provider
 from .test_packages import IMPORT_BOTH
 
@@ -30,51 +28,12 @@ hosts = ssh_hosts_fixture(2, "hosts")
 INDEX = "--index-url=file:///opt/pypi/simple"
 ON_HOSTS = Packages((INDEX, "tabulate", "ujson"))
 """The pure-Python and the compiled package, from an index the hosts can read."""
-HONEST_DISTS = ("torch", "cloudpickle", "pip")
-
-
-def _with_requirements(names: tuple[str, ...]) -> set[str]:
-    """``names`` and every distribution they need (extras left out)."""
-    found: set[str] = set()
-    todo = list(names)
-    while todo:
-        name = todo.pop()
-        if name.lower() in found:
-            continue
-        try:
-            dist = metadata.distribution(name)
-        except metadata.PackageNotFoundError:
-            continue
-        found.add(name.lower())
-        for requirement in dist.requires or ():
-            if "extra ==" not in requirement:
-                todo.append(re.split(r"[\s<>=!~;\[(]", requirement, maxsplit=1)[0])
-    return found
 
 
 @pytest.fixture(scope="module")
 def honest_python() -> Iterator[str]:
-    """A Python the hosts see (under /var/tmp) whose packages are torch, cloudpickle and pip
-    with what they need, linked from the notebook's venv: nothing else of the notebook's."""
-    top = Path("/var/tmp") / f"sky-honest-{Path(sys.prefix).name}-{id(object()):x}"
-    subprocess.run(
-        [sys._base_executable, "-m", "venv", "--without-pip", str(top / "venv")],  # type: ignore[attr-defined]
-        check=True,
-    )
-    deps = top / "deps"
-    deps.mkdir()
-    for name in sorted(_with_requirements(HONEST_DISTS)):
-        dist = metadata.distribution(name)
-        base = Path(str(dist.locate_file("")))
-        for first in {Path(str(f)).parts[0] for f in dist.files or ()} - {"..", "__pycache__"}:
-            if (base / first).exists() and not (deps / first).exists():
-                (deps / first).symlink_to(base / first)
-    site = next((top / "venv" / "lib").glob("python3*/site-packages"))
-    (site / "_honest.pth").write_text(f"{deps}\n")
-    try:
-        yield str(top / "venv" / "bin" / "python")
-    finally:
-        shutil.rmtree(top)
+    with made_honest_python() as python:
+        yield python
 
 
 def _on_host(hosts: Hosts, i: int, python: str, code: str) -> subprocess.CompletedProcess[str]:
