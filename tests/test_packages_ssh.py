@@ -9,7 +9,9 @@ index the nodes can reach; one test leaves it out and reads pip's reason.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata as metadata
+import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -174,4 +176,26 @@ def test_mirror_gives_index_less_hosts_the_notebooks_versions_through_the_sessio
         f"pool 'default': --mirror: the nodes get pathspec=={pathspec.__version__}, "
         f"xxhash=={xxhash.VERSION}"
     ], said
+    wait_for(lambda: not _remote_agents(hosts), 10, "remote ranks to end after close")
+
+
+def test_clean_removes_the_hosts_environments_that_no_rank_uses(
+    hosts: Hosts, honest_python: str, tmp_path: Path
+) -> None:
+    provider = ssh_provider(hosts, 2, tmp_path, python=honest_python)
+    with Pool(nodes=2, provider=provider, packages=ON_HOSTS) as pool:
+        site = pool.environments[0].site
+        busy = asyncio.run(ssh_provider(hosts, 2, tmp_path, python=honest_python).clean())
+        assert all("kept" in line and "package environment" not in line for line in busy), busy
+    lines = asyncio.run(ssh_provider(hosts, 2, tmp_path, python=honest_python).clean())
+    assert all(re.search(r": removed .*\d+ package environments? \(", line) for line in lines), (
+        lines
+    )
+    for i in (0, 1):
+        assert (
+            _on_host(
+                hosts, i, honest_python, f"import os; print(os.path.isdir({site!r}))"
+            ).stdout.strip()
+            == "False"
+        )
     wait_for(lambda: not _remote_agents(hosts), 10, "remote ranks to end after close")
