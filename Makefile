@@ -96,6 +96,7 @@ bench: setup
 	$(PY) bench/bench_transfer.py --markdown-out BENCHMARKS.md
 	$(PY) bench/bench_cell.py --markdown-out BENCHMARKS.md
 	$(PY) bench/bench_secure.py --markdown-out BENCHMARKS.md
+	$(PY) bench/bench_gpu.py --markdown-out BENCHMARKS.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache skyward_jupyter/labextension

@@ -67,10 +67,7 @@ import contextlib
 import io
 import json
 import os
-import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -84,13 +81,14 @@ from common import (
     BenchError,
     Script,
     Summary,
-    child_env,
     command_line,
     fmt_ms,
     fmt_s,
     load_avg,
     machine_info,
     machine_line,
+    ratios,
+    run_torchrun,
     spread_row,
     version,
 )
@@ -105,7 +103,6 @@ SCRIPT = Script("byo")
 NODES = 2
 GOAL_STEPS_RATIO = 0.98  # pool steps/s at least this share of torchrun's, (a) and (b)
 GOAL_WALL_RATIO = 0.2  # %sky run of a short script at most this share of torchrun's wall time
-BOOTSTRAP_RESAMPLES = 2000
 
 SCRIPTS = REPO / "bench" / "scripts"
 HF_SCRIPT = SCRIPTS / "hf_trainer.py"
@@ -124,48 +121,6 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 
 # ------------------------------------------------------------------------------- launchers
-
-
-def _torchrun() -> Path:
-    torchrun = Path(sys.executable).parent / "torchrun"
-    if not torchrun.exists():
-        raise BenchError(f"torchrun not found next to the interpreter: {torchrun}")
-    return torchrun
-
-
-def run_torchrun(script: Path, argv: Sequence[str], timeout: float) -> float:
-    """``torchrun --standalone --nproc-per-node 2 SCRIPT ARGV`` to completion; its wall time.
-
-    It runs in the script's directory (as ``%sky run`` runs a script) and in its own session,
-    so a run that fails to finish is killed with all its workers before the error propagates.
-    """
-    cmd = [str(_torchrun()), "--standalone", "--nproc-per-node", str(NODES), str(script), *argv]
-    started = time.perf_counter()
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=script.parent,
-        env=child_env(),
-        start_new_session=True,
-    )
-    try:
-        _, err = proc.communicate(timeout=timeout)
-        elapsed = time.perf_counter() - started
-    except subprocess.TimeoutExpired:
-        raise BenchError(
-            f"torchrun {script.name} {' '.join(argv)} did not finish in {timeout:.0f} s "
-            "(killed with its workers)"
-        ) from None
-    finally:
-        if proc.returncode is None:  # not reaped yet, so the group id is still ours to kill
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    if proc.returncode != 0:
-        raise BenchError(f"torchrun {script.name} exited with {proc.returncode}:\n{err[-4000:]}")
-    return elapsed
 
 
 class PoolSide:
@@ -330,7 +285,7 @@ def compare_steps(
             n: {t: asdict(Summary.of([_thread_ms(r, t) for r in runs])) for t in STEP_THREADS}
             for n, runs in extra.items()
         },
-        "ratios": {n: _ratios(samples[base], samples[n]) for n in names if n != base},
+        "ratios": {n: ratios(samples[base], samples[n]) for n in names if n != base},
         "threads": threads,
         "samples_steps_per_s": samples,
         "samples_wall_s": wall,
@@ -351,36 +306,12 @@ def _thread_ms(report: dict[str, Any], name: str) -> float:
     return 1e3 * report["threads_cpu_s"].get(name, 0.0) / report["timed_steps"]
 
 
-def _bootstrap_ratio(base: list[float], other: list[float], seed: int = 0) -> list[float]:
-    """95% interval of ``median(other) / median(base)``, resampling rounds (pairs) together."""
-    rng = random.Random(seed)
-    n = len(base)
-    estimates = []
-    for _ in range(BOOTSTRAP_RESAMPLES):
-        idx = [rng.randrange(n) for _ in range(n)]
-        estimates.append(
-            statistics.median(other[i] for i in idx) / statistics.median(base[i] for i in idx)
-        )
-    estimates.sort()
-    return [estimates[int(0.025 * len(estimates))], estimates[int(0.975 * len(estimates)) - 1]]
-
-
-def _ratios(base: list[float], other: list[float]) -> dict[str, Any]:
-    per_round = [o / b for b, o in zip(base, other, strict=True)]
-    return {
-        "of_medians": statistics.median(other) / statistics.median(base),
-        "of_medians_bootstrap_95": _bootstrap_ratio(base, other),
-        "per_round": asdict(Summary.of(per_round)),
-        "samples_per_round": per_round,
-    }
-
-
 def compare_wall(
     pool: PoolSide, script: Path, argv: Sequence[str], reps: int, timeout: float, out: Path
 ) -> dict[str, Any]:
     """Wall time of ``%sky run`` on the warm pool against torchrun, interleaved."""
     sides: dict[str, Callable[[], float]] = {
-        "torchrun": lambda: run_torchrun(script, [str(out), *argv], timeout),
+        "torchrun": lambda: run_torchrun(script, [str(out), *argv], NODES, timeout),
         "sky_run": lambda: pool.run_script(script, [str(out), *argv]),
     }
     samples: dict[str, list[float]] = {n: [] for n in sides}
@@ -416,7 +347,7 @@ def run_benchmark(args: Any) -> dict[str, Any]:
         out = Path(tmp) / "report.json"
 
         def torchrun(script: Path, argv: Sequence[str]) -> float:
-            return run_torchrun(script, argv, args.timeout)
+            return run_torchrun(script, argv, NODES, args.timeout)
 
         # The notebook sits beside the scripts, as a user's would: the cells import what the
         # scripts import from their directory (thread_cpu.py), and torchrun runs there too.

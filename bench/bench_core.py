@@ -10,11 +10,12 @@ What is compared, and why it is fair:
   the user is done; it is reported apart). Ranks are forked from a warm template process that
   has imported torch (``skyward_jupyter.providers.local``), so two pool figures are reported,
   both from the same subprocess: **cold**, the first pool of a fresh process without
-  ``prewarm()`` (it starts the template, which imports torch, then forks the ranks), and **warm
-  template**, a second pool started after the first one's ``close()`` while the template still
-  runs, which is what a user gets after ``%load_ext skyward_jupyter`` (it prewarms the template
-  in the background) or for any later pool in the same kernel. ``shutdown_template()`` ends the
-  template before the subprocess exits. A ``torchrun`` user waits for the whole command, so
+  ``LocalProvider.prewarm()`` (it starts the template, which imports torch, then forks the
+  ranks), and **warm template**, a second pool started after the first one's ``close()`` while
+  the template still runs, which is what a user gets after ``%load_ext skyward_jupyter`` (it
+  prewarms the template in the background) or for any later pool in the same kernel.
+  ``shutdown_template()`` ends the template before the subprocess exits. A ``torchrun`` user
+  waits for the whole command, so
   ``torchrun --standalone --nproc_per_node=2 script.py`` is timed from launch to exit, with a
   script that does ``init_process_group("gloo")`` + ``barrier()`` + ``destroy_process_group()``.
   Both sides start two fresh Python processes with torch imported and form a 2-rank gloo group

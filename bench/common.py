@@ -12,16 +12,20 @@ The scripts import this module as ``common`` (they run as ``python bench/<script
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import importlib.metadata
 import json
 import os
 import platform
+import random
+import signal
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +59,34 @@ class Summary:
         return cls(len(ordered), statistics.median(ordered), ordered[0], ordered[-1], p10, p90)
 
 
+BOOTSTRAP_RESAMPLES = 2000
+
+
+def bootstrap_ratio(base: list[float], other: list[float], seed: int = 0) -> list[float]:
+    """95% interval of ``median(other) / median(base)``, resampling rounds (pairs) together."""
+    rng = random.Random(seed)
+    n = len(base)
+    estimates = []
+    for _ in range(BOOTSTRAP_RESAMPLES):
+        idx = [rng.randrange(n) for _ in range(n)]
+        estimates.append(
+            statistics.median(other[i] for i in idx) / statistics.median(base[i] for i in idx)
+        )
+    estimates.sort()
+    return [estimates[int(0.025 * len(estimates))], estimates[int(0.975 * len(estimates)) - 1]]
+
+
+def ratios(base: list[float], other: list[float]) -> dict[str, Any]:
+    """``other`` against ``base``, sampled in the same rounds: ratio of medians, its interval."""
+    per_round = [o / b for b, o in zip(base, other, strict=True)]
+    return {
+        "of_medians": statistics.median(other) / statistics.median(base),
+        "of_medians_bootstrap_95": bootstrap_ratio(base, other),
+        "per_round": asdict(Summary.of(per_round)),
+        "samples_per_round": per_round,
+    }
+
+
 # ------------------------------------------------------------------------------ machine
 
 
@@ -63,6 +95,48 @@ def child_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     return env
+
+
+def _torchrun() -> Path:
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not torchrun.exists():
+        raise BenchError(f"torchrun not found next to the interpreter: {torchrun}")
+    return torchrun
+
+
+def run_torchrun(script: Path, argv: Sequence[str], nproc: int, timeout: float) -> float:
+    """``torchrun --standalone --nproc-per-node NPROC SCRIPT ARGV`` to completion; its wall time.
+
+    It runs in the script's directory (as ``%sky run`` runs a script) and in its own session,
+    so a run that fails to finish is killed with all its workers before the error propagates.
+    """
+    cmd = [str(_torchrun()), "--standalone", "--nproc-per-node", str(nproc), str(script), *argv]
+    started = time.perf_counter()
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=script.parent,
+        env=child_env(),
+        start_new_session=True,
+    )
+    try:
+        _, err = proc.communicate(timeout=timeout)
+        elapsed = time.perf_counter() - started
+    except subprocess.TimeoutExpired:
+        raise BenchError(
+            f"torchrun {script.name} {' '.join(argv)} did not finish in {timeout:.0f} s "
+            "(killed with its workers)"
+        ) from None
+    finally:
+        if proc.returncode is None:  # not reaped yet, so the group id is still ours to kill
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    if proc.returncode != 0:
+        raise BenchError(f"torchrun {script.name} exited with {proc.returncode}:\n{err[-4000:]}")
+    return elapsed
 
 
 def version(dist: str) -> str:

@@ -8,7 +8,7 @@ from typing import Any
 from .display import values
 from .display.views import PoolViews
 from .magics import SkyMagics
-from .providers.local import prewarm
+from .providers import DEFAULT, provider_class
 from .registry import Registry
 from .session import Session
 
@@ -28,7 +28,9 @@ def load(shell: Any) -> None:
     setattr(shell, _SESSION_ATTR, session)
     shell.register_magics(SkyMagics(shell, session))
     values.register(shell)
-    # Import torch in the rank template now, while the user writes the first cell.
+    # Get the default provider ready (the local one: torch imported in its rank template) while
+    # the user writes the first cell.
+    prewarm = provider_class(DEFAULT).prewarm
     threading.Thread(target=prewarm, name="skyward-prewarm", daemon=True).start()
 
 

@@ -98,6 +98,15 @@ def _plural(count: int, word: str) -> str:
     return f"{count} {word}{'s' * (count != 1)}"
 
 
+def check_cpu_or_gpus(gpu: str | None, gpus: int | None, flag: str) -> None:
+    """Refuse ``--gpu none`` (CPU ranks) together with a provider's count of GPUs per node
+    (``gpus``, given as its option ``flag``)."""
+    if gpu == NO_GPU and gpus:
+        raise LayoutError(
+            f"--gpu none asks for CPU ranks, {flag} {gpus} for GPUs: leave out one of them"
+        )
+
+
 def check_gpu_layout(
     gpus: Sequence[int],
     procs_per_node: int | None,

@@ -76,7 +76,6 @@ DAY = 24 * 3600.0
 
 NODES = Range("--nodes", 1, MAX_RANKS, "nodes", whole=True)
 PROCS_PER_NODE = Range("--procs-per-node", 1, MAX_RANKS, "ranks", whole=True)
-GPUS_PER_NODE = Range("--gpus-per-node", 0, 64, "GPUs", whole=True)
 HEARTBEAT_TIMEOUT = Range("--heartbeat-timeout", 2.0, 3600.0, "seconds")
 """At least two heartbeats (one a second) must be able to go missing before a rank is lost."""
 DESYNC_AFTER = Range("--desync-after", 0.0, 3600.0, "seconds", open_low=True)

@@ -17,13 +17,14 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from .options import (
     CELL_OPTIONS,
-    CLEAN_OPTIONS,
     COMMANDS,
     POOL_OPTIONS,
     Command,
     Option,
+    examples,
     grouped,
     pool_options,
+    provider_given,
     unknown_option,
 )
 from .session import USER_ERRORS, CellInterrupted, RunResult, Session
@@ -72,18 +73,20 @@ def _cell_parser() -> _Parser:
     parser = _Parser(
         "%%sky",
         description="Run the cell on every rank.",
-        epilog=EXAMPLES,
+        epilog=_examples(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_groups(parser, grouped(POOL_OPTIONS, CELL_OPTIONS))
     return parser
 
 
-EXAMPLES = """examples:
-  %%sky --nodes 2                    two local ranks, torch.distributed ready
-  %%sky --hosts me@gpu1,me@gpu2      one rank per GPU on two machines over SSH
-  %%sky --provider aws --gpu A10G --nodes 2 --spot --stdout all
-"""
+def _examples() -> str:
+    """The help's examples: the pool's, then each provider's own."""
+    lines = ["examples:"]
+    for line, what in examples():
+        head = f"  %%sky {line}"
+        lines += [f"{head:<37}{what}"] if len(head) < 36 else [head, f"{'':<37}{what}"]
+    return "\n".join(lines) + "\n"
 
 
 def _add_groups(parser: _Parser, groups: list[tuple[str, list[Option]]]) -> None:
@@ -95,7 +98,8 @@ def _add_groups(parser: _Parser, groups: list[tuple[str, list[Option]]]) -> None
 
 def _command_parser(command: Command) -> _Parser:
     parser = _Parser(f"%sky {command.name}", description=command.help)
-    _add_groups(parser, grouped(POOL_OPTIONS if command.pool else ()))
+    pool = POOL_OPTIONS if command.pool else ()
+    _add_groups(parser, grouped(pool, providers=command.pool or command.providers))
     for option in command.extra:
         option.add_to(parser)
     for name, kwargs in command.positionals:
@@ -212,7 +216,7 @@ class SkyMagics(Magics):
         elif command == "status":
             print(session.status())
         elif command == "clean":
-            print("\n".join(session.clean({o.dest: getattr(args, o.dest) for o in CLEAN_OPTIONS})))
+            print("\n".join(session.clean(provider_given(args))))
         elif command == "stacks":
             print(session.stacks(args.name))
         elif command == "restart":
@@ -233,7 +237,8 @@ class SkyMagics(Magics):
         elif command == "metrics":
             return session.metrics(args.name)
         elif command == "sweep":
-            print(session.sweep(yes=args.yes, region=args.region, all_owners=args.all_owners))
+            given = provider_given(args)
+            print(session.sweep(given, yes=args.yes, all_owners=args.all_owners))
         return None
 
 

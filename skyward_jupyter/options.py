@@ -1,9 +1,10 @@
-"""Every option of ``%%sky`` and ``%sky``, declared once.
+"""Every option of ``%%sky`` and ``%sky``, declared once: the pool's here, each provider's in its
+own :class:`~skyward_jupyter.providers.base.ProviderOptions`.
 
 The magics build their parsers, ``%%sky?``/``%sky?`` and their one-line errors from these
-tables; the session reads which provider an option belongs to (``--hosts`` alone means SSH).
-An option's parser checks its form only (a whole number, KEY=VALUE); what it means for a
-provider is that provider's to check when the pool is made.
+tables and from the providers installed. An option's parser checks its form only (a whole
+number, KEY=VALUE); a provider's options are kept as their text until the pool's provider is
+known, which parses them (:meth:`~skyward_jupyter.spec.PoolSpec.from_options`).
 """
 
 from __future__ import annotations
@@ -12,42 +13,19 @@ import argparse
 import difflib
 import os
 import re
-from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from . import limits
 from .environments import requirement_lines
+from .flags import Option as Option  # the magics read the rows' type from here
+from .flags import identifier, int_at_least, ranged, switch
 from .frameworks import FRAMEWORKS, KERAS_BACKENDS
 from .gpus import parse_gpu
-from .limits import LimitError, Range
-from .providers import names
-
-
-def _int_at_least(minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
-        return value
-
-    return parse
-
-
-def _ranged(limit: Range) -> Callable[[str], float]:
-    """A parser for a number option, checked against its range (finite, within bounds)."""
-
-    def parse(text: str) -> float:
-        try:
-            return limit.parse(text)
-        except LimitError as exc:
-            raise argparse.ArgumentTypeError(exc.why) from None
-
-    return parse
+from .providers import DEFAULT, names, provider_classes
+from .providers.base import ProviderError
 
 
 def _env(text: str) -> tuple[str, str]:
@@ -55,13 +33,6 @@ def _env(text: str) -> tuple[str, str]:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
     key, value = text.split("=", 1)
     return key, value
-
-
-def _hosts(text: str) -> tuple[str, ...]:
-    hosts = tuple(h.strip() for h in text.split(",") if h.strip())
-    if not hosts:
-        raise argparse.ArgumentTypeError("expected user@host[:port],...")
-    return hosts
 
 
 def _directory(text: str) -> str:
@@ -112,58 +83,73 @@ def _provider(text: str) -> str:
     return text
 
 
-def identifier(text: str) -> str:
-    if not text.isidentifier():
-        raise argparse.ArgumentTypeError(f"expected a variable name, got {text!r}")
-    return text
+def provider_groups() -> list[tuple[str, list[Option]]]:
+    """Each installed provider's own options, under its name, as the magics take them (their
+    text, which the provider parses once it is known). A flag several providers declare is
+    shown once, under all their names, with what it means to each."""
+    owners: dict[str, list[tuple[str, Option]]] = {}
+    pool = {o.flag for o in POOL_OPTIONS}
+    for cls in provider_classes():
+        for option in cls.Options.declared().values():
+            if option.flag in pool:
+                raise ProviderError(
+                    f"the {cls.name} provider declares {option.flag}, which every pool has: "
+                    "a provider's options need names of their own"
+                )
+            owners.setdefault(option.flag, []).append((cls.name, option))
+    groups: dict[str, list[Option]] = {}
+    for flag, declared in owners.items():
+        first = declared[0][1]
+        actions = {str(o.kwargs.get("action")) for _, o in declared}
+        if len(actions) > 1:
+            who = " and ".join(name for name, _ in declared)
+            raise ProviderError(
+                f"the {who} providers declare {flag} differently ({', '.join(sorted(actions))}): "
+                "a flag providers share takes its values alike"
+            )
+        helps = dict.fromkeys(o.help for _, o in declared)
+        help = first.help
+        if len(helps) > 1:
+            help = "; ".join(f"{name}: {o.help}" for name, o in declared)
+        title = f"{', '.join(name for name, _ in declared)} provider"
+        text = first.as_text()
+        groups.setdefault(title, []).append(Option(flag, help, text.kwargs))
+    return list(groups.items())
 
 
-@dataclass(frozen=True, slots=True)
-class Option:
-    """One ``--flag``: argparse's keywords, and the provider it belongs to (if any)."""
+POOL_EXAMPLES = (("--nodes 2", "two ranks, torch.distributed ready"),)
+"""``%%sky`` lines for the help, with what they do; each provider adds its own."""
 
-    flag: str
-    help: str
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    provider: str | None = None
 
-    @property
-    def dest(self) -> str:
-        return str(self.kwargs.get("dest") or self.flag.lstrip("-").replace("-", "_"))
-
-    def add_to(self, parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-        parser.add_argument(self.flag, help=self.help, **self.kwargs)
+def examples() -> list[tuple[str, str]]:
+    """The help's examples: the pool's, then each provider's (:attr:`Provider.examples`)."""
+    return [*POOL_EXAMPLES, *(e for cls in provider_classes() for e in cls.examples)]
 
 
 def grouped(
-    options: Sequence[Option], cell: Sequence[Option] = ()
+    options: Sequence[Option], cell: Sequence[Option] = (), providers: bool = True
 ) -> list[tuple[str, list[Option]]]:
     """Options under the headings ``%%sky?`` shows: the pool's, the cell's output, then each
-    provider's own, in the order the table names them (the help stays generated from it)."""
-    groups: dict[str, list[Option]] = {"pool": []}
+    provider's own (the help stays generated from the tables)."""
+    groups = [("pool", list(options))]
     if cell:
-        groups["output"] = list(cell)
-    for option in options:
-        title = f"{option.provider} provider" if option.provider else "pool"
-        groups.setdefault(title, []).append(option)
-    return [(title, found) for title, found in groups.items() if found]
-
-
-def _flag(**kwargs: Any) -> dict[str, Any]:
-    """A boolean option that is None (not given) rather than False, so defaults can fill it."""
-    return {"action": "store_true", "default": None, **kwargs}
+        groups.append(("output", list(cell)))
+    if providers:
+        groups += provider_groups()
+    return [(title, found) for title, found in groups if found]
 
 
 POOL_OPTIONS: tuple[Option, ...] = (
-    Option("--nodes", "nodes in the pool (default 1)", {"type": _ranged(limits.NODES)}),
+    Option("--nodes", "nodes in the pool (default 1)", {"type": ranged(limits.NODES)}),
     Option(
         "--procs-per-node",
         "ranks per node (default: one per GPU, or 1)",
-        {"type": _ranged(limits.PROCS_PER_NODE)},
+        {"type": ranged(limits.PROCS_PER_NODE)},
     ),
     Option(
         "--provider",
-        "where the nodes come from: local (default), ssh, aws, or a registered provider",
+        f"where the nodes come from: {', '.join(names())} (default {DEFAULT}); a provider's own "
+        "options below choose it by themselves",
         {"type": _provider},
     ),
     Option(
@@ -179,7 +165,7 @@ POOL_OPTIONS: tuple[Option, ...] = (
         "gloo's traffic between hosts through TLS tunnels proving the pool's key, gloo "
         "listening on loopback only (for networks shared with others; slower, see "
         "BENCHMARKS.md; gloo only)",
-        _flag(),
+        switch(),
     ),
     Option(
         "--env",
@@ -206,13 +192,13 @@ POOL_OPTIONS: tuple[Option, ...] = (
     Option(
         "--heartbeat-timeout",
         "declare a rank lost after S seconds without its heartbeat (default 5)",
-        {"type": _ranged(limits.HEARTBEAT_TIMEOUT), "metavar": "S"},
+        {"type": ranged(limits.HEARTBEAT_TIMEOUT), "metavar": "S"},
     ),
     Option(
         "--desync-after",
         "fail a cell when ranks wait S seconds in a collective that finished ranks will not "
         "join (default 1.5)",
-        {"type": _ranged(limits.DESYNC_AFTER), "metavar": "S"},
+        {"type": ranged(limits.DESYNC_AFTER), "metavar": "S"},
     ),
     Option(
         "--sync",
@@ -220,7 +206,7 @@ POOL_OPTIONS: tuple[Option, ...] = (
         "default: the notebook's working directory, where nodes do not share it)",
         {"type": _directory, "action": "append", "metavar": "DIR"},
     ),
-    Option("--no-sync", "send no directory to the nodes", _flag()),
+    Option("--no-sync", "send no directory to the nodes", switch()),
     Option(
         "--pip",
         "packages every node installs before its ranks start, as pip reads them (several per "
@@ -236,88 +222,28 @@ POOL_OPTIONS: tuple[Option, ...] = (
         "--mirror",
         "every node also installs the notebook's versions of the packages behind the modules "
         "bound in the notebook (where it lacks them or has others; torch stays the node's)",
-        _flag(),
+        switch(),
     ),
     Option(
         "--ship-wheels",
         "the nodes install --pip/--requirements from wheels this notebook downloads and sends "
         "(nodes that reach no package index; they must share this machine's platform)",
-        _flag(),
+        switch(),
     ),
     Option(
         "--sync-cap",
         "the most a synced directory may hold, in MB (default 200)",
-        {"type": _ranged(limits.SYNC_CAP), "metavar": "MB"},
+        {"type": ranged(limits.SYNC_CAP), "metavar": "MB"},
     ),
     Option(
         "--idle-timeout",
-        "stop the pool after MIN minutes without a cell (0: never; aws: 30 by default)",
-        {"type": _ranged(limits.IDLE_TIMEOUT), "metavar": "MIN"},
-    ),
-    Option(
-        "--hosts",
-        "machines to use over SSH, one node each (implies --provider ssh)",
-        {"type": _hosts, "metavar": "USER@HOST[:PORT],..."},
-        provider="ssh",
-    ),
-    Option("--identity", "SSH private key file", {"metavar": "KEY"}, provider="ssh"),
-    Option("--known-hosts", "known_hosts file for host keys", {"metavar": "FILE"}, provider="ssh"),
-    Option(
-        "--accept-new-host-keys",
-        "record an unknown host's key in known_hosts and trust it (OpenSSH's accept-new; "
-        "a changed key is still refused)",
-        _flag(),
-        provider="ssh",
-    ),
-    Option("--python", "Python on the hosts (python3)", {"metavar": "PATH"}),
-    Option(
-        "--head-addr",
-        "the head's address as the other hosts reach it",
-        {"metavar": "ADDR"},
-        provider="ssh",
-    ),
-    Option(
-        "--instance-type",
-        "EC2 instance type (default: from --gpu)",
-        {"metavar": "TYPE"},
-        provider="aws",
-    ),
-    Option("--region", "AWS region (default: boto3's)", {"metavar": "REGION"}, provider="aws"),
-    Option(
-        "--spot", "spot instances, on-demand when spot has no capacity", _flag(), provider="aws"
-    ),
-    Option(
-        "--ssh-cidr",
-        "where SSH to the instances may come from (default: this notebook's address/32)",
-        {"metavar": "CIDR"},
-        provider="aws",
-    ),
-    Option("--ami", "image (default: the Deep Learning AMI)", {"metavar": "ID"}, provider="aws"),
-    Option("--partition", "Slurm partition", {"metavar": "P"}, provider="slurm"),
-    Option("--account", "Slurm account to charge", {"metavar": "A"}, provider="slurm"),
-    Option("--time", "Slurm time limit (e.g. 1:00:00)", {"metavar": "T"}, provider="slurm"),
-    Option("--qos", "Slurm quality of service", {"metavar": "Q"}, provider="slurm"),
-    Option(
-        "--gpus-per-node",
-        "GPUs per Slurm node",
-        {"type": _ranged(limits.GPUS_PER_NODE)},
-        provider="slurm",
-    ),
-    Option("--constraint", "Slurm node features", {"metavar": "C"}, provider="slurm"),
-    Option(
-        "--ray-address",
-        "the Ray cluster to join (default: RAY_ADDRESS, else auto)",
-        {"metavar": "ADDR"},
-        provider="ray",
-    ),
-    Option(
-        "--slurm-arg",
-        "another sbatch option, as sbatch reads it (repeatable; e.g. --slurm-arg=--exclusive)",
-        {"action": "append", "metavar": "ARG", "dest": "slurm_args"},
-        provider="slurm",
+        "stop the pool after MIN minutes without a cell (0: never; default: the provider's, "
+        "30 for paid machines, else never)",
+        {"type": ranged(limits.IDLE_TIMEOUT), "metavar": "MIN"},
     ),
 )
-"""What a pool is (:class:`~skyward_jupyter.spec.PoolSpec`, ``--name`` aside)."""
+"""What every pool has (:class:`~skyward_jupyter.spec.PoolSpec`, ``--name`` aside): one
+``Option(flag, help, argparse keywords)`` a row; a provider's own options are its own."""
 
 StdoutMode = Literal["head", "all", "none"]
 STDOUT = Option(
@@ -326,7 +252,7 @@ STDOUT = Option(
     {"choices": ("head", "all", "none")},
 )
 TIMEOUT = Option(
-    "--timeout", "stop the cell (or script) after SECONDS", {"type": _ranged(limits.TIMEOUT)}
+    "--timeout", "stop the cell (or script) after SECONDS", {"type": ranged(limits.TIMEOUT)}
 )
 CELL_OPTIONS: tuple[Option, ...] = (
     STDOUT,
@@ -339,7 +265,7 @@ CELL_OPTIONS: tuple[Option, ...] = (
 TORCHRUN: dict[str, str] = {
     "--nproc-per-node": "--procs-per-node",
     "--nnodes": "--nodes",
-    "--master-addr": "--head-addr",
+    "--master-addr": "the pool's head is its provider's to choose (its options: %%sky?)",
     "--node-rank": "the pool numbers its nodes itself: give --nodes N",
     "--master-port": "the pool chooses a free port itself",
     "--standalone": "every pool has its own rendezvous",
@@ -367,38 +293,33 @@ def unknown_option(given: str, known: Collection[str]) -> str:
     return f"unknown option {flag}{hint}"
 
 
-_POOL_DESTS = tuple(o.dest for o in POOL_OPTIONS if o.dest != "name")
+def provider_given(args: argparse.Namespace) -> dict[str, Any]:
+    """The providers' options given in ``args``: a flag's dest -> its text (None: not given)."""
+    return {o.dest: getattr(args, o.dest) for _, group in provider_groups() for o in group}
 
 
 def pool_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The pool options given in ``args`` (None where not given), ``--name`` aside."""
-    return {dest: getattr(args, dest) for dest in _POOL_DESTS}
-
-
-def implied_provider(given: dict[str, Any]) -> str | None:
-    """The provider that the options given choose by themselves (``--hosts``: ssh)."""
-    owners = {o.provider for o in POOL_OPTIONS if o.provider and given.get(o.dest) is not None}
-    return owners.pop() if len(owners) == 1 else None
+    """The pool options given in ``args`` (None where not given), ``--name`` aside, the
+    providers' own included."""
+    common = {o.dest: getattr(args, o.dest) for o in POOL_OPTIONS if o.dest != "name"}
+    return {**common, **provider_given(args)}
 
 
 @dataclass(frozen=True, slots=True)
 class Command:
-    """A ``%sky`` line command: its arguments beyond the shared option groups, and its help."""
+    """A ``%sky`` line command: its arguments beyond the shared option groups, and its help.
+
+    ``pool``: it takes the pool's options (and the providers'); ``providers``: the providers'
+    own options only."""
 
     name: str
     usage: str
     help: str
     pool: bool = False
+    providers: bool = False
     extra: Sequence[Option] = ()
     positionals: Sequence[tuple[str, dict[str, Any]]] = ()
 
-
-CLEAN_OPTIONS = tuple(
-    o
-    for o in POOL_OPTIONS
-    if o.flag in {"--hosts", "--identity", "--known-hosts", "--accept-new-host-keys", "--python"}
-)
-"""What ``%sky clean`` needs to reach hosts that no pool is using."""
 
 COMMANDS: tuple[Command, ...] = (
     Command("up", "[pool options]", "start a pool without running code", pool=True),
@@ -441,10 +362,11 @@ COMMANDS: tuple[Command, ...] = (
     Command("status", "", "list pools and their ranks"),
     Command(
         "clean",
-        "[--hosts USER@HOST,... [SSH options]]",
-        "remove from the current pool's hosts (or the hosts named) the package cache and the "
-        "copies of synced directories that no running pool uses, and say how much went",
-        extra=CLEAN_OPTIONS,
+        "[provider options]",
+        "remove from the current pool's hosts (or the hosts its provider's options name) the "
+        "package cache and the copies of synced directories that no running pool uses, and "
+        "say how much went",
+        providers=True,
     ),
     Command(
         "stacks",
@@ -464,7 +386,7 @@ COMMANDS: tuple[Command, ...] = (
         "NAME [--rank K | --all]",
         "bring a rank's variable into the notebook",
         extra=(
-            Option("--rank", "the rank to read (0)", {"type": _int_at_least(0), "default": 0}),
+            Option("--rank", "the rank to read (0)", {"type": int_at_least(0), "default": 0}),
             Option("--all", "every rank's value, as a list", {"action": "store_true"}),
         ),
         positionals=(("name", {"type": identifier}),),
@@ -497,12 +419,12 @@ COMMANDS: tuple[Command, ...] = (
     ),
     Command(
         "sweep",
-        "[--yes] [--region R] [--all-owners]",
-        "list what providers made that no live pool owns (EC2 instances and their key pairs, "
-        "security and placement groups); --yes ends them",
+        "[--yes] [--all-owners] [provider options]",
+        "list what providers made that no live pool owns (cloud instances and what was made "
+        "with them; a provider's options say where to look); --yes ends them",
+        providers=True,
         extra=(
             Option("--yes", "end what is found", {"action": "store_true"}),
-            Option("--region", "where to look (default: the provider's)", {}),
             Option("--all-owners", "not only this user@host's", {"action": "store_true"}),
         ),
     ),

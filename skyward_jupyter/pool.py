@@ -32,6 +32,7 @@ from .fanout import Fanout, Subscriber
 from .frameworks import TORCH_ONLY, Frameworks
 from .io_thread import IOThread, close_at_exit, wait
 from .prompts import Prompts
+from .providers import DEFAULT, provider_class
 from .providers.base import Node, Provider, ProviderError
 from .ranks import Rank, Ranks, RankSettings
 from .relay_keys import RelaySecrets
@@ -98,10 +99,8 @@ class Pool:
             raise ValueError(
                 "secure=True carries torch's gloo traffic only: use backend='gloo', no JAX"
             )
-        if provider is None:
-            from .providers.local import LocalProvider
-
-            provider = LocalProvider()
+        if provider is None:  # the default provider takes no arguments (its options are none)
+            provider = provider_class(DEFAULT)()
         self.name = name
         self.provider: Provider = provider
         self.requested_nodes = nodes

@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -24,7 +24,7 @@ from .idle import IdleStop
 from .limits import LimitError
 from .mirror import modules_in, notebook_requirements
 from .observers import NoViews, PoolWatcher, Views
-from .options import StdoutMode, implied_provider
+from .options import StdoutMode
 from .pool import Pool
 from .protocol import Script, check_syntax
 from .providers import UnknownProvider, provider_class, sweep_all
@@ -102,16 +102,9 @@ class Session:
 
     def spec_from(self, options: Mapping[str, Any], base: PoolSpec | None = None) -> PoolSpec:
         """A spec from the defaults (or ``base``) overlaid with the options given; options
-        that belong to one provider choose it when ``--provider`` is not given."""
-        changes = {k: v for k, v in options.items() if v is not None}
-        if "env" in changes:
-            changes["env"] = tuple(sorted(changes["env"]))
-        if "frameworks" in changes:
-            changes["frameworks"] = tuple(sorted(set(changes["frameworks"])))
-        changes = {k: tuple(v) if isinstance(v, list) else v for k, v in changes.items()}
-        if "provider" not in changes and (implied := implied_provider(changes)):
-            changes["provider"] = implied
-        spec = replace(base or self.defaults, **changes).settled()
+        that belong to one provider choose it when ``--provider`` is not given
+        (:meth:`PoolSpec.from_options`)."""
+        spec = PoolSpec.from_options(options, base or self.defaults)
         spec.framework_setup(os.environ)  # options that clash fail here, before any machine
         return spec
 
@@ -451,24 +444,26 @@ class Session:
             raise SessionError(str(exc.args[0] if exc.args else exc)) from None
 
     def sweep(
-        self, *, yes: bool = False, region: str | None = None, all_owners: bool = False
+        self, given: Mapping[str, Any] | None = None, *, yes: bool = False, all_owners: bool = False
     ) -> str:
         """What providers made that no live pool (this session's, or the registry's with a live
-        owner) owns: EC2 instances, key pairs, groups; listed, or with ``yes`` ended."""
+        owner) owns: cloud instances and what was made with them; listed, or with ``yes`` ended.
+        ``given``: the providers' options (where to look), over the configured defaults."""
         from .registry import live_teardowns
 
         return sweep_all(
             [e.pool.provider for e in self._pools.values()],
             live_teardowns(),
             yes=yes,
-            region=region or self.defaults.region,
             all_owners=all_owners,
+            given=given or {},
+            defaults={self.defaults.provider: self.defaults.options},
             extra=self.provider_options,
         )
 
     def clean(self, given: Mapping[str, Any]) -> list[str]:
-        """``%sky clean``: on the hosts named in ``given`` (SSH options), or else the current
-        pool's, remove the caches no running pool uses; one line per host."""
+        """``%sky clean``: on the hosts that the providers' options in ``given`` name, or else
+        the current pool's, remove the caches no running pool uses; one line per host."""
         if any(v is not None for v in given.values()):
             spec = self.spec_from(given)
             extra = self.provider_options.get(spec.provider, {})
@@ -498,8 +493,9 @@ class Session:
 
 
 def _same_hosts(old: PoolSpec, new: PoolSpec) -> bool:
-    """Whether a pool replacing ``old`` with ``new`` runs on some of the same named hosts."""
-    return old.provider == new.provider and bool(set(old.hosts) & set(new.hosts))
+    """Whether a pool replacing ``old`` with ``new`` runs on some of the same machines."""
+    same = provider_class(old.provider).same_machines
+    return old.provider == new.provider and same(old.options, new.options)
 
 
 def _interruptible(work: Coroutine[Any, Any, T]) -> T:

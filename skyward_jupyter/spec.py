@@ -1,23 +1,26 @@
 """What a pool is: the options a cell or ``%sky up`` gives, as one frozen value.
 
-Two cells asking for equal specs share a pool; a different spec replaces it. The spec is plain
-data below the session and the providers: each provider reads the fields that concern it
-(:meth:`~skyward_jupyter.providers.base.Provider.from_spec`) and says how it is described and
-what it implies, so nothing here knows a provider by name.
+Two cells asking for equal specs share a pool; a different spec replaces it. The spec holds what
+every pool has, and its provider's own options object
+(:class:`~skyward_jupyter.providers.base.ProviderOptions`); the provider reads it
+(:meth:`~skyward_jupyter.providers.base.Provider.from_spec`) and says how the pool is described
+and what it implies, so nothing here knows a provider by name.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from . import limits
 from .environments import Packages
+from .flags import Option
 from .frameworks import FrameworkError, Frameworks
 from .gpus import NO_GPU, check_gpu_layout
-from .providers import provider_class
+from .providers import DEFAULT, provider_class, provider_classes
+from .providers.base import ProviderOptions
 
 
 class SpecError(ValueError):
@@ -25,9 +28,13 @@ class SpecError(ValueError):
     exist)."""
 
 
+_PROVIDER_DEFAULTS = ProviderOptions()
+"""What a spec made without its provider's options holds until it holds their defaults."""
+
+
 @dataclass(frozen=True, slots=True)
 class PoolSpec:
-    provider: str = "local"
+    provider: str = DEFAULT
     nodes: int = 1
     procs_per_node: int | None = None
     gpu: str | None = None
@@ -35,29 +42,8 @@ class PoolSpec:
     secure: bool | None = None
     """gloo's traffic between hosts through TLS tunnels, gloo on loopback only."""
     env: tuple[tuple[str, str], ...] = ()
-    hosts: tuple[str, ...] = ()
-    """SSH hosts (``user@host[:port]``), one node each."""
-    identity: str | None = None
-    known_hosts: str | None = None
-    accept_new_host_keys: bool | None = None
-    python: str | None = None
-    head_addr: str | None = None
-    instance_type: str | None = None
-    region: str | None = None
-    spot: bool | None = None
-    ssh_cidr: str | None = None
-    ami: str | None = None
     idle_timeout: float | None = None
     """Minutes without a cell after which the pool stops; 0: never; None: the provider's default."""
-    partition: str | None = None
-    account: str | None = None
-    time: str | None = None
-    """Slurm's time limit (``--time``), in Slurm's own formats."""
-    qos: str | None = None
-    gpus_per_node: int | None = None
-    constraint: str | None = None
-    slurm_args: tuple[str, ...] = ()
-    ray_address: str | None = None
     heartbeat_timeout: float | None = None
     desync_after: float | None = None
     sync: tuple[str, ...] = ()
@@ -78,10 +64,20 @@ class PoolSpec:
     keras_backend: str | None = None
     hf_token_env: str | None = None
     """The notebook's variable holding the Hugging Face token (its name only, never its value)."""
+    options: ProviderOptions = _PROVIDER_DEFAULTS
+    """The provider's own options (when made without: its defaults)."""
 
     def __post_init__(self) -> None:
         """Every number in range (finite, within bounds) whichever way the spec was made, so
         that nothing is started, replaced or torn down for a ``nan`` or a typo's 100000."""
+        options_class = provider_class(self.provider).Options
+        if self.options is _PROVIDER_DEFAULTS:
+            object.__setattr__(self, "options", options_class())
+        elif type(self.options) is not options_class:
+            raise SpecError(
+                f"--provider {self.provider} takes {options_class.__name__}, not "
+                f"{type(self.options).__name__}"
+            )
         for name, limit in _RANGES.items():
             value = getattr(self, name)
             if value is not None:
@@ -98,11 +94,6 @@ class PoolSpec:
                 "--secure covers torch's gloo traffic only, not JAX's coordinator and "
                 "collectives: leave out --framework jax, or --secure"
             )
-        if self.gpu == NO_GPU and self.gpus_per_node:
-            raise SpecError(
-                f"--gpu none asks for CPU ranks, --gpus-per-node {self.gpus_per_node} for GPUs: "
-                "leave out one of them"
-            )
         check_gpu_layout((), self.procs_per_node, self.backend, self.gpu)  # what needs no GPUs
         asked = self.pip or self.requirements or self.mirror
         if asked and not provider_class(self.provider).installs_packages:
@@ -111,6 +102,34 @@ class PoolSpec:
                 "packages on its nodes yet; install them there, or use the local, ssh or aws "
                 "provider"
             )
+
+    @classmethod
+    def from_options(cls, given: Mapping[str, Any], base: PoolSpec) -> PoolSpec:
+        """``base`` overlaid with the options given (a dest -> its value, None: not given;
+        a provider's options as their text, which its parser reads). Without ``--provider``,
+        the provider is ``base``'s when it takes every provider option given, else the one
+        provider that does (``--hosts`` alone chooses the one that has ``--hosts``)."""
+        flags = {o.dest: o for c in provider_classes() for o in c.Options.declared().values()}
+        common = {k: v for k, v in given.items() if v is not None and k not in flags}
+        own = {k: v for k, v in given.items() if v is not None and k in flags}
+        if "env" in common:
+            common["env"] = tuple(sorted(common["env"]))
+        if "frameworks" in common:
+            common["frameworks"] = tuple(sorted(set(common["frameworks"])))
+        common = {k: tuple(v) if isinstance(v, list) else v for k, v in common.items()}
+        provider = common.get("provider") or _chosen(own, base.provider, flags)
+        options_class = provider_class(provider).Options
+        taken = {o.dest for o in options_class.declared().values()}
+        if set(own) - taken:
+            wrong = sorted(set(own) - taken)
+            raise SpecError(
+                f"--provider {provider} does not take "
+                f"{', '.join(flags[d].flag for d in wrong)} ({_owners(wrong)})"
+            )
+        kept = base.options if provider == base.provider else None
+        options = options_class.from_given(own, kept)
+        spec = replace(base, **{**common, "provider": provider, "options": options})
+        return spec.settled()
 
     def pool_arguments(
         self, cwd: str, notebook_env: Mapping[str, str], mirrored: Sequence[str] = ()
@@ -154,13 +173,22 @@ class PoolSpec:
 
     def differences(self, other: PoolSpec) -> str:
         """What ``other`` changes, as options (``--env A=1 -> A=2``), for "replacing" messages."""
+        mine, theirs = self._flags(), other._flags()
         changed = [
-            f"--{name.replace('_', '-')} {_shown(getattr(self, name))} -> "
-            f"{_shown(getattr(other, name))}"
-            for name in self.__dataclass_fields__
-            if getattr(self, name) != getattr(other, name)
+            f"{flag} {_shown(mine.get(flag))} -> {_shown(theirs.get(flag))}"
+            for flag in dict.fromkeys([*mine, *theirs])
+            if mine.get(flag) != theirs.get(flag)
         ]
         return ", ".join(changed) or "nothing"
+
+    def _flags(self) -> dict[str, Any]:
+        """``--flag`` -> value, the provider's options included."""
+        common = {
+            f"--{name.replace('_', '-')}": getattr(self, name)
+            for name in self.__dataclass_fields__
+            if name != "options"
+        }
+        return {**common, **self.options.shown()}
 
     def idle_minutes(self) -> float | None:
         """The idle stop that applies to this pool (None: it never stops for being idle)."""
@@ -170,14 +198,44 @@ class PoolSpec:
         return minutes or None
 
     def settled(self) -> PoolSpec:
-        """The spec as its provider completes it (SSH: one node per host)."""
+        """The spec as its provider completes it (one node per named host)."""
         return provider_class(self.provider).settle(self)
+
+
+def _chosen(own: Mapping[str, Any], current: str, flags: Mapping[str, Option]) -> str:
+    """The provider that the provider options given choose: ``current`` when it takes them
+    all, else the one provider that does."""
+    if set(own) <= _dests(current):
+        return current
+    takers = [c.name for c in provider_classes() if set(own) <= _dests(c.name)]
+    if len(takers) == 1:
+        return takers[0]
+    given = ", ".join(flags[d].flag for d in sorted(own))
+    if takers:
+        raise SpecError(
+            f"{given}: an option of the {', '.join(takers)} providers; name one with --provider"
+        )
+    raise SpecError(f"no one provider takes {given} ({_owners(own)}): give one provider's only")
+
+
+def _dests(provider: str) -> set[str]:
+    return {o.dest for o in provider_class(provider).Options.declared().values()}
+
+
+def _owners(dests: Iterable[str]) -> str:
+    """Whose options ``dests`` are ("--ray-address is ray's; --partition is slurm's")."""
+    parts = []
+    for cls in provider_classes():
+        theirs = {o.dest: o.flag for o in cls.Options.declared().values()}
+        mine = [theirs[d] for d in sorted(dests) if d in theirs]
+        if mine:
+            parts.append(f"{', '.join(mine)} {'are' if len(mine) > 1 else 'is'} {cls.name}'s")
+    return "; ".join(parts)
 
 
 _RANGES = {
     "nodes": limits.NODES,
     "procs_per_node": limits.PROCS_PER_NODE,
-    "gpus_per_node": limits.GPUS_PER_NODE,
     "heartbeat_timeout": limits.HEARTBEAT_TIMEOUT,
     "desync_after": limits.DESYNC_AFTER,
     "sync_cap": limits.SYNC_CAP,

@@ -536,11 +536,11 @@ def test_sweep_shows_then_terminates_orphans_of_this_owner_only(
     )
     session = Session()
     session.provider_options["aws"] = {"endpoint_url": stand.url, "owner": me}
-    shown = session.sweep(region=REGION)
+    shown = session.sweep({"region": REGION})
     assert orphan in shown and live not in shown and theirs not in shown
     assert "run %sky sweep --yes" in shown
     assert len(aws_teardown.live_instances(_ec2(stand), [])) >= 3  # showing terminates nothing
-    done = session.sweep(yes=True, region=REGION)
+    done = session.sweep({"region": REGION}, yes=True)
     assert f"pool sky-orphan00001: removed {orphan}" in done
     assert leftovers(stand, "sky-orphan00001") == NOTHING
     assert leftovers(stand, "sky-livepool001")["instances"] == [live]

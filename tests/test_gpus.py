@@ -33,7 +33,7 @@ from skyward_jupyter.options import POOL_OPTIONS
 from skyward_jupyter.providers import provider_class
 from skyward_jupyter.providers.base import ProviderError
 from skyward_jupyter.providers.local import LocalProvider, split_gpus, visible_gpus
-from skyward_jupyter.providers.slurm import check_gres_gpu
+from skyward_jupyter.providers.slurm import SlurmOptions, check_gres_gpu
 from skyward_jupyter.providers.ssh import Host, check_host_gpu
 from skyward_jupyter.session import Session
 from skyward_jupyter.spec import PoolSpec
@@ -147,7 +147,14 @@ def test_ssh_and_slurm_gpus_are_checked_by_model() -> None:
         slurm.from_spec(PoolSpec(provider="slurm", gpu="H200"), "default", {})
     with pytest.raises(LayoutError, match="would run 4 NCCL ranks on 2 GPUs"):
         slurm.from_spec(
-            PoolSpec(provider="slurm", gpu="H200", gpus_per_node=2, procs_per_node=4), "d", {}
+            PoolSpec(
+                provider="slurm",
+                gpu="H200",
+                procs_per_node=4,
+                options=SlurmOptions(gpus_per_node=2),
+            ),
+            "d",
+            {},
         )
 
 
@@ -188,7 +195,8 @@ def test_slurm_gpu_is_checked_by_model_against_the_nodes_gres(
             monkeypatch.setenv(name, value)
 
         def provider(gpu: str) -> object:
-            spec = PoolSpec(provider="slurm", gpu=gpu, gpus_per_node=1, python=sys.executable)
+            options = SlurmOptions(gpus_per_node=1, python=sys.executable)
+            spec = PoolSpec(provider="slurm", gpu=gpu, options=options)
             return provider_class("slurm").from_spec(spec, "default", {})
 
         for asked in ("H200", "NVIDIA H200"):

@@ -11,6 +11,8 @@ import pytest
 from skyward_jupyter import limits
 from skyward_jupyter.limits import MAX_RANKS, LimitError
 from skyward_jupyter.pool import Pool
+from skyward_jupyter.providers import provider_class
+from skyward_jupyter.providers.base import ProviderError
 from skyward_jupyter.spec import PoolSpec
 
 
@@ -49,7 +51,6 @@ def test_a_cells_timeout_is_checked_before_anything_runs(timeout: float) -> None
     [
         ("nodes", MAX_RANKS + 1),
         ("procs_per_node", 0),
-        ("gpus_per_node", -1),
         ("heartbeat_timeout", math.nan),
         ("desync_after", math.inf),
         ("sync_cap", math.nan),
@@ -61,6 +62,16 @@ def test_a_cells_timeout_is_checked_before_anything_runs(timeout: float) -> None
 def test_a_spec_cannot_hold_a_number_out_of_range(field: str, value: float) -> None:
     with pytest.raises(LimitError, match=rf"^--{field.replace('_', '-')}: "):
         PoolSpec(**{field: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("provider", ["slurm", "ray"])
+def test_a_providers_options_cannot_hold_a_number_out_of_range(provider: str) -> None:
+    """However they are made: parsed from the magics' text, or built by a program."""
+    options = provider_class(provider).Options
+    with pytest.raises(LimitError, match=r"^--gpus-per-node: must be from 0 to 64 GPUs"):
+        options(gpus_per_node=-1)  # type: ignore[call-arg]
+    with pytest.raises(ProviderError, match=r"^--gpus-per-node: must be from 0 to 64 GPUs"):
+        options.from_given({"gpus_per_node": "65"})
 
 
 def test_the_ceiling_on_ranks_names_itself() -> None:

@@ -329,7 +329,7 @@ BAD_OPTIONS = [
     ("--timeout -5", "--timeout: must be more than 0 to"),
     ("--idle-timeout inf", "--idle-timeout: expected a finite number of minutes"),
     ("--nodes x", "expected a whole number"),
-    ("--provider nope", "unknown provider 'nope'; known: local, ssh, aws"),
+    ("--provider nope", "unknown provider 'nope'; known: local, aws, ray, slurm, ssh"),
     ("--gpu 'H100;x'", "expected a GPU model (H100, NVIDIA H200, RTX 4090, ...) or none"),
     ("--gpu NOPE", "--gpu NOPE: this machine"),
     ("--env FOO", "expected KEY=VALUE"),
@@ -337,6 +337,10 @@ BAD_OPTIONS = [
     ("--hosts alice@gpu1:99999", "bad port"),
     ("--provider aws --ssh-cidr 0.0.0.0/0", "refusing to open SSH to the whole internet"),
     ("--provider aws --idle-timeout -1", "must be from 0 to 43200 minutes"),
+    ("--gpus-per-node 1", "--gpus-per-node: an option of the ray, slurm providers; name one"),
+    ("--provider slurm --gpus-per-node 65", "--gpus-per-node: must be from 0 to 64 GPUs, got 65"),
+    ("--ray-address a:1 --partition p", "--partition is slurm's): give one provider's only"),
+    ("--provider aws --hosts me@gpu1", "--provider aws does not take --hosts (--hosts is ssh's)"),
     ("--secure --backend nccl", "--secure carries gloo's traffic only"),
     ("--secure --framework jax", "--secure covers torch's gloo traffic only"),
 ]
@@ -425,14 +429,19 @@ def test_help_documents_every_option(nb: Kernel) -> None:
         assert not missing, f"{code} does not document {missing}:\n{page}"
         for command in ("up", "down", "status", "restart", "pull", "push", "config"):
             assert f"%sky {command}" in page
-        # Grouped as people choose: the pool, the cell's output, then each provider's own.
-        headings = re.findall(r"^(\w[\w ]*) options:$", page, re.M)
-        assert headings[:3] == ["pool", "output", "ssh provider"], headings
-        assert {"aws provider", "slurm provider", "ray provider"} <= set(headings), headings
-        ssh = page.split("ssh provider options:")[1].split("options:")[0]
+        # Grouped as people choose: the pool, the cell's output, then each provider's own (an
+        # option providers share under all their names).
+        headings = re.findall(r"^(\w[\w ,]*) options:$", page, re.M)
+        assert headings[:2] == ["pool", "output"], headings
+        providers = {"aws provider", "slurm provider", "ray provider", "ssh provider"}
+        assert providers | {"ray, slurm provider"} <= set(headings), headings
+        ssh = page.split("\nssh provider options:")[1].split("\n\n")[0]
         assert "--hosts" in ssh and "--spot" not in ssh and "--partition" not in ssh
+        shared = page.split("\nray, slurm provider options:")[1].split("\n\n")[0]
+        assert "--gpus-per-node" in shared and "ray: " in shared and "slurm: " in shared
         examples = page.split("examples:\n")[1].split("\n\n")[0].splitlines()
-        assert len(examples) == 3 and all(e.startswith("  %%sky ") for e in examples), examples
+        lines = [e for e in examples if e.startswith("  %%sky ")]
+        assert len(lines) == 3 and all(e.startswith(" ") for e in examples), examples
 
 
 UNKNOWN_OPTIONS = [

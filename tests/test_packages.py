@@ -220,7 +220,7 @@ def test_a_provider_that_installs_nothing_refuses_pip_before_any_machine() -> No
         SpecError, match=r"^--pip/--requirements/--mirror: the slurm provider cannot"
     ):
         PoolSpec(provider="slurm", pip=("tabulate",))
-    assert PoolSpec(provider="ssh", hosts=("a@b",), pip=("tabulate",)).pip == ("tabulate",)
+    assert PoolSpec(provider="ssh", pip=("tabulate",)).pip == ("tabulate",)
 
 
 def test_pip_defaults_status_and_clean_through_the_magics_of_a_real_kernel(

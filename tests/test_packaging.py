@@ -1,4 +1,5 @@
-"""The wheel ships the prebuilt side panel and the server extension's enabling config.
+"""The wheel ships the prebuilt side panel, the server extension's enabling config and the
+built-in providers' entry points.
 
 The wheel is built from this checkout (the hook packs the panel built by ``make setup``; from a
 clean tree it would run npm itself) and installed into a scratch prefix, whose Jupyter then lists
@@ -14,6 +15,8 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+
+from skyward_jupyter.providers import BUILT_IN
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = "skyward_jupyter-0.1.0.data/data"
@@ -36,6 +39,10 @@ def test_the_wheel_ships_the_panel_enabled(tmp_path: Path) -> None:
     config = f"{DATA}/etc/jupyter/jupyter_server_config.d/skyward_jupyter.json"
     enabled = json.loads(zipfile.ZipFile(wheel).read(config))
     assert enabled["ServerApp"]["jpserver_extensions"]["skyward_jupyter"] is True
+    # The built-in providers are found as any plugin's are: by their entry points.
+    points = zipfile.ZipFile(wheel).read("skyward_jupyter-0.1.0.dist-info/entry_points.txt")
+    declared = dict(re.findall(r"^(\w+) = (\S+)$", points.decode(), re.M))
+    assert "[skyward_jupyter.providers]" in points.decode() and declared == BUILT_IN, points
 
     prefix = tmp_path / "prefix"
     subprocess.run(

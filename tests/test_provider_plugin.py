@@ -1,83 +1,102 @@
-"""A provider defined in this one file runs a cell, is listed by the lab server and is reaped.
+"""A provider from a package of its own (``tests/plugins/fake_hosts``), installed as a user
+would install it, runs cells in a real kernel, has its options in the help and its errors in one
+line, is listed by the lab server and is reaped.
 
-Nothing outside this file knows the provider: it joins through
-:func:`skyward_jupyter.providers.register`, the magics take ``--provider renamed`` from the
-registry of names, the kernel's registry record names this module, and the server imports it to
-reap the pool after its kernel died. The provider is the local one under another name, so the
-test needs no machines of its own.
+Nothing in skyward_jupyter names it: it is found through its entry point in the group
+``skyward_jupyter.providers``; the magics take ``--fake-hosts`` from its options dataclass, and
+the server finds it by the same entry point to reap the pool after its kernel died.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
+import tomllib
 
-from skyward_jupyter.providers import register
-from skyward_jupyter.providers.local import LocalProvider
+from skyward_jupyter.providers import BUILT_IN, GROUP
 
-if TYPE_CHECKING:
-    from .lab import Lab
+from .conftest import agent_pids, wait_for
+from .lab import Kernel, Lab, api, jupyter_lab, rank_pids
 
 REPO = Path(__file__).resolve().parents[1]
+PLUGIN = Path(__file__).resolve().parent / "plugins" / "fake_hosts"
 
 
-@register
-class RenamedLocal(LocalProvider):
-    """Ranks on this machine, as ``--provider renamed``."""
-
-    name = "renamed"
-
-
-# The kernel imports this module to get the provider: the test's helpers are imported inside
-# the functions, so that the kernel does not run the test session's conftest.
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The plugin installed by pip into a directory of its own (its code and its dist-info,
+    which is where its entry point is read), as ``pip install`` puts a package on a path."""
+    target = tmp_path_factory.mktemp("site")
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation"]
+    subprocess.run([*pip, "--no-index", "--target", str(target), str(PLUGIN)], check=True)
+    return target
 
 
 @pytest.fixture
-def lab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Lab]:
-    from .conftest import agent_pids, wait_for
-    from .lab import jupyter_lab
-
-    # The server and its kernels import this module by name, as they would a plugin package.
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+def lab(installed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Lab]:
+    # The server and its kernels see the plugin where it was installed, and this checkout.
+    path = [str(installed), str(REPO), os.environ.get("PYTHONPATH", "")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(path))
     with jupyter_lab(tmp_path) as server:
         yield server
     wait_for(lambda: not agent_pids(), 30, "the lab kernels' ranks to end with the server")
 
 
 def pools(lab: Lab) -> list[dict[str, Any]]:
-    from .lab import api
-
     status, body = api(lab, "GET", "/skyward/pools")
     assert status == 200, body
     return list(body["pools"])
 
 
-def test_a_provider_from_one_file_runs_is_listed_and_is_reaped(lab: Lab) -> None:
-    from .conftest import agent_pids, wait_for
-    from .lab import Kernel, api, rank_pids
+def fails(kernel: Kernel, code: str) -> str:
+    """What ``code`` says as it fails (it must fail)."""
+    reply, text = kernel.collect(kernel.client.execute(code), 60)
+    assert reply["status"] == "error", text
+    return text
 
+
+def test_a_provider_from_its_own_package_runs_is_listed_and_is_reaped(lab: Lab) -> None:
     kernel = Kernel(lab)
     try:
-        kernel.run(f"import {__name__}\n%load_ext skyward_jupyter")
+        kernel.run("%load_ext skyward_jupyter")
+        # %%sky? lists the plugin's options under its name, and its name among the providers.
+        page = kernel.run("%%sky --help\npass")
+        own = page.split("\nfake provider options:\n")[1].split("options:")[0]
+        assert "--fake-hosts N" in own and "fake hosts, one node each" in own, page
+        assert "local, aws, fake, ray, slurm, ssh" in " ".join(page.split()), page
+        assert "%%sky --provider fake --fake-hosts 2" in page, page
+        # A bad value is one line naming the option; nothing starts.
+        for given, why in [
+            ("0", "--fake-hosts: must be from 1 to 8 hosts, got 0"),
+            ("two", "--fake-hosts: expected a whole number of hosts, got 'two'"),
+        ]:
+            said = fails(kernel, f"%%sky --provider fake --fake-hosts {given}\nprint('RAN')")
+            assert said == f"UsageError: {why}\n", said
+        assert not agent_pids()
+
         out = kernel.run(
-            "%%sky --provider renamed --nodes 2\n"
+            "%%sky --provider fake --fake-hosts 2\n"
             "import torch, torch.distributed as dist\n"
             "t = torch.ones(1) * (dist.get_rank() + 1)\n"
             "dist.all_reduce(t)\n"
             "print('sum', t.item())"
         )
         assert "sum 3.0" in out, out
-        assert "renamed" in kernel.run("%sky status"), out
+        assert "2 fake hosts" in kernel.run("%sky status"), out
+        # Its own option alone chooses it (no other provider has --fake-hosts).
+        assert "2 fake hosts" in kernel.run("%sky config --fake-hosts 2")
 
         wait_for(lambda: len(pools(lab)) == 1, 10, f"the pool in the server's listing: {out}")
         (pool,) = pools(lab)
-        assert pool["provider"] == "renamed" and pool["world_size"] == 2, pool
-        assert "renamed" in pool["description"]
+        assert pool["provider"] == "fake" and pool["world_size"] == 2, pool
+        assert "2 fake hosts" in pool["description"], pool
         ranks = rank_pids(pool)
         assert len(ranks) == 2 and ranks <= agent_pids()
 
@@ -91,3 +110,48 @@ def test_a_provider_from_one_file_runs_is_listed_and_is_reaped(lab: Lab) -> None
         assert pools(lab) == []
     finally:
         kernel.close()
+
+
+def test_nothing_in_the_package_names_the_plugin() -> None:
+    sources = (REPO / "skyward_jupyter").rglob("*.py")
+    assert not [p for p in sources if "fake_hosts" in p.read_text() or "fake" in p.stem]
+
+
+def test_the_built_in_providers_are_this_packages_entry_points() -> None:
+    """The names read while an install predates the entry points are the ones declared."""
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"]
+    assert declared[GROUP] == BUILT_IN
+
+
+def test_a_provider_that_cannot_load_leaves_the_others_and_says_why(tmp_path: Path) -> None:
+    """An installed entry point whose module is gone (a package half uninstalled): the
+    magics still load with every other provider, a warning names it, and asking for it is
+    one line saying why."""
+    info = tmp_path / "skyward_gone-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: skyward-gone\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[{GROUP}]\ngone = skyward_gone:GoneProvider\n")
+    code = (
+        "import warnings\n"
+        "warnings.simplefilter('always')\n"
+        "with warnings.catch_warnings(record=True) as said:\n"
+        "    from skyward_jupyter.magics import _help\n"
+        "print('WARNED', *[str(w.message) for w in said])\n"
+        "print('HELP', 'ssh provider options' in _help())\n"
+        "from skyward_jupyter.session import USER_ERRORS, Session\n"
+        "try:\n"
+        "    Session().spec_from({'provider': 'gone'})\n"
+        "except USER_ERRORS as exc:\n"
+        "    print('REFUSED', exc)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    why = (
+        "the gone provider cannot be loaded from skyward_gone:GoneProvider (No module named "
+        "'skyward_gone'); reinstall its package, or uninstall it"
+    )
+    assert f"WARNED {why}\n" in out, out
+    assert "HELP True\n" in out, out
+    assert f"REFUSED {why}\n" in out, out

@@ -168,7 +168,7 @@ def test_the_time_limit_is_said_and_an_orphans_job_is_reaped(cluster: SlurmClust
         assert any("ends at its time limit" in w for w in provider.warnings), provider.warnings
         job = provider.job
         # What the lab panel lists: the pool, its state, its node as Slurm names it, the job.
-        spec = PoolSpec(provider="slurm", time="5")
+        spec = PoolSpec(provider="slurm", options=SlurmOptions(time="5"))
         entry = SimpleNamespace(name="default", spec=spec, pool=pool)
         listed = pool_record("p1", entry, Owner.current(), created_at=0.0, ready_at=1.0)  # type: ignore[arg-type]
         assert listed["provider"] == "slurm" and listed["state"] == "ready"

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from skyward_jupyter.spec import PoolSpec, backend_problem
+import pytest
+
+from skyward_jupyter.gpus import LayoutError
+from skyward_jupyter.providers.aws import AWSOptions
+from skyward_jupyter.providers.base import ProviderError
+from skyward_jupyter.providers.ray import RayOptions
+from skyward_jupyter.providers.slurm import SlurmOptions
+from skyward_jupyter.providers.ssh import SSHOptions
+from skyward_jupyter.session import Session
+from skyward_jupyter.spec import PoolSpec, SpecError, backend_problem
 
 
 def test_a_replacement_names_only_what_changed() -> None:
@@ -16,10 +25,19 @@ def test_a_replacement_names_only_what_changed() -> None:
 
 def test_each_provider_describes_its_own_pools() -> None:
     assert PoolSpec(nodes=2).describe() == "2 nodes x 1 rank per GPU or CPU, local"
-    ssh = PoolSpec(provider="ssh", hosts=("a@h1", "a@h2")).settled()
+    ssh = PoolSpec(provider="ssh", options=SSHOptions(hosts=("a@h1", "a@h2"))).settled()
     assert ssh.nodes == 2 and ssh.describe().endswith("ssh to a@h1, a@h2")
-    aws = PoolSpec(provider="aws", region="us-east-1", spot=True)
+    aws = PoolSpec(provider="aws", options=AWSOptions(region="us-east-1", spot=True))
     assert aws.describe().endswith("aws us-east-1 spot") and aws.idle_minutes() == 30
+    # What a replacement says changed names the provider's options as its flags.
+    other = PoolSpec(provider="ssh", options=SSHOptions(hosts=("a@h1",))).settled()
+    assert ssh.differences(other) == "--nodes 2 -> 1, --hosts a@h1,a@h2 -> a@h1"
+    assert PoolSpec().differences(aws) == (
+        "--provider local -> aws, --region (default) -> us-east-1, --spot (default) -> True"
+    )
+    assert aws.differences(PoolSpec(provider="aws")) == (
+        "--region us-east-1 -> (default), --spot True -> (default)"
+    )
 
 
 def test_pool_arguments_carry_sync_frameworks_and_the_hang_doctors_limits() -> None:
@@ -48,12 +66,10 @@ def test_pool_arguments_carry_sync_frameworks_and_the_hang_doctors_limits() -> N
 
 
 def test_slurm_and_ray_options_make_their_providers() -> None:
-    from skyward_jupyter.magics import SkyMagics  # noqa: F401 - the option table is complete
     from skyward_jupyter.providers import provider_class
-    from skyward_jupyter.session import Session
 
     session = Session()
-    spec = session.spec_from({"partition": "gpu", "time": "1:00:00", "slurm_args": ["--exclusive"]})
+    spec = session.spec_from({"partition": "gpu", "time": "1:00:00", "slurm_arg": ["--exclusive"]})
     assert spec.provider == "slurm"  # a Slurm option alone chooses the provider
     provider = provider_class("slurm").from_spec(spec, "p", {})
     assert provider.options.partition == "gpu" and provider.options.extra == ("--exclusive",)  # type: ignore[attr-defined]
@@ -61,6 +77,36 @@ def test_slurm_and_ray_options_make_their_providers() -> None:
     ray_spec = session.spec_from({"ray_address": "10.0.0.1:6379"})
     assert ray_spec.provider == "ray"
     assert provider_class("ray").from_spec(ray_spec, "p", {}).address == "10.0.0.1:6379"  # type: ignore[attr-defined]
+
+
+def test_the_options_given_choose_the_provider_that_takes_them_all() -> None:
+    """An option two providers share (``--gpus-per-node``: Slurm's and Ray's) is each one's:
+    with one of them it goes to that one, alone it must be told which."""
+    session = Session()
+    spec = session.spec_from({"ray_address": "10.0.0.1:6379", "gpus_per_node": "1"})
+    assert spec.provider == "ray" and spec.options == RayOptions("10.0.0.1:6379", 1)
+    spec = session.spec_from({"partition": "gpu", "gpus_per_node": "2"})
+    assert spec.provider == "slurm" and spec.options.gpus_per_node == 2  # type: ignore[attr-defined]
+    with pytest.raises(SpecError, match=r"^--gpus-per-node: an option of the ray, slurm providers"):
+        session.spec_from({"gpus_per_node": "1"})
+    # The configured provider takes a shared option without being named again.
+    session.defaults = session.spec_from({"provider": "slurm", "partition": "gpu"})
+    spec = session.spec_from({"gpus_per_node": "1"})
+    assert spec.provider == "slurm" and spec.options == SlurmOptions("gpu", gpus_per_node=1)
+    with pytest.raises(SpecError) as mixed:
+        Session().spec_from({"ray_address": "a:1", "partition": "gpu"})
+    assert str(mixed.value) == (
+        "no one provider takes --partition, --ray-address (--ray-address is ray's; "
+        "--partition is slurm's): give one provider's only"
+    )
+    with pytest.raises(
+        SpecError, match=r"^--provider aws does not take --hosts \(--hosts is ssh's\)"
+    ):
+        Session().spec_from({"provider": "aws", "hosts": "me@gpu1"})
+    with pytest.raises(ProviderError, match=r"^--hosts: bad port in 'me@gpu1:0'"):
+        Session().spec_from({"hosts": "me@gpu1:0"})
+    with pytest.raises(LayoutError, match="--gpu none asks for CPU ranks, --gpus-per-node 2"):
+        Session().spec_from({"gpu": "none", "provider": "ray", "gpus_per_node": "2"})
 
 
 def test_nccl_is_refused_naming_what_the_ranks_lack() -> None:

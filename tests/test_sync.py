@@ -46,7 +46,7 @@ def _provider(hosts: Hosts, which: tuple[int, ...] = (0, 1), **changes: object) 
 def _ssh_options(hosts: Hosts, **more: object) -> dict[str, object]:
     """The pool options (as the magics give them) of an SSH pool on host 0."""
     return {
-        "hosts": (f"{hosts.user}@{hosts[0].address}:{hosts[0].port}",),
+        "hosts": f"{hosts.user}@{hosts[0].address}:{hosts[0].port}",
         "identity": str(hosts.client_key),
         "known_hosts": str(hosts.known_hosts),
         "python": hosts.python,

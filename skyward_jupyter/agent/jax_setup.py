@@ -129,7 +129,8 @@ class JaxWorld:
             last = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
             raise GroupError(
                 f"JAX's world did not form with the coordinator at {coordinator}: {last}; "
-                "if the head has an address these hosts reach, pass --head-addr ADDRESS"
+                "if the head has an address these hosts reach, name it with the provider's "
+                "option for the head's address (see %%sky?)"
             ) from exc
         self.initialized = True
         os.environ["JAX_LOCAL_DEVICE_COUNT"] = str(len(jax.local_devices()))

@@ -166,8 +166,8 @@ class ProcessGroup:
             if why is not None:
                 raise GroupError(
                     f"cannot reach the head's rendezvous at {s.master_addr}:{port} ({why})"
-                    f"{_from(route)}; if the head has an address these hosts reach, pass "
-                    "--head-addr ADDRESS"
+                    f"{_from(route)}; if the head has an address these hosts reach, name it "
+                    "with the provider's option for the head's address (see %%sky?)"
                 )
             tunnel = self._tunnel_of(route)
             try:

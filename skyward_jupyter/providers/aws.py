@@ -38,7 +38,15 @@ from . import aws_catalog, aws_teardown
 from .aws_checks import check_cidr
 from .aws_client import clients, error_message
 from .aws_launch import AWSOptions, Instance, Launch, Reachable
-from .base import Node, Progress, Provider, ProviderError, ReapReport, no_progress
+from .base import (
+    Node,
+    Progress,
+    Provider,
+    ProviderError,
+    ProviderOptions,
+    ReapReport,
+    no_progress,
+)
 from .ssh import SSHOptions, SSHProvider, SSHRank
 
 if TYPE_CHECKING:
@@ -50,31 +58,27 @@ __all__ = ["AWSOptions", "AWSProvider", "Instance", "Reachable"]
 HEARTBEAT_ENV = "SKYWARD_HEARTBEAT_FILE"
 
 
+def _own(spec: PoolSpec) -> AWSOptions:
+    assert isinstance(spec.options, AWSOptions), spec.options
+    return spec.options
+
+
 class AWSProvider(Provider):
     name = "aws"
+    Options = AWSOptions
+    examples = (("--provider aws --gpu A10G --nodes 2 --spot", "two spot EC2 instances"),)
     default_idle_minutes = 30.0
     installs_packages = True
 
     @classmethod
     def from_spec(cls, spec: PoolSpec, pool_name: str, extra: Mapping[str, Any]) -> AWSProvider:
-        if spec.hosts:
-            raise ProviderError("--hosts is for --provider ssh; --provider aws makes its own hosts")
-        options = AWSOptions(
-            pool_name=pool_name,
-            gpu=None if spec.gpu == NO_GPU else spec.gpu,
-            instance_type=spec.instance_type,
-            region=spec.region,
-            spot=bool(spec.spot),
-            ssh_cidr=spec.ssh_cidr,
-            ami=spec.ami,
-        )
-        if spec.python:
-            options = replace(options, python=spec.python)
-        return cls(replace(options, **extra))
+        gpu = None if spec.gpu == NO_GPU else spec.gpu
+        return cls(replace(_own(spec), pool_name=pool_name, gpu=gpu, **extra))
 
     @classmethod
     def where(cls, spec: PoolSpec) -> str:
-        parts = [spec.instance_type, spec.region, "spot" if spec.spot else None]
+        options = _own(spec)
+        parts = [options.instance_type, options.region, "spot" if options.spot else None]
         return cls.name + "".join(f" {p}" for p in parts if p)
 
     def record(self, pids: Mapping[int, Sequence[int]]) -> dict[str, Any]:
@@ -100,13 +104,15 @@ class AWSProvider(Provider):
         *,
         live: Sequence[Mapping[str, Any]],
         yes: bool,
-        region: str | None,
         all_owners: bool,
+        options: ProviderOptions,
         extra: Mapping[str, Any],
     ) -> str:
-        """Instances tagged by this product that no live pool owns: listed, or with ``yes``
-        terminated with the rest of their pools (key pairs, security and placement groups)."""
-        ec2, _, region = clients(region, extra.get("endpoint_url"))
+        """Instances tagged by this product that no live pool owns, in ``--region`` (default:
+        boto3's): listed, or with ``yes`` terminated with the rest of their pools (key pairs,
+        security and placement groups)."""
+        assert isinstance(options, AWSOptions), options
+        ec2, _, region = clients(options.region, extra.get("endpoint_url"))
         tags = {str(r.get("pool_tag", "")) for r in live}
         owner = None if all_owners else extra.get("owner") or aws_teardown.default_owner()
         return aws_teardown.sweep(ec2, region, tags, owner, yes)

@@ -41,7 +41,7 @@ from ..events import RankState
 from .aws_checks import ADDRESS_URL, check_cidr, check_region, check_type, find_ami, public_cidr
 from .aws_client import CAPACITY, clients, error_code, explain
 from .aws_teardown import TAG_POOL
-from .base import Progress, ProviderError
+from .base import Progress, ProviderError, ProviderOptions, option
 from .ssh import Host
 
 if TYPE_CHECKING:
@@ -83,16 +83,27 @@ Resolver = Callable[[Instance, str], Reachable]
 
 
 @dataclass(frozen=True, slots=True)
-class AWSOptions:
+class AWSOptions(ProviderOptions):
+    """The AWS provider's options: its ``--flags``, then the settings users never give."""
+
+    instance_type: str | None = option("EC2 instance type (default: from --gpu)", metavar="TYPE")
+    region: str | None = option("AWS region (default: boto3's)", metavar="REGION")
+    spot: bool = option(
+        "spot instances, on-demand when spot has no capacity", default=False, action="store_true"
+    )
+    ssh_cidr: str | None = option(
+        "where SSH to the instances may come from (default: this notebook's address/32)",
+        metavar="CIDR",
+    )
+    ami: str | None = option("image (default: the Deep Learning AMI)", metavar="ID")
+    python: str = option(
+        "Python on the instances (the AMI's PyTorch environment)",
+        default=REMOTE_PYTHON,
+        metavar="PATH",
+    )
     pool_name: str = "default"
     gpu: str | None = None
-    instance_type: str | None = None
-    region: str | None = None
-    spot: bool = False
-    ssh_cidr: str | None = None
-    ami: str | None = None
     user: str = "ubuntu"
-    python: str = REMOTE_PYTHON
     owner: str | None = None
     """The ``skyward:owner`` tag; default ``user@hostname`` of this notebook."""
     watchdog_timeout: float = 600.0

@@ -3,8 +3,9 @@
 A provider knows how to get machines (this one, SSH hosts, EC2 instances) and how to start the
 agent there with a byte stream back to the notebook, what they cost, and how to end them after
 the notebook died. It knows nothing of cells, torch or failure policy: that is the pool's job.
-A new provider is one module with one :class:`Provider` subclass, named in
-:mod:`skyward_jupyter.providers` (or registered there by a plugin).
+A new provider is one module with one :class:`Provider` subclass and its
+:class:`ProviderOptions`, named in the ``skyward_jupyter.providers`` entry-point group of its
+package (the built-in ones are named there too).
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ import asyncio
 import collections
 import contextlib
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 from ..events import RankState
+from ..flags import Option, ranged
+from ..limits import Range
 from ..wire import AsyncByteReader, AsyncByteWriter
 
 if TYPE_CHECKING:
@@ -39,6 +42,82 @@ def notebook_silence(heartbeat_timeout: float) -> float:
 
 class ProviderError(Exception):
     """The provider could not supply what was asked (bad input, no capacity, unreachable host)."""
+
+
+_OPTION = "skyward_jupyter.option"
+"""The key of a field's metadata that makes it a ``--flag`` (:func:`option`)."""
+
+
+def option(
+    help: str,
+    *,
+    default: Any = None,
+    flag: str | None = None,
+    limit: Range | None = None,
+    **kwargs: Any,
+) -> Any:
+    """A field of a :class:`ProviderOptions` that users give as ``--flag`` (the field's name
+    with dashes unless ``flag``). ``kwargs`` are argparse's: ``type`` parses one value,
+    ``action="append"`` repeats it (the field holds a tuple), ``action="store_true"`` makes a
+    switch; ``limit`` is the range a number must be in, however the options were made."""
+    if limit is not None:
+        kwargs.setdefault("type", ranged(limit))
+    return field(default=default, metadata={_OPTION: (help, flag, limit, kwargs)})
+
+
+P = TypeVar("P", bound="ProviderOptions")
+
+
+@dataclass(frozen=True)
+class ProviderOptions:
+    """What a provider's pools are given beyond what every pool has (hosts, a region, a
+    partition): a frozen dataclass of the provider's, held by the pool's spec. Its fields made
+    with :func:`option` are the provider's ``--flags``: the magics' parser, ``%%sky?`` (under
+    the provider's name), ``%sky config`` and the choice of provider read them from here.
+    Other fields are settings users never give (timeouts, a test's endpoint)."""
+
+    def __post_init__(self) -> None:
+        """Every number in its range, whichever way the options were made."""
+        for found in fields(self):
+            limit = found.metadata.get(_OPTION, (None,) * 4)[2]
+            value = getattr(self, found.name)
+            if limit is not None and value is not None:
+                limit.check(value)
+
+    @classmethod
+    def declared(cls) -> dict[str, Option]:
+        """Field name -> its ``--flag``, for the fields users give."""
+        found = {}
+        for each in fields(cls):
+            if _OPTION not in each.metadata:
+                continue
+            help, flag, _, kwargs = each.metadata[_OPTION]
+            found[each.name] = Option(flag or "--" + each.name.replace("_", "-"), help, kwargs)
+        return found
+
+    @classmethod
+    def from_given(cls: type[P], given: Mapping[str, Any], base: P | None = None) -> P:
+        """``base`` (or the defaults) with the options in ``given`` (a flag's dest -> the text
+        it was given, None: not given), each parsed by its own parser; :class:`ProviderError`
+        naming the flag for a bad value."""
+        changes = {}
+        for name, flag in cls.declared().items():
+            if given.get(flag.dest) is not None:
+                try:
+                    changes[name] = flag.parse(given[flag.dest])
+                except ValueError as exc:
+                    raise ProviderError(str(exc)) from None
+        return replace(base, **changes) if base is not None else cls(**changes)
+
+    def shown(self) -> dict[str, Any]:
+        """``--flag`` -> value, for the options given other than their defaults (what a
+        replacement says changed)."""
+        defaults = {each.name: each.default for each in fields(self)}
+        return {
+            flag.flag: getattr(self, name)
+            for name, flag in self.declared().items()
+            if getattr(self, name) != defaults[name]
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +246,11 @@ class Provider(abc.ABC):
     """
 
     name: ClassVar[str]
-    """``--provider NAME``; the key of :func:`skyward_jupyter.providers.register`."""
+    """``--provider NAME``: the name of its entry point in ``skyward_jupyter.providers``."""
+    Options: ClassVar[type[ProviderOptions]] = ProviderOptions
+    """The provider's own options (its ``--flags``), held by the pool's spec."""
+    examples: ClassVar[tuple[tuple[str, str], ...]] = ()
+    """``%%sky`` options that use this provider, with what they do, for ``%%sky?``."""
     default_idle_minutes: ClassVar[float | None] = None
     """Minutes without a cell before the pool stops itself (paid providers set one)."""
     shares_files: ClassVar[bool] = False
@@ -217,13 +300,26 @@ class Provider(abc.ABC):
 
     @classmethod
     def settle(cls, spec: PoolSpec) -> PoolSpec:
-        """Complete a spec from what it implies (the SSH provider: one node per host)."""
+        """Complete a spec from what it implies (one node per named host), or refuse options
+        that clash (:class:`ProviderError`); called whenever options make a spec."""
         return spec
 
     @classmethod
     def where(cls, spec: PoolSpec) -> str:
         """Where the pool runs, for its one-line description."""
         return cls.name
+
+    @classmethod
+    def same_machines(cls, old: ProviderOptions, new: ProviderOptions) -> bool:
+        """Whether a pool with options ``new`` replacing one with ``old`` runs on some of the
+        same machines (their copies of the synced directories then stay for it)."""
+        return False
+
+    @classmethod
+    def prewarm(cls) -> None:
+        """Get ready for a first pool while the user writes the first cell (called in a thread
+        when the extension loads, for the default provider)."""
+        return
 
     @property
     def price_per_hour(self) -> float | None:
@@ -254,8 +350,8 @@ class Provider(abc.ABC):
         """``%sky clean``: remove, on the nodes, the caches no running pool uses (the shipped
         package, copies of synced directories); one line per node saying what went."""
         raise ProviderError(
-            f"%sky clean reaches hosts over SSH; the {self.name} provider's nodes are not "
-            "reachable that way (name SSH hosts with --hosts)"
+            f"%sky clean: the {self.name} provider keeps no caches on its nodes; name the "
+            "hosts to clean with their provider's options (%sky clean --help)"
         )
 
     # ------------------------------------------------------------- after the notebook is gone
@@ -277,12 +373,13 @@ class Provider(abc.ABC):
         *,
         live: Sequence[Mapping[str, Any]],
         yes: bool,
-        region: str | None,
         all_owners: bool,
+        options: ProviderOptions,
         extra: Mapping[str, Any],
     ) -> str | None:
         """Find (and with ``yes`` end) what this provider made that no live pool owns.
 
-        ``live``: the :meth:`record` of every live pool of this provider. None when the
-        provider leaves nothing behind to sweep."""
+        ``live``: the :meth:`record` of every live pool of this provider; ``options``: its own
+        options as ``%sky sweep`` (over the configured defaults) gives them (where to look).
+        None when the provider leaves nothing behind to sweep."""
         return None

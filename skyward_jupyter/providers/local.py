@@ -47,7 +47,6 @@ from .base import Node, Progress, Provider, ProviderError, ReapReport, StderrTai
 from .local_template import (
     base_env,
     differs_at_import,
-    prewarm,
     shutdown_template,
     template,
     template_pids,
@@ -59,7 +58,6 @@ if TYPE_CHECKING:
 __all__ = [
     "LocalProvider",
     "check_gpus",
-    "prewarm",
     "shutdown_template",
     "split_gpus",
     "template_pids",
@@ -338,6 +336,11 @@ class LocalProvider(Provider):
         if spec.gpu == NO_GPU:
             return cls(**{"cpu_only": True, **extra})
         return cls(**extra)
+
+    @classmethod
+    def prewarm(cls) -> None:
+        """Start the rank template now, so the first pool does not wait for torch's import."""
+        template()
 
     @classmethod
     def check(cls, spec: PoolSpec) -> None:

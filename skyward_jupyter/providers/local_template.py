@@ -175,11 +175,6 @@ def template_pids() -> list[int]:
     return [t.process.pid for t in templates if t.alive]
 
 
-def prewarm() -> None:
-    """Start the template now, so the first pool does not wait for torch's import."""
-    template()
-
-
 @atexit.register
 def shutdown_template() -> None:
     """End the template (and replaced ones); their ranks then see their channel close."""

@@ -25,12 +25,25 @@ import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..agent.descendants import end_rank
 from ..events import RankState
-from .base import Node, Progress, Provider, ProviderError, ReapReport, StderrTail, no_progress
+from ..gpus import check_cpu_or_gpus
+from ..limits import Range
+from .base import (
+    Node,
+    Progress,
+    Provider,
+    ProviderError,
+    ProviderOptions,
+    ReapReport,
+    StderrTail,
+    no_progress,
+    option,
+)
 
 if TYPE_CHECKING:
     from ..spec import PoolSpec
@@ -181,14 +194,47 @@ def _ray_tls() -> bool:
 _NO_RAY = "--provider ray needs the ray package here: pip install 'skyward_jupyter[ray]'"
 
 
+GPUS_PER_NODE = Range("--gpus-per-node", 0, 64, "GPUs", whole=True)
+
+
+@dataclass(frozen=True, slots=True)
+class RayOptions(ProviderOptions):
+    """The Ray provider's options: the cluster to join and what each node's bundle holds."""
+
+    address: str | None = option(
+        "the Ray cluster to join (default: RAY_ADDRESS, else auto)",
+        flag="--ray-address",
+        metavar="ADDR",
+    )
+    gpus_per_node: int | None = option(
+        "GPUs in each node's bundle of the placement group", limit=GPUS_PER_NODE
+    )
+
+
+def _own(spec: PoolSpec) -> RayOptions:
+    assert isinstance(spec.options, RayOptions), spec.options
+    return spec.options
+
+
 class RayProvider(Provider):
     name = "ray"
+    Options = RayOptions
 
     @classmethod
     def from_spec(cls, spec: PoolSpec, pool_name: str, extra: Mapping[str, Any]) -> Provider:
+        options = _own(spec)
         return cls(
-            spec.ray_address, spec.procs_per_node or 1, spec.gpus_per_node or 0, extra.get("init")
+            options.address,
+            spec.procs_per_node or 1,
+            options.gpus_per_node or 0,
+            extra.get("init"),
         )
+
+    @classmethod
+    def settle(cls, spec: PoolSpec) -> PoolSpec:
+        """``--gpu none`` and ``--gpus-per-node`` do not go together."""
+        check_cpu_or_gpus(spec.gpu, _own(spec).gpus_per_node, GPUS_PER_NODE.option)
+        return spec
 
     @classmethod
     def check(cls, spec: PoolSpec) -> None:
@@ -198,7 +244,7 @@ class RayProvider(Provider):
 
     @classmethod
     def where(cls, spec: PoolSpec) -> str:
-        return f"ray at {spec.ray_address or os.environ.get('RAY_ADDRESS') or 'auto'}"
+        return f"ray at {_own(spec).address or os.environ.get('RAY_ADDRESS') or 'auto'}"
 
     def __init__(
         self,

@@ -27,14 +27,25 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..events import RankState
-from ..gpus import NO_GPU, check_gpu_layout, gpu_model, same_gpu
+from ..gpus import NO_GPU, check_cpu_or_gpus, check_gpu_layout, gpu_model, same_gpu
+from ..limits import Range
 from ..wire_lines import MODE, STREAM_LIMIT, LineReader, LineWriter
-from .base import Node, Progress, Provider, ProviderError, ReapReport, StderrTail, no_progress
+from .base import (
+    Node,
+    Progress,
+    Provider,
+    ProviderError,
+    ProviderOptions,
+    ReapReport,
+    StderrTail,
+    no_progress,
+    option,
+)
 
 if TYPE_CHECKING:
     from ..spec import PoolSpec
@@ -63,16 +74,29 @@ done
 """
 
 
+GPUS_PER_NODE = Range("--gpus-per-node", 0, 64, "GPUs", whole=True)
+
+
 @dataclass(frozen=True, slots=True)
-class SlurmOptions:
-    partition: str | None = None
-    account: str | None = None
-    time: str | None = None
-    qos: str | None = None
-    gpus_per_node: int | None = None
-    constraint: str | None = None
-    extra: tuple[str, ...] = ()
-    python: str | None = None
+class SlurmOptions(ProviderOptions):
+    """The Slurm provider's options: the job's, as sbatch reads them."""
+
+    partition: str | None = option("Slurm partition", metavar="P")
+    account: str | None = option("Slurm account to charge", metavar="A")
+    time: str | None = option("Slurm time limit (e.g. 1:00:00)", metavar="T")
+    qos: str | None = option("Slurm quality of service", metavar="Q")
+    gpus_per_node: int | None = option("GPUs per Slurm node", limit=GPUS_PER_NODE)
+    constraint: str | None = option("Slurm node features", metavar="C")
+    extra: tuple[str, ...] = option(
+        "another sbatch option, as sbatch reads it (repeatable; e.g. --slurm-arg=--exclusive)",
+        default=(),
+        flag="--slurm-arg",
+        action="append",
+        metavar="ARG",
+    )
+    python: str | None = option(
+        "Python on the nodes (default: this notebook's, at the same path)", metavar="PATH"
+    )
     gpu: str | None = None
     """``--gpu``: the model the nodes' GRES must name (compared by model), checked once the
     job runs."""
@@ -174,36 +198,36 @@ def check_gres_gpu(node: str, gres: str, asked: str | None) -> str | None:
     return next((gpu_model(t) for t in named if not asked or same_gpu(asked, t)), None)
 
 
+def _own(spec: PoolSpec) -> SlurmOptions:
+    assert isinstance(spec.options, SlurmOptions), spec.options
+    return spec.options
+
+
 class SlurmProvider(Provider):
     name = "slurm"
+    Options = SlurmOptions
 
     @classmethod
     def from_spec(cls, spec: PoolSpec, pool_name: str, extra: Mapping[str, Any]) -> Provider:
         """The job's options; ``--gpu`` needs ``--gpus-per-node`` (a job gets only the GPUs it
         asks for), and those must carry the ranks NCCL would run."""
+        options = _own(spec)
         gpu = None if spec.gpu == NO_GPU else spec.gpu
-        if gpu and not spec.gpus_per_node:
+        if gpu and not options.gpus_per_node:
             raise ProviderError(
                 f"--gpu {gpu} on slurm: pass --gpus-per-node N too (a Slurm job gets only the "
                 "GPUs it asks for)"
             )
         check_gpu_layout(
-            [spec.gpus_per_node or 0] * spec.nodes, spec.procs_per_node, spec.backend, spec.gpu
+            [options.gpus_per_node or 0] * spec.nodes, spec.procs_per_node, spec.backend, spec.gpu
         )
-        return cls(
-            SlurmOptions(
-                partition=spec.partition,
-                account=spec.account,
-                time=spec.time,
-                qos=spec.qos,
-                gpus_per_node=spec.gpus_per_node,
-                constraint=spec.constraint,
-                extra=tuple(spec.slurm_args),
-                python=spec.python,
-                gpu=gpu,
-            ),
-            pool_name,
-        )
+        return cls(replace(options, gpu=gpu), pool_name)
+
+    @classmethod
+    def settle(cls, spec: PoolSpec) -> PoolSpec:
+        """``--gpu none`` and ``--gpus-per-node`` do not go together."""
+        check_cpu_or_gpus(spec.gpu, _own(spec).gpus_per_node, GPUS_PER_NODE.option)
+        return spec
 
     @classmethod
     def check(cls, spec: PoolSpec) -> None:
@@ -213,7 +237,8 @@ class SlurmProvider(Provider):
 
     @classmethod
     def where(cls, spec: PoolSpec) -> str:
-        partition = f", partition {spec.partition}" if spec.partition else ""
+        given = _own(spec).partition
+        partition = f", partition {given}" if given else ""
         return f"slurm{partition}"
 
     def __init__(self, options: SlurmOptions | None = None, pool_name: str = "default") -> None:

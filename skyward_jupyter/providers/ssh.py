@@ -42,7 +42,17 @@ from ..environments import (
 from ..events import RankState
 from ..gpus import NO_GPU, gpu_model, same_gpu
 from ..workdir import human_bytes
-from .base import Node, Progress, Provider, ProviderError, ReapReport, StderrTail, no_progress
+from .base import (
+    Node,
+    Progress,
+    Provider,
+    ProviderError,
+    ProviderOptions,
+    ReapReport,
+    StderrTail,
+    no_progress,
+    option,
+)
 from .ssh_clean import clean_host
 from .ssh_keys import changed_key, known_hosts_file, record_if_new
 from .ssh_prepare import check_versions, probe, ship, unpack
@@ -80,13 +90,33 @@ class Host:
         return f"{who}{self.host}" + (f":{self.port}" if self.port != 22 else "")
 
 
+def _hosts(text: str) -> tuple[str, ...]:
+    hosts = tuple(h.strip() for h in text.split(",") if h.strip())
+    if not hosts:
+        raise ValueError("expected user@host[:port],...")
+    for host in hosts:
+        Host.parse(host)
+    return hosts
+
+
 @dataclass(frozen=True, slots=True)
-class SSHOptions:
-    identity: str | None = None
-    known_hosts: str | None = None
-    accept_new_host_keys: bool = False
-    python: str = "python3"
-    head_addr: str | None = None
+class SSHOptions(ProviderOptions):
+    hosts: tuple[str, ...] = option(
+        "machines to use over SSH, one node each (implies --provider ssh)",
+        default=(),
+        type=_hosts,
+        metavar="USER@HOST[:PORT],...",
+    )
+    identity: str | None = option("SSH private key file", metavar="KEY")
+    known_hosts: str | None = option("known_hosts file for host keys", metavar="FILE")
+    accept_new_host_keys: bool = option(
+        "record an unknown host's key in known_hosts and trust it (OpenSSH's accept-new; "
+        "a changed key is still refused)",
+        default=False,
+        action="store_true",
+    )
+    python: str = option("Python on the hosts (python3)", default="python3", metavar="PATH")
+    head_addr: str | None = option("the head's address as the other hosts reach it", metavar="ADDR")
     connect_timeout: float = 15.0
     keepalive_interval: float = 5.0
     cache_dir: str = ".cache/skyward_jupyter"
@@ -231,51 +261,60 @@ class Sessions:
         await asyncio.gather(*(c.wait_closed() for c in self.conns), return_exceptions=True)
 
 
+def _own(spec: PoolSpec) -> SSHOptions:
+    assert isinstance(spec.options, SSHOptions), spec.options
+    return spec.options
+
+
 class SSHProvider(Provider):
     name = "ssh"
     installs_packages = True
+    Options = SSHOptions
+    examples = (("--hosts me@gpu1,me@gpu2", "one rank per GPU on two machines over SSH"),)
 
     @classmethod
     def from_spec(cls, spec: PoolSpec, pool_name: str, extra: Mapping[str, Any]) -> SSHProvider:
-        if not spec.hosts:
+        options = _own(spec)
+        if not options.hosts:
             raise ProviderError("--provider ssh needs --hosts user@host[:port],...")
         try:
-            hosts = [Host.parse(h) for h in spec.hosts]
+            hosts = [Host.parse(h) for h in options.hosts]
         except ValueError as exc:
             raise ProviderError(f"--hosts: {exc}") from None
-        options = SSHOptions(
-            identity=spec.identity,
-            known_hosts=spec.known_hosts,
-            accept_new_host_keys=bool(spec.accept_new_host_keys),
-            python=spec.python or "python3",
-            head_addr=spec.head_addr,
-            gpu=None if spec.gpu == NO_GPU else spec.gpu,
-        )
-        return cls(hosts, options)
+        return cls(hosts, replace(options, gpu=None if spec.gpu == NO_GPU else spec.gpu))
 
     @classmethod
     def check(cls, spec: PoolSpec) -> None:
         """The key and known_hosts files named must be readable here (the hosts themselves are
         reached only when the pool starts: a name may be an alias of the SSH configuration)."""
-        for option, path in (("--identity", spec.identity), ("--known-hosts", spec.known_hosts)):
-            if path is None or (option == "--known-hosts" and spec.accept_new_host_keys):
+        options = _own(spec)
+        files = (("--identity", options.identity), ("--known-hosts", options.known_hosts))
+        for flag, path in files:
+            if path is None or (flag == "--known-hosts" and options.accept_new_host_keys):
                 continue  # accepting new keys writes the file, which may not exist yet
             try:
                 Path(path).expanduser().open("rb").close()
             except OSError as exc:
                 raise ProviderError(
-                    f"{option} {path}: cannot read it ({exc.strerror}); name a file this user "
+                    f"{flag} {path}: cannot read it ({exc.strerror}); name a file this user "
                     "can read"
                 ) from None
 
     @classmethod
     def settle(cls, spec: PoolSpec) -> PoolSpec:
         """One node per host."""
-        return replace(spec, nodes=len(spec.hosts)) if spec.hosts else spec
+        hosts = _own(spec).hosts
+        return replace(spec, nodes=len(hosts)) if hosts else spec
 
     @classmethod
     def where(cls, spec: PoolSpec) -> str:
-        return f"ssh to {', '.join(spec.hosts)}"
+        return f"ssh to {', '.join(_own(spec).hosts)}"
+
+    @classmethod
+    def same_machines(cls, old: ProviderOptions, new: ProviderOptions) -> bool:
+        """Some host of ``old`` is one of ``new``'s."""
+        assert isinstance(old, SSHOptions) and isinstance(new, SSHOptions)
+        return bool(set(old.hosts) & set(new.hosts))
 
     def record(self, pids: Mapping[int, Sequence[int]]) -> dict[str, Any]:
         return {

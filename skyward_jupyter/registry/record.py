@@ -96,11 +96,7 @@ def pool_record(
         node.index: [r.hello.pid for r in ranks if r.node == node.index and r.hello]
         for node in pool.nodes
     }
-    teardown = {
-        "provider": pool.provider.name,
-        "module": type(pool.provider).__module__,
-        **pool.provider.record(pids),
-    }
+    teardown = {"provider": pool.provider.name, **pool.provider.record(pids)}
     price = price_of(pool)
     return {
         "format": FORMAT,

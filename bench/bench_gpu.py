@@ -1,0 +1,274 @@
+"""GPU benchmark: a NCCL pool in a notebook cell against ``torchrun``, on this machine's GPUs.
+
+Run where CUDA is present; elsewhere it says so in one line and exits 0 (CI has no GPU). One
+rank per GPU on this machine, ``--backend nccl``, on both sides.
+
+* **(a) A launch-bound DDP loop, steps per second.** ``bench/scripts/ddp_cuda.py`` is a torchrun
+  script: a small MLP in ``DistributedDataParallel`` on ``cuda:LOCAL_RANK``, a fixed batch on the
+  GPU, SGD. Its kernels are tiny, so a step's time is the CPU launching them and DDP's hooks:
+  the part a pool's agent threads could slow down. It runs under ``torchrun --standalone`` and as
+  a notebook user pastes it: one ``%%sky`` cell with its definitions, then a ``%%sky`` cell
+  ``main([...])`` per round (``Session.run_cell``, what the magic calls), on one warm pool. The
+  sides alternate round by round, the order rotating, after one uncounted round; reported are
+  medians, spreads and the ratio of medians with a bootstrap 95% interval.
+* **(b) The first collective from cold.** A fresh pool's start and its first cell (set the
+  device, all-reduce a CUDA tensor) against ``torchrun`` of ``bench/scripts/nccl_first.py`` (the
+  same body between ``init_process_group`` and ``destroy_process_group``), launch to exit;
+  interleaved, each pool ended after its round.
+
+Run ``python bench/bench_gpu.py --markdown-out BENCHMARKS.md`` to regenerate its block; JSON
+goes to ``bench/results/gpu.json``. Figures are never edited by hand.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from common import (
+    REPO,
+    BenchError,
+    Script,
+    Summary,
+    command_line,
+    fmt_s,
+    load_avg,
+    machine_info,
+    machine_line,
+    ratios,
+    run_torchrun,
+    spread_row,
+)
+
+SCRIPT = Script("gpu")
+GOAL_STEPS_RATIO = 0.98
+SCRIPTS = REPO / "bench" / "scripts"
+DDP_SCRIPT = SCRIPTS / "ddp_cuda.py"
+FIRST_SCRIPT = SCRIPTS / "nccl_first.py"
+MAIN_GUARD = '\nif __name__ == "__main__":'
+
+
+def cuda_gpus() -> tuple[int, str]:
+    """How many GPUs torch sees here, and the first one's name (0 and "" without CUDA)."""
+    try:
+        import torch
+    except ImportError:
+        return 0, ""
+    if not torch.cuda.is_available():
+        return 0, ""
+    return torch.cuda.device_count(), torch.cuda.get_device_name(0)
+
+
+def definitions(script: Path) -> str:
+    """What a notebook user pastes into a cell: the script above its ``__main__`` guard."""
+    source = script.read_text()
+    if MAIN_GUARD not in source:
+        raise BenchError(f"{script.name} has no {MAIN_GUARD.strip()!r} to split at")
+    return source.split(MAIN_GUARD, 1)[0]
+
+
+class Notebook:
+    """A ``Session``, as the magics drive it, with NCCL pools of one rank per GPU."""
+
+    def __init__(self, gpus: int, timeout: float) -> None:
+        from skyward_jupyter.session import PoolSpec, Session
+
+        self.timeout = timeout
+        self.session = Session(announce=lambda text: print(f"  [sky] {text}", file=sys.stderr))
+        self.spec = PoolSpec(nodes=1, procs_per_node=gpus, backend="nccl")
+
+    def cell(self, source: str, name: str = "warm") -> float:
+        """Run ``source`` on the pool called ``name`` (started if need be); its wall time."""
+        out = io.StringIO()
+        started = time.perf_counter()
+        with contextlib.redirect_stdout(out):
+            result = self.session.run_cell(
+                source, {}, name=name, spec=self.spec, timeout=self.timeout
+            )
+        elapsed = time.perf_counter() - started
+        if not result.ok or result.lost:
+            errors = "\n".join(
+                f"rank {e.rank} ({e.where}): {e}\n{e.traceback}" for e in result.errors
+            )
+            raise BenchError(f"a cell failed on pool {name!r}:\n{errors}\n{out.getvalue()[-2000:]}")
+        return elapsed
+
+    def down(self, name: str) -> None:
+        self.session.down(name, quiet=True)
+
+    def close(self) -> None:
+        from skyward_jupyter.providers import local
+
+        try:
+            self.session.down_all()
+        finally:
+            local.shutdown_template()
+
+
+def _report(path: Path, what: str, gpus: int) -> dict[str, Any]:
+    try:
+        report: dict[str, Any] = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise BenchError(f"{what}: no report from rank 0 at {path}: {exc}") from None
+    path.unlink()
+    if report.get("world_size") != gpus or report.get("backend") != "nccl":
+        raise BenchError(f"{what}: ran as {report}, not {gpus} NCCL ranks")
+    return report
+
+
+def _rotated(sides: Sequence[str], i: int) -> list[str]:
+    k = i % len(sides)
+    return [*sides[k:], *sides[:k]]
+
+
+def compare_steps(nb: Notebook, gpus: int, args: Any, out: Path) -> dict[str, Any]:
+    """(a): steps/s of the DDP loop under torchrun and in a cell, interleaved."""
+    argv = [str(out), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    nb.cell(definitions(DDP_SCRIPT))
+    sides: dict[str, Callable[[], float]] = {
+        "torchrun": lambda: run_torchrun(DDP_SCRIPT, argv, gpus, args.timeout),
+        "cell": lambda: nb.cell(f"main({argv!r})"),
+    }
+    samples: dict[str, list[float]] = {n: [] for n in sides}
+    for i in range(args.reps + 1):
+        seen = {}
+        for name in _rotated(list(sides), i):
+            with contextlib.suppress(FileNotFoundError):
+                out.unlink()
+            sides[name]()
+            seen[name] = _report(out, f"(a) {name}", gpus)["steps_per_s"]
+            if i:
+                samples[name].append(seen[name])
+        label = f"round {i}/{args.reps}" if i else "warm-up"
+        print(
+            f"  (a) {label}: torchrun {seen['torchrun']:.0f}, cell {seen['cell']:.0f} steps/s",
+            file=sys.stderr,
+            flush=True,
+        )
+    return {
+        "steps_per_s": {n: asdict(Summary.of(v)) for n, v in samples.items()},
+        "ratio": ratios(samples["torchrun"], samples["cell"]),
+        "samples": samples,
+        "argv": argv[1:],
+    }
+
+
+def compare_first(nb: Notebook, gpus: int, args: Any) -> dict[str, Any]:
+    """(b): a fresh pool's start and first collective against torchrun's launch to exit."""
+    body = definitions(FIRST_SCRIPT) + "\nassert first_collective() == 4.0 * dist.get_world_size()"
+    samples: dict[str, list[float]] = {"torchrun": [], "pool": []}
+    for i in range(args.first_reps + 1):
+        seen = {}
+        for name in _rotated(list(samples), i):
+            if name == "torchrun":
+                seen[name] = run_torchrun(FIRST_SCRIPT, [], gpus, args.timeout)
+            else:
+                try:
+                    seen[name] = nb.cell(body, name="first")
+                finally:
+                    nb.down("first")
+            if i:
+                samples[name].append(seen[name])
+        label = f"round {i}/{args.first_reps}" if i else "warm-up"
+        print(
+            f"  (b) {label}: torchrun {seen['torchrun']:.2f} s, pool {seen['pool']:.2f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+    return {
+        "wall_s": {n: asdict(Summary.of(v)) for n, v in samples.items()},
+        "ratio_of_medians": statistics.median(samples["pool"])
+        / statistics.median(samples["torchrun"]),
+        "samples": samples,
+    }
+
+
+def _rate(x: float) -> str:
+    return f"{x:.0f}/s"
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    m, a, b, cfg = report["machine"], report["steps"], report["first"], report["config"]
+    r = a["ratio"]
+    lo, hi = r["of_medians_bootstrap_95"]
+    goal = "**met**" if r["of_medians"] >= GOAL_STEPS_RATIO else "**NOT met**"
+    if lo < GOAL_STEPS_RATIO <= r["of_medians"]:
+        goal += f" by the medians (the interval reaches down to {lo:.3f})"
+    lines = [
+        "## GPU: a NCCL pool against torchrun\n",
+        f"Device: {cfg['gpus']} x {cfg['device']}, one rank per GPU, `--backend nccl`. "
+        + machine_line(m)
+        + "\n",
+        f"Command: `{report['command']}`.\n",
+        f"**(a) Launch-bound DDP loop** (`bench/scripts/ddp_cuda.py`, {cfg['steps']} timed steps "
+        f"after {cfg['warmup']}), {cfg['reps']} rounds interleaved after one warm-up. "
+        f"Goal: the cell at least {GOAL_STEPS_RATIO:.2f}x torchrun's steps per second: {goal}.\n",
+        "| side | median | p10 | p90 | min | max |",
+        "|---|---:|---:|---:|---:|---:|",
+        spread_row("`torchrun --standalone`", a["steps_per_s"]["torchrun"], _rate),
+        spread_row("`%%sky` cell `main([...])`", a["steps_per_s"]["cell"], _rate),
+        "",
+        f"Cell / torchrun, ratio of medians: **{r['of_medians']:.3f}** (bootstrap 95% interval "
+        f"{lo:.3f} to {hi:.3f}; per round median {r['per_round']['median']:.3f}).\n",
+        f"**(b) First collective from cold**, {cfg['first_reps']} rounds interleaved after one "
+        "warm-up: a fresh pool's start and first cell (all-reduce of a CUDA tensor) against "
+        "`torchrun` of `bench/scripts/nccl_first.py`, launch to exit.\n",
+        "| side | median | p10 | p90 | min | max |",
+        "|---|---:|---:|---:|---:|---:|",
+        spread_row("`torchrun --standalone`", b["wall_s"]["torchrun"], fmt_s),
+        spread_row("pool start + first cell", b["wall_s"]["pool"], fmt_s),
+        "",
+        f"Pool / torchrun, ratio of medians: **{b['ratio_of_medians']:.3f}**.\n",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = SCRIPT.parser(__doc__)
+    parser.add_argument("--reps", type=int, default=10, help="counted rounds of (a)")
+    parser.add_argument("--steps", type=int, default=2000, help="timed DDP steps per run")
+    parser.add_argument("--warmup", type=int, default=100, help="untimed DDP steps per run")
+    parser.add_argument("--first-reps", type=int, default=3, help="counted rounds of (b)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
+    args = SCRIPT.parse_args(parser, argv)
+    gpus, device = cuda_gpus()
+    if not gpus:
+        print("bench_gpu: no CUDA GPU here (torch.cuda.is_available() is False): nothing measured")
+        return 0
+    load_before = load_avg()
+    nb = Notebook(gpus, args.timeout)
+    notebook_dir = os.getcwd()
+    os.chdir(SCRIPTS)  # torchrun and the cells run beside the scripts, as a user's notebook
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench_gpu_") as tmp:
+            print(f"(a) DDP loop, {gpus} NCCL ranks: {args.reps} rounds", file=sys.stderr)
+            steps = compare_steps(nb, gpus, args, Path(tmp) / "report.json")
+            print(f"(b) first collective: {args.first_reps} rounds", file=sys.stderr)
+            first = compare_first(nb, gpus, args)
+    finally:
+        nb.close()
+        os.chdir(notebook_dir)
+    config = {k: getattr(args, k) for k in ("reps", "steps", "warmup", "first_reps")}
+    report = {
+        "machine": machine_info(load_before),
+        "command": command_line(),
+        "config": {**config, "gpus": gpus, "device": device},
+        "steps": steps,
+        "first": first,
+    }
+    SCRIPT.write_outputs(args, report, render_markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
