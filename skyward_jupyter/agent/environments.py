@@ -56,6 +56,7 @@ class BuildError(Exception):
 
 
 def root() -> Path:
+    """Where this node keeps its environments (``SKYWARD_ENVS`` names another place)."""
     return Path(os.path.expanduser(os.environ.get("SKYWARD_ENVS") or ENVS))
 
 
@@ -243,18 +244,6 @@ def use(site_dir: str) -> None:
         fd = os.open(env / _IN_USE, os.O_RDONLY)
         fcntl.flock(fd, fcntl.LOCK_SH)
         _held.append(fd)
-
-
-def describe() -> list[dict[str, object]]:
-    """The cached environments: their directory and package count."""
-    base = root()
-    if not base.is_dir():
-        return []
-    return [
-        {"env": str(env), "packages": _count(_site_of(env))}
-        for env in sorted(base.iterdir())
-        if _KEY.fullmatch(env.name) and (env / _IN_USE).exists()
-    ]
 
 
 def clean() -> tuple[list[tuple[Path, int]], list[str]]:
