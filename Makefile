@@ -13,7 +13,7 @@ LABSRC := $(wildcard labextension/src/*.ts labextension/style/*) \
 NPMDEP := labextension/node_modules/.package-lock.json
 SHARE  := $(VENV)/share/jupyter
 
-.PHONY: setup system-deps demo test lint labextension vendor-uplot bench clean
+.PHONY: setup system-deps demo test lint labextension vendor-uplot bench pictures clean
 
 # Debian packages the tests need, each installed only when missing: chromium for the browser
 # tests (Playwright drives Debian's chromium; it never downloads a browser), openssh-server for
@@ -86,6 +86,10 @@ lint: setup
 test: lint system-deps
 	npm --prefix labextension test
 	PY=$(PY) scripts/run_tests.sh
+
+# The README's pictures (docs/*.png), taken by the browser tests that check what they show.
+pictures: setup
+	SKYWARD_PICTURES=docs $(PY) -m pytest -q tests/test_browser.py tests/test_browser_charts.py tests/test_lab_panel.py
 
 bench: setup
 	$(PY) bench/bench_core.py --markdown-out BENCHMARKS.md

@@ -42,6 +42,9 @@ class Views(Protocol):
         """A cell is about to run on the pool; ``stdout``: whose output it shows."""
         ...
 
+    def cell_number(self) -> int | None:
+        """The running notebook cell's number (``In [7]``: 7), where the notebook numbers it."""
+
     def show(self, name: str | None, current: str | None) -> None:
         """Show a pool's panel (``%sky panel``); LookupError when there is no such pool."""
 
@@ -88,6 +91,9 @@ class NoViews:
 
     def cell(self, entry: EntryFacts, stdout: StdoutMode) -> CellView:
         return _NoCellView()
+
+    def cell_number(self) -> int | None:
+        return None
 
     def show(self, name: str | None, current: str | None) -> None:
         raise LookupError("this session has no panel")

@@ -244,7 +244,7 @@ class Pool:
         if io is None or self._closing:
             raise PoolError(f"pool {self.name!r} is not running; start it first")
         cell_id = next(self._cell_ids)
-        filename = filename or f"<sky-cell-{cell_id}>"
+        filename = filename or p.pool_cell_filename(cell_id)
         p.check_syntax(source, filename)
         shipped = {name: pickle_global(name, value) for name, value in (globals or {}).items()}
         run_id = None

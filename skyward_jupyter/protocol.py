@@ -212,6 +212,27 @@ class RunCell:
     torchrun is, with a new id unless ``--env`` chose one (None: a cell, in the pool's launch)."""
 
 
+def cell_filename(number: int) -> str:
+    """The file name a notebook cell runs under on the ranks, which its tracebacks and stacks
+    show: ``<In [7]>`` for the notebook's ``In [7]`` (IPython's execution count, the number the
+    panel shows)."""
+    return f"<In [{number}]>"
+
+
+def pool_cell_filename(cell_id: int) -> str:
+    """The file name of a cell run outside a numbered notebook cell (``Pool.run``): the pool's
+    own count, ``<sky-cell-3>``."""
+    return f"<sky-cell-{cell_id}>"
+
+
+def cell_name(filename: str) -> str | None:
+    """What a :func:`cell_filename` names: ``In [7]``, or ``cell`` (the pool's count); None
+    for any other file (a script, a module)."""
+    if filename.startswith("<In [") and filename.endswith("]>"):
+        return filename[1:-1]
+    return "cell" if filename.startswith("<sky-cell-") else None
+
+
 def check_syntax(source: str, filename: str) -> None:
     """Raise the SyntaxError a rank would for a :class:`RunCell`'s source, before it is sent:
     compiled with the source's own ``__future__`` imports only, not the sender's (string

@@ -8,6 +8,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, overload
 
+from .protocol import cell_name
+
 if TYPE_CHECKING:
     from . import protocol as p
     from .events import RankState
@@ -75,14 +77,14 @@ _FRAME = re.compile(r'File "([^"]*)", line (\d+)[^\n]*\n(?: +(\S[^\n]*))?')
 
 
 def _stopped_at(error: RemoteError | None) -> str:
-    """Where a stopped rank was: `` at cell line 3: time.sleep(60)`` (the deepest line of the
+    """Where a stopped rank was: `` at In [7] line 3: time.sleep(60)`` (the deepest line of the
     cell that its traceback names; in a script, its deepest frame: `` at train.py line 9``)."""
     frames = _FRAME.findall(error.traceback) if error is not None else []
-    cell = [f for f in frames if f[0].startswith("<sky-cell")]
+    cell = [f for f in frames if cell_name(f[0]) is not None]
     if not (cell or frames):
         return ""
     name, line, source = (cell or frames)[-1]
-    where = "cell" if cell else os.path.basename(name)
+    where = cell_name(name) or os.path.basename(name)
     return f" at {where} line {line}" + (f": {source.strip()}" if source else "")
 
 

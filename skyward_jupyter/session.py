@@ -26,7 +26,7 @@ from .mirror import modules_in, notebook_requirements
 from .observers import NoViews, PoolWatcher, Views
 from .options import StdoutMode
 from .pool import Pool
-from .protocol import Script, check_syntax
+from .protocol import Script, cell_filename, check_syntax
 from .providers import UnknownProvider, provider_class, sweep_all
 from .providers.base import ProviderError
 from .results import CellError, CellInterrupted, PoolError, RunResult
@@ -251,8 +251,11 @@ class Session:
         """Ship what the cell needs, run it, stream its output into this cell.
 
         A syntax error, or a global that cannot be sent, fails before any pool starts or changes.
+        The cell runs as ``<In [7]>`` where the notebook numbers it ``In [7]``.
         """
-        check_syntax(source, "<%%sky cell>")
+        number = self.views.cell_number()
+        filename = cell_filename(number) if number is not None else None
+        check_syntax(source, filename or "<%%sky cell>")
         _, reusable = self._reusable(name, spec)
         shipper = reusable.shipper if reusable else Shipper()
         shipment = shipper.prepare(source, user_ns)
@@ -260,7 +263,7 @@ class Session:
             entry = self.entry(name, spec, shipper)
             entry.busy += 1
         try:
-            return self._run_on(entry, source, shipment, stdout, timeout)
+            return self._run_on(entry, source, shipment, stdout, timeout, filename=filename)
         finally:
             entry.busy -= 1
             entry.last_active = time.monotonic()
@@ -299,6 +302,7 @@ class Session:
         stdout: StdoutMode | None,
         timeout: float | None,
         script: Script | None = None,
+        filename: str | None = None,
     ) -> RunResult:
         for warning in shipment.warnings:
             self._announce(f"warning: {warning}")
@@ -308,7 +312,7 @@ class Session:
                 source,
                 shipment.globals,
                 timeout=timeout,
-                filename=script.path if script else None,
+                filename=script.path if script else filename,
                 script=script,
                 observer=view.on_event,
                 on_wait=view.flush,

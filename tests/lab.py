@@ -34,6 +34,10 @@ from .conftest import outputs_of, reply_of, wait_for
 CHROMIUM = os.environ.get("SKYWARD_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
 CHECKOUT = Path(__file__).resolve().parents[1]
+DOCS = CHECKOUT / "docs" if os.environ.get("SKYWARD_PICTURES") == "docs" else ARTIFACTS
+"""Where the README's pictures go, each made by the browser test that shows what it pictures:
+``docs/`` when ``make pictures`` asks for them (``SKYWARD_PICTURES=docs``), else beside the other
+artifacts, so that a test run leaves the checkout as it found it."""
 BUILT_PANEL = CHECKOUT / "skyward_jupyter" / "labextension"
 """This checkout's build of the side panel (make labextension), when there is one."""
 SERVER_EXTENSION_CONFIG = (
@@ -167,6 +171,16 @@ def screenshot(page: object, name: str) -> Path:
     return path
 
 
+def picture(element: object, name: str, where: Path = DOCS) -> Path:
+    """A PNG of one element (a panel, not the page: small enough to commit), by default for
+    the README (see :data:`DOCS`).
+    """
+    where.mkdir(exist_ok=True)
+    path = where / f"{name}.png"
+    element.screenshot(path=str(path))  # type: ignore[attr-defined]
+    return path
+
+
 def api(
     lab: Lab,
     method: str,
@@ -193,6 +207,15 @@ def api(
         return status, json.loads(raw) if raw else None
     except ValueError:
         return status, raw
+
+
+def end_kernels(lab: Lab) -> None:
+    """Shut down every kernel of the lab, and with them their pools (a test's ranks end with
+    the test, though the lab serves the module's next test)."""
+    status, kernels = api(lab, "GET", "/api/kernels")
+    assert status == 200, kernels
+    for kernel in kernels:
+        api(lab, "DELETE", f"/api/kernels/{kernel['id']}")
 
 
 def rank_pids(pool: dict[str, Any]) -> set[int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ import pytest
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from .conftest import agent_pids, wait_for
-from .lab import Lab, chromium_page, jupyter_lab, screenshot
+from .lab import ARTIFACTS, Lab, chromium_page, end_kernels, jupyter_lab, picture, screenshot
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "notebooks" / "01_quickstart.ipynb"
 ALL_PROMPTS_NUMBERED = (
@@ -25,14 +26,43 @@ RUN_STARTED = (
 )
 
 
-@pytest.fixture
+STEPS = 60
+TRAINING = f"""%%sky --nodes 2
+import time
+from skyward_jupyter import instance_info, log
+rank = instance_info().rank
+for step in range({STEPS}):
+    log(step=step, total={STEPS}, loss=(rank + 1) / (step + 1))
+    time.sleep(0.25)
+"""
+RANK_ONE_FAILS = """%%sky
+import time, torch.distributed as dist
+store = dist.distributed_c10d._get_default_store()
+if dist.get_rank() == 1:
+    store.wait(['rank 0 waits'])  # rank 0 is at its barrier
+    time.sleep(0.5)
+    raise ValueError('only rank one fails')
+store.set('rank 0 waits', '1')
+dist.barrier()
+"""
+LATER = "%%sky\nimport time\nprint('a later cell', flush=True)\ntime.sleep(6)"
+
+
+@pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
-    """A lab serving the quickstart without its final ``%sky down``: the pool stays to inspect."""
+    """A lab serving the quickstart without its final ``%sky down`` (the pool stays to inspect)
+    and a notebook that trains, then fails on rank 1; one server for the module's tests."""
     root = tmp_path_factory.mktemp("lab")
     nb = nbformat.read(QUICKSTART, as_version=4)
     assert nb.cells[-1].source.strip() == "%sky down"
     nb.cells = nb.cells[:-1]
     nbformat.write(nb, root / QUICKSTART.name)
+    cells = nbformat.v4.new_notebook()
+    cells.cells = [
+        nbformat.v4.new_code_cell(source)
+        for source in ("%load_ext skyward_jupyter", TRAINING, RANK_ONE_FAILS)
+    ]
+    nbformat.write(cells, root / "cells.ipynb")
     with jupyter_lab(root) as server:
         yield server
     wait_for(lambda: not agent_pids(), 20, "the lab kernels' ranks to end with the server")
@@ -41,6 +71,14 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
 def _epochs() -> int:
     source = next(c.source for c in nbformat.read(QUICKSTART, 4).cells if "EPOCHS =" in c.source)
     return int(source.split("EPOCHS =")[1].split()[0])
+
+
+def _open(lab: Lab, page: Any, notebook: str) -> None:
+    """Open ``notebook`` alone, in a workspace of its own: the lab does not restore the tabs
+    the module's earlier test left open."""
+    page.goto(lab.page_url(f"lab/workspaces/{Path(notebook).stem}/tree/{notebook}"))
+    page.wait_for_selector("#jupyterlab-splash", state="detached", timeout=60_000)
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
 
 
 def _run_all_cells(page: Any) -> None:
@@ -66,11 +104,7 @@ def _run_all_cells(page: Any) -> None:
 def test_quickstart_panel_then_interrupt(lab: Lab) -> None:
     with chromium_page() as page_:
         page: Any = page_
-        page.goto(lab.page_url(f"lab/tree/{QUICKSTART.name}"))
-        page.wait_for_selector("#jupyterlab-splash", state="detached", timeout=60_000)
-        page.wait_for_selector(
-            ".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000
-        )
+        _open(lab, page, QUICKSTART.name)
         try:
             _run_all_cells(page)
             page.wait_for_function(ALL_PROMPTS_NUMBERED, timeout=120_000)
@@ -116,3 +150,90 @@ def test_quickstart_panel_then_interrupt(lab: Lab) -> None:
             assert "KeyboardInterrupt" in long_cell.inner_text()
         finally:
             screenshot(page, "quickstart-interrupt")
+            end_kernels(lab)
+
+
+PROGRESS_AT = (
+    "([cell, step]) => { const p = document.querySelectorAll('.jp-CodeCell')[cell]"
+    "?.querySelector('.sky-progress[data-state=running]');"
+    " return !!p && Number(p.dataset.step) >= step && p.textContent.includes(' left'); }"
+)
+
+
+def test_a_cells_panel_shows_its_progress_then_its_failure_and_then_stays_as_it_ended(
+    lab: Lab,
+) -> None:
+    """Progress while a training cell runs; rank 1's failure red and badged in the next cell's
+    panel with what the pool did after it; both panels frozen while a later cell runs.
+    Pictures of the first two are the README's."""
+    with chromium_page() as page_:
+        page: Any = page_
+        page.set_viewport_size({"width": 1000, "height": 1000})
+        _open(lab, page, "cells.ipynb")
+        cells = page.locator(".jp-CodeCell")
+        training, failing = cells.nth(1), cells.nth(2)
+        try:
+            _run_all_cells(page)
+
+            # While it runs: In [2], elapsed, step k/60, steps/s, a bar and the time left.
+            page.wait_for_function(PROGRESS_AT, arg=[1, 12], timeout=120_000)
+            progress = training.locator(".sky-progress")
+            text = re.sub(r"(\s*·\s*)+", " · ", progress.inner_text())  # the bar has no text
+            assert re.fullmatch(
+                r"In \[2\] running · \d+ s · step \d+/60 · [\d.]+ (steps/s|s/step) · "
+                r"\d+% · (\d+ min )?\d+ s left",
+                text,
+            ), text
+            fraction = float(progress.locator(".sky-bar").get_attribute("data-fraction") or -1)
+            assert 0 < fraction < 1, fraction
+            picture(training.locator(".sky-panel"), "panel-progress")
+
+            # Rank 1 raised: red in the node table, its tab badged with the error's first
+            # line; the pool's note says the group was formed again, in the panel and below.
+            page.wait_for_selector(
+                ".jp-CodeCell >> nth=2 >> .sky-progress[data-state=ended]", timeout=120_000
+            )
+            panel = failing.locator(".sky-panel")
+            header = panel.locator(".sky-progress").inner_text()
+            assert re.match(r"In \[3\] failed on (rank 1|ranks 0, 1) · took \d+ s$", header), header
+            node = panel.locator("tr.sky-node[data-node='1']")
+            assert node.get_attribute("data-state") == "failed"
+            assert "only rank one fails" in node.inner_text()
+            red = node.locator(".sky-state").evaluate("e => getComputedStyle(e).color")
+            assert red == "rgb(207, 34, 46)", red
+            tab = panel.locator(".sky-tabs .lm-TabBar-tab").nth(1)
+            assert tab.inner_text() == "rank 1 \u2716 ValueError: only rank one fails"
+            note = "the pool formed its process group again"
+            assert note in panel.locator("ul.sky-messages").inner_text()
+            wait_for(lambda: note in failing.locator(".jp-OutputArea").inner_text(), 30, "the note")
+            tab.click()
+            panel.locator(".sky-error").filter(has_text="only rank one fails").wait_for()
+            picture(panel, "panel-failure")
+
+            # A later cell runs: the earlier panels stay as their cells ended (their clocks
+            # stopped), and the later cell's output reaches none of them.
+            frozen = {i: cells.nth(i).locator(".sky-panel").text_content() for i in (1, 2)}
+            assert "In [2] done · took" in frozen[1] and "step 59/60" in frozen[1]
+            cells.last.click()
+            page.keyboard.press("Escape")
+            page.keyboard.press("b")
+            page.keyboard.press("Enter")
+            page.keyboard.type(LATER)
+            page.keyboard.press("Shift+Enter")
+            later = cells.nth(3).locator(".sky-progress")
+            wait_for(
+                lambda: later.count() == 1 and re.search(r"running · [3-9] s", later.inner_text()),
+                60,
+                "the later cell to run 3 s",
+            )
+            for i, text in frozen.items():
+                now = cells.nth(i).locator(".sky-panel").text_content()
+                assert now == text, f"In [{i + 1}]'s panel changed after its cell ended"
+                assert "a later cell" not in now
+            picture(cells.nth(1).locator(".sky-panel"), "panel-ended", ARTIFACTS)
+            page.wait_for_selector(
+                ".jp-CodeCell >> nth=3 >> .sky-progress[data-state=ended]", timeout=60_000
+            )
+        finally:
+            screenshot(page, "cells-panels")
+            end_kernels(lab)

@@ -6,17 +6,15 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import nbformat
 import pytest
 
 from .conftest import agent_pids, wait_for
-from .lab import Lab, chromium_page, jupyter_lab, screenshot
+from .lab import Lab, chromium_page, jupyter_lab, picture, screenshot
 from .test_browser import ALL_PROMPTS_NUMBERED, _run_all_cells
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
 STEPS = 60
 TRAINING = f"""%%sky --nodes 2
 import time
@@ -99,8 +97,7 @@ def test_a_chart_shows_a_steps_values_on_hover_and_a_log_scale(lab: Lab) -> None
             text = hover.inner_text()
             assert f"step {step}: mean " in text and "(2 ranks)" in text, text
             assert f"min {expected(step)['min']:.4g}" in text, text
-            DOCS.mkdir(exist_ok=True)
-            charts.screenshot(path=str(DOCS / "panel-charts.png"))
+            picture(charts, "panel-charts")
 
             # Linear, then log: the y ticks go from evenly spaced to powers of ten.
             assert chart.get_attribute("data-scale") == "linear"

@@ -236,6 +236,9 @@ def test_nccl_pending_collectives_are_read_from_the_flight_recorder() -> None:
     ]
     ((waiting, age),) = pending_from(entries, now)
     assert (waiting.collective, waiting.where, age) == ("all_gather", "cell line 3", 4.0)
+    entries[1]["frames"][1]["filename"] = "<In [7]>"  # a notebook's cell, as it numbers it
+    ((waiting, _),) = pending_from(entries, now)
+    assert waiting.where == "In [7] line 3"
 
 
 def test_sky_stacks_lists_every_rank(kernel: Any) -> None:

@@ -4,8 +4,8 @@ Two notebooks' kernels (sessions, as JupyterLab opens them) start pools; the pan
 titled by notebook and name (a click opens the notebook). The second's kernel is killed: its pool
 is shown ``gone``, greyed, and "Clean up" removes it; the first's button shuts it down through its
 kernel. A record written just after the panel's listing shows within a second, not at the next
-3 s listing. Screenshots go to ``test-artifacts/``; ``side-panel.png`` there, the panel alone,
-is the one the README shows (copied to ``docs/`` by hand when the panel's look changes).
+3 s listing. Screenshots go to ``test-artifacts/``; the panel alone, a pool gone, is
+``docs/side-panel.png``, the one the README shows.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from skyward_jupyter import registry
 
 from .conftest import agent_pids, wait_for
-from .lab import ARTIFACTS, Kernel, Lab, api, chromium_page, jupyter_lab, rank_pids, screenshot
+from .lab import DOCS, Kernel, Lab, api, chromium_page, jupyter_lab, rank_pids, screenshot
 
 PANEL = "#skyward-pools"
-PANEL_SHOT = ARTIFACTS / "side-panel.png"
+PANEL_SHOT = DOCS / "side-panel.png"
 
 
 @pytest.fixture
@@ -161,6 +161,7 @@ def _scenario(lab: Lab, page: Any, kernels: list[Kernel]) -> None:
     assert details == "local · 2 nodes · gloo", details  # no uptime counting on
     clean = page.locator(f"{PANEL} .sky-lab-clean")
     assert clean.inner_text() == "Clean up 1 gone"
+    DOCS.mkdir(exist_ok=True)
     shoot_panel(page, PANEL_SHOT)
     screenshot(page, "lab_panel_gone")
 

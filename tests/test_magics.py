@@ -691,7 +691,8 @@ def test_a_cell_is_checked_and_run_as_python_compiles_it(nb: Kernel) -> None:
 def test_a_syntax_error_in_a_cell_starts_no_pool(nb: Kernel) -> None:
     cell = nb.fails("%%sky --name never --nodes 1\nprint('fine')\ndef broken(:\n")
     assert cell.reply["ename"] == "SyntaxError", str(cell)
-    assert cell.reply["evalue"] == "invalid syntax (<%%sky cell>, line 2)", str(cell)
+    number = cell.reply["execution_count"]
+    assert cell.reply["evalue"] == f"invalid syntax (<In [{number}]>, line 2)", str(cell)
     assert "never" not in nb.status()
 
 
@@ -863,7 +864,16 @@ def test_a_failing_rank_shows_its_exception_and_the_cells_source_line(nb: Kernel
     traceback = "\n".join(error["traceback"])
     assert "--- rank 1" in traceback
     assert "raise ValueError('only rank one fails')" in traceback
-    assert 'File "<sky-cell-' in traceback
+    # The cell named as the notebook numbers it, in the traceback as in the panel.
+    number = cell.reply["execution_count"]
+    assert f'File "<In [{number}]>", line 3, in <module>' in traceback, traceback
+    (panel,) = [
+        m["content"]["data"]["text/plain"]
+        for m in cell.messages
+        if m["msg_type"] == "display_data"
+        and "panel" in m["content"]["metadata"].get("skyward_jupyter", {})
+    ]
+    assert panel.startswith(f"In [{number}] "), panel
     assert "rank 0:" in traceback  # the head, stopped after the failure, is summarised
     # The pool recovered: a collective works on the next cell.
     cell = nb.ok(
@@ -933,10 +943,11 @@ def test_interrupt_stops_the_cell_and_keeps_the_pool(nb: Kernel) -> None:
     assert cell.status == "error", str(cell)
     assert cell.reply["ename"] == "CellInterrupted", str(cell)
     # The toolbar's stop: a line per rank, where it stopped; no frames of the magic, no source.
+    number = cell.reply["execution_count"]
     assert cell.errors[0]["traceback"] == [
         "KeyboardInterrupt: cell interrupted on 2 ranks",
-        "rank 0: stopped at cell line 3: time.sleep(120)",
-        "rank 1: stopped at cell line 3: time.sleep(120)",
+        f"rank 0: stopped at In [{number}] line 3: time.sleep(120)",
+        f"rank 1: stopped at In [{number}] line 3: time.sleep(120)",
     ], str(cell)
     assert "woke" not in cell.stdout
 

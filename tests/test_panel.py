@@ -85,7 +85,8 @@ def test_the_panel_draws_nodes_a_tab_per_rank_metrics_and_a_point_per_step(pool:
         assert chart.points["max"] == [2, 3, 4, 5]
 
         (row,) = re.findall(
-            r'<tr class="sky-metric" data-metric="loss">(.*?)</tr>', panel.metrics.value
+            r'<tr class="sky-metric" data-metric="loss" data-waiting="false">(.*?)</tr>',
+            panel.metrics.value,
         )
         assert re.findall(r">([^<]*)</td>", row) == ["loss", "3", "4.5", "4", "5", "2"]
 
@@ -356,6 +357,19 @@ def test_in_a_kernel_a_cell_worth_watching_shows_the_panel_once_and_its_buttons_
         assert not _panel_displays(again.messages), "a quick cell shows no panel"
         assert not [m for m in again.messages if m["msg_type"] == "update_display_data"]
 
+        # A quick cell that fails on every rank shows its panel at its end, each rank red.
+        failed = kernel.execute("%%sky\nraise ValueError('on every rank')")
+        assert failed.status == "error"
+        (red,) = _panel_displays(failed.messages)
+        lines = red["data"]["text/plain"].splitlines()
+        assert re.match(r"In \[4\] failed on ranks 0, 1, took \d+ s$", lines[0]), lines
+        for node in (0, 1):
+            assert re.search(
+                rf"^  node {node}: .*, failed, .*ValueError: on every rank$",
+                "\n".join(lines[2:]),
+                re.M,
+            ), lines
+
         # A cell that runs a while shows it once, while it runs.
         watched = kernel.ok("%%sky\nimport time\ntime.sleep(0.6)\n3")
         (shown_again,) = _panel_displays(watched.messages)
@@ -409,10 +423,11 @@ def test_in_a_kernel_a_cell_worth_watching_shows_the_panel_once_and_its_buttons_
             timeout=90,
         )
         assert stopped.status == "error" and stopped.reply["ename"] == "CellInterrupted"
+        number = stopped.reply["execution_count"]
         assert stopped.errors[0]["traceback"] == [
             "KeyboardInterrupt: cell interrupted on 2 ranks",
-            "rank 0: stopped at cell line 3: time.sleep(120)",
-            "rank 1: stopped at cell line 3: time.sleep(120)",
+            f"rank 0: stopped at In [{number}] line 3: time.sleep(120)",
+            f"rank 1: stopped at In [{number}] line 3: time.sleep(120)",
         ], "the panel's Interrupt says what the toolbar's stop says"
         assert time.monotonic() - started < 60, "the clicks were handled while the cell ran"
         (view,) = stacks

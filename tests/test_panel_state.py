@@ -8,7 +8,14 @@ from typing import Any
 import pytest
 
 from skyward_jupyter.display.buffers import TextBuffer
-from skyward_jupyter.display.panel_html import header_html, nodes_html, output_html, tab_title
+from skyward_jupyter.display.metrics import GRACE
+from skyward_jupyter.display.panel_html import (
+    header_html,
+    metrics_html,
+    nodes_html,
+    output_html,
+    tab_title,
+)
 from skyward_jupyter.display.snapshot import NodeInfo, Waiting
 from skyward_jupyter.display.state import WAITING_MARK_AFTER, PanelState
 from skyward_jupyter.display.summary import summary_text
@@ -347,6 +354,38 @@ def test_each_step_is_reduced_across_the_ranks_that_logged_it() -> None:
     assert [r.step for r in snap.series["loss"]] == [0, 1]
 
 
+def test_a_step_not_every_rank_logged_yet_waits_rather_than_show_one_ranks_min_and_max() -> None:
+    now = [100.0]
+    state = state_with({0: 0, 1: 1}, clock=lambda: now[0])
+    state.apply(CellStarted(1, 2, 0))
+    state.apply(metrics(0, (0, {"loss": 4.0})))
+    (row,) = state.snapshot().latest
+    assert (row.step, row.ranks_text, row.waiting) == (0, "1 of 2", True)
+    table = metrics_html(state.snapshot())
+    assert 'data-metric="loss" data-waiting="true"' in table
+    assert table.count(">waiting</span>") == 2 and "<td" in table and ">1 of 2</td>" in table
+    assert "loss  step 0: 4, 1 of 2 ranks, waiting for the others" in summary_text(state.snapshot())
+
+    # Once both logged it, the step is whole; a step one rank alone reached does not replace it.
+    state.apply(metrics(1, (0, {"loss": 6.0})))
+    state.apply(metrics(0, (1, {"loss": 3.0})))
+    (row,) = state.snapshot().latest
+    assert (row.step, row.mean, row.min, row.max, row.ranks_text, row.waiting) == (
+        0, 5.0, 4.0, 6.0, "2", False
+    )  # fmt: skip
+    assert 'data-waiting="false"' in metrics_html(state.snapshot())
+    assert "loss  step 0: 5 (4 - 6), 2 ranks" in summary_text(state.snapshot())
+
+    # A rank that does not log it within the grace: the step stands without it, as the text's.
+    now[0] += GRACE
+    (row,) = state.snapshot().latest
+    assert (row.step, row.ranks_text, row.waiting) == (1, "1 of 2", False)
+    state.apply(metrics(0, (2, {"loss": 2.0})))
+    state.apply(CellFinished(1, RunResult(1, (done(0, 0), done(1, 1)))))
+    (row,) = state.snapshot().latest
+    assert (row.step, row.waiting) == (2, False), "the cell's end: every step is all there is"
+
+
 def test_log_without_a_step_numbers_each_ranks_values_in_order() -> None:
     state = state_with({0: 0, 1: 1})
     state.apply(metrics(0, (None, {"loss": 1.0}), (None, {"loss": 2.0})))
@@ -548,6 +587,59 @@ def test_a_failed_or_lost_rank_is_red_with_its_errors_first_line_until_the_next_
     assert "node 1: 10.0.0.1, T4, lost" in summary_text(snap)
     state.apply(CellStarted(2, 3, 0))
     assert [r.state for r in state.snapshot().ranks] == [S.IDLE, S.READY, S.READY]
+
+
+def test_a_failure_on_every_rank_marks_each_red_with_its_error_whatever_its_number() -> None:
+    state = state_with({0: 0, 1: 1, 2: 1})
+    cell = state.for_cell(5)
+    same = "ValueError: same everywhere"
+    failed = tuple(
+        failure(r, n, "ValueError", "same everywhere") for r, n in ((0, 0), (1, 1), (2, 1))
+    )
+    for event in (
+        CellStarted(1, 3, 0),
+        # The pool marks each failed rank as its answer comes, before the cell's result.
+        RankStateChanged(((0, 0), (1, 1), (2, 1)), S.FAILED),
+        CellFinished(1, RunResult(1, failed)),
+    ):
+        state.apply(event)
+        cell.apply(event)
+    assert cell.cell_failed and state.cell_failed
+    for snap in (state.snapshot(), cell.snapshot()):
+        assert [(r.state, r.detail) for r in snap.ranks] == [(S.FAILED, same)] * 3
+        assert [(n.state, n.detail) for n in snap.nodes] == [(S.FAILED, same)] * 2
+        assert [tab_title(r.rank, r) for r in snap.ranks] == [
+            f"rank 0 (head) \u2716 {same}",
+            f"rank 1 \u2716 {same}",
+            f"rank 2 \u2716 {same}",
+        ]
+        assert "node 0: 10.0.0.0, T4, failed, ValueError: same everywhere" in summary_text(snap)
+    state.apply(CellStarted(2, 3, 0))
+    assert not state.cell_failed
+
+
+def test_a_rank_the_pool_stopped_after_anothers_failure_is_not_marked_failed() -> None:
+    state = state_with({0: 0, 1: 1})
+    cell = state.for_cell(3)
+    stopped = RemoteError(0, "node 0", "KeyboardInterrupt", "", "KeyboardInterrupt\n", True)
+    result = RunResult(
+        1, (RankResult(0, 0, None, None, stopped, 0.1), failure(1, 1, "ValueError", "x"))
+    )
+    for event in (
+        CellStarted(1, 2, 0),
+        RankStateChanged(((1, 1), (0, 0)), S.FAILED),  # the pool marks each rank that raised
+        CellFinished(1, result),
+    ):
+        state.apply(event)
+        cell.apply(event)
+    for snap in (state.snapshot(), cell.snapshot()):
+        assert [(r.state, r.detail) for r in snap.ranks] == [
+            (S.IDLE, ""),
+            (S.FAILED, "ValueError: x"),
+        ]
+        assert tab_title(0, snap.ranks[0]) == "rank 0 (head)"
+    progress = cell.snapshot().progress
+    assert progress is not None and progress.outcome == "failed on rank 1"
 
 
 def test_an_interrupted_cell_marks_no_rank_failed() -> None:

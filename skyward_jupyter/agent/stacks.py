@@ -51,7 +51,7 @@ COLLECTIVES = frozenset(
 class Waiting:
     collective: str
     where: str
-    """The user's line that called it: ``cell line 3`` or ``train.py line 40``."""
+    """The user's line that called it: ``In [7] line 3`` or ``train.py line 40``."""
 
 
 def waiting(frame: FrameType | None) -> Waiting | None:
@@ -71,14 +71,13 @@ def waiting(frame: FrameType | None) -> Waiting | None:
 
 
 def line_of(filename: str, lineno: int) -> str:
-    if filename.startswith("<sky-cell-"):
-        return f"cell line {lineno}"
-    return f"{os.path.basename(filename)} line {lineno}"
+    """``In [7] line 3`` (a cell, named as the notebook numbers it), ``train.py line 40``."""
+    return f"{p.cell_name(filename) or os.path.basename(filename)} line {lineno}"
 
 
 def _users(filename: str) -> bool:
     """A frame of the user's code: a cell, a script, a module of theirs (not torch, not ours)."""
-    if filename.startswith("<sky-cell-"):
+    if p.cell_name(filename) is not None:
         return True
     return not filename.startswith("<") and users_file(filename)
 

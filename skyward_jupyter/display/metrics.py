@@ -20,6 +20,15 @@ MAX_STEPS = 2000
 """Steps kept per metric (the highest ones)."""
 RATE_STEPS = 20
 """Steps per second are measured over this many of the last new steps."""
+GRACE = 2.0
+"""Seconds after a step's first value from which it counts as complete though some ranks of the
+cell have not logged it (they may never: a metric that rank 0 alone logs)."""
+
+
+def step_complete(ranks: int, expected: int, first_at: float, now: float, grace: float) -> bool:
+    """Whether a step's values are all there is to wait for: every rank of the cell
+    (``expected``) logged it, or ``grace`` seconds passed since its first value."""
+    return (expected > 0 and ranks >= expected) or now - first_at >= grace
 
 
 class Pace:
@@ -58,7 +67,10 @@ def total_of(event: MetricsLogged) -> float | None:
 
 @dataclass(frozen=True, slots=True)
 class MetricRow:
-    """One metric at one step, reduced across the ranks that logged it."""
+    """One metric at one step, reduced across the ranks that logged it.
+
+    ``expected``: the ranks of the cell (0: not known); ``waiting``: the step is not complete
+    (:func:`step_complete`), so its min and max are not yet the ranks' (a view says "1 of 2")."""
 
     step: int
     name: str
@@ -66,11 +78,27 @@ class MetricRow:
     min: float
     max: float
     ranks: int
+    expected: int = 0
+    waiting: bool = False
 
     @classmethod
-    def of(cls, step: int, name: str, values: Iterable[float]) -> MetricRow:
+    def of(
+        cls,
+        step: int,
+        name: str,
+        values: Iterable[float],
+        expected: int = 0,
+        waiting: bool = False,
+    ) -> MetricRow:
         seq = list(values)
-        return cls(step, name, sum(seq) / len(seq), min(seq), max(seq), len(seq))
+        return cls(step, name, sum(seq) / len(seq), min(seq), max(seq), len(seq), expected, waiting)
+
+    @property
+    def ranks_text(self) -> str:
+        """``2``; ``1 of 2`` while fewer ranks than the cell's logged the step."""
+        if self.expected and self.ranks < self.expected:
+            return f"{self.ranks} of {self.expected}"
+        return str(self.ranks)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -126,10 +154,24 @@ class MetricSteps:
             -self.max_steps :
         ]
 
-    def latest(self, name: str) -> MetricRow | None:
-        """The highest step the most recent cell logged (what a latest-values table shows)."""
+    def latest(
+        self, name: str, expected: int = 0, now: float = 0.0, running: bool = False
+    ) -> MetricRow | None:
+        """The highest complete step the most recent cell logged (what a latest-values table
+        shows): while the cell is ``running``, a step that some of its ``expected`` ranks have
+        not logged yet waits (:func:`step_complete`); when no step is complete, the highest
+        one, marked waiting."""
         steps = [s for s, r in self.steps.items() if r.cell_id == self.last_cell] or self.steps
         if not steps:
             return None
-        step = max(steps)
-        return MetricRow.of(step, name, self.steps[step].values.values())
+        ready = [
+            s
+            for s in steps
+            if not running
+            or step_complete(
+                len(self.steps[s].values), expected, self.steps[s].first_at, now, GRACE
+            )
+        ]
+        step = max(ready or steps)
+        values = self.steps[step].values.values()
+        return MetricRow.of(step, name, values, expected, waiting=not ready)

@@ -35,7 +35,10 @@ DOM classes, for styling and for browser tests:
                        ``pre.sky-stderr[data-rank=K]``, ``.sky-error`` (a failed or lost rank's
                        error), or ``.sky-in-cell`` where the cell's own output shows the rank's
                        (the head's, by default: shown once, in the cell, where it is saved)
-``sky-metrics``        the latest-values table; ``tr.sky-metric[data-metric=NAME]`` per metric
+``sky-metrics``        the latest-values table; ``tr.sky-metric[data-metric=NAME]
+                       [data-waiting=true|false]`` per metric: its last complete step, or
+                       while none is, the last step with ``1 of 2`` ranks and min and max
+                       ``.sky-metric-waiting``
 ``sky-charts``         the charts, a live uPlot chart per metric: ``.sky-chart[data-metric=NAME]``
                        with its hover readout and its log and smooth toggles (see :mod:`.chart`)
 ``sky-messages``       the pool's last notes

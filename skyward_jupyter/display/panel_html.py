@@ -196,16 +196,18 @@ def metrics_html(snap: PanelSnapshot) -> str:
         )
     heads = ("metric", "step", "mean", "min", "max", "ranks")
     rows = []
+    waiting = '<span class="sky-metric-waiting" style="color: #6e7781">waiting</span>'
     for r in snap.latest:
         cells = (
             html.escape(r.name),
             str(r.step),
             format_number(r.mean),
-            format_number(r.min),
-            format_number(r.max),
-            str(r.ranks),
+            waiting if r.waiting else format_number(r.min),
+            waiting if r.waiting else format_number(r.max),
+            r.ranks_text,
         )
-        rows.append((f'class="sky-metric" data-metric="{html.escape(r.name)}"', cells))
+        attrs = f'class="sky-metric" data-metric="{html.escape(r.name)}"'
+        rows.append((attrs + f' data-waiting="{str(r.waiting).lower()}"', cells))
     return _table("sky-metrics", heads, rows)
 
 

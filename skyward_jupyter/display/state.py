@@ -118,6 +118,7 @@ class PanelState:
         self._steps = StepNumbers()
         self._messages: list[str] = []
         self._cell: int | None = None
+        self._cell_ranks = 0  # the ranks the last cell ran on: who is to log each step
         self._cells = 0
         self._version = 0
         self._progress: Progress | None = None  # a cell's view only (for_cell)
@@ -151,6 +152,12 @@ class PanelState:
     @property
     def progress(self) -> Progress | None:
         return self._progress
+
+    @property
+    def cell_failed(self) -> bool:
+        """Whether the last cell failed on a rank or lost one (until the next cell starts)."""
+        with self._lock:
+            return any(r.ended is not None for r in self._ranks.values())
 
     @property
     def cell_running(self) -> bool:
@@ -249,7 +256,7 @@ class PanelState:
             elif isinstance(event, MetricsLogged):
                 self._log(event)
             elif isinstance(event, CellStarted):
-                self._cell = event.cell_id
+                self._cell, self._cell_ranks = event.cell_id, event.ranks
                 self._cells += 1
                 for rank in self._ranks.values():
                     rank.ended, rank.ended_detail = None, ""
@@ -280,17 +287,27 @@ class PanelState:
         return True
 
     def _finished(self, event: CellFinished) -> None:
-        """Mark the ranks the cell failed on; a cell's view records how the cell ended."""
+        """Mark the ranks the cell failed on; a cell's view records how the cell ended.
+
+        A rank that was only stopped (the user's interrupt, or the pool's after another rank
+        failed: a ``KeyboardInterrupt`` that followed) did not fail: it is not marked."""
         result = event.result
+        failed = []
         for r in result:
-            if r.error is None or (result.interrupted and r.error.type_name == "KeyboardInterrupt"):
+            error = r.error
+            if error is None:
                 continue
+            if error.type_name == "KeyboardInterrupt" and (result.interrupted or error.secondary):
+                stopped = self._ranks.get(r.rank)
+                if stopped is not None and stopped.state is RankState.FAILED:
+                    stopped.state, stopped.detail = RankState.IDLE, ""  # the pool marked it
+                continue
+            failed.append(r.rank)
             rank = self._rank(r.rank, r.node)
-            rank.ended = RankState.LOST if r.error.type_name == "RankLost" else RankState.FAILED
-            rank.ended_detail = first_line(f"{r.error.type_name}: {r.error.message}")
+            rank.ended = RankState.LOST if error.type_name == "RankLost" else RankState.FAILED
+            rank.ended_detail = first_line(f"{error.type_name}: {error.message}")
         if self._progress is None:
             return
-        failed = [r.rank for r in result if r.error is not None]
         if result.interrupted:
             outcome = "interrupted"
         elif failed:
@@ -383,10 +400,11 @@ class PanelState:
                 self._cell,
                 self._cells,
             )
+            running = self._cell is not None
             latest = tuple(
                 row
                 for name, metric in self._metrics.items()
-                if (row := metric.latest(name)) is not None
+                if (row := metric.latest(name, self._cell_ranks, now, running)) is not None
             )
             series = {name: tuple(m.rows(name)) for name, m in self._metrics.items()}
             return PanelSnapshot(
@@ -409,7 +427,8 @@ class PanelState:
             # Restarting after a loss: show the loss for a moment, and what happens now.
             where = "restarted" if state is RankState.READY else f"restarting ({state.value})"
             state, detail = RankState.LOST, f"{rank.lost_detail}; {where}".lstrip("; ")
-        elif rank.ended is not None and state in _AFTER_CELL:
+        elif rank.ended is not None and (state in _AFTER_CELL or state is rank.ended):
+            # Failed in the cell, idle or re-formed since: how the cell ended, and its error.
             state, detail = rank.ended, rank.ended_detail
         return RankRow(
             index,

@@ -48,12 +48,13 @@ def summary_text(snap: PanelSnapshot, now: float | None = None, live: bool = Tru
         for row in snap.latest:
             spread = (
                 ""
-                if row.min == row.max
+                if row.min == row.max or row.waiting
                 else f" ({format_number(row.min)} - {format_number(row.max)})"
             )
+            ranks = f"{row.ranks_text} rank{'s' * (row.ranks_text != '1')}"
             lines.append(
                 f"    {row.name:<{width}}  step {row.step}: {format_number(row.mean)}{spread}, "
-                f"{row.ranks} rank{'s' * (row.ranks != 1)}"
+                + (f"{ranks}, waiting for the others" if row.waiting else ranks)
             )
     for message in snap.messages[-3:]:
         lines.append(f"  note: {message}")

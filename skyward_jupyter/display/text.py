@@ -48,7 +48,7 @@ from ..events import (
 )
 from ..runtime import TOTAL_KEY
 from .format import format_number, format_seconds, step_pace
-from .metrics import MetricRow, Pace, StepNumbers, total_of
+from .metrics import GRACE, MetricRow, Pace, StepNumbers, step_complete, total_of
 from .snapshot import Waiting
 from .state import WAITING_MARK_AFTER
 
@@ -80,7 +80,7 @@ class TextReport:
         self,
         out: TextIO | None = None,
         *,
-        grace: float = 2.0,
+        grace: float = GRACE,
         burst: int = 5,
         per_second: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
@@ -254,9 +254,7 @@ class TextReport:
         ranks: set[int] = set()
         for values in self._steps[step].values():
             ranks.update(values)
-        if self._expected and len(ranks) >= self._expected:
-            return True
-        return now - self._first[step] >= self.grace
+        return step_complete(len(ranks), self._expected, self._first[step], now, self.grace)
 
     def _token(self, now: float) -> bool:
         self._tokens = min(

@@ -10,7 +10,8 @@ replaces it). On top of it:
   ``In [N]`` as the notebook numbers the cell), displayed as the pool starts (so starting shows),
   else as soon as the cell has run :data:`QUICK_CELL_S` or its ranks wrote output (above that
   output). A quicker cell that printed nothing shows only its result: its panel would have
-  nothing live to show, and in a kernel that display was most of a trivial cell's cost. When the
+  nothing live to show, and in a kernel that display was most of a trivial cell's cost; one
+  that failed on a rank shows it at its end, its failed ranks red, however quick. When the
   cell ends its panel stops: it keeps the cell's final state, and its display is updated once, so
   the saved notebook's ``text/plain`` says how the cell left the pool. ``%sky panel`` shows a
   pool-wide panel (every cell), which says so;
@@ -113,20 +114,23 @@ class _CellView:
             view.text.flush()
 
     def finish(self) -> None:
-        self._show_panel_if_due()
+        self._show_panel_if_due(ended=True)
         self._output.finish()  # also writes the stderr lines still held for other ranks
         view = self._view
         if view is not None:
             self._views._cell_finished(view)
 
-    def _show_panel_if_due(self) -> None:
+    def _show_panel_if_due(self, ended: bool = False) -> None:
         """Display the panel (as its timer drew it last) once the cell has output to write
-        below it or has run long enough to be watched."""
-        if not self._panel_due or self._view is None:
+        below it or has run long enough to be watched; a cell that ``ended`` failing on a rank
+        shows it however quick it was (its red ranks say where the failure was)."""
+        view = self._view
+        if not self._panel_due or view is None:
             return
-        if self._output.pending or time.monotonic() - self._started >= QUICK_CELL_S:
+        failed = ended and view.cell_state is not None and view.cell_state.cell_failed
+        if self._output.pending or failed or time.monotonic() - self._started >= QUICK_CELL_S:
             self._panel_due = False
-            self._views._show(self._view)
+            self._views._show(view)
 
 
 class PoolViews:
@@ -247,13 +251,17 @@ class PoolViews:
         if pending:
             self._down(view)
 
+    def cell_number(self) -> int | None:
+        """The running cell's ``In [N]``: the panel's name for it, and its file name on the
+        ranks (so tracebacks name it as the notebook does)."""
+        # IPython counts the cell before running it: the running cell is In [count - 1].
+        count = getattr(self.shell, "execution_count", None)
+        return count - 1 if isinstance(count, int) and count > 1 else None
+
     def _begin_cell(self, view: _View) -> None:
         """A state of this cell's own, fed from now on; its panel is made when first shown."""
         self._end_cell(view)
-        # IPython counts the cell before running it: the running cell is In [count - 1].
-        count = getattr(self.shell, "execution_count", None)
-        number = count - 1 if isinstance(count, int) and count > 1 else None
-        view.cell_state = view.state.for_cell(number)
+        view.cell_state = view.state.for_cell(self.cell_number())
         view.cell_feed = view.pool.subscribe(view.cell_state.apply)
         view.cell_key = self._cell_key()
         view.panel = None
