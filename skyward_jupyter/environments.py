@@ -74,7 +74,7 @@ class Packages:
         """The wheels of these packages and of all they need, downloaded here once per content
         (``pip download``, binary only, torch pinned to the notebook's): what nodes without an
         index install from. They are this machine's platform's: nodes must share it."""
-        root = Path(os.path.expanduser(os.environ.get("SKYWARD_WHEELS") or WHEELS))
+        root = wheels_root()
         target = root / self.digest[:16]
         if target.is_dir():
             return target
@@ -103,6 +103,12 @@ class Packages:
         except OSError:  # another kernel downloaded them meanwhile
             shutil.rmtree(staging, ignore_errors=True)
         return target
+
+
+def wheels_root() -> Path:
+    """Where this notebook keeps the wheels it downloaded (``SKYWARD_WHEELS`` names another
+    place)."""
+    return Path(os.path.expanduser(os.environ.get("SKYWARD_WHEELS") or WHEELS))
 
 
 def _notebook_torch() -> str | None:

@@ -43,6 +43,7 @@ def envs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A cache of environments of the test's own (the builder and the ranks read it)."""
     root = tmp_path / "envs"
     monkeypatch.setenv("SKYWARD_ENVS", str(root))
+    monkeypatch.setenv("SKYWARD_WHEELS", str(tmp_path / "wheels"))
     yield root
 
 
@@ -166,9 +167,14 @@ def test_clean_keeps_an_environment_a_rank_uses_and_removes_it_after(envs: Path)
 
 def test_local_clean_says_what_went(envs: Path) -> None:
     _report(_build(envs, ["tabulate"]))
+    wheels = Packages(("tabulate",), wheels=True).download()  # what --ship-wheels keeps here
+    assert [w.name.split("-")[0] for w in wheels.glob("*.whl")] == ["tabulate"]
     lines = asyncio.run(LocalProvider().clean())
     assert len(lines) == 1, lines
-    assert lines[0].startswith("this machine: removed 1 package environment ("), lines
+    assert lines[0].startswith(
+        "this machine: removed 1 package environment and 1 folder of wheels ("
+    ), lines
+    assert not wheels.exists()
 
 
 def test_pip_and_requirements_options_make_the_pools_packages(tmp_path: Path) -> None:

@@ -186,23 +186,28 @@ def test_mirror_gives_index_less_hosts_the_notebooks_versions_through_the_sessio
 
 
 def test_clean_removes_the_hosts_environments_that_no_rank_uses(
-    hosts: Hosts, honest_python: str, tmp_path: Path
+    hosts: Hosts, honest_python: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """...and the wheels sent to them (``--ship-wheels``), while no build runs."""
+    monkeypatch.setenv("SKYWARD_WHEELS", str(tmp_path / "wheels"))
     provider = ssh_provider(hosts, 2, tmp_path, python=honest_python)
-    with Pool(nodes=2, provider=provider, packages=ON_HOSTS) as pool:
+    with Pool(nodes=2, provider=provider, packages=Packages(("ujson",), wheels=True)) as pool:
         site = pool.environments[0].site
         busy = asyncio.run(ssh_provider(hosts, 2, tmp_path, python=honest_python).clean())
-        assert all("kept" in line for line in busy), busy
-        assert pool.run("import tabulate\ntabulate.__name__").values == ["tabulate"] * 2
+        # The environment in use stays; the wheels it was built from go (no build runs).
+        assert all("kept" in line and "1 folder of wheels" in line for line in busy), busy
+        assert pool.run("import ujson\nujson.__name__").values == ["ujson"] * 2
         for i in (0, 1):
             assert _exists(hosts, i, honest_python, site)
     lines = asyncio.run(ssh_provider(hosts, 2, tmp_path, python=honest_python).clean())
     assert all(re.search(r": removed \d+ package environments? ", line) for line in lines), lines
     for i in (0, 1):
-        assert (
-            _on_host(
-                hosts, i, honest_python, f"import os; print(os.path.isdir({site!r}))"
-            ).stdout.strip()
-            == "False"
+        assert not _exists(hosts, i, honest_python, site)
+        listing = _on_host(
+            hosts,
+            i,
+            honest_python,
+            f"import os; print(os.listdir({str(tmp_path / 'cache' / 'wheels')!r}))",
         )
+        assert listing.stdout.strip() == "[]", listing
     wait_for(lambda: not _remote_agents(hosts), 10, "remote ranks to end after close")

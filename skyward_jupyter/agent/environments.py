@@ -246,12 +246,24 @@ def use(site_dir: str) -> None:
         _held.append(fd)
 
 
-def clean() -> tuple[list[tuple[Path, int]], list[str]]:
-    """Remove the cached environments no rank uses (and builds that were cut off); what is
-    removed (and its bytes), and what is kept as in use."""
+def clean(wheels: Path | None = None) -> tuple[list[tuple[Path, int]], list[str]]:
+    """Remove the cached environments no rank uses (and builds that were cut off), and the
+    folders of wheels in ``wheels`` while no build runs; what is removed (and its bytes), and
+    what is kept as in use."""
     base = root()
     removed: list[tuple[Path, int]] = []
     kept: list[str] = []
+    if wheels is not None and wheels.is_dir():
+        building = base.is_dir() and any(_held_by_other(lock) for lock in base.glob("*.lock"))
+        for item in sorted(wheels.iterdir()):
+            if not item.is_dir() or item.is_symlink():
+                continue
+            if building:
+                kept.append(str(item))
+                continue
+            size = sum(f.lstat().st_size for f in item.rglob("*"))
+            shutil.rmtree(item)
+            removed.append((item, size))
     if not base.is_dir():
         return removed, kept
     for item in sorted(base.iterdir()):
@@ -275,6 +287,14 @@ def clean() -> tuple[list[tuple[Path, int]], list[str]]:
                 continue
         removed.append((item, size))
     return removed, kept
+
+
+def _held_by_other(lock: Path) -> bool:
+    try:
+        with _locked(lock, fcntl.LOCK_EX | fcntl.LOCK_NB):
+            return False
+    except BlockingIOError:
+        return True
 
 
 def main() -> int:

@@ -36,7 +36,14 @@ from typing import TYPE_CHECKING, Any
 from ..agent import environments as node_environments
 from ..agent.descendants import end_rank, pool_dir
 from ..agent.torch_setup import nccl_available
-from ..environments import BUILDER, NodeEnvironment, Packages, PackagesError, follow
+from ..environments import (
+    BUILDER,
+    NodeEnvironment,
+    Packages,
+    PackagesError,
+    follow,
+    wheels_root,
+)
 from ..events import RankState
 from ..gpus import NO_GPU, LayoutError, check_gpu_layout, gpu_model, same_gpu
 from ..memory import meminfo
@@ -438,11 +445,16 @@ class LocalProvider(Provider):
         return {node.index: built for node in nodes}
 
     async def clean(self) -> list[str]:
-        """``%sky clean`` here: the package environments (``--pip``) no running rank uses."""
-        removed, kept = await asyncio.to_thread(node_environments.clean)
-        count = len(removed)
+        """``%sky clean`` here: the package environments (``--pip``) no running rank uses, and
+        the wheels downloaded for ``--ship-wheels``."""
+        removed, kept = await asyncio.to_thread(node_environments.clean, wheels_root())
+        envs = sum(1 for path, _ in removed if path.parent != wheels_root())
+        parts = [f"{envs} package environment{'s' * (envs != 1)}"] if envs else []
+        if len(removed) > envs:
+            count = len(removed) - envs
+            parts.append(f"{count} folder{'s' * (count != 1)} of wheels")
         text = (
-            f"this machine: removed {count} package environment{'s' * (count != 1)} "
+            f"this machine: removed {' and '.join(parts)} "
             f"({human_bytes(sum(size for _, size in removed))})"
             if removed
             else "this machine: nothing"
