@@ -4,9 +4,36 @@
 with ``torch.distributed`` initialised. The same runtime API works on the ranks and here.
 """
 
-from .pool import Pool, RankInfo
-from .results import CellError, PoolError, RankResult, RemoteError, RunResult
-from .runtime import InstanceInfo, Peer, instance_info, log, shard, silent, stderr, stdout
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .pool import Pool, RankInfo
+    from .results import CellError, PoolError, RankResult, RemoteError, RunResult
+    from .runtime import InstanceInfo, Peer, instance_info, log, shard, silent, stderr, stdout
+
+_HOMES = {
+    **dict.fromkeys(("Pool", "RankInfo"), "pool"),
+    **dict.fromkeys(
+        ("CellError", "PoolError", "RankResult", "RemoteError", "RunResult"), "results"
+    ),
+    **dict.fromkeys(
+        ("InstanceInfo", "Peer", "instance_info", "log", "shard", "silent", "stderr", "stdout"),
+        "runtime",
+    ),
+}
+"""Where each public name lives: imported on first use, so that a node's Python, which runs
+``skyward_jupyter.agent`` with the standard library, torch and cloudpickle only, never imports
+the notebook's side (its pool, SSH client, widgets)."""
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)
+
 
 __all__ = [
     "CellError",

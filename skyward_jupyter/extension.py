@@ -20,7 +20,9 @@ def load(shell: Any) -> None:
         return
     views = PoolViews(shell)
     registry = Registry()  # what the Jupyter server's "Sky" panel reads
-    session = Session(announce=views.announce, views=views, listeners=[registry])
+    session = Session(
+        announce=views.announce, views=views, listeners=[registry], namespace=shell.user_ns
+    )
     views.attach(session.down_pool)
     registry.attach(views.request_shutdown)
     setattr(shell, _SESSION_ATTR, session)

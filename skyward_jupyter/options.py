@@ -15,9 +15,11 @@ import os
 import re
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from . import limits
+from .environments import requirement_lines
 from .flags import Option as Option  # the magics read the rows' type from here
 from .flags import identifier, int_at_least, ranged, switch
 from .frameworks import FRAMEWORKS, KERAS_BACKENDS
@@ -38,6 +40,18 @@ def _directory(text: str) -> str:
     if not os.path.isdir(path):
         raise argparse.ArgumentTypeError(f"no such directory: {text} ({path})")
     return path
+
+
+def _requirements(text: str) -> tuple[str, ...]:
+    """A requirements file's requirements, read now: the pool is described by what it holds."""
+    try:
+        content = Path(text).expanduser().read_text()
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {text}: {exc.strerror or exc}") from None
+    lines = requirement_lines(content)
+    if not lines:
+        raise argparse.ArgumentTypeError(f"{text} names no requirement")
+    return tuple(lines)
 
 
 def _frameworks(text: str) -> list[str]:
@@ -193,6 +207,29 @@ POOL_OPTIONS: tuple[Option, ...] = (
         {"type": _directory, "action": "append", "metavar": "DIR"},
     ),
     Option("--no-sync", "send no directory to the nodes", switch()),
+    Option(
+        "--pip",
+        "packages every node installs before its ranks start, as pip reads them (several per "
+        "flag, repeatable; built once per node and cached, over what the node's Python has)",
+        {"nargs": "+", "action": "extend", "metavar": "SPEC"},
+    ),
+    Option(
+        "--requirements",
+        "a requirements file whose packages every node installs, as --pip (read when given)",
+        {"type": _requirements, "metavar": "FILE"},
+    ),
+    Option(
+        "--mirror",
+        "every node also installs the notebook's versions of the packages behind the modules "
+        "bound in the notebook (where it lacks them or has others; torch stays the node's)",
+        switch(),
+    ),
+    Option(
+        "--ship-wheels",
+        "the nodes install --pip/--requirements from wheels this notebook downloads and sends "
+        "(nodes that reach no package index; they must share this machine's platform)",
+        switch(),
+    ),
     Option(
         "--sync-cap",
         "the most a synced directory may hold, in MB (default 200)",

@@ -20,6 +20,7 @@ from typing import Any
 from . import doctor, limits, relay_keys, wire
 from . import protocol as p
 from .checked_source import CheckedSource
+from .environments import NodeEnvironment, Packages
 from .events import (
     CellFinished,
     CellStarted,
@@ -79,6 +80,7 @@ class Pool:
         frameworks: Frameworks = TORCH_ONLY,
         secure: bool = False,
         gpu: str | None = None,
+        packages: Packages | None = None,
     ) -> None:
         limits.NODES.check(nodes)
         if procs_per_node is not None:
@@ -126,6 +128,7 @@ class Pool:
             frameworks=frameworks,
             secure=secure,
             gpu=gpu,
+            packages=packages,
         )
         self._ranks = Ranks(provider, settings, self._emit, self._rank_ended)
         self._prompts = Prompts()
@@ -165,6 +168,11 @@ class Pool:
     @property
     def nodes(self) -> tuple[Node, ...]:
         return self._ranks.nodes
+
+    @property
+    def environments(self) -> dict[int, NodeEnvironment]:
+        """Each node's environment of ``packages`` (none without), by node index."""
+        return dict(self._ranks.environments)
 
     @property
     def worlds_note(self) -> str:

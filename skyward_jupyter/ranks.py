@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from . import limits, wire
 from . import protocol as p
+from .environments import NodeEnvironment, Packages
 from .events import (
     MetricsLogged,
     NodeStateChanged,
@@ -151,6 +152,8 @@ class RankSettings:
     """gloo's traffic between hosts through TLS tunnels, gloo on loopback (``--secure``)."""
     gpu: str | None = None
     """``--gpu``: the model asked for (the ranks need NCCL), or ``none`` (CPU ranks)."""
+    packages: Packages | None = None
+    """What every node installs before its ranks start (``--pip``, ``--requirements``)."""
 
 
 class Ranks:
@@ -170,6 +173,8 @@ class Ranks:
         self.on_ended = on_ended
         self.all: list[Rank] = []
         self.nodes: tuple[Node, ...] = ()
+        self.environments: dict[int, NodeEnvironment] = {}
+        """Each node's environment (``--pip``, ``--requirements``), by node index."""
         self.worlds_note = ""
         """What the ranks formed ("torch.distributed gloo, port 4242"), or why nothing."""
         self.group_problem: str | None = None
@@ -232,6 +237,10 @@ class Ranks:
             for local in range(count):
                 self.all.append(Rank(len(self.all), node, local, count))
         self._layout = self._describe_layout()
+        if s.packages is not None:
+            self.environments = await self.provider.build_environments(
+                self.nodes, s.packages, progress
+            )
 
     # ------------------------------------------------------------------ processes
 
@@ -285,8 +294,10 @@ class Ranks:
         )
         if rank.node.index in self.cpu_nodes:
             env["CUDA_VISIBLE_DEVICES"] = ""
+        built = self.environments.get(rank.node.index)
         return {
             **env,
+            **({"SKYWARD_SITE": built.site} if built else {}),
             "SKYWARD_POOL": self._layout.pool,
             "SKYWARD_AGENT": json.dumps(agent),
         }

@@ -23,6 +23,7 @@ from .capture import Shipment, Shipper
 from .checked_source import CheckedSource
 from .idle import IdleStop
 from .limits import LimitError
+from .mirror import modules_in, notebook_requirements
 from .observers import NoViews, PoolListener, Views
 from .options import StdoutMode
 from .pool import Pool
@@ -71,8 +72,11 @@ class Session:
         announce: Announce | None = None,
         views: Views | None = None,
         listeners: Sequence[PoolListener] = (),
+        namespace: Mapping[str, Any] | None = None,
     ) -> None:
         self._pools: dict[str, PoolEntry] = {}
+        self.namespace: Mapping[str, Any] = {} if namespace is None else namespace
+        """The notebook's namespace: what ``--mirror`` reads the cells' modules from."""
         self.views: Views = views or NoViews()
         self._listeners: tuple[PoolListener, ...] = (self.views, *listeners)
         """Who hears of every pool's life, the views first."""
@@ -184,10 +188,20 @@ class Session:
             name=name,
             backend=spec.backend,
             env=dict(spec.env),
-            **spec.pool_arguments(os.getcwd(), os.environ),
+            **spec.pool_arguments(os.getcwd(), os.environ, self._mirrored(name, spec)),
         )
         pool.check()
         return pool
+
+    def _mirrored(self, name: str, spec: PoolSpec) -> tuple[str, ...]:
+        """With ``--mirror``, the notebook's versions of what its namespace uses, said once."""
+        if not spec.mirror:
+            return ()
+        pinned, local = notebook_requirements(modules_in(self.namespace))
+        said = ", ".join(pinned) or "nothing to mirror"
+        left = f" (left out, installed from a local directory: {', '.join(local)})" if local else ""
+        self._announce(f"pool {name!r}: --mirror: the nodes get {said}{left}")
+        return pinned
 
     def _start_failed(self, name: str, wanted: PoolSpec, kept: PoolEntry | None) -> None:
         """Say which pool is left after ``wanted`` failed to start; with none left under

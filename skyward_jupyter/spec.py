@@ -10,11 +10,12 @@ and what it implies, so nothing here knows a provider by name.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from . import limits
+from .environments import Packages
 from .flags import Option
 from .frameworks import FrameworkError, Frameworks
 from .gpus import NO_GPU, check_gpu_layout
@@ -50,6 +51,14 @@ class PoolSpec:
     no_sync: bool | None = None
     sync_cap: float | None = None
     """Megabytes a synced directory may hold (None: the default)."""
+    pip: tuple[str, ...] = ()
+    """``--pip`` specs every node installs."""
+    requirements: tuple[str, ...] = ()
+    """The requirements of the ``--requirements`` file, as read when it was given."""
+    ship_wheels: bool | None = None
+    """The nodes install from wheels downloaded here and sent (nodes without an index)."""
+    mirror: bool | None = None
+    """The nodes get the notebook's versions of what its cells use (:mod:`..mirror`)."""
     frameworks: tuple[str, ...] = ()
     """``--framework`` names (): torch, when the ranks have it."""
     keras_backend: str | None = None
@@ -86,6 +95,13 @@ class PoolSpec:
                 "collectives: leave out --framework jax, or --secure"
             )
         check_gpu_layout((), self.procs_per_node, self.backend, self.gpu)  # what needs no GPUs
+        asked = self.pip or self.requirements or self.mirror
+        if asked and not provider_class(self.provider).installs_packages:
+            raise SpecError(
+                f"--pip/--requirements/--mirror: the {self.provider} provider cannot install "
+                "packages on its nodes yet; install them there, or use the local, ssh or aws "
+                "provider"
+            )
 
     @classmethod
     def from_options(cls, given: Mapping[str, Any], base: PoolSpec) -> PoolSpec:
@@ -115,10 +131,12 @@ class PoolSpec:
         spec = replace(base, **{**common, "provider": provider, "options": options})
         return spec.settled()
 
-    def pool_arguments(self, cwd: str, notebook_env: Mapping[str, str]) -> dict[str, Any]:
+    def pool_arguments(
+        self, cwd: str, notebook_env: Mapping[str, str], mirrored: Sequence[str] = ()
+    ) -> dict[str, Any]:
         """The Pool's keyword arguments for the synced directories, the frameworks, the GPU
-        asked for and the hang doctor's limits (the pool's defaults stand for what was not
-        given)."""
+        asked for, the packages (``mirrored``: the notebook's versions, with ``--mirror``) and
+        the hang doctor's limits (the pool's defaults stand for what was not given)."""
         given: dict[str, Any] = {
             "sync": () if self.no_sync else (self.sync or (cwd,)),
             "sync_chosen": bool(self.sync),
@@ -128,6 +146,9 @@ class PoolSpec:
             "secure": self.secure,
             "frameworks": self.framework_setup(notebook_env),
             "gpu": self.gpu,
+            "packages": Packages.from_options(
+                (*mirrored, *self.pip), self.requirements, bool(self.ship_wheels)
+            ),
         }
         return {k: v for k, v in given.items() if v is not None}
 

@@ -42,6 +42,10 @@ def _pool_status(name: str, description: str, pool: Pool, current: bool) -> list
         f"    rank {r.rank} (node {r.node}, {r.address}, {r.process}): {r.state.value}"
         for r in pool.ranks
     ]
+    lines += [
+        f"    node {node} packages: {env.describe()}, {env.site}"
+        for node, env in sorted(pool.environments.items())
+    ]
     return lines
 
 

@@ -624,3 +624,19 @@ def test_sky_provider_aws_in_a_real_kernel(
         kernel.km.shutdown_kernel(now=True)
         kernel.kc.stop_channels()
     assert stand.calls_of("RunInstances", before)
+
+
+def test_pip_packages_reach_every_instance_through_its_ssh_host(
+    stand: Ec2Stand, dlami: str, address_url: str, hosts: Hosts
+) -> None:
+    """``--pip`` on EC2: each instance, once reachable over SSH, builds the environment as an
+    SSH host does (the hosts' index: this machine's file index; they have no route out)."""
+    from skyward_jupyter.environments import Packages
+
+    provider = AWSProvider(_options(stand, address_url, gpu="T4", resolve=_resolver(stand, hosts)))
+    packages = Packages(("--index-url=file:///opt/pypi/simple", "tabulate"))
+    with Pool(nodes=2, provider=provider, heartbeat_timeout=10, packages=packages) as pool:
+        assert pool.run("import tabulate\ntabulate.__name__").values == ["tabulate"] * 2
+        assert sorted(pool.environments) == [0, 1]
+        assert all(e.packages == 1 for e in pool.environments.values())
+    assert leftovers(stand, provider.pool_tag) == NOTHING

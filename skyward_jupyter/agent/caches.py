@@ -6,7 +6,9 @@ SSH provider once per content hash (``<hash>/``, and ``<hash>.<tag>/`` left by a
 unpack), and the copies of notebook directories (``sync/<key>/``, see :mod:`.workdir`). A copy
 goes only when no rank holds it; a package version only when no process of this user runs
 from it (its path in the process's environment or command line: templates and ranks have it in
-``PYTHONPATH``). Run as ``python -m skyward_jupyter.agent.caches [PACKAGES]`` (the directory the
+``PYTHONPATH``). The packages' environments (``envs/``) and the wheels sent for them (``wheels/``
+beside the package versions) go as :func:`.environments.clean` says. Run as
+``python -m skyward_jupyter.agent.caches [PACKAGES]`` (the directory the
 package versions are in, if not that one); it prints one JSON
 line: ``{"removed": [[path, bytes], ...], "kept": [path, ...]}``.
 
@@ -22,6 +24,7 @@ import stat
 import sys
 from pathlib import Path
 
+from . import environments
 from .workdir import REMOVING, WorkdirCopy, removal_leftovers, remove_tree, tree_bytes
 
 CACHE = "~/.cache/skyward_jupyter"
@@ -52,6 +55,9 @@ def clean(cache: str = CACHE) -> tuple[list[tuple[str, int]], list[str]]:
                 kept.append(str(item))
             else:
                 removed.append((str(item), size))
+    gone, in_use = environments.clean(base / "wheels")
+    removed += [(str(path), size) for path, size in gone]
+    kept += in_use
     if base.is_dir():
         running = _running_paths()
         for item in sorted(base.iterdir()):

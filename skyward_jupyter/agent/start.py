@@ -13,6 +13,7 @@ import json
 import os
 import sys
 
+from .environments import use
 from .rank import EXIT_CHANNEL_CLOSED, Agent, AgentSettings
 
 
@@ -30,6 +31,9 @@ def _env_from_stdin() -> None:
 def main() -> None:
     if "--env-from-stdin" in sys.argv[1:]:
         _env_from_stdin()
+    site_dir = os.environ.pop("SKYWARD_SITE", None)
+    if site_dir:
+        use(site_dir)  # the pool's packages (--pip), first on sys.path
     agent = Agent(AgentSettings.from_env())
     agent.serve()
     atexit._run_exitfuncs()

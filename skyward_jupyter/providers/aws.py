@@ -50,6 +50,7 @@ from .base import (
 from .ssh import SSHOptions, SSHProvider, SSHRank
 
 if TYPE_CHECKING:
+    from ..environments import NodeEnvironment, Packages
     from ..spec import PoolSpec
 
 __all__ = ["AWSOptions", "AWSProvider", "Instance", "Reachable"]
@@ -67,6 +68,7 @@ class AWSProvider(Provider):
     Options = AWSOptions
     examples = (("--provider aws --gpu A10G --nodes 2 --spot", "two spot EC2 instances"),)
     default_idle_minutes = 30.0
+    installs_packages = True
 
     @classmethod
     def from_spec(cls, spec: PoolSpec, pool_name: str, extra: Mapping[str, Any]) -> AWSProvider:
@@ -165,6 +167,13 @@ class AWSProvider(Provider):
                 await provisioned
             await self._teardown()
             raise
+
+    async def build_environments(
+        self, nodes: Sequence[Node], packages: Packages, progress: Progress
+    ) -> dict[int, NodeEnvironment]:
+        """The instances are SSH hosts: each builds the environment as one does."""
+        assert self._ssh is not None, "provision() first"
+        return await self._ssh.build_environments(nodes, packages, progress)
 
     async def start_rank(self, node: Node, env: Mapping[str, str]) -> SSHRank:
         assert self._ssh is not None, "provision() first"

@@ -24,6 +24,7 @@ from ..limits import Range
 from ..wire import AsyncByteReader, AsyncByteWriter
 
 if TYPE_CHECKING:
+    from ..environments import NodeEnvironment, Packages
     from ..spec import PoolSpec
 
 
@@ -263,6 +264,9 @@ class Provider(abc.ABC):
     which then stays when the start fails (this machine: two pools side by side only cost a
     moment's memory). Elsewhere the old pool ends first: the same hosts' GPUs and ports, or a
     second bill, would be taken while the new one starts."""
+    installs_packages: ClassVar[bool] = False
+    """The provider builds ``--pip``/``--requirements`` environments on its nodes
+    (:meth:`build_environments`); a spec asking for packages elsewhere is refused up front."""
     release_timeout: float = 0.0
     """Seconds :meth:`release` may take beyond the pool's own shutdown (instances to go)."""
     notebook_silence: float = NOTEBOOK_SILENCE
@@ -329,6 +333,14 @@ class Provider(abc.ABC):
 
     @abc.abstractmethod
     async def start_rank(self, node: Node, env: Mapping[str, str]) -> RankProcess: ...
+
+    async def build_environments(
+        self, nodes: Sequence[Node], packages: Packages, progress: Progress
+    ) -> dict[int, NodeEnvironment]:
+        """Give every node the environment of ``packages`` (``--pip``, ``--requirements``),
+        before any rank starts; node index -> its environment. Raises
+        :class:`~skyward_jupyter.environments.PackagesError` naming the node and the reason."""
+        raise ProviderError(f"the {self.name} provider installs no packages on its nodes")
 
     @abc.abstractmethod
     async def release(self) -> None:

@@ -30,15 +30,26 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..agent import environments as node_environments
 from ..agent.descendants import end_rank, pool_dir
 from ..agent.torch_setup import nccl_available
+from ..environments import (
+    BUILDER,
+    NodeEnvironment,
+    Packages,
+    PackagesError,
+    follow,
+    wheels_root,
+)
+from ..events import RankState
 from ..gpus import NO_GPU, LayoutError, check_gpu_layout, gpu_model, same_gpu
 from ..memory import meminfo
 from ..procs import end, is_agent, process_alive, process_start
 from ..spec import backend_problem
+from ..workdir import human_bytes
 from .base import Node, Progress, Provider, ProviderError, ReapReport, StderrTail, no_progress
 from .local_template import (
     base_env,
@@ -303,6 +314,7 @@ class LocalRank:
 
 class LocalProvider(Provider):
     name = "local"
+    installs_packages = True
     shares_files = True
     on_notebook_machine = True
     keeps_old_until_ready = True
@@ -414,6 +426,42 @@ class LocalProvider(Provider):
             for i, share in enumerate(shares)
         ]
 
+    async def build_environments(
+        self, nodes: Sequence[Node], packages: Packages, progress: Progress
+    ) -> dict[int, NodeEnvironment]:
+        """One environment on this machine serves every local node: found cached without a
+        process, else built by the node-side builder run here."""
+
+        def say(text: str) -> None:
+            for node in nodes:
+                progress(text, node.index, RankState.BOOTING)
+
+        found = node_environments.cached(packages.digest)
+        built = (
+            NodeEnvironment.from_report(packages.digest, found)
+            if found is not None
+            else await _build_here(packages, say)
+        )
+        say(f"packages ready: {built.describe()}")
+        return {node.index: built for node in nodes}
+
+    async def clean(self) -> list[str]:
+        """``%sky clean`` here: the package environments (``--pip``) no running rank uses, and
+        the wheels downloaded for ``--ship-wheels``."""
+        removed, kept = await asyncio.to_thread(node_environments.clean, wheels_root())
+        envs = sum(1 for path, _ in removed if path.parent != wheels_root())
+        parts = [f"{envs} package environment{'s' * (envs != 1)}"] if envs else []
+        if len(removed) > envs:
+            count = len(removed) - envs
+            parts.append(f"{count} folder{'s' * (count != 1)} of wheels")
+        text = (
+            f"this machine: removed {' and '.join(parts)} "
+            f"({human_bytes(sum(size for _, size in removed))})"
+            if removed
+            else "this machine: nothing"
+        )
+        return [text + (f"; kept {len(kept)} in use by a running pool" if kept else "")]
+
     def _rank_env(self, node: Node, env: Mapping[str, str]) -> dict[str, str]:
         """The rank's environment: its node's GPUs only (none where the node got none of this
         machine's, or the pool keeps its ranks off them).
@@ -492,6 +540,42 @@ class LocalProvider(Provider):
         self._ranks.clear()
         for run_id in self._run_ids:
             shutil.rmtree(pool_dir(run_id), ignore_errors=True)
+
+
+async def _build_here(packages: Packages, say: Callable[[str], None]) -> NodeEnvironment:
+    """Run the node-side builder on this machine and read its report."""
+    wheels = str(await asyncio.to_thread(packages.download)) if packages.wheels else None
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        *BUILDER,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=base_env(),
+        start_new_session=True,
+    )
+    assert process.stdin is not None and process.stdout is not None
+    assert process.stderr is not None
+    process.stdin.write(packages.request(wheels))
+    process.stdin.close()
+    stdout, stderr = process.stdout, process.stderr
+
+    async def lines() -> AsyncIterator[str]:
+        async for raw in stdout:
+            yield raw.decode(errors="replace")
+
+    try:
+        return await follow(lines(), packages.digest, "this machine", say)
+    except PackagesError as exc:
+        said = (await stderr.read()).decode(errors="replace").strip().splitlines()
+        raise PackagesError(f"{exc}: {said[-1]}" if said else str(exc)) from None
+    except BaseException:
+        # cancelled (the start was interrupted): the builder and its installer end with it
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        raise
+    finally:
+        await process.wait()
 
 
 def _check_nccl() -> None:

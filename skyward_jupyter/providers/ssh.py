@@ -21,17 +21,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import posixpath
 import shlex
 import socket
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import asyncssh
 
+from ..environments import (
+    BUILDER,
+    NodeEnvironment,
+    Packages,
+    PackagesError,
+    follow,
+    wheels_tarball,
+)
 from ..events import RankState
 from ..gpus import NO_GPU, gpu_model, same_gpu
+from ..workdir import human_bytes
 from .base import (
     Node,
     Progress,
@@ -45,7 +55,7 @@ from .base import (
 )
 from .ssh_clean import clean_host
 from .ssh_keys import changed_key, known_hosts_file, record_if_new
-from .ssh_prepare import check_versions, probe, ship
+from .ssh_prepare import check_versions, probe, ship, unpack
 from .ssh_template import HostTemplate
 
 if TYPE_CHECKING:
@@ -258,6 +268,7 @@ def _own(spec: PoolSpec) -> SSHOptions:
 
 class SSHProvider(Provider):
     name = "ssh"
+    installs_packages = True
     Options = SSHOptions
     examples = (("--hosts me@gpu1,me@gpu2", "one rank per GPU on two machines over SSH"),)
 
@@ -524,6 +535,71 @@ class SSHProvider(Provider):
             if pid is None
             else SSHRank(host, sessions, process, pid, [*ender, str(pid), run_id])
         )
+
+    async def build_environments(
+        self, nodes: Sequence[Node], packages: Packages, progress: Progress
+    ) -> dict[int, NodeEnvironment]:
+        """Every host builds (or finds cached) the environment, all at once; the first host
+        that fails fails the start, naming itself and the installer's reason."""
+
+        sent: tuple[str, bytes] | None = None
+        if packages.wheels:
+            for node in nodes:
+                progress("packages: downloading wheels to send", node.index, RankState.BOOTING)
+            folder = await asyncio.to_thread(packages.download)
+            sent = (folder.name, await asyncio.to_thread(wheels_tarball, folder))
+
+        async def one(node: Node) -> NodeEnvironment:
+            host = self.hosts[node.index]
+            wheels = None
+            if sent is not None:
+                name, tarball = sent
+                cache = posixpath.dirname(self._remote_package[node.index])
+                wheels = f"{cache}/wheels/{name}"
+                conn = self._sessions[node.index].conns[0]
+                if (await conn.run(shlex.join(["test", "-d", wheels]), check=False)).exit_status:
+                    progress(
+                        f"packages: sending wheels ({human_bytes(len(tarball))})",
+                        node.index,
+                        RankState.BOOTING,
+                    )
+                    await unpack(host, conn, wheels, tarball)
+            command = shlex.join(
+                [
+                    "env",
+                    f"PYTHONPATH={self._remote_package[node.index]}",
+                    self._python[node.index],
+                    *BUILDER,
+                ]
+            )
+            try:
+                process = await self._sessions[node.index].process(command)
+            except (asyncssh.Error, OSError) as exc:
+                raise PackagesError(f"{host}: cannot start the package installer: {exc}") from None
+            process.stdin.write(packages.request(wheels))
+            process.stdin.write_eof()
+
+            async def lines() -> AsyncIterator[str]:
+                async for raw in process.stdout:
+                    yield raw.decode(errors="replace")
+
+            def say(text: str) -> None:
+                progress(text, node.index, RankState.BOOTING)
+
+            try:
+                built = await follow(lines(), packages.digest, str(host), say)
+            except PackagesError as exc:
+                said = (await process.stderr.read()).decode(errors="replace").strip()
+                raise PackagesError(
+                    f"{exc}: {said.splitlines()[-1]}" if said else str(exc)
+                ) from None
+            finally:
+                process.close()
+            say(f"packages ready: {built.describe()}")
+            return built
+
+        built = await asyncio.gather(*(one(node) for node in nodes))
+        return {node.index: env for node, env in zip(nodes, built, strict=True)}
 
     async def clean(self) -> list[str]:
         """``%sky clean``: on every host, remove the package's cache and the sync copies that

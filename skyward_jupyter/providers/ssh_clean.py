@@ -69,14 +69,21 @@ async def _clean(host: Host, connect: Connect, python: str, cache_dir: str) -> s
 
 
 def _said(host: Host, removed: list[list[object]], kept: list[str]) -> str:
-    copies = [int(str(size)) for path, size in removed if "/sync/" in str(path)]
-    packages = [int(str(size)) for path, size in removed if "/sync/" not in str(path)]
+    kinds: dict[str, list[int]] = {"/sync/": [], "/envs/": [], "/wheels/": [], "": []}
+    for path, size in removed:
+        kind = next(k for k in kinds if k in str(path))
+        kinds[kind].append(int(str(size)))
+    copies, envs, wheels, packages = kinds.values()
     parts = []
     if copies:
         parts.append(f"{len(copies)} synced director{'ies' if len(copies) != 1 else 'y'}")
+    if envs:
+        parts.append(f"{len(envs)} package environment{'s' * (len(envs) != 1)}")
+    if wheels:
+        parts.append(f"{len(wheels)} folder{'s' * (len(wheels) != 1)} of wheels")
     if packages:
         parts.append(f"{len(packages)} package version{'s' * (len(packages) != 1)}")
-    total = human_bytes(sum(copies) + sum(packages))
+    total = human_bytes(sum(copies) + sum(envs) + sum(wheels) + sum(packages))
     text = f"{host}: removed {' and '.join(parts)} ({total})" if parts else f"{host}: nothing"
     if kept:
         text += f"; kept {len(kept)} in use by a running pool"

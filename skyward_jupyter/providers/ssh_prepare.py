@@ -142,19 +142,28 @@ async def ship(
     present = await conn.run(shlex.join(["test", "-d", target]), check=False)
     if present.exit_status == 0:
         return target, False
+    return target, await unpack(host, conn, target, package_tarball())
+
+
+async def unpack(
+    host: Host, conn: asyncssh.SSHClientConnection, target: str, tarball: bytes
+) -> bool:
+    """Unpack ``tarball`` (gzipped tar) into ``target`` on the host: in a fresh directory,
+    renamed into place, so that no reader sees it half-written. False when another pool put it
+    there first."""
     staging = f"{target}.{secrets.token_hex(4)}"
-    unpack = " && ".join(
+    steps = " && ".join(
         [
             shlex.join(["mkdir", "-p", staging]),
             shlex.join(["tar", "-xzf", "-", "-C", staging]),
             shlex.join(["mv", "-T", staging, target]),
         ]
     )
-    result = await conn.run(unpack, input=package_tarball(), encoding=None, check=False)
+    result = await conn.run(steps, input=tarball, encoding=None, check=False)
     if result.exit_status == 0:
-        return target, True
+        return True
     await conn.run(shlex.join(["rm", "-rf", staging]), check=False)
     lost_race = await conn.run(shlex.join(["test", "-d", target]), check=False)
     if lost_race.exit_status != 0:
-        raise ProviderError(f"{host}: could not unpack the package into {target}")
-    return target, False
+        raise ProviderError(f"{host}: could not unpack into {target}")
+    return False
