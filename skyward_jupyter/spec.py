@@ -97,10 +97,11 @@ class PoolSpec:
         check_gpu_layout((), self.procs_per_node, self.backend, self.gpu)  # what needs no GPUs
         asked = self.pip or self.requirements or self.mirror
         if asked and not provider_class(self.provider).installs_packages:
+            able = ", ".join(sorted(c.name for c in provider_classes() if c.installs_packages))
             raise SpecError(
                 f"--pip/--requirements/--mirror: the {self.provider} provider cannot install "
-                "packages on its nodes yet; install them there, or use the local, ssh or aws "
-                "provider"
+                f"packages on its nodes yet; install them there, or use a provider that can "
+                f"({able})"
             )
 
     @classmethod

@@ -223,7 +223,8 @@ def test_a_provider_that_installs_nothing_refuses_pip_before_any_machine() -> No
     from skyward_jupyter.spec import SpecError
 
     with pytest.raises(
-        SpecError, match=r"^--pip/--requirements/--mirror: the slurm provider cannot"
+        SpecError,
+        match=r"^--pip/--requirements/--mirror: the slurm provider cannot .* \(aws, local, ssh\)$",
     ):
         PoolSpec(provider="slurm", pip=("tabulate",))
     assert PoolSpec(provider="ssh", pip=("tabulate",)).pip == ("tabulate",)
