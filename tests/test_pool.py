@@ -53,12 +53,14 @@ def test_all_reduce_two_ranks(pool2: Pool) -> None:
 def test_all_reduce_four_ranks_on_two_nodes() -> None:
     with Pool(nodes=2, procs_per_node=2) as pool:
         result = pool.run(
-            ALL_REDUCE + "(t.item(), dist.get_world_size(), __import__('os').environ['NODE_RANK'])"
+            ALL_REDUCE + "(t.item(), dist.get_world_size(), __import__('os').environ['NODE_RANK'],"
+            " (rank, local_rank, world_size))"
         )
         assert result.ok, result.errors
         assert [v[0] for v in result.values] == [10.0] * 4
         assert [v[1] for v in result.values] == [4] * 4
         assert [v[2] for v in result.values] == ["0", "0", "1", "1"]
+        assert [v[3] for v in result.values] == [(0, 0, 4), (1, 1, 4), (2, 0, 4), (3, 1, 4)]
 
 
 def test_world_of_one_still_has_a_process_group() -> None:
@@ -137,6 +139,61 @@ def test_namespace_persists_across_cells(pool2: Pool) -> None:
     )
     result = pool2.run("bump(1)")
     assert result.values == [1, 11]
+
+
+READY_NAMES = src(
+    """
+    import torch
+    mine = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else (
+        torch.device("cpu")
+    )
+    (rank, local_rank, world_size, device == mine, type(device).__name__)
+    """
+)
+
+
+def test_each_rank_starts_with_its_ready_names_bound_again_as_the_group_forms_again(
+    pool2: Pool,
+) -> None:
+    result = pool2.run(READY_NAMES)
+    assert result.ok, result.errors
+    assert result.values == [(0, 0, 2, True, "device"), (1, 0, 2, True, "device")]
+    formed_again = pool2.run(
+        "import torch.distributed as dist\nfirst = device\ndist.destroy_process_group()"
+    )
+    assert formed_again.ok, formed_again.errors
+    assert pool2.run("(device is first, device == first)").values == [(False, True)] * 2
+    assert pool2.run("del first").ok
+
+
+def test_the_users_names_win_over_the_ready_ones() -> None:
+    """A notebook global ``rank``, and a cell's ``world_size`` and ``device`` (bound to the value
+    that was ours), stay the user's through formations of the group again; a name the cell
+    deleted stays deleted; a rank restarted after its loss starts with all of them."""
+    with Pool(nodes=2) as pool:
+        shipped = pool.run("rank", {"rank": "the notebook's"})
+        assert shipped.values == ["the notebook's"] * 2, shipped.errors
+        rebound = pool.run(
+            src(
+                """
+                import torch.distributed as dist
+                world_size = "the cell's"
+                device = device  # the cell's now, though the same value
+                first = device
+                del local_rank
+                dist.destroy_process_group()  # the pool forms the group again
+                """
+            )
+        )
+        assert rebound.ok, rebound.errors
+        after = pool.run("(rank, world_size, device is first, 'local_rank' in globals())")
+        assert after.values == [("the notebook's", "the cell's", True, False)] * 2, after.errors
+        kill_and_await_replacement(pool, 1)
+        restarted = pool.run("(rank, world_size, 'local_rank' in globals(), type(device).__name__)")
+        assert restarted.values == [
+            ("the notebook's", "the cell's", False, "device"),
+            (1, 2, True, "device"),
+        ], restarted.errors
 
 
 def test_globals_travel_and_large_arrays_arrive_intact(pool2: Pool) -> None:
