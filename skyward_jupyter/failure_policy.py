@@ -58,9 +58,13 @@ class Cell:
         live: list[Rank],
         timeout: float | None,
         grace: float,
+        running: list[Rank] | None = None,
     ) -> None:
+        """``live`` get the command; ``running`` (default: all of them) run the cell's code,
+        the others only bind its globals (``--ranks``)."""
         self.cell_id = cell_id
         self.ranks = ranks
+        self.running = set(live if running is None else running)
         self.futures: dict[Rank, asyncio.Future[p.CellDone]] = {
             r: r.expect(p.CellDone, cell_id) for r in live
         }
@@ -151,7 +155,8 @@ class Cell:
         if stuck is None or self.stop_at is not None or any(self.futures[r].done() for r in stuck):
             return  # (one that finished while asked is no longer stuck: look again)
         finished = [r for r, o in self.outcomes.items() if isinstance(o, p.CellDone)]
-        message = doctor.desync_message(stuck, finished)
+        only = None if self.running >= set(finished) else sorted(r.index for r in self.running)
+        message = doctor.desync_message(stuck, finished, only)
         self.desync = {r: message for r in stuck}
         self.notes.append("a collective desync was found; the stuck ranks were freed")
         self._stop()
@@ -231,6 +236,8 @@ class Cell:
         out = []
         for r in self.ranks.all:
             outcome = self.outcomes.get(r)
+            if r not in self.running and not _failed(outcome):
+                continue  # (--ranks) it did not run the cell, and binding the globals worked
             if r in self.desync:
                 out.append(_desynced(r, outcome, self.desync[r]))
                 continue
@@ -318,6 +325,12 @@ def _desynced(r: Rank, outcome: p.CellDone | BaseException | None, message: str)
     )
     seconds = outcome.seconds if isinstance(outcome, p.CellDone) else 0.0
     return RankResult(r.index, r.node.index, None, None, error, seconds)
+
+
+def _failed(outcome: p.CellDone | BaseException | None) -> bool:
+    return isinstance(outcome, BaseException) or (
+        isinstance(outcome, p.CellDone) and outcome.error is not None
+    )
 
 
 def _consequence(outcome: p.CellDone | BaseException | None) -> bool:

@@ -196,6 +196,76 @@ def test_the_users_names_win_over_the_ready_ones() -> None:
         ], restarted.errors
 
 
+def test_a_cell_on_some_ranks_runs_there_only_and_the_others_keep_their_state_unblocked(
+    pool2: Pool, tmp_path: Path
+) -> None:
+    assert pool2.run("kept = rank * 10").ok
+    only = pool2.run("kept += 1\nkept", ranks=[1])
+    assert [(r.rank, r.value) for r in only] == [(1, 11)], only.errors
+    # Its globals reach every rank (the notebook's record of what the ranks hold stays true).
+    shipped = pool2.run("'shipped' in globals()", {"shipped": 5}, ranks=[0])
+    assert shipped.values == [True]
+    assert pool2.run("(kept, shipped)").values == [(0, 5), (11, 5)]
+    # While rank 1 runs, rank 0 is idle, in no cell.
+    go = tmp_path / "go"
+    waits = src(
+        f"""
+        import os, time
+        deadline = time.monotonic() + 30
+        while not os.path.exists({str(go)!r}) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.path.exists({str(go)!r})
+        """
+    )
+    running = threading.Thread(target=lambda: seen.append(pool2.run(waits, ranks=[1])))
+    seen: list[object] = []
+    running.start()
+    try:
+        wait_for(
+            lambda: [r.state.value for r in pool2.ranks] == ["idle", "running"],
+            10,
+            "rank 1 to run the cell while rank 0 stays idle",
+        )
+    finally:
+        go.touch()
+        running.join(30)
+    assert [r.values for r in seen] == [[True]]  # type: ignore[attr-defined]
+    failed = pool2.run("1 / 0", ranks=[1])
+    assert [(e.rank, e.type_name) for e in failed.errors] == [(1, "ZeroDivisionError")]
+    assert pool2.run("del kept, shipped").ok
+
+
+def test_a_collective_on_some_ranks_fails_in_seconds_saying_only_they_run_the_cell(
+    pool2: Pool,
+) -> None:
+    assert pool2.run("kept = rank").ok
+    started = time.monotonic()
+    result = pool2.run(
+        "import torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)",
+        ranks=[0],
+    )
+    assert time.monotonic() - started < 15
+    assert [(e.rank, e.type_name) for e in result.errors] == [(0, "CollectiveDesync")], result
+    message = result.errors[0].message
+    assert message.startswith(
+        "rank 0 in all_reduce at cell line 3: only rank 0 runs this cell (--ranks 0)"
+    ), message
+    assert "\n" not in message
+    # The group works again for every rank, and rank 1 kept its namespace.
+    after = pool2.run(ALL_REDUCE + "(t.item(), kept)")
+    assert after.values == [(3.0, 0), (3.0, 1)], after.errors
+    assert pool2.run("del kept").ok
+
+
+def test_ranks_a_pool_lacks_are_refused_in_one_line_naming_them(pool2: Pool) -> None:
+    refused_as = (([2], "--ranks 2: "), ([0, 3, 4], "--ranks 3-4: "), ([], "--ranks (none): "))
+    for ranks, said in refused_as:
+        with pytest.raises(PoolError) as refused:
+            pool2.run("print('THE CELL RAN')", ranks=ranks)
+        assert str(refused.value).startswith(said), refused.value
+        assert str(refused.value).endswith(f"pool {pool2.name!r} has ranks 0-1")
+
+
 def test_globals_travel_and_large_arrays_arrive_intact(pool2: Pool) -> None:
     data = np.arange(2_000_000, dtype=np.float64)
 
