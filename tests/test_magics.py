@@ -753,6 +753,18 @@ def test_out_stores_a_result_with_one_value_per_rank(nb: Kernel) -> None:
     assert re.fullmatch(r"<RunResult cell \d+: 2 ranks, ok, \d+ bytes shipped>", text), text
 
 
+def test_a_notebook_global_wins_over_a_ready_name(nb: Kernel) -> None:
+    nb.ok(POOL2)
+    cell = nb.ok("%%sky --all\n(rank, local_rank, world_size, device.type)")
+    assert cell.per_rank == {0: "(0, 0, 2, 'cpu')", 1: "(1, 0, 2, 'cpu')"} or all(
+        "'cuda')" in v for v in cell.per_rank.values()
+    ), str(cell)
+    nb.ok("local_rank = 'the notebook\\'s'")
+    cell = nb.ok("%%sky --all\n(rank, local_rank)")
+    assert cell.per_rank == {0: '(0, "the notebook\'s")', 1: '(1, "the notebook\'s")'}, str(cell)
+    nb.ok("del local_rank")
+
+
 def test_a_cell_on_some_ranks_shows_their_output_value_and_errors(nb: Kernel) -> None:
     nb.ok(POOL2)
     nb.ok("%%sky\nstate = rank * 10")
@@ -786,7 +798,7 @@ def test_ranks_the_pool_lacks_are_a_one_line_error_that_runs_nothing(nb: Kernel)
     pids = nb.pool_pids()
     cell = nb.fails("%%sky --ranks 0,2-3\nprint('THE CELL RAN')")
     assert cell.reply["ename"] == "UsageError", str(cell)
-    assert cell.reply["evalue"] == "--ranks 2-3: pool 'default' has ranks 0-1", str(cell)
+    assert re.fullmatch(r"--ranks 2-3: pool '\w+' has ranks 0-1", cell.reply["evalue"]), str(cell)
     assert "THE CELL RAN" not in cell.stdout and nb.pool_pids() == pids
 
 

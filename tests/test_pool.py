@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from skyward_jupyter import CellError, Pool, PoolError
+from skyward_jupyter import CellError, Pool, PoolError, RunResult
 from skyward_jupyter import protocol as p
 from skyward_jupyter.events import CellFinished, CellStarted, OutputReceived, PoolEvent
 from skyward_jupyter.providers.base import Node
@@ -217,8 +217,8 @@ def test_a_cell_on_some_ranks_runs_there_only_and_the_others_keep_their_state_un
         os.path.exists({str(go)!r})
         """
     )
+    seen: list[RunResult] = []
     running = threading.Thread(target=lambda: seen.append(pool2.run(waits, ranks=[1])))
-    seen: list[object] = []
     running.start()
     try:
         wait_for(
@@ -229,7 +229,7 @@ def test_a_cell_on_some_ranks_runs_there_only_and_the_others_keep_their_state_un
     finally:
         go.touch()
         running.join(30)
-    assert [r.values for r in seen] == [[True]]  # type: ignore[attr-defined]
+    assert [r.values for r in seen] == [[True]]
     failed = pool2.run("1 / 0", ranks=[1])
     assert [(e.rank, e.type_name) for e in failed.errors] == [(1, "ZeroDivisionError")]
     assert pool2.run("del kept, shipped").ok
