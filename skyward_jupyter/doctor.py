@@ -110,6 +110,17 @@ def desync_message(
     )
 
 
+def ahead_message(r: Rank, calls: int, only: list[int]) -> str:
+    """One line: rank ``r`` left ``calls`` collectives pending that the ranks outside the cell
+    (``--ranks``) never join."""
+    span = rank_span(only)
+    return (
+        f"rank {r.index} called {calls} collective{'s' * (calls != 1)} the other ranks never "
+        f"join: only rank{'s' * (len(only) > 1)} {span} run{'s' * (len(only) == 1)} this cell "
+        f"(--ranks {span}); the pool formed its group again without them"
+    )
+
+
 async def heartbeats(ranks: Ranks) -> None:
     """Beat every live rank; declare one silent past the timeout lost, and kill it.
 

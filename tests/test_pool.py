@@ -257,6 +257,30 @@ def test_a_collective_on_some_ranks_fails_in_seconds_saying_only_they_run_the_ce
     assert pool2.run("del kept").ok
 
 
+def test_a_collective_left_pending_on_some_ranks_fails_the_cell_and_not_the_next(
+    pool2: Pool,
+) -> None:
+    """An ``async_op`` collective (or NCCL's, which returns at once) on some ranks does not
+    block: it would pair with the next cell's collective on the others."""
+    result = pool2.run(
+        "import torch, torch.distributed as dist\n"
+        "work = dist.all_reduce(torch.ones(1), async_op=True)\n"
+        "'returned'",
+        ranks=[0],
+    )
+    assert [(e.rank, e.type_name, e.message) for e in result.errors] == [
+        (
+            0,
+            "CollectiveDesync",
+            "rank 0 called 1 collective the other ranks never join: only rank 0 runs this cell "
+            "(--ranks 0); the pool formed its group again without them",
+        )
+    ], result
+    after = pool2.run(ALL_REDUCE, timeout=30)
+    assert after.values == [3.0, 3.0], after.errors
+    assert pool2.run("del work", ranks=[0]).ok
+
+
 def test_ranks_a_pool_lacks_are_refused_in_one_line_naming_them(pool2: Pool) -> None:
     refused_as = (([2], "--ranks 2: "), ([0, 3, 4], "--ranks 3-4: "), ([], "--ranks (none): "))
     for ranks, said in refused_as:
