@@ -281,6 +281,24 @@ def test_a_collective_left_pending_on_some_ranks_fails_the_cell_and_not_the_next
     assert pool2.run("del work", ranks=[0]).ok
 
 
+def test_an_interrupt_stops_a_cell_on_some_ranks(pool2: Pool) -> None:
+    seen: list[RunResult] = []
+    running = threading.Thread(
+        target=lambda: seen.append(pool2.run("import time\ntime.sleep(60)", ranks=[1]))
+    )
+    running.start()
+    try:
+        wait_for(lambda: pool2.ranks[1].state.value == "running", 10, "rank 1 to run the cell")
+        pool2.interrupt()
+    finally:
+        running.join(30)
+    (result,) = seen
+    assert result.interrupted and [(e.rank, e.type_name) for e in result.errors] == [
+        (1, "KeyboardInterrupt")
+    ], result
+    assert pool2.run(ALL_REDUCE).values == [3.0, 3.0]
+
+
 def test_ranks_a_pool_lacks_are_refused_in_one_line_naming_them(pool2: Pool) -> None:
     refused_as = (([2], "--ranks 2: "), ([0, 3, 4], "--ranks 3-4: "), ([], "--ranks (none): "))
     for ranks, said in refused_as:
