@@ -22,6 +22,7 @@ import time
 from . import protocol as p
 from . import wire
 from .events import RankState
+from .flags import rank_span
 from .ranks import Rank, Ranks
 
 STACKS_TIMEOUT = 1.0
@@ -86,15 +87,37 @@ async def desynced(ranks: Ranks, pending: list[Rank], after: float) -> dict[Rank
     return stuck or None
 
 
-def desync_message(stuck: dict[Rank, p.Stacks], finished: list[Rank]) -> str:
+def desync_message(
+    stuck: dict[Rank, p.Stacks], finished: list[Rank], only: list[int] | None = None
+) -> str:
+    """One line: who waits in what, for whom. ``only``: the ranks the cell ran on (``--ranks``),
+    when the others never ran it."""
     where = "; ".join(
         f"rank {r.index} in {s.collective} at {s.where}"
         for r, s in sorted(stuck.items(), key=lambda kv: kv[0].index)
     )
     done = ", ".join(str(r.index) for r in sorted(finished, key=lambda r: r.index))
+    if only is not None:
+        span = rank_span(only)
+        return (
+            f"{where}: only rank{'s' * (len(only) > 1)} {span} run{'s' * (len(only) == 1)} "
+            f"this cell (--ranks {span}), and a collective on the pool's group waits for every "
+            "rank; run the cell on every rank to call it"
+        )
     return (
         f"{where}, waiting for ranks that had finished the cell ({done}): a collective that not "
         "every rank calls (one under `if rank == 0:`, or a different number of steps per rank)"
+    )
+
+
+def ahead_message(r: Rank, calls: int, only: list[int]) -> str:
+    """One line: rank ``r`` left ``calls`` collectives pending that the ranks outside the cell
+    (``--ranks``) never join."""
+    span = rank_span(only)
+    return (
+        f"rank {r.index} called {calls} collective{'s' * (calls != 1)} the other ranks never "
+        f"join: only rank{'s' * (len(only) > 1)} {span} run{'s' * (len(only) == 1)} this cell "
+        f"(--ranks {span}); the pool formed its group again without them"
     )
 
 

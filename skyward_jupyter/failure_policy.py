@@ -58,9 +58,15 @@ class Cell:
         live: list[Rank],
         timeout: float | None,
         grace: float,
+        running: list[Rank] | None = None,
     ) -> None:
+        """``live`` get the command; ``running`` (default: all of them) run the cell's code,
+        the others only bind its globals (``--ranks``)."""
         self.cell_id = cell_id
         self.ranks = ranks
+        self.running = set(live if running is None else running)
+        self.outside = [r for r in live if r not in self.running]
+        """(``--ranks``) The ranks that only bind the cell's globals."""
         self.futures: dict[Rank, asyncio.Future[p.CellDone]] = {
             r: r.expect(p.CellDone, cell_id) for r in live
         }
@@ -151,7 +157,8 @@ class Cell:
         if stuck is None or self.stop_at is not None or any(self.futures[r].done() for r in stuck):
             return  # (one that finished while asked is no longer stuck: look again)
         finished = [r for r, o in self.outcomes.items() if isinstance(o, p.CellDone)]
-        message = doctor.desync_message(stuck, finished)
+        only = None if self.running >= set(finished) else self._only()
+        message = doctor.desync_message(stuck, finished, only)
         self.desync = {r: message for r in stuck}
         self.notes.append("a collective desync was found; the stuck ranks were freed")
         self._stop()
@@ -160,6 +167,33 @@ class Cell:
             self.ranks.send(r, wire.encode(p.LeaveGroup()))
 
     # ------------------------------------------------------------------ the policy
+
+    def _only(self) -> list[int]:
+        return sorted(r.index for r in self.running)
+
+    def _ahead(self) -> dict[Rank, int]:
+        """(``--ranks``) The ranks that ran the cell and called collectives in a group the
+        others share, which the others never join (an ``async_op``, or NCCL's, returns at once
+        and stays pending): how many, by rank. Left pending, they would pair with the next
+        cell's collectives."""
+        base = next(
+            (
+                dict(o.collectives)
+                for r in self.outside
+                if isinstance(o := self.outcomes.get(r), p.CellDone) and o.collectives is not None
+            ),
+            None,
+        )
+        if base is None:
+            return {}
+        ahead = {}
+        for r in self.running:
+            outcome = self.outcomes.get(r)
+            if isinstance(outcome, p.CellDone) and outcome.collectives is not None:
+                extra = sum(c - base[g] for g, c in outcome.collectives if base.get(g, c) < c)
+                if extra:
+                    ahead[r] = extra
+        return ahead
 
     def _answered(self, r: Rank, outcome: p.CellDone | BaseException) -> bool:
         """Apply the policy to ``r``'s answer; True when it finished the cell (now idle)."""
@@ -229,8 +263,14 @@ class Cell:
         """
         cause = self.first_death or self.first_failure
         out = []
+        ahead = {} if self.desync else self._ahead()
         for r in self.ranks.all:
             outcome = self.outcomes.get(r)
+            if r not in self.running and not _failed(outcome):
+                continue  # (--ranks) it did not run the cell, and binding the globals worked
+            if r in ahead and not _failed(outcome):
+                out.append(_desynced(r, outcome, doctor.ahead_message(r, ahead[r], self._only())))
+                continue
             if r in self.desync:
                 out.append(_desynced(r, outcome, self.desync[r]))
                 continue
@@ -282,7 +322,7 @@ class Cell:
         lost = any(not r.alive for r in self.ranks.all)
         # Ranks stopped part-way may disagree on how many collectives ran: a group is kept only
         # when they agree. A group the cell destroyed is formed again before the next cell.
-        astray = bool(self.asked_to_stop) and not (
+        astray = (bool(self.asked_to_stop) or bool(self.outside)) and not (
             len(done) == len(self.ranks.all) and _in_step(done)
         )
         if not (astray or self.left_group or lost or destroyed):
@@ -318,6 +358,12 @@ def _desynced(r: Rank, outcome: p.CellDone | BaseException | None, message: str)
     )
     seconds = outcome.seconds if isinstance(outcome, p.CellDone) else 0.0
     return RankResult(r.index, r.node.index, None, None, error, seconds)
+
+
+def _failed(outcome: p.CellDone | BaseException | None) -> bool:
+    return isinstance(outcome, BaseException) or (
+        isinstance(outcome, p.CellDone) and outcome.error is not None
+    )
 
 
 def _consequence(outcome: p.CellDone | BaseException | None) -> bool:

@@ -9,11 +9,12 @@ value's form only (a whole number in range, KEY=VALUE); what it means is for its
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .limits import LimitError, Range
+from .limits import MAX_RANKS, LimitError, Range
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,3 +87,32 @@ def identifier(text: str) -> str:
 def switch(**kwargs: Any) -> dict[str, Any]:
     """A boolean option that is None (not given) rather than False, so defaults can fill it."""
     return {"action": "store_true", "default": None, **kwargs}
+
+
+def rank_set(text: str) -> tuple[int, ...]:
+    """``0,2-3`` as ranks (0, 2, 3), sorted and once each: what :func:`rank_span` writes."""
+    if not re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", text.replace(" ", "")):
+        raise argparse.ArgumentTypeError(f"expected ranks such as 0, 0,2 or 0,2-3, got {text!r}")
+    found: set[int] = set()
+    for part in text.replace(" ", "").split(","):
+        first, _, last = part.partition("-")
+        low, high = int(first), int(last or first)
+        if high < low:
+            raise argparse.ArgumentTypeError(f"{part}: a range goes up, as in {high}-{low}")
+        if high >= MAX_RANKS:
+            raise argparse.ArgumentTypeError(
+                f"no pool has rank {high}: a pool has at most {MAX_RANKS} ranks (MAX_RANKS)"
+            )
+        found.update(range(low, high + 1))
+    return tuple(sorted(found))
+
+
+def rank_span(ranks: Iterable[int]) -> str:
+    """``0,2-3`` for ranks {0, 2, 3}: runs of consecutive ranks are written as ranges."""
+    runs: list[list[int]] = []
+    for rank in sorted(set(ranks)):
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

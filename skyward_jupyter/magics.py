@@ -73,7 +73,7 @@ class _Parser(argparse.ArgumentParser):
 def _cell_parser() -> _Parser:
     parser = _Parser(
         "%%sky",
-        description="Run the cell on every rank.",
+        description="Run the cell on every rank (or on --ranks only).",
         epilog=_examples(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -176,6 +176,8 @@ class SkyMagics(Magics):
 
     def _cell(self, line: str, cell: str) -> RunResult | None:
         args = _cell_parser().parse(shlex.split(line))
+        if args.head and args.ranks is not None:
+            raise UsageError("%%sky: --head is --ranks 0; give one of them")
         result = self.session.run_cell(
             cell,
             self._user_ns,
@@ -183,6 +185,7 @@ class SkyMagics(Magics):
             spec=self._spec(args),
             stdout=args.stdout,
             timeout=args.timeout,
+            ranks=(0,) if args.head else args.ranks,
         )
         if args.out:
             self._user_ns[args.out] = result

@@ -6,6 +6,7 @@ and ``registry/`` implement them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from .events import PoolEvent
@@ -45,8 +46,11 @@ class PoolListener(Protocol):
 class Views(PoolListener, Protocol):
     """The display layer (``display/views.py``): the listener that also draws; no widgets here."""
 
-    def cell(self, entry: EntryFacts, stdout: StdoutMode) -> CellView:
-        """A cell is about to run on the pool; ``stdout``: whose output it shows."""
+    def cell(
+        self, entry: EntryFacts, stdout: StdoutMode, ranks: Sequence[int] | None = None
+    ) -> CellView:
+        """A cell is about to run on the pool; ``stdout``: whose output it shows, among
+        ``ranks``, those that run it (None: every rank)."""
         ...
 
     def cell_number(self) -> int | None:
@@ -86,7 +90,9 @@ class NoViews:
     def pool_ended(self, entry: EntryFacts) -> None:
         pass
 
-    def cell(self, entry: EntryFacts, stdout: StdoutMode) -> CellView:
+    def cell(
+        self, entry: EntryFacts, stdout: StdoutMode, ranks: Sequence[int] | None = None
+    ) -> CellView:
         return _NoCellView()
 
     def cell_number(self) -> int | None:

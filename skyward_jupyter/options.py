@@ -21,7 +21,7 @@ from typing import Any, Literal
 from . import limits
 from .environments import requirement_lines
 from .flags import Option as Option  # the magics read the rows' type from here
-from .flags import identifier, int_at_least, ranged, switch
+from .flags import identifier, int_at_least, ranged, rank_set, switch
 from .frameworks import FRAMEWORKS, KERAS_BACKENDS
 from .gpus import parse_gpu
 from .providers import DEFAULT, names, provider_classes
@@ -255,6 +255,13 @@ TIMEOUT = Option(
     "--timeout", "stop the cell (or script) after SECONDS", {"type": ranged(limits.TIMEOUT)}
 )
 CELL_OPTIONS: tuple[Option, ...] = (
+    Option(
+        "--ranks",
+        "run the cell on these ranks only (0, 0,2-3); the others keep their state and are not "
+        "blocked; a collective there fails in seconds",
+        {"type": rank_set, "metavar": "RANKS"},
+    ),
+    Option("--head", "run the cell on the head only (--ranks 0)", {"action": "store_true"}),
     STDOUT,
     Option("--all", "display every rank's last value", {"action": "store_true"}),
     Option("--out", "store the per-rank result in NAME", {"type": identifier}),

@@ -30,6 +30,7 @@ from .events import (
 )
 from .failure_policy import DESYNC_AFTER, Cell
 from .fanout import Fanout, Subscriber
+from .flags import rank_span
 from .frameworks import TORCH_ONLY, Frameworks
 from .io_thread import IOThread, close_at_exit, wait
 from .prompts import Prompts
@@ -232,8 +233,14 @@ class Pool:
         script: p.Script | None = None,
         observer: Subscriber | None = None,
         on_wait: Callable[[], None] | None = None,
+        ranks: Sequence[int] | None = None,
     ) -> RunResult:
         """Run ``source`` on every rank with ``globals`` bound first; one result per rank.
+
+        ``ranks`` (``%%sky --ranks``): only those run it, and only their results come back
+        (with any other rank's failure); the others bind the globals and are idle at once,
+        keeping their state. A collective the cell calls then fails within ``desync_after``
+        seconds, saying that only those ranks run the cell.
 
         With ``script``, the source runs as that script would under torchrun (its own
         ``__main__``, argv and directory). A syntax error or an unpicklable global fails here; a
@@ -252,6 +259,8 @@ class Pool:
         filename = filename or p.pool_cell_filename(cell_id)
         if not isinstance(source, CheckedSource):
             source = CheckedSource.check(source, filename)
+        if ranks is not None:
+            ranks = self.check_ranks(ranks)
         shipped = {name: pickle_global(name, value) for name, value in (globals or {}).items()}
         run_id = None
         if script is not None:  # a launch of its own, under the run id --env chose, if any
@@ -267,9 +276,23 @@ class Pool:
             self._prompts.answer(lambda r, reply: io.call_soon(self._ranks.send, r, encode(reply)))
 
         try:
-            return wait(io.submit(self._run(command, files, timeout)), self.interrupt, waiting)
+            return wait(
+                io.submit(self._run(command, files, timeout, ranks)), self.interrupt, waiting
+            )
         finally:
             self._fanout.observers.pop(cell_id, None)
+
+    def check_ranks(self, ranks: Sequence[int]) -> tuple[int, ...]:
+        """``ranks`` sorted, once each, or a :class:`PoolError` naming those this pool lacks."""
+        chosen = tuple(sorted(set(ranks)))
+        size = self.world_size
+        missing = [r for r in chosen if not 0 <= r < size]
+        if not chosen or missing:
+            has = f"ranks 0-{size - 1}" if size > 1 else "rank 0 only"
+            raise PoolError(
+                f"--ranks {rank_span(missing) or '(none)'}: pool {self.name!r} has {has}"
+            )
+        return chosen
 
     def restart(self) -> None:
         """Fresh rank processes and worlds on the same machines (``%sky restart``): no machine
@@ -353,7 +376,11 @@ class Pool:
     # ---------------------------------------------------------------------- IO thread: cells
 
     async def _run(
-        self, command: p.RunCell, files: list[Manifest], timeout: float | None
+        self,
+        command: p.RunCell,
+        files: list[Manifest],
+        timeout: float | None,
+        ranks: tuple[int, ...] | None,
     ) -> RunResult:
         assert self._op_lock is not None
         async with self._op_lock:
@@ -376,15 +403,19 @@ class Pool:
             finally:
                 said = self._transfer.take_notes()
             command = await self._transfer.relay_globals(replace(command, workdir=workdir), live)
-            cell = Cell(command.cell_id, self._ranks, live, timeout, self.interrupt_grace)
+            running = live if ranks is None else [r for r in live if r.index in ranks]
+            cell = Cell(command.cell_id, self._ranks, live, timeout, self.interrupt_grace, running)
             cell.notes.extend(said)
             self._cell, self._cell_task = cell, asyncio.current_task()
             frame = wire.encode(command)
-            self._ranks.set_states(live, RankState.RUNNING)
+            # The others bind the globals only: the notebook's record of what the ranks hold
+            # stays true for every rank, and they are idle at once.
+            idle = wire.encode(replace(command, source="", script=None))
+            self._ranks.set_states(running, RankState.RUNNING)
             for r in live:
-                self._ranks.send(r, frame)
+                self._ranks.send(r, frame if r in running else idle)
             shipped = sum(v.nbytes for v in command.globals.values())
-            self._emit(CellStarted(command.cell_id, len(live), shipped))
+            self._emit(CellStarted(command.cell_id, len(running), shipped))
             try:
                 await cell.drive()
                 if cell.closing:

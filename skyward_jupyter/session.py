@@ -242,11 +242,13 @@ class Session:
         spec: PoolSpec | None = None,
         stdout: StdoutMode | None = None,
         timeout: float | None = None,
+        ranks: Sequence[int] | None = None,
     ) -> RunResult:
         """Ship what the cell needs, run it, stream its output into this cell.
 
         A syntax error, or a global that cannot be sent, fails before any pool starts or changes.
-        The cell runs as ``<In [7]>`` where the notebook numbers it ``In [7]``.
+        The cell runs as ``<In [7]>`` where the notebook numbers it ``In [7]``; on ``ranks``
+        only, when given (``--ranks``, checked against the pool before it runs).
         """
         number = self.views.cell_number()
         filename = cell_filename(number) if number is not None else None
@@ -258,7 +260,11 @@ class Session:
             entry = self.entry(name, spec, shipper)
             entry.busy += 1
         try:
-            return self._run_on(entry, checked, shipment, stdout, timeout, filename=filename)
+            if ranks is not None:
+                ranks = entry.pool.check_ranks(ranks)
+            return self._run_on(
+                entry, checked, shipment, stdout, timeout, filename=filename, ranks=ranks
+            )
         finally:
             entry.busy -= 1
             entry.last_active = time.monotonic()
@@ -298,10 +304,11 @@ class Session:
         timeout: float | None,
         script: Script | None = None,
         filename: str | None = None,
+        ranks: tuple[int, ...] | None = None,
     ) -> RunResult:
         for warning in shipment.warnings:
             self._announce(f"warning: {warning}")
-        view = self.views.cell(entry, stdout or self.stdout_mode)
+        view = self.views.cell(entry, stdout or self.stdout_mode, ranks)
         try:
             result = entry.pool.run(
                 source,
@@ -311,6 +318,7 @@ class Session:
                 script=script,
                 observer=view.on_event,
                 on_wait=view.flush,
+                ranks=ranks,
             )
         except CellInterrupted as interrupted:
             self._after_cell(entry, shipment, interrupted.result)

@@ -156,8 +156,11 @@ def test_jax_alone_sets_up_no_torch_group() -> None:
 def test_framework_none_sets_up_nothing() -> None:
     with Pool(nodes=2, frameworks=Frameworks(torch=False)) as pool:
         assert "--framework none" in pool.worlds_note
-        result = pool.run("import torch.distributed as dist\ndist.is_initialized()")
-        assert result.values == [False, False]
+        result = pool.run(
+            "import torch.distributed as dist\n"
+            "(dist.is_initialized(), rank, world_size, 'device' in globals())"
+        )
+        assert result.values == [(False, 0, 2, False), (False, 1, 2, False)]
 
 
 def test_without_jax_on_the_ranks_the_error_says_what_to_install(

@@ -346,6 +346,11 @@ BAD_OPTIONS = [
     ("--provider aws --hosts me@gpu1", "--provider aws does not take --hosts (--hosts is ssh's)"),
     ("--secure --backend nccl", "--secure carries gloo's traffic only"),
     ("--secure --framework jax", "--secure covers torch's gloo traffic only"),
+    ("--ranks x", "--ranks: expected ranks such as 0, 0,2 or 0,2-3, got 'x'"),
+    ("--ranks 0,3-1", "--ranks: 3-1: a range goes up, as in 1-3"),
+    ("--ranks 5000", "no pool has rank 5000: a pool has at most 1024 ranks"),
+    ("--rank 0", "unknown option --rank; did you mean --ranks?"),
+    ("--head --ranks 1", "--head is --ranks 0; give one of them"),
 ]
 
 
@@ -430,6 +435,8 @@ def test_help_documents_every_option(nb: Kernel) -> None:
         "--all",
         "--out",
         "--timeout",
+        "--ranks",
+        "--head",
     ]
     for code in ("%%sky?", "get_ipython().run_line_magic('pinfo', 'sky')"):
         page = nb.ok(code).page
@@ -744,6 +751,55 @@ def test_out_stores_a_result_with_one_value_per_rank(nb: Kernel) -> None:
     assert nb.eval("len(stored)") == 2
     text = nb.eval("repr(stored)")
     assert re.fullmatch(r"<RunResult cell \d+: 2 ranks, ok, \d+ bytes shipped>", text), text
+
+
+def test_a_notebook_global_wins_over_a_ready_name(nb: Kernel) -> None:
+    nb.ok(POOL2)
+    cell = nb.ok("%%sky --all\n(rank, local_rank, world_size, device.type)")
+    assert cell.per_rank == {0: "(0, 0, 2, 'cpu')", 1: "(1, 0, 2, 'cpu')"} or all(
+        "'cuda')" in v for v in cell.per_rank.values()
+    ), str(cell)
+    nb.ok("local_rank = 'the notebook\\'s'")
+    cell = nb.ok("%%sky --all\n(rank, local_rank)")
+    assert cell.per_rank == {0: '(0, "the notebook\'s")', 1: '(1, "the notebook\'s")'}, str(cell)
+    nb.ok("del local_rank")
+
+
+def test_a_cell_on_some_ranks_shows_their_output_value_and_errors(nb: Kernel) -> None:
+    nb.ok(POOL2)
+    nb.ok("%%sky\nstate = rank * 10")
+    cell = nb.ok("%%sky --ranks 1 --out on_one\nprint(f'hello from {rank}')\nstate += 1\nstate")
+    assert cell.stdout == "hello from 1\n" and cell.shown == ["11"], str(cell)
+    assert nb.eval("[(r.rank, r.value) for r in on_one]") == [(1, 11)]
+    cell = nb.ok("%%sky --head --all\nstate")
+    assert cell.per_rank == {0: "0"}, str(cell)
+    cell = nb.ok("%%sky --ranks 0-1 --all\nstate")  # the others kept their state
+    assert cell.per_rank == {0: "0", 1: "11"}, str(cell)
+    failed = nb.fails("%%sky --ranks 1\nraise ValueError(f'rank {rank} fails')")
+    assert failed.reply["ename"] == "CellError", str(failed)
+    assert failed.reply["evalue"].startswith("cell failed on rank 1"), str(failed)
+    assert "ValueError: rank 1 fails" in failed.reply["evalue"]
+    started = time.monotonic()
+    stuck = nb.fails("%%sky --head\nimport torch, torch.distributed as dist\ndist.barrier()")
+    assert time.monotonic() - started < 20, "the head waited for the collective's timeout"
+    number = stuck.reply["execution_count"]
+    evalue = stuck.reply["evalue"]
+    assert re.match(
+        rf"cell failed on rank 0 \(.*\): CollectiveDesync: rank 0 in barrier at "
+        rf"In \[{number}\] line 2: only rank 0 runs this cell \(--ranks 0\)",
+        evalue,
+    ), evalue
+    cell = nb.ok("%%sky --all\nimport torch, torch.distributed as dist\ndist.barrier()\nstate")
+    assert cell.per_rank == {0: "0", 1: "11"}, str(cell)
+
+
+def test_ranks_the_pool_lacks_are_a_one_line_error_that_runs_nothing(nb: Kernel) -> None:
+    nb.ok(POOL2)
+    pids = nb.pool_pids()
+    cell = nb.fails("%%sky --ranks 0,2-3\nprint('THE CELL RAN')")
+    assert cell.reply["ename"] == "UsageError", str(cell)
+    assert re.fullmatch(r"--ranks 2-3: pool '\w+' has ranks 0-1", cell.reply["evalue"]), str(cell)
+    assert "THE CELL RAN" not in cell.stdout and nb.pool_pids() == pids
 
 
 # ------------------------------------------------------------------------------ 5. output

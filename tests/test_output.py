@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import io
 
-from skyward_jupyter.display.output import STDERR_HOLD_SECONDS, CellOutput, rank_span
+from skyward_jupyter.display.output import STDERR_HOLD_SECONDS, CellOutput
 from skyward_jupyter.events import OutputReceived
+from skyward_jupyter.flags import rank_span
 
 
 class Clock:

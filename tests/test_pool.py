@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from skyward_jupyter import CellError, Pool, PoolError
+from skyward_jupyter import CellError, Pool, PoolError, RunResult
 from skyward_jupyter import protocol as p
 from skyward_jupyter.events import CellFinished, CellStarted, OutputReceived, PoolEvent
 from skyward_jupyter.providers.base import Node
@@ -53,12 +53,14 @@ def test_all_reduce_two_ranks(pool2: Pool) -> None:
 def test_all_reduce_four_ranks_on_two_nodes() -> None:
     with Pool(nodes=2, procs_per_node=2) as pool:
         result = pool.run(
-            ALL_REDUCE + "(t.item(), dist.get_world_size(), __import__('os').environ['NODE_RANK'])"
+            ALL_REDUCE + "(t.item(), dist.get_world_size(), __import__('os').environ['NODE_RANK'],"
+            " (rank, local_rank, world_size))"
         )
         assert result.ok, result.errors
         assert [v[0] for v in result.values] == [10.0] * 4
         assert [v[1] for v in result.values] == [4] * 4
         assert [v[2] for v in result.values] == ["0", "0", "1", "1"]
+        assert [v[3] for v in result.values] == [(0, 0, 4), (1, 1, 4), (2, 0, 4), (3, 1, 4)]
 
 
 def test_world_of_one_still_has_a_process_group() -> None:
@@ -137,6 +139,173 @@ def test_namespace_persists_across_cells(pool2: Pool) -> None:
     )
     result = pool2.run("bump(1)")
     assert result.values == [1, 11]
+
+
+READY_NAMES = src(
+    """
+    import torch
+    mine = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else (
+        torch.device("cpu")
+    )
+    (rank, local_rank, world_size, device == mine, type(device).__name__)
+    """
+)
+
+
+def test_each_rank_starts_with_its_ready_names_bound_again_as_the_group_forms_again(
+    pool2: Pool,
+) -> None:
+    result = pool2.run(READY_NAMES)
+    assert result.ok, result.errors
+    assert result.values == [(0, 0, 2, True, "device"), (1, 0, 2, True, "device")]
+    formed_again = pool2.run(
+        "import torch.distributed as dist\nfirst = device\ndist.destroy_process_group()"
+    )
+    assert formed_again.ok, formed_again.errors
+    assert pool2.run("(device is first, device == first)").values == [(False, True)] * 2
+    assert pool2.run("del first").ok
+
+
+def test_the_users_names_win_over_the_ready_ones() -> None:
+    """A notebook global ``rank``, and a cell's ``world_size`` and ``device`` (bound to the value
+    that was ours), stay the user's through formations of the group again; a name the cell
+    deleted stays deleted; a rank restarted after its loss starts with all of them."""
+    with Pool(nodes=2) as pool:
+        shipped = pool.run("rank", {"rank": "the notebook's"})
+        assert shipped.values == ["the notebook's"] * 2, shipped.errors
+        rebound = pool.run(
+            src(
+                """
+                import torch.distributed as dist
+                world_size = "the cell's"
+                device = device  # the cell's now, though the same value
+                first = device
+                del local_rank
+                dist.destroy_process_group()  # the pool forms the group again
+                """
+            )
+        )
+        assert rebound.ok, rebound.errors
+        after = pool.run("(rank, world_size, device is first, 'local_rank' in globals())")
+        assert after.values == [("the notebook's", "the cell's", True, False)] * 2, after.errors
+        kill_and_await_replacement(pool, 1)
+        restarted = pool.run("(rank, world_size, 'local_rank' in globals(), type(device).__name__)")
+        assert restarted.values == [
+            ("the notebook's", "the cell's", False, "device"),
+            (1, 2, True, "device"),
+        ], restarted.errors
+
+
+def test_a_cell_on_some_ranks_runs_there_only_and_the_others_keep_their_state_unblocked(
+    pool2: Pool, tmp_path: Path
+) -> None:
+    assert pool2.run("kept = rank * 10").ok
+    only = pool2.run("kept += 1\nkept", ranks=[1])
+    assert [(r.rank, r.value) for r in only] == [(1, 11)], only.errors
+    # Its globals reach every rank (the notebook's record of what the ranks hold stays true).
+    shipped = pool2.run("'shipped' in globals()", {"shipped": 5}, ranks=[0])
+    assert shipped.values == [True]
+    assert pool2.run("(kept, shipped)").values == [(0, 5), (11, 5)]
+    # While rank 1 runs, rank 0 is idle, in no cell.
+    go = tmp_path / "go"
+    waits = src(
+        f"""
+        import os, time
+        deadline = time.monotonic() + 30
+        while not os.path.exists({str(go)!r}) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.path.exists({str(go)!r})
+        """
+    )
+    seen: list[RunResult] = []
+    running = threading.Thread(target=lambda: seen.append(pool2.run(waits, ranks=[1])))
+    running.start()
+    try:
+        wait_for(
+            lambda: [r.state.value for r in pool2.ranks] == ["idle", "running"],
+            10,
+            "rank 1 to run the cell while rank 0 stays idle",
+        )
+    finally:
+        go.touch()
+        running.join(30)
+    assert [r.values for r in seen] == [[True]]
+    failed = pool2.run("1 / 0", ranks=[1])
+    assert [(e.rank, e.type_name) for e in failed.errors] == [(1, "ZeroDivisionError")]
+    assert pool2.run("del kept, shipped").ok
+
+
+def test_a_collective_on_some_ranks_fails_in_seconds_saying_only_they_run_the_cell(
+    pool2: Pool,
+) -> None:
+    assert pool2.run("kept = rank").ok
+    started = time.monotonic()
+    result = pool2.run(
+        "import torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)",
+        ranks=[0],
+    )
+    assert time.monotonic() - started < 15
+    assert [(e.rank, e.type_name) for e in result.errors] == [(0, "CollectiveDesync")], result
+    message = result.errors[0].message
+    assert message.startswith(
+        "rank 0 in all_reduce at cell line 3: only rank 0 runs this cell (--ranks 0)"
+    ), message
+    assert "\n" not in message
+    # The group works again for every rank, and rank 1 kept its namespace.
+    after = pool2.run(ALL_REDUCE + "(t.item(), kept)")
+    assert after.values == [(3.0, 0), (3.0, 1)], after.errors
+    assert pool2.run("del kept").ok
+
+
+def test_a_collective_left_pending_on_some_ranks_fails_the_cell_and_not_the_next(
+    pool2: Pool,
+) -> None:
+    """An ``async_op`` collective (or NCCL's, which returns at once) on some ranks does not
+    block: it would pair with the next cell's collective on the others."""
+    result = pool2.run(
+        "import torch, torch.distributed as dist\n"
+        "work = dist.all_reduce(torch.ones(1), async_op=True)\n"
+        "'returned'",
+        ranks=[0],
+    )
+    assert [(e.rank, e.type_name, e.message) for e in result.errors] == [
+        (
+            0,
+            "CollectiveDesync",
+            "rank 0 called 1 collective the other ranks never join: only rank 0 runs this cell "
+            "(--ranks 0); the pool formed its group again without them",
+        )
+    ], result
+    after = pool2.run(ALL_REDUCE, timeout=30)
+    assert after.values == [3.0, 3.0], after.errors
+    assert pool2.run("del work", ranks=[0]).ok
+
+
+def test_an_interrupt_stops_a_cell_on_some_ranks(pool2: Pool) -> None:
+    seen: list[RunResult] = []
+    running = threading.Thread(
+        target=lambda: seen.append(pool2.run("import time\ntime.sleep(60)", ranks=[1]))
+    )
+    running.start()
+    try:
+        wait_for(lambda: pool2.ranks[1].state.value == "running", 10, "rank 1 to run the cell")
+        pool2.interrupt()
+    finally:
+        running.join(30)
+    (result,) = seen
+    assert result.interrupted and [(e.rank, e.type_name) for e in result.errors] == [
+        (1, "KeyboardInterrupt")
+    ], result
+    assert pool2.run(ALL_REDUCE).values == [3.0, 3.0]
+
+
+def test_ranks_a_pool_lacks_are_refused_in_one_line_naming_them(pool2: Pool) -> None:
+    refused_as = (([2], "--ranks 2: "), ([0, 3, 4], "--ranks 3-4: "), ([], "--ranks (none): "))
+    for ranks, said in refused_as:
+        with pytest.raises(PoolError) as refused:
+            pool2.run("print('THE CELL RAN')", ranks=ranks)
+        assert str(refused.value).startswith(said), refused.value
+        assert str(refused.value).endswith(f"pool {pool2.name!r} has ranks 0-1")
 
 
 def test_globals_travel_and_large_arrays_arrive_intact(pool2: Pool) -> None:

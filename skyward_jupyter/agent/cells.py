@@ -12,6 +12,7 @@ import __future__
 import ast
 import builtins
 import contextlib
+import dis
 import functools
 import linecache
 import os
@@ -31,6 +32,25 @@ class Namespace:
         self._future = 0
         """``__future__`` features earlier cells imported: they hold for later cells, as in
         IPython (``from __future__ import annotations`` in one cell applies to the next)."""
+        self._ready: dict[str, Any] = {}
+        """The ready names (``rank``, ``device``, ...) still ours: a new formation updates
+        them."""
+        self._theirs: set[str] = set()
+        """Names the user took: shipped from the notebook, or bound or deleted by a cell."""
+
+    def ready(self, values: dict[str, Any]) -> None:
+        """Bind the ready names a cell finds, leaving alone every one that is the user's (a
+        name the notebook shipped or a cell bound, also to an equal value, or deleted)."""
+        for name, value in values.items():
+            taken = name in self._ready and self.globals.get(name) is not self._ready[name]
+            if taken or (name not in self._ready and name in self.globals):
+                self._disown(name)
+            if name not in self._theirs:
+                self.globals[name] = self._ready[name] = value
+
+    def _disown(self, name: str) -> None:
+        self._ready.pop(name, None)
+        self._theirs.add(name)
 
     @property
     def globals(self) -> dict[str, Any]:
@@ -43,6 +63,7 @@ class Namespace:
         as if the cell had defined it here: it then sees the names earlier cells bound on this
         rank, not a frozen copy of the notebook's globals.
         """
+        self._disown(name)
         self.globals[name] = self._rebound(value)
 
     def _rebound(self, value: Any) -> Any:
@@ -67,6 +88,8 @@ class Namespace:
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
         body, last = _compiled(source, filename, self._future)
         self._future |= body.co_flags & _FUTURE_FLAGS
+        for name in _stored_globals(body):
+            self._disown(name)
         exec(_named(body, filename), self.globals)
         if last is None:
             return None
@@ -111,6 +134,21 @@ def _compiled_once(source: str, future: int) -> tuple[types.CodeType, types.Code
 
 
 _UNNAMED = "<sky-cell>"
+_MODULE_STORES = {"STORE_NAME", "DELETE_NAME", "STORE_GLOBAL", "DELETE_GLOBAL"}
+_GLOBAL_STORES = {"STORE_GLOBAL", "DELETE_GLOBAL"}
+
+
+@functools.lru_cache(maxsize=64)
+def _stored_globals(code: types.CodeType, module: bool = True) -> frozenset[str]:
+    """The globals ``code`` binds or deletes: at the cell's top level, and through ``global``
+    in the functions it defines (a class body's names are the class's). Read from the code, so
+    ``world_size = 2`` makes ``world_size`` the cell's even where the value is ours too."""
+    stores = _MODULE_STORES if module else _GLOBAL_STORES
+    names = {i.argval for i in dis.get_instructions(code) if i.opname in stores}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _stored_globals(const, module=False)
+    return frozenset(names)
 
 
 def _named(code: types.CodeType, filename: str) -> types.CodeType:

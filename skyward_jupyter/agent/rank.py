@@ -366,6 +366,7 @@ class Agent:
 
     def serve(self) -> None:
         self.worlds.prepare()
+        self.namespace.ready(self.worlds.ready_names())
         self.channel.send(
             p.Hello(
                 pid=os.getpid(),
@@ -390,6 +391,7 @@ class Agent:
                 after = f" after cell {self._last_cell}" if self._last_cell is not None else ""
                 self._last_cell = None
                 self.worlds.form(command, self.channel.send, self.namespace.globals, after)
+                self.namespace.ready(self.worlds.ready_names())
             elif isinstance(command, p.LeaveGroup):
                 self._leave_group()
             elif isinstance(command, p.Shutdown):

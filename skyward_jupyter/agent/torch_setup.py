@@ -85,6 +85,16 @@ def cuda_device_count() -> int:
     return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
 
 
+def rank_device(local_rank: int) -> Any:
+    """The rank's ``torch.device``: its GPU (``cuda:N``, the local rank's among those it sees;
+    a node's ranks share them only under gloo) when it sees any, else the CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
 def _socket_inodes() -> dict[str, int]:
     """This process's sockets: ``socket:[inode]`` -> descriptor."""
     found = {}
@@ -182,7 +192,7 @@ class ProcessGroup:
                 "use --backend gloo, or leave out --secure on a network you trust"
             )
         if cuda:
-            torch.cuda.set_device(s.local_rank % torch.cuda.device_count())
+            torch.cuda.set_device(rank_device(s.local_rank))
         try:
             tunnel = self._store.tunnel
             where = (tunnel.address, tunnel.port) if tunnel is not None else None

@@ -24,6 +24,7 @@ from .torch_setup import (
     ProcessGroup,
     cuda_device_count,
     nccl_available,
+    rank_device,
     torch_version,
 )
 from .user_group import UserGroupCalls
@@ -92,6 +93,19 @@ class Worlds:
             if self.jax_version is not None:
                 self.jax.install()
         self.problem = keras_conflict(self.keras_backend)
+
+    def ready_names(self) -> dict[str, Any]:
+        """The names every cell finds bound (the README's "What a cell gets"): ``device`` only
+        where the rank sets up torch."""
+        s = self.group.settings
+        names: dict[str, Any] = {
+            "rank": s.rank,
+            "local_rank": s.local_rank,
+            "world_size": s.world_size,
+        }
+        if self.uses_torch:
+            names["device"] = rank_device(s.local_rank)
+        return names
 
     def cuda_devices(self) -> int:
         return cuda_device_count() if self.torch else 0

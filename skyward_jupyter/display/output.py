@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from ..events import OutputReceived, PoolEvent
+from ..flags import rank_span
 from ..options import StdoutMode
 
 MAX_FLUSH_CHARS = 200_000
@@ -43,17 +44,6 @@ _BREAKS = re.compile(r"([\r\n])")
 _LINES = re.compile(r"[^\n]*\n|[^\n]+")
 _Parts = list[tuple[str, str]]
 """Text for the cell, in order: (the notebook's stream, text)."""
-
-
-def rank_span(ranks: Iterable[int]) -> str:
-    """``0,2-3`` for ranks {0, 2, 3}: runs of consecutive ranks are written as ranges."""
-    runs: list[list[int]] = []
-    for rank in sorted(set(ranks)):
-        if runs and rank == runs[-1][1] + 1:
-            runs[-1][1] = rank
-        else:
-            runs.append([rank, rank])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def stderr_label(ranks: Iterable[int]) -> str:
@@ -88,11 +78,14 @@ class CellOutput:
         stderr: TextIO | None = None,
         *,
         ranks: int | None = None,
+        head: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``ranks``: how many ranks run the cell, so a line all of them wrote needs no wait
-        (None: every held line waits :data:`STDERR_HOLD_SECONDS`). ``clock`` is for tests."""
+        (None: every held line waits :data:`STDERR_HOLD_SECONDS`); ``head``: the first of them,
+        whose stdout ``head`` shows (``--ranks 2-3``: rank 2). ``clock`` is for tests."""
         self.mode = mode
+        self._head = head
         self._stdout = stdout
         self._stderr = stderr
         self._ranks = ranks
@@ -149,7 +142,7 @@ class CellOutput:
             return stderr_label([event.rank])
         if self.mode == "all":
             return f"[rank {event.rank}] "
-        if self.mode == "head" and event.rank == 0:
+        if self.mode == "head" and event.rank == self._head:
             return ""
         return None
 

@@ -34,7 +34,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -221,18 +221,19 @@ class PoolViews:
             view.pool_panel.stop()
         self._update(view)
 
-    def cell(self, entry: EntryFacts, stdout: StdoutMode) -> _CellView:
-        """A cell is about to run on ``entry``'s pool (kernel thread)."""
-        output = CellOutput(stdout, ranks=entry.pool.world_size)
+    def cell(
+        self, entry: EntryFacts, stdout: StdoutMode, ranks: Sequence[int] | None = None
+    ) -> _CellView:
+        """A cell is about to run on ``entry``'s pool (kernel thread), on ``ranks`` (None:
+        every rank); its head is the first of them."""
+        running = list(range(entry.pool.world_size or 0)) if ranks is None else sorted(ranks)
+        output = CellOutput(stdout, ranks=len(running), head=running[0] if running else 0)
         view = self._views.get(entry.name)
         if view is None or view.pool is not entry.pool:
             return _CellView(self, None, output)
         with view.lock:
             view.running = True
-        ranks = entry.pool.world_size or 0
-        view.in_cell = frozenset(
-            {"head": range(min(ranks, 1)), "all": range(ranks)}.get(stdout, ())
-        )
+        view.in_cell = frozenset({"head": running[:1], "all": running}.get(stdout, ()))
         if self.kind == "widgets" and view.cell_key != self._cell_key():
             self._begin_cell(view)
         if view.panel is not None:
