@@ -1,0 +1,63 @@
+"""Writes: the notebook's writes to watched memory are all seen, whoever makes them."""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from skyward_jupyter.written import WRITES, ranges
+
+
+@pytest.fixture
+def big() -> np.ndarray:
+    return np.random.default_rng(0).random(1 << 18)  # 2 MiB
+
+
+def _watch(value: object) -> object:
+    where = ranges([value])
+    assert where is not None
+    watch = WRITES.watch(where)
+    assert watch is not None, "this kernel should support userfaultfd write-protection"
+    return watch
+
+
+def test_a_write_of_one_element_is_seen_and_reading_is_not_a_write(big: np.ndarray) -> None:
+    watch = _watch(big)
+    assert float(big.sum()) > 0 and not WRITES.written(watch)
+    big[123_456] += 1.0
+    assert WRITES.written(watch)
+
+
+def test_a_write_by_the_kernel_on_the_notebooks_behalf_is_seen(
+    big: np.ndarray, tmp_path: Path
+) -> None:
+    source = tmp_path / "bytes"
+    source.write_bytes(os.urandom(64))
+    watch = _watch(big)
+    with source.open("rb", buffering=0) as f:
+        assert f.readinto(memoryview(big).cast("B")[1000:1064]) == 64
+    assert WRITES.written(watch)
+
+
+def test_watching_a_view_does_not_forget_a_write_to_the_array_it_is_part_of(
+    big: np.ndarray,
+) -> None:
+    whole = _watch(big)
+    big[200_000] = -1.0  # inside the view below
+    part = _watch(big[100_000:250_000])  # protects the written page again
+    assert WRITES.written(whole) and not WRITES.written(part)
+
+
+def test_shared_and_read_only_memory_is_not_watched(big: np.ndarray) -> None:
+    shared = mmap.mmap(-1, 1 << 20)  # MAP_SHARED: another process could write it
+    where = ranges([shared])
+    assert where is not None and WRITES.watch(where) is None
+    shared.close()
+    frozen = big.copy()
+    frozen.flags.writeable = False
+    assert ranges([frozen]) is None
+    assert ranges([big[::2]]) is None  # not contiguous
