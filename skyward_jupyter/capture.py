@@ -77,13 +77,15 @@ def _digest(pickled: Pickled) -> bytes:
 
 @dataclass(frozen=True)
 class _Hashed:
-    """A large global as last hashed: its pickle stream's digest, where its buffers lie, and the
-    watch on them that began before they were read."""
+    """A large global as last hashed: its pickle stream's digest, where its buffers lie, the
+    watch on them that began before they were read (if one did), and whether the digest was the
+    one before it (``steady``)."""
 
     stream: bytes
     where: Ranges
-    watch: Watch
+    watch: Watch | None
     digest: bytes
+    steady: bool
 
 
 @dataclass(frozen=True)
@@ -146,20 +148,27 @@ class Shipper:
         )
 
     def _digest(self, name: str, pickled: Pickled) -> bytes:
-        """The digest of ``pickled``; its buffers are read only if they may have changed."""
+        """The digest of ``pickled``; its buffers are read only if they may have changed.
+
+        A watch costs the notebook a page fault at its first write to each page, so a value
+        written since its last hash, or found changed then, is hashed unwatched until it is
+        found unchanged: one that changes every cell pays no faults.
+        """
         stream = xxhash.xxh3_128(pickled.data).digest()
         large = sum(memoryview(b).nbytes for b in pickled.buffers) >= WATCH_MIN_BYTES
         where = ranges(pickled.buffers) if large else None
         known = self._hashed.pop(name, None)
-        if known is not None:
+        if known is not None and known.watch is not None:
             if (known.stream, known.where) == (stream, where) and not WRITES.written(known.watch):
                 self._hashed[name] = known
                 return known.digest
             WRITES.release(known.watch)
-        watch = WRITES.watch(where) if where else None  # before the buffers are read
+        calm = known is None or (known.watch is None and known.steady)
+        watch = WRITES.watch(where) if where and calm else None  # before the buffers are read
         digest = _digest(pickled)
-        if watch is not None and where is not None:
-            self._hashed[name] = _Hashed(stream, where, watch, digest)
+        if where:
+            steady = known is None or known.digest == digest
+            self._hashed[name] = _Hashed(stream, where, watch, digest, steady)
         return digest
 
     @staticmethod

@@ -106,6 +106,18 @@ def test_an_unchanged_large_array_is_not_read_again(monkeypatch: pytest.MonkeyPa
     assert _sent_again(shipper, ns, "big") == {"big"} and len(read) == 2
 
 
+def test_an_array_written_every_cell_is_hashed_unwatched() -> None:
+    """A watch would cost the notebook a fault per page it writes, for nothing."""
+    shipper, ns = Shipper(), _ns(big=np.zeros(1 << 18))
+    _sent_again(shipper, ns, "big")
+    for step in range(1, 4):
+        ns["big"][0] = step
+        assert _sent_again(shipper, ns, "big") == {"big"}
+        assert shipper._hashed["big"].watch is None, f"watched after {step} changes"
+    assert _sent_again(shipper, ns, "big") == set()  # unchanged once: watched from now on
+    assert _sent_again(shipper, ns, "big") == set() and shipper._hashed["big"].watch is not None
+
+
 def test_an_edit_through_an_array_reaches_its_slice_and_the_slice_itself() -> None:
     shipper = Shipper()
     big = np.random.default_rng(1).random(1 << 19)
