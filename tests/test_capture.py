@@ -125,6 +125,8 @@ def test_an_edit_through_an_array_reaches_its_slice_and_the_slice_itself() -> No
     assert _sent_again(shipper, ns, "big, part") == {"big", "part"}
     assert _sent_again(shipper, ns, "big, part") == set()
     big[300_000] = -1.0  # inside part
+    ns["mid"] = big[200_000:350_000]  # new: its watch protects the written page again
+    assert _sent_again(shipper, ns, "mid") == {"mid"}
     assert _sent_again(shipper, ns, "part") == {"part"}
     assert _sent_again(shipper, ns, "big") == {"big"}, "the write was forgotten for the whole"
     ns["part"][0] = -2.0
