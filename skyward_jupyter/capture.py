@@ -11,7 +11,8 @@ Two rules keep this cheap and unsurprising:
 
 A large value's buffers (a numpy array's data) are not read again to be hashed while no byte of
 them was written since they last were (:mod:`.written`): its pickle stream, which pickling
-out-of-band keeps small and cheap, must also be the same, and its buffers where they were.
+out-of-band keeps small and cheap, must also be the same (with the few bytes at the buffers'
+ends that share a page with other memory), and its buffers where they were.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import xxhash
 
 from .protocol import Pickled
 from .transfer import pickle_global
-from .written import WATCH_MIN_BYTES, WRITES, Ranges, Watch, ranges
+from .written import WATCH_MIN_BYTES, WRITES, Ranges, Watch, pages
 
 LARGE_GLOBAL_BYTES = 100 * 1024 * 1024
 _NOTEBOOK_INTERNALS = {"In", "Out", "get_ipython", "exit", "quit"}
@@ -77,7 +78,8 @@ def _digest(pickled: Pickled) -> bytes:
 
 @dataclass(frozen=True)
 class _Hashed:
-    """A large global as last hashed: its pickle stream's digest, where its buffers lie, the
+    """A large global as last hashed: the digest of its pickle stream and of its buffers' bytes
+    outside the whole pages they fill, where those pages lie, the
     watch on them that began before they were read (if one did), and whether the digest was the
     one before it (``steady``)."""
 
@@ -154,9 +156,13 @@ class Shipper:
         written since its last hash, or found changed then, is hashed unwatched until it is
         found unchanged: one that changes every cell pays no faults.
         """
-        stream = xxhash.xxh3_128(pickled.data).digest()
         large = sum(memoryview(b).nbytes for b in pickled.buffers) >= WATCH_MIN_BYTES
-        where = ranges(pickled.buffers) if large else None
+        watchable = pages(pickled.buffers) if large else None
+        where, edges = watchable or ((), ())
+        h = xxhash.xxh3_128(pickled.data)
+        for edge in edges:
+            h.update(edge)
+        stream = h.digest()
         known = self._hashed.pop(name, None)
         if known is not None and known.watch is not None:
             if (known.stream, known.where) == (stream, where) and not WRITES.written(known.watch):

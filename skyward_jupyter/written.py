@@ -49,18 +49,26 @@ _PAGE = mmap.PAGESIZE
 Ranges = tuple[tuple[int, int], ...]
 
 
-def ranges(buffers: Sequence[object]) -> Ranges | None:
-    """Where ``buffers`` lie in memory, page-aligned outwards; None where one cannot be watched
-    (read-only or not contiguous: it may change through another object's buffer)."""
-    found = []
+def pages(buffers: Sequence[object]) -> tuple[Ranges, tuple[memoryview, ...]] | None:
+    """The whole pages ``buffers`` fill (to watch), and their bytes outside them (to read each
+    time: those pages hold other memory too, whose writes say nothing about these bytes). None
+    where one cannot be watched (read-only, or not contiguous: it may change through another
+    object's buffer)."""
+    found, edges = [], []
     for buffer in buffers:
         view = memoryview(buffer)  # type: ignore[arg-type]
         if view.readonly or not view.c_contiguous or not view.nbytes:
             return None
-        address = ctypes.addressof(ctypes.c_char.from_buffer(view.cast("B")))
-        start = address // _PAGE * _PAGE
-        found.append((start, -(-(address + view.nbytes) // _PAGE) * _PAGE))
-    return tuple(found)
+        view = view.cast("B")
+        address = ctypes.addressof(ctypes.c_char.from_buffer(view))
+        start = -(-address // _PAGE) * _PAGE - address
+        end = (address + view.nbytes) // _PAGE * _PAGE - address
+        if start >= end:
+            edges.append(view)
+            continue
+        found.append((address + start, address + end))
+        edges += [view[:start], view[end:]]
+    return tuple(found), tuple(edges)
 
 
 @dataclass(eq=False)
@@ -149,12 +157,13 @@ class Writes:
             return False
         self._uffd, self._pagemap = uffd, pagemap
         probe = mmap.mmap(-1, _PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        where = ranges([probe])
-        watch = self._protect(where) if where else None
-        seen = watch is not None and not self.written(watch)
-        probe[0] = 1
-        seen = seen and watch is not None and self.written(watch)
+        start = ctypes.addressof(ctypes.c_char.from_buffer(probe))
+        watch = self._protect(((start, start + _PAGE),))
+        seen = False
         if watch is not None:
+            quiet = not self.written(watch)
+            probe[0] = 1
+            seen = quiet and self.written(watch)
             self.release(watch)
         probe.close()
         if not seen:

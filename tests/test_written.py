@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from skyward_jupyter.written import WRITES, ranges
+from skyward_jupyter.written import WRITES, pages
 
 
 @pytest.fixture
@@ -18,9 +18,9 @@ def big() -> np.ndarray:
 
 
 def _watch(value: object) -> object:
-    where = ranges([value])
-    assert where is not None
-    watch = WRITES.watch(where)
+    found = pages([value])
+    assert found is not None
+    watch = WRITES.watch(found[0])
     assert watch is not None, "this kernel should support userfaultfd write-protection"
     return watch
 
@@ -39,7 +39,7 @@ def test_a_write_by_the_kernel_on_the_notebooks_behalf_is_seen(
     source.write_bytes(os.urandom(64))
     watch = _watch(big)
     with source.open("rb", buffering=0) as f:
-        assert f.readinto(memoryview(big).cast("B")[1000:1064]) == 64
+        assert f.readinto(memoryview(big).cast("B")[100_000:100_064]) == 64
     assert WRITES.written(watch)
 
 
@@ -54,10 +54,20 @@ def test_watching_a_view_does_not_forget_a_write_to_the_array_it_is_part_of(
 
 def test_shared_and_read_only_memory_is_not_watched(big: np.ndarray) -> None:
     shared = mmap.mmap(-1, 1 << 20)  # MAP_SHARED: another process could write it
-    where = ranges([shared])
-    assert where is not None and WRITES.watch(where) is None
+    found = pages([shared])
+    assert found is not None and WRITES.watch(found[0]) is None
+    del found  # its views of the ends hold the mapping
     shared.close()
     frozen = big.copy()
     frozen.flags.writeable = False
-    assert ranges([frozen]) is None
-    assert ranges([big[::2]]) is None  # not contiguous
+    assert pages([frozen]) is None
+    assert pages([big[::2]]) is None  # not contiguous
+
+
+def test_only_whole_pages_are_watched_and_the_ends_are_read(big: np.ndarray) -> None:
+    view = memoryview(big).cast("B")[100 : 100 + 3 * 4096]
+    found = pages([view])
+    assert found is not None
+    (where,), (head, tail) = found
+    assert where[1] - where[0] == 2 * 4096 and head.nbytes + tail.nbytes == 4096
+    assert bytes(head) == bytes(view[: head.nbytes]) and bytes(tail) == bytes(view[-tail.nbytes :])
