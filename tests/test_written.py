@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import mmap
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from skyward_jupyter import written
 from skyward_jupyter.written import WRITES, pages
+
+AS_NOBODY = ("setpriv", "--reuid", "nobody", "--regid", "nogroup", "--clear-groups")
 
 
 @pytest.fixture
@@ -71,3 +76,27 @@ def test_only_whole_pages_are_watched_and_the_ends_are_read(big: np.ndarray) -> 
     (where,), (head, tail) = found
     assert where[1] - where[0] == 2 * 4096 and head.nbytes + tail.nbytes == 4096
     assert bytes(head) == bytes(view[: head.nbytes]) and bytes(tail) == bytes(view[-tail.nbytes :])
+
+
+def test_a_user_without_privileges_gets_watches_too() -> None:
+    """Unprivileged processes may handle only user-mode faults through a userfaultfd: enough,
+    since asynchronous write-protection answers every fault in the kernel."""
+    python = shutil.which("python3", path="/usr/bin:/bin")  # one that nobody may run
+    if python is None:
+        pytest.skip("no system python3 for the user nobody")
+    script = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('written', {written.__file__!r})\n"
+        "w = sys.modules['written'] = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(w)\n"
+        "b = bytearray(4 << 20)\n"
+        "watch = w.WRITES.watch(w.pages([b])[0])\n"
+        "before = w.WRITES.written(watch)\n"
+        "b[2 << 20] = 1\n"
+        "print(watch is not None, before, w.WRITES.written(watch))\n"
+    )
+    done = subprocess.run(
+        [*AS_NOBODY, python, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "False", "True"]
