@@ -142,11 +142,16 @@ def test_a_reshaped_array_is_sent_again_though_its_data_is_untouched() -> None:
     assert _sent_again(shipper, ns, "big") == {"big"}
 
 
-def test_an_edited_torch_tensor_is_sent_again() -> None:
+def test_an_unchanged_torch_tensor_is_not_read_again_and_an_edited_one_is_sent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     torch = pytest.importorskip("torch")
+    read: list[str] = []
+    digest = capture._digest
+    monkeypatch.setattr(capture, "_digest", lambda p: read.append("read") or digest(p))
     shipper, ns = Shipper(), _ns(t=torch.zeros(1 << 18))
     assert _sent_again(shipper, ns, "t") == {"t"}
-    assert _sent_again(shipper, ns, "t") == set()
+    assert _sent_again(shipper, ns, "t") == set() and read == ["read"]
     ns["t"][5] = 1.0
     assert _sent_again(shipper, ns, "t") == {"t"}
     ns["t"].numpy()[6] = 2.0  # through a numpy view: the tensor's version does not move
