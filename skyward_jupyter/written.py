@@ -10,8 +10,10 @@ Every write this process makes passes through its page tables and is seen: the p
 the kernel's on its behalf (``read()`` into the buffer), another process's through
 ``process_vm_writev``, pages dropped by ``madvise``. Only private anonymous memory is watched,
 because another process writes a shared or file mapping through its own page tables. A device
-writing by DMA into memory pinned before the watch began would not be seen: pinned host memory
-comes from the driver's own mappings, which are not anonymous, so it is not watched either.
+writing by DMA bypasses page tables: host memory pinned the usual way (``pin_memory()``,
+``cudaHostAlloc``) comes from the driver's own mappings, which are not anonymous and so are not
+watched; memory of an array registered for DMA in place (``cudaHostRegister``, RDMA) and written
+by the device would not be seen.
 
 Where the kernel lacks any part of this (before Linux 6.7, a seccomp filter that refuses
 ``userfaultfd``, other architectures), a probe at first use finds out and nothing is watched:
