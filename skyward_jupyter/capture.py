@@ -79,9 +79,8 @@ def _digest(pickled: Pickled) -> bytes:
 @dataclass(frozen=True)
 class _Hashed:
     """A large global as last hashed: the digest of its pickle stream and of its buffers' bytes
-    outside the whole pages they fill, where those pages lie, the
-    watch on them that began before they were read (if one did), and whether the digest was the
-    one before it (``steady``)."""
+    outside the whole pages they fill, where those pages lie, the watch on them that began
+    before they were read (if one did), and whether its digest was the one before (``steady``)."""
 
     stream: bytes
     where: Ranges
