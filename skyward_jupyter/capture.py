@@ -8,6 +8,11 @@ and classes defined in the notebook by value (cloudpickle), data by value.
 Two rules keep this cheap and unsurprising:
 - a name an earlier ``%%sky`` cell bound on the ranks stays remote and wins over the notebook's;
 - a value whose pickled bytes hash the same as when it was last sent is not sent again.
+
+A large value's buffers (a numpy array's data) are not read again to be hashed while no byte of
+them was written since they last were (:mod:`.written`): its pickle stream, which pickling
+out-of-band keeps small and cheap, must also be the same (with the few bytes at the buffers'
+ends that share a page with other memory), and its buffers where they were.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import xxhash
 
 from .protocol import Pickled
 from .transfer import pickle_global
+from .written import WATCH_MIN_BYTES, WRITES, Ranges, Watch, pages
 
 LARGE_GLOBAL_BYTES = 100 * 1024 * 1024
 _NOTEBOOK_INTERNALS = {"In", "Out", "get_ipython", "exit", "quit"}
@@ -71,6 +77,19 @@ def _digest(pickled: Pickled) -> bytes:
 
 
 @dataclass(frozen=True)
+class _Hashed:
+    """A large global as last hashed: the digest of its pickle stream and of its buffers' bytes
+    outside the whole pages they fill, where those pages lie, the watch on them that began
+    before they were read (if one did), and whether its digest was the one before (``steady``)."""
+
+    stream: bytes
+    where: Ranges
+    watch: Watch | None
+    digest: bytes
+    steady: bool
+
+
+@dataclass(frozen=True)
 class Shipment:
     """What one cell sends: the changed globals, pickled once for every rank."""
 
@@ -93,6 +112,7 @@ class Shipper:
     def __init__(self) -> None:
         self._sent: dict[str, bytes] = {}
         self._remote: set[str] = set()
+        self._hashed: dict[str, _Hashed] = {}
 
     def prepare(
         self, source: str, user_ns: Mapping[str, Any], force: frozenset[str] = frozenset()
@@ -108,7 +128,7 @@ class Shipper:
                 remote.append(name)
                 continue
             pickled = pickle_global(name, user_ns[name])
-            digest = _digest(pickled)
+            digest = self._digest(name, pickled)
             digests[name] = digest
             if self._sent.get(name) == digest and name not in force:
                 unchanged.append(name)
@@ -127,6 +147,34 @@ class Shipper:
             tuple(warnings),
             digests,
         )
+
+    def _digest(self, name: str, pickled: Pickled) -> bytes:
+        """The digest of ``pickled``; its buffers are read only if they may have changed.
+
+        A watch costs the notebook a page fault at its first write to each page, so a value
+        written since its last hash, or found changed then, is hashed unwatched until it is
+        found unchanged: one that changes every cell pays no faults.
+        """
+        large = sum(memoryview(b).nbytes for b in pickled.buffers) >= WATCH_MIN_BYTES
+        watchable = pages(pickled.buffers) if large else None
+        where, edges = watchable or ((), ())
+        h = xxhash.xxh3_128(pickled.data)
+        for edge in edges:
+            h.update(edge)
+        stream = h.digest()
+        known = self._hashed.pop(name, None)
+        if known is not None and known.watch is not None:
+            if (known.stream, known.where) == (stream, where) and not WRITES.written(known.watch):
+                self._hashed[name] = known
+                return known.digest
+            WRITES.release(known.watch)
+        calm = known is None or (known.watch is None and known.steady)
+        watch = WRITES.watch(where) if where and calm else None  # before the buffers are read
+        digest = _digest(pickled)
+        if where:
+            steady = known is None or known.digest == digest
+            self._hashed[name] = _Hashed(stream, where, watch, digest, steady)
+        return digest
 
     @staticmethod
     def _closure(names: set[str], user_ns: Mapping[str, Any]) -> set[str]:

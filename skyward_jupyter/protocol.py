@@ -11,8 +11,10 @@ arrives, and only that value reports its error. Its buffers stay out-of-band in 
 
 from __future__ import annotations
 
+import io
 import operator
 import pickle
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar, cast, dataclass_transform
@@ -44,6 +46,55 @@ class _Bytes:
 def _bytes_of(buffer: Any) -> bytes:
     """The value of a :class:`_Bytes`: the received buffer itself when it already is ``bytes``."""
     return buffer if type(buffer) is bytes else bytes(buffer)
+
+
+class _Pickler(cloudpickle.CloudPickler):  # type: ignore[misc]  # cloudpickle has no stubs
+    """cloudpickle, with a large CPU tensor's data out of the pickle as numpy's is: pickled
+    without a copy, and hashed or watched for writes where it lies (:mod:`.capture`); torch's
+    own pickling copies it through ``torch.save``, unchanged or not."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        torch = sys.modules.get("torch")
+        if torch is not None and type(obj) is torch.Tensor:
+            apart = _tensor_apart(torch, obj)
+            if apart is not None:
+                return apart
+        return super().reducer_override(obj)
+
+
+def _tensor_apart(torch: Any, t: Any) -> tuple[Any, ...] | None:
+    """A plain, dense CPU tensor that alone fills its storage, as its raw bytes and its shape;
+    None for any other (torch pickles those, keeping what they carry besides)."""
+    nbytes = t.numel() * t.element_size()
+    if (
+        nbytes < BYTES_APART
+        or t.device.type != "cpu"
+        or t.layout is not torch.strided
+        or t.is_quantized
+        or t.is_conj()
+        or t.is_neg()
+        or t.grad_fn is not None
+        or any(getattr(t, "names", ()))
+        or t.__dict__
+        or not t.is_contiguous()
+        or t.storage_offset()
+        or t.untyped_storage().nbytes() != nbytes
+    ):
+        return None
+    raw = t.detach().reshape(-1).view(torch.uint8).numpy()
+    dtype = str(t.dtype).removeprefix("torch.")
+    return (_tensor_of, (pickle.PickleBuffer(raw), dtype, tuple(t.shape), t.requires_grad))
+
+
+def _tensor_of(buffer: Any, dtype: str, shape: tuple[int, ...], requires_grad: bool) -> Any:
+    """The tensor of :func:`_tensor_apart`, over the received buffer (a copy of it when it is
+    read-only: torch writes where its tensors lie)."""
+    import torch
+
+    if memoryview(buffer).readonly:
+        buffer = bytearray(buffer)
+    t = torch.frombuffer(buffer, dtype=torch.uint8).view(getattr(torch, dtype)).reshape(shape)
+    return t.requires_grad_(requires_grad)
 
 
 @dataclass_transform(frozen_default=True)
@@ -87,8 +138,9 @@ class Pickled:
             return cls(data, tuple(buffers))
         if type(obj) in _PLAIN:  # most cells' value: the C pickler, not cloudpickle's set-up
             return cls(pickle.dumps(obj, protocol=5))
-        data = cloudpickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
-        return cls(data, tuple(buffers))
+        with io.BytesIO() as file:
+            _Pickler(file, protocol=5, buffer_callback=buffers.append).dump(obj)
+            return cls(file.getvalue(), tuple(buffers))
 
     def load(self) -> Any:
         return pickle.loads(self.data, buffers=self.buffers)

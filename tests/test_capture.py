@@ -85,3 +85,74 @@ def test_a_large_global_is_warned_about(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(capture, "LARGE_GLOBAL_BYTES", 1000)
     shipment = Shipper().prepare("big", _ns(big=np.zeros(10_000)))
     assert len(shipment.warnings) == 1 and "'big'" in shipment.warnings[0]
+
+
+def _sent_again(shipper: Shipper, ns: dict[str, Any], cell: str) -> set[str]:
+    shipment = shipper.prepare(cell, ns)
+    shipper.commit(shipment, frozenset())
+    return set(shipment.globals)
+
+
+def test_an_unchanged_large_array_is_not_read_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    read: list[str] = []
+    digest = capture._digest
+    monkeypatch.setattr(capture, "_digest", lambda p: read.append("read") or digest(p))
+    shipper, ns = Shipper(), _ns(big=np.random.default_rng(0).random(1 << 18))
+    assert _sent_again(shipper, ns, "big") == {"big"} and read == ["read"]
+    for _ in range(3):
+        assert _sent_again(shipper, ns, "big") == set()
+    assert read == ["read"], "an unchanged array's buffers were hashed again"
+    ns["big"][-1] = 7.0  # one element, in place
+    assert _sent_again(shipper, ns, "big") == {"big"} and len(read) == 2
+
+
+def test_an_array_written_every_cell_is_hashed_unwatched() -> None:
+    """A watch would cost the notebook a fault per page it writes, for nothing."""
+    shipper, ns = Shipper(), _ns(big=np.zeros(1 << 18))
+    _sent_again(shipper, ns, "big")
+    for step in range(1, 4):
+        ns["big"][0] = step
+        assert _sent_again(shipper, ns, "big") == {"big"}
+        assert shipper._hashed["big"].watch is None, f"watched after {step} changes"
+    assert _sent_again(shipper, ns, "big") == set()  # unchanged once: watched from now on
+    assert _sent_again(shipper, ns, "big") == set() and shipper._hashed["big"].watch is not None
+
+
+def test_an_edit_through_an_array_reaches_its_slice_and_the_slice_itself() -> None:
+    shipper = Shipper()
+    big = np.random.default_rng(1).random(1 << 19)
+    ns = _ns(big=big, part=big[100_000:400_000])
+    assert _sent_again(shipper, ns, "big, part") == {"big", "part"}
+    assert _sent_again(shipper, ns, "big, part") == set()
+    big[300_000] = -1.0  # inside part
+    ns["mid"] = big[200_000:350_000]  # new: its watch protects the written page again
+    assert _sent_again(shipper, ns, "mid") == {"mid"}
+    assert _sent_again(shipper, ns, "part") == {"part"}
+    assert _sent_again(shipper, ns, "big") == {"big"}, "the write was forgotten for the whole"
+    ns["part"][0] = -2.0
+    assert _sent_again(shipper, ns, "big, part") == {"big", "part"}
+    ns["part"] = big[100_000:400_001]  # same data, one element more: another value
+    assert _sent_again(shipper, ns, "big, part") == {"part"}
+
+
+def test_a_reshaped_array_is_sent_again_though_its_data_is_untouched() -> None:
+    shipper, ns = Shipper(), _ns(big=np.zeros(1 << 18))
+    _sent_again(shipper, ns, "big")
+    ns["big"].shape = (1 << 9, 1 << 9)  # in place: the same buffer, another array
+    assert _sent_again(shipper, ns, "big") == {"big"}
+
+
+def test_an_unchanged_torch_tensor_is_not_read_again_and_an_edited_one_is_sent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch = pytest.importorskip("torch")
+    read: list[str] = []
+    digest = capture._digest
+    monkeypatch.setattr(capture, "_digest", lambda p: read.append("read") or digest(p))
+    shipper, ns = Shipper(), _ns(t=torch.zeros(1 << 18))
+    assert _sent_again(shipper, ns, "t") == {"t"}
+    assert _sent_again(shipper, ns, "t") == set() and read == ["read"]
+    ns["t"][5] = 1.0
+    assert _sent_again(shipper, ns, "t") == {"t"}
+    ns["t"].numpy()[6] = 2.0  # through a numpy view: the tensor's version does not move
+    assert _sent_again(shipper, ns, "t") == {"t"}

@@ -637,6 +637,29 @@ def test_an_unchanged_array_is_not_sent_again_and_a_changed_one_is(nb: Kernel) -
     assert nb.eval("ship3.values") == [4999951000.0, 4999951000.0]
 
 
+def test_in_place_edits_of_large_globals_reach_the_ranks(nb: Kernel) -> None:
+    """Past the size where an unchanged array is recognised without reading it again: one
+    element edited in place (through the array, through a slice of it, in a torch tensor)."""
+    nb.ok(POOL2)
+    nb.ok(
+        "import numpy as np, torch\nbig = np.zeros(1 << 18)\npart = big[1000:200_000]\n"
+        "t = torch.zeros(1 << 18)"
+    )
+    cell = "%%sky --out seen\n(float(big.sum()), float(part.sum()), float(t.sum()))"
+    nb.ok(cell)
+    nb.ok(cell)
+    assert nb.eval("seen.shipped_bytes") < (1 << 20)  # the arrays were not sent again
+    for edit, sums in [
+        ("big[-1] = 4.0", (4.0, 0.0, 0.0)),  # on a page it shares with other memory
+        ("big[5000] = 1.0", (5.0, 1.0, 0.0)),
+        ("part[0] = 2.0", (7.0, 3.0, 0.0)),
+        ("t[7] = 5.0", (7.0, 3.0, 5.0)),
+    ]:
+        nb.ok(edit)
+        nb.ok(cell)
+        assert nb.eval("seen.values") == [sums, sums], edit
+
+
 def test_a_name_bound_by_a_sky_cell_stays_remote(nb: Kernel) -> None:
     nb.ok(POOL2)
     nb.ok("%%sky\nwhere_bound = 'remote'")

@@ -64,6 +64,15 @@ def _large_global_arrives(pool: Pool) -> None:
     assert result.values == [float(value.sum())] * 2, result.errors
 
 
+def test_a_large_torch_tensor_reaches_the_other_node_whole_and_writable(pool: Pool) -> None:
+    torch = pytest.importorskip("torch")
+    value = torch.rand(1 << 20).to(torch.bfloat16)  # 2 MiB, out of the pickle: relayed
+    cell = "x[0] = -1.0\n(float(x[1:].double().sum()), str(x.dtype), tuple(x.shape))"
+    result = pool.run(cell, {"x": value}, timeout=60)
+    expected = (float(value[1:].double().sum()), "torch.bfloat16", (1 << 20,))
+    assert result.values == [expected] * 2, result.errors
+
+
 def _head_pid(pool: Pool) -> int:
     return int(pool.run("__import__('os').getpid()").values[0])
 

@@ -44,6 +44,30 @@ def test_nested_pickled_payload_stays_out_of_band() -> None:
     assert np.array_equal(decoded.globals["x"].load(), array)
 
 
+def test_a_large_cpu_tensor_travels_out_of_band_and_arrives_writable() -> None:
+    torch = pytest.importorskip("torch")
+    weights = torch.rand(300_000, dtype=torch.float32).to(torch.bfloat16).requires_grad_()
+    grid = torch.rand(600, 500, dtype=torch.float64)
+    shipped = {
+        name: p.Pickled.dump(t) for name, t in [("w", weights), ("g", grid), ("gt", grid.t())]
+    }
+    assert [len(shipped[n].buffers) for n in ("w", "g", "gt")] == [1, 1, 0]  # a view: torch's own
+    frame = encode(p.RunCell(1, "x", "<sky-cell-1>", shipped))
+    assert sum(memoryview(s).nbytes for s in frame[1:2]) < 4000
+    decoded = _through_asyncio(frame)
+    assert isinstance(decoded, p.RunCell)
+    w, g, gt = (decoded.globals[n].load() for n in ("w", "g", "gt"))
+    assert w.dtype == torch.bfloat16 and w.requires_grad and w.is_leaf and torch.equal(w, weights)
+    assert torch.equal(g, grid) and g.shape == (600, 500) and torch.equal(gt, grid.t())
+    g[0, 0] = -1.0  # its memory is its own
+    assert grid[0, 0] != -1.0
+    received = tuple(bytes(b) for b in shipped["g"].buffers)  # as the relay hands them over
+    from_bytes = p.Pickled(shipped["g"].data, received).load()
+    from_bytes[0, 0] = -2.0
+    assert received[0][:8] == bytes(memoryview(shipped["g"].buffers[0])[:8]), "bytes written"
+    assert torch.equal(from_bytes[1:], grid[1:])
+
+
 def test_sync_channel_round_trip_over_a_pipe() -> None:
     r, w = os.pipe()
     channel = SyncChannel(r, w)
