@@ -9,6 +9,7 @@ through :class:`~skyward_jupyter.providers.base.Provider`, never through its nam
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Iterable, Mapping
 from importlib.metadata import EntryPoint, entry_points
@@ -40,7 +41,11 @@ class UnknownProvider(LookupError):
     """No provider of that name is installed."""
 
 
+@functools.cache
 def _entry_points() -> dict[str, EntryPoint]:
+    """Read once per process: reading entry points scans every installed distribution, and
+    each cell's options ask for the providers. A provider installed later is found after a
+    restart of the kernel, as Jupyter finds its own plugins."""
     found = {name: EntryPoint(name, value, GROUP) for name, value in BUILT_IN.items()}
     found.update({point.name: point for point in entry_points(group=GROUP)})
     return found
