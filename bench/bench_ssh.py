@@ -295,7 +295,8 @@ def _replace_rank_one(pool: Pool, timeout: float = 60.0) -> float:
 
 def measure_restart(ssh_pool: Pool, local_pool: Pool, reps: int) -> dict[str, Any]:
     """``%sky restart`` (``Pool.restart``) and a lost rank's replacement, both pools
-    interleaved; each checked with a cell across the fresh group."""
+    interleaved; each checked with a cell across the fresh group.
+    """
     pools = {"ssh": ssh_pool, "local": local_pool}
     restart: dict[str, list[float]] = {name: [] for name in pools}
     replace: dict[str, list[float]] = {name: [] for name in pools}

@@ -1,5 +1,6 @@
 """The gallery's PyTorch notebooks: FSDP2, the HF Trainer, Accelerate, Lightning, a torchrun
-script (``scripts/make_gallery.py`` writes them)."""
+script (``scripts/make_gallery.py`` writes them).
+"""
 
 from __future__ import annotations
 

@@ -28,7 +28,8 @@ def _text(output: nbformat.NotebookNode) -> str:
 
 def execute(path: str, timeout: float = 600) -> nbformat.NotebookNode:
     """The notebook at ``path`` run in a fresh kernel, in its own directory, with its outputs;
-    raises CellExecutionError naming the first cell that failed."""
+    raises CellExecutionError naming the first cell that failed.
+    """
     nb = nbformat.read(path, as_version=4)
     # IPC sockets in a private runtime dir: nothing listens on TCP, and the kernel does not warn
     # about unencrypted TCP on every run.

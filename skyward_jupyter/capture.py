@@ -68,7 +68,8 @@ def names_used_by(value: Any) -> set[str]:
 
 def _digest(pickled: Pickled) -> bytes:
     """A change detector, not a security check: XXH3, because it reads a large global many times
-    faster than hashlib's fastest (BENCHMARKS.md, "Measurements behind the code")."""
+    faster than hashlib's fastest (BENCHMARKS.md, "Measurements behind the code").
+    """
     h = xxhash.xxh3_128()
     h.update(pickled.data)
     for buffer in pickled.buffers:
@@ -80,7 +81,8 @@ def _digest(pickled: Pickled) -> bytes:
 class _Hashed:
     """A large global as last hashed: the digest of its pickle stream and of its buffers' bytes
     outside the whole pages they fill, where those pages lie, the watch on them that began
-    before they were read (if one did), and whether its digest was the one before (``steady``)."""
+    before they were read (if one did), and whether its digest was the one before (``steady``).
+    """
 
     stream: bytes
     where: Ranges
@@ -118,7 +120,8 @@ class Shipper:
         self, source: str, user_ns: Mapping[str, Any], force: frozenset[str] = frozenset()
     ) -> Shipment:
         """Pickle the globals ``source`` needs (:func:`.transfer.pickle_global`: a PoolError
-        names one that cannot travel)."""
+        names one that cannot travel).
+        """
         wanted = sorted(self._closure(names_read(source) | force, user_ns))
         send: dict[str, Pickled] = {}
         digests: dict[str, bytes] = {}

@@ -74,7 +74,8 @@ def report(answers: dict[Rank, p.Stacks | None]) -> str:
 
 async def desynced(ranks: Ranks, pending: list[Rank], after: float) -> dict[Rank, p.Stacks] | None:
     """The pending ranks stuck in a collective for ``after`` seconds or more, when every one of
-    them is (a rank still computing may yet call it: then nothing is stuck yet)."""
+    them is (a rank still computing may yet call it: then nothing is stuck yet).
+    """
     answers = await stacks(ranks, pending)
     stuck: dict[Rank, p.Stacks] = {}
     for r, answer in answers.items():
@@ -91,7 +92,8 @@ def desync_message(
     stuck: dict[Rank, p.Stacks], finished: list[Rank], only: list[int] | None = None
 ) -> str:
     """One line: who waits in what, for whom. ``only``: the ranks the cell ran on (``--ranks``),
-    when the others never ran it."""
+    when the others never ran it.
+    """
     where = "; ".join(
         f"rank {r.index} in {s.collective} at {s.where}"
         for r, s in sorted(stuck.items(), key=lambda kv: kv[0].index)
@@ -112,7 +114,8 @@ def desync_message(
 
 def ahead_message(r: Rank, calls: int, only: list[int]) -> str:
     """One line: rank ``r`` left ``calls`` collectives pending that the ranks outside the cell
-    (``--ranks``) never join."""
+    (``--ranks``) never join.
+    """
     span = rank_span(only)
     return (
         f"rank {r.index} called {calls} collective{'s' * (calls != 1)} the other ranks never "
@@ -126,7 +129,8 @@ async def heartbeats(ranks: Ranks) -> None:
 
     A rank heard of in any way (a heartbeat, any message, part of a large one) is not silent.
     Before the verdict it is asked for its stacks: one whose reader still answers is busy (its
-    heartbeat stuck behind something), not gone, and is left alone."""
+    heartbeat stuck behind something), not gone, and is left alone.
+    """
     interval, timeout = ranks.settings.heartbeat_interval, ranks.settings.heartbeat_timeout
     # Suspected early enough that the probe and this loop's tick still end within the timeout.
     suspect = max(timeout - STACKS_TIMEOUT - interval, 2 * interval)

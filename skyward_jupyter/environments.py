@@ -39,7 +39,8 @@ class PackagesError(ProviderError):
 @dataclass(frozen=True, slots=True)
 class Packages:
     """The requirements a pool's nodes install (``--pip`` specs, then ``--requirements``
-    lines), in the order given."""
+    lines), in the order given.
+    """
 
     requirements: tuple[str, ...]
     wheels: bool = False
@@ -50,7 +51,8 @@ class Packages:
         cls, pip: Sequence[str], requirements: Sequence[str], wheels: bool = False
     ) -> Packages | None:
         """``--pip`` specs, then the ``--requirements`` file's lines; None when nothing is
-        asked."""
+        asked.
+        """
         lines = (*pip, *requirements)
         return cls(lines, wheels) if lines else None
 
@@ -61,7 +63,8 @@ class Packages:
 
     def request(self, wheels: str | None = None) -> bytes:
         """The builder's input line (torch pinned to the notebook's, where a node has none;
-        ``wheels``: the node's folder of wheels sent from here, its only source)."""
+        ``wheels``: the node's folder of wheels sent from here, its only source).
+        """
         given = {
             "hash": self.digest,
             "requirements": list(self.requirements),
@@ -73,7 +76,8 @@ class Packages:
     def download(self) -> Path:
         """The wheels of these packages and of all they need, downloaded here once per content
         (``pip download``, binary only, torch pinned to the notebook's): what nodes without an
-        index install from. They are this machine's platform's: nodes must share it."""
+        index install from. They are this machine's platform's: nodes must share it.
+        """
         root = wheels_root()
         target = root / self.digest[:16]
         if target.is_dir():
@@ -107,7 +111,8 @@ class Packages:
 
 def wheels_root() -> Path:
     """Where this notebook keeps the wheels it downloaded (``SKYWARD_WHEELS`` names another
-    place)."""
+    place).
+    """
     return Path(os.path.expanduser(os.environ.get("SKYWARD_WHEELS") or WHEELS))
 
 
@@ -161,7 +166,8 @@ async def follow(
     lines: AsyncIterator[str], digest: str, where: str, say: Callable[[str], None]
 ) -> NodeEnvironment:
     """Read the builder's report on ``where``: each step said, then its environment; raises
-    PackagesError with the installer's reason."""
+    PackagesError with the installer's reason.
+    """
     async for line in lines:
         try:
             message = json.loads(line)

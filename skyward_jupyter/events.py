@@ -32,7 +32,8 @@ class RankStateChanged:
     """Ranks entered ``state``: one, with its detail (a loss, a failure, a restart), or several
     at once (a cell starting on every rank, the answers of one round coming in). One event for
     several: every subscriber hears each event, and a trivial cell on 16 ranks would otherwise
-    be 32 of them."""
+    be 32 of them.
+    """
 
     ranks: tuple[tuple[int, int], ...]
     """(rank, node) of each."""

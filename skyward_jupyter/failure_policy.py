@@ -61,7 +61,8 @@ class Cell:
         running: list[Rank] | None = None,
     ) -> None:
         """``live`` get the command; ``running`` (default: all of them) run the cell's code,
-        the others only bind its globals (``--ranks``)."""
+        the others only bind its globals (``--ranks``).
+        """
         self.cell_id = cell_id
         self.ranks = ranks
         self.running = set(live if running is None else running)
@@ -116,7 +117,8 @@ class Cell:
 
         An answer, a command and the next deadline each set ``wake``: one wait a round,
         whatever the number of ranks (waiting on every rank's future again each round cost
-        the pool's thread more with every rank)."""
+        the pool's thread more with every rank).
+        """
         loop = asyncio.get_running_loop()
         for future in self.futures.values():
             future.add_done_callback(lambda _: self.wake.set())
@@ -175,7 +177,8 @@ class Cell:
         """(``--ranks``) The ranks that ran the cell and called collectives in a group the
         others share, which the others never join (an ``async_op``, or NCCL's, returns at once
         and stays pending): how many, by rank. Left pending, they would pair with the next
-        cell's collectives."""
+        cell's collectives.
+        """
         base = next(
             (
                 dict(o.collectives)
@@ -217,7 +220,8 @@ class Cell:
 
     def _stop(self) -> None:
         """Interrupt the ranks still running; failed ranks leave the group if they do not stop
-        within :data:`LEAVE_AFTER`."""
+        within :data:`LEAVE_AFTER`.
+        """
         now = time.monotonic()
         self.stop_at = now + self.grace
         self.leave_at = now + LEAVE_AFTER

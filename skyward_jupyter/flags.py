@@ -34,13 +34,15 @@ class Option:
 
     def as_text(self) -> Option:
         """The same flag keeping the text it is given (not given: None), for a reader that
-        parses it itself (a provider, once the pool's provider is known)."""
+        parses it itself (a provider, once the pool's provider is known).
+        """
         kwargs = {k: v for k, v in self.kwargs.items() if k not in ("type", "default")}
         return Option(self.flag, self.help, {**kwargs, "default": None})
 
     def parse(self, given: Any) -> Any:
         """What :meth:`as_text` kept, parsed (a repeated option: a tuple), or ValueError
-        naming the flag."""
+        naming the flag.
+        """
         action = self.kwargs.get("action")
         if action == "store_true":
             return bool(given)

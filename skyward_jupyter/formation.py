@@ -70,7 +70,8 @@ def nothing_to_form(ranks: Ranks, jax: bool) -> str | None:
 @dataclass(frozen=True, slots=True)
 class Rebuilt:
     """What the ranks' namespaces had built on the earlier group (see
-    :mod:`.agent.earlier_groups`), as ``name (kind)``."""
+    :mod:`.agent.earlier_groups`), as ``name (kind)``.
+    """
 
     rewrapped: tuple[str, ...] = ()
     """Wrapped again on the new group (DDP models)."""
@@ -93,7 +94,8 @@ class Formed:
 
 def reformed(backend: str, port: int | None, restarted: bool, rebuilt: Rebuilt) -> str:
     """What the notebook is told when the group formed again after a failure: DDP models were
-    wrapped again on the new group; what torch cannot move is named, to be built again."""
+    wrapped again on the new group; what torch cannot move is named, to be built again.
+    """
     text = f"the pool formed its process group again ({backend}, port {port}"
     text += ")" if restarted else "; no rank was restarted)"
     if rebuilt.rewrapped:
@@ -110,7 +112,8 @@ def reformed(backend: str, port: int | None, restarted: bool, rebuilt: Rebuilt) 
 async def form_worlds(ranks: Ranks, generation: int, jax: bool) -> Formed:
     """Form torch.distributed everywhere as formation ``generation``, and JAX's world when
     ``jax``; return what was formed and what the ranks' namespaces had built on the earlier
-    group. Only ranks with a world to form come here (:func:`nothing_to_form`)."""
+    group. Only ranks with a world to form come here (:func:`nothing_to_form`).
+    """
     head, others = ranks.all[0], ranks.all[1:]
     for r in ranks.all:
         ranks.set_state(r, RankState.CONNECTING)

@@ -51,7 +51,8 @@ def _words(name: str) -> list[str]:
 
 def gpu_model(name: str) -> str:
     """The model in a GPU's name, upper case: ``NVIDIA H100 80GB HBM3`` -> ``H100``,
-    ``NVIDIA GeForce RTX 4090`` -> ``RTX 4090``, ``nvidia_a100-sxm4-80gb`` -> ``A100``."""
+    ``NVIDIA GeForce RTX 4090`` -> ``RTX 4090``, ``nvidia_a100-sxm4-80gb`` -> ``A100``.
+    """
     return " ".join(w for w in _words(name) if w and w not in _BRANDS and not _VARIANT.fullmatch(w))
 
 
@@ -63,7 +64,8 @@ def gpu_memory(name: str) -> int | None:
 
 def same_gpu(asked: str, reported: str) -> bool:
     """Whether the GPU a machine reports is the model asked for: equal models, or the asked
-    words ending the reported model (``4090`` for ``RTX 4090``); memory sizes, where both say."""
+    words ending the reported model (``4090`` for ``RTX 4090``); memory sizes, where both say.
+    """
     want, have = gpu_model(asked), gpu_model(reported)
     if not want or not have:
         return False
@@ -100,7 +102,8 @@ def _plural(count: int, word: str) -> str:
 
 def check_cpu_or_gpus(gpu: str | None, gpus: int | None, flag: str) -> None:
     """Refuse ``--gpu none`` (CPU ranks) together with a provider's count of GPUs per node
-    (``gpus``, given as its option ``flag``)."""
+    (``gpus``, given as its option ``flag``).
+    """
     if gpu == NO_GPU and gpus:
         raise LayoutError(
             f"--gpu none asks for CPU ranks, {flag} {gpus} for GPUs: leave out one of them"

@@ -37,12 +37,14 @@ class IdlePools(Protocol[E]):
 
     def take_pools(self, chosen: Callable[[Sequence[E]], Sequence[E]]) -> Sequence[E]:
         """Under the session's lock (no cell can take a pool meanwhile): take the pools that
-        ``chosen`` picks among the session's out of it, and return them."""
+        ``chosen`` picks among the session's out of it, and return them.
+        """
 
     def end_pool(self, entry: E, why: str) -> None:
         """End a pool already taken out (outside the lock: a cloud pool's teardown waits
         minutes for its instances, and the notebook's cells must not wait for that); ``why``
-        is said first, and a failure to end it is said too."""
+        is said first, and a failure to end it is said too.
+        """
 
 
 class IdleStop(Generic[E]):
@@ -65,7 +67,8 @@ class IdleStop(Generic[E]):
         """The pools past their timeout with no cell; with none watched, the watcher ends.
 
         Runs under the session's lock, so a pool that starts meanwhile calls :meth:`watch`
-        after this round saw it or after the watcher was marked gone."""
+        after this round saw it or after the watcher was marked gone.
+        """
         watched = [(e, m * 60) for e in entries if (m := e.spec.idle_minutes())]
         if not watched:
             with self._lock:

@@ -110,7 +110,8 @@ def launched(run_id: str | None, private_dir: str | None) -> Iterator[None]:
     0 (the pool never restarts a run) and, where the rank has a private directory (the user did
     not choose the file), ``TORCHELASTIC_ERROR_FILE`` a file of the run's own in it, kept when
     ``@record`` wrote it (it goes with the rank), removed when empty. ``run_id`` None: a cell,
-    nothing changes."""
+    nothing changes.
+    """
     if run_id is None:
         yield
         return

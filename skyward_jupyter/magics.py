@@ -49,7 +49,8 @@ class _Help(argparse.Action):
 
 class _Parser(argparse.ArgumentParser):
     """A parser that takes only whole option names (an abbreviation could choose another
-    option, even another provider), answers ``-h``, and fails in one line."""
+    option, even another provider), answers ``-h``, and fails in one line.
+    """
 
     def __init__(self, prog: str, **kwargs: Any) -> None:
         super().__init__(prog=prog, add_help=False, allow_abbrev=False, **kwargs)
@@ -168,7 +169,8 @@ class SkyMagics(Magics):
 
     def _spec(self, args: argparse.Namespace) -> Any:
         """The pool the options describe (the configured defaults fill the rest); None when
-        no pool option was given: the current pool."""
+        no pool option was given: the current pool.
+        """
         given = pool_options(args)
         if all(v is None for v in given.values()):
             return None
@@ -285,7 +287,8 @@ class SkyMagics(Magics):
 
 def _raise_for_errors(result: RunResult) -> None:
     """The cell's failure, if any; stopped by the panel's Interrupt, it says what the toolbar's
-    stop says (a line per rank), not the traceback of each rank's KeyboardInterrupt."""
+    stop says (a line per rank), not the traceback of each rank's KeyboardInterrupt.
+    """
     if result.interrupted and not result.ok:
         raise CellInterrupted(result)
     result.raise_for_errors()

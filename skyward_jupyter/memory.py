@@ -60,7 +60,8 @@ def oom_kills(record: str) -> int | None:
 
 def meminfo(field: str) -> int | None:
     """A field of ``/proc/meminfo`` (``MemTotal``, ``MemAvailable``) in bytes; None where the
-    machine has no such file or field."""
+    machine has no such file or field.
+    """
     try:
         with open("/proc/meminfo") as lines:
             return next(
@@ -73,7 +74,8 @@ def meminfo(field: str) -> int | None:
 def named_kill(how: str, usage: p.Usage | None, here: bool) -> str:
     """``how`` a rank ended, with memory named when the evidence points to it: the kernel's
     count of OOM kills rose (``here``: the rank ran on this machine, so its file can be read),
-    else the share of its memory it held at its last report."""
+    else the share of its memory it held at its last report.
+    """
     if "SIGKILL" not in how or usage is None or not usage.memory_limit_bytes:
         return how
     held = f"it held {_gib(usage.rss_bytes)} of {_gib(usage.memory_limit_bytes)} at its last report"

@@ -43,7 +43,8 @@ def modules_in(namespace: Mapping[str, Any]) -> set[str]:
 
 def notebook_requirements(modules: Iterable[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """``dist==version`` for the distributions behind ``modules`` (sorted), and the
-    distributions left out because only this machine can install them (local directories)."""
+    distributions left out because only this machine can install them (local directories).
+    """
     owners = metadata.packages_distributions()
     dists = {
         dist

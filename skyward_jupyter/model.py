@@ -41,7 +41,8 @@ GONE = (RankState.LOST, RankState.TERMINATED)
 @dataclass(frozen=True, slots=True)
 class StateWord:
     """How every view (the cell's panel, the lab's side panel, the text) names a state: the
-    word, its tone (which colour) and what it means (the views' tooltip)."""
+    word, its tone (which colour) and what it means (the views' tooltip).
+    """
 
     word: str
     tone: str
@@ -114,7 +115,8 @@ def price_of(pool: Pool) -> float | None:
 class EntryFacts(Protocol):
     """A pool as the session hands it to its views and the registry (the session's
     ``PoolEntry``): they read the pool itself, typed as :class:`~skyward_jupyter.pool.Pool`
-    for the checker only, so that neither imports the session or the pool at run time."""
+    for the checker only, so that neither imports the session or the pool at run time.
+    """
 
     @property
     def name(self) -> str: ...

@@ -50,7 +50,8 @@ class Views(PoolListener, Protocol):
         self, entry: EntryFacts, stdout: StdoutMode, ranks: Sequence[int] | None = None
     ) -> CellView:
         """A cell is about to run on the pool; ``stdout``: whose output it shows, among
-        ``ranks``, those that run it (None: every rank)."""
+        ``ranks``, those that run it (None: every rank).
+        """
         ...
 
     def cell_number(self) -> int | None:
@@ -76,7 +77,8 @@ class _NoCellView:
 
 class NoViews:
     """No display: pools run, and their ranks' output is not shown (the extension's views
-    write it into the cell)."""
+    write it into the cell).
+    """
 
     def pool_created(self, entry: EntryFacts) -> None:
         pass

@@ -86,7 +86,8 @@ def _provider(text: str) -> str:
 def provider_groups() -> list[tuple[str, list[Option]]]:
     """Each installed provider's own options, under its name, as the magics take them (their
     text, which the provider parses once it is known). A flag several providers declare is
-    shown once, under all their names, with what it means to each."""
+    shown once, under all their names, with what it means to each.
+    """
     owners: dict[str, list[tuple[str, Option]]] = {}
     pool = {o.flag for o in POOL_OPTIONS}
     for cls in provider_classes():
@@ -130,7 +131,8 @@ def grouped(
     options: Sequence[Option], cell: Sequence[Option] = (), providers: bool = True
 ) -> list[tuple[str, list[Option]]]:
     """Options under the headings ``%%sky?`` shows: the pool's, the cell's output, then each
-    provider's own (the help stays generated from the tables)."""
+    provider's own (the help stays generated from the tables).
+    """
     groups = [("pool", list(options))]
     if cell:
         groups.append(("output", list(cell)))
@@ -286,7 +288,8 @@ is needed."""
 
 def unknown_option(given: str, known: Collection[str]) -> str:
     """Why ``given`` is refused among the ``known`` options, in one line: torchrun's spelling
-    with ours, or the options it is near (none is ever taken for it: no abbreviation expands)."""
+    with ours, or the options it is near (none is ever taken for it: no abbreviation expands).
+    """
     flag = given.split("=", 1)[0]
     ours = TORCHRUN.get(flag.replace("_", "-")) if flag.startswith("--") else None
     if ours is not None and "--nodes" in known:
@@ -307,7 +310,8 @@ def provider_given(args: argparse.Namespace) -> dict[str, Any]:
 
 def pool_options(args: argparse.Namespace) -> dict[str, Any]:
     """The pool options given in ``args`` (None where not given), ``--name`` aside, the
-    providers' own included."""
+    providers' own included.
+    """
     common = {o.dest: getattr(args, o.dest) for o in POOL_OPTIONS if o.dest != "name"}
     return {**common, **provider_given(args)}
 
@@ -317,7 +321,8 @@ class Command:
     """A ``%sky`` line command: its arguments beyond the shared option groups, and its help.
 
     ``pool``: it takes the pool's options (and the providers'); ``providers``: the providers'
-    own options only."""
+    own options only.
+    """
 
     name: str
     usage: str

@@ -96,7 +96,8 @@ def is_agent(pid: int, start: str | None, names: tuple[bytes, ...]) -> bool:
 def end(targets: dict[int, str | None]) -> list[int]:
     """Kill each target with every process below it, and wait (5 s at most) until they are gone;
     the pids that had to be ended. No SIGTERM first: a rank has no use for one (it dies at once,
-    and what it started would be left to init)."""
+    and what it started would be left to init).
+    """
     for pid in targets:
         end_tree(pid)
     deadline = time.monotonic() + 5

@@ -32,7 +32,8 @@ BYTES_APART = 1 << 16
 class _Bytes:
     """A ``bytes`` value pickled as an out-of-band buffer: the wire reads such a buffer straight
     into a new ``bytes`` object (:mod:`.wire`), which is then the value itself, where an in-band
-    pickle would hold the frame and its copy at once (twice the value's size on every rank)."""
+    pickle would hold the frame and its copy at once (twice the value's size on every rank).
+    """
 
     __slots__ = ("value",)
 
@@ -51,7 +52,8 @@ def _bytes_of(buffer: Any) -> bytes:
 class _Pickler(cloudpickle.CloudPickler):  # type: ignore[misc]  # cloudpickle has no stubs
     """cloudpickle, with a large CPU tensor's data out of the pickle as numpy's is: pickled
     without a copy, and hashed or watched for writes where it lies (:mod:`.capture`); torch's
-    own pickling copies it through ``torch.save``, unchanged or not."""
+    own pickling copies it through ``torch.save``, unchanged or not.
+    """
 
     def reducer_override(self, obj: Any) -> Any:
         torch = sys.modules.get("torch")
@@ -64,7 +66,8 @@ class _Pickler(cloudpickle.CloudPickler):  # type: ignore[misc]  # cloudpickle h
 
 def _tensor_apart(torch: Any, t: Any) -> tuple[Any, ...] | None:
     """A plain, dense CPU tensor that alone fills its storage, as its raw bytes and its shape;
-    None for any other (torch pickles those, keeping what they carry besides)."""
+    None for any other (torch pickles those, keeping what they carry besides).
+    """
     nbytes = t.numel() * t.element_size()
     if (
         nbytes < BYTES_APART
@@ -88,7 +91,8 @@ def _tensor_apart(torch: Any, t: Any) -> tuple[Any, ...] | None:
 
 def _tensor_of(buffer: Any, dtype: str, shape: tuple[int, ...], requires_grad: bool) -> Any:
     """The tensor of :func:`_tensor_apart`, over the received buffer (a copy of it when it is
-    read-only: torch writes where its tensors lie)."""
+    read-only: torch writes where its tensors lie).
+    """
     import torch
 
     if memoryview(buffer).readonly:
@@ -103,7 +107,8 @@ def message(cls: M) -> M:
 
     A slotted dataclass otherwise pickles through Python-level ``__getstate__`` and
     ``__setstate__`` that list its fields each time: on the hottest path, a trivial cell, both
-    sides paid that for every message."""
+    sides paid that for every message.
+    """
     made: type = dataclass(frozen=True, slots=True)(cls)
     names = [f.name for f in fields(made)]
     args: Callable[[object], tuple[Any, ...]] = (
@@ -165,7 +170,8 @@ class Pickled:
 class Beat:
     """The notebook's heartbeat; a rank that hears none for a while exits by itself.
 
-    (A rank's own heartbeat is its :class:`Usage`, sent at the same rhythm.)"""
+    (A rank's own heartbeat is its :class:`Usage`, sent at the same rhythm.)
+    """
 
 
 @message
@@ -176,7 +182,8 @@ class FormGroup:
     ``generation`` counts the formations of the pool's group; ``restarts`` those that followed
     a failure, the rank's ``TORCHELASTIC_RESTART_COUNT`` (as torchrun counts restarts).
     ``secret``, fresh for each formation, is what the rendezvous store asks its clients to
-    prove: it travels only on the ranks' own channels."""
+    prove: it travels only on the ranks' own channels.
+    """
 
     generation: int
     port: int | None
@@ -203,7 +210,8 @@ class Script:
 @message
 class Relayed:
     """A large value the notebook sent once, to the head; the other ranks fetch it from the
-    head's relay (see :mod:`.agent.relay`) and check it against ``digest`` (sha256 hex)."""
+    head's relay (see :mod:`.agent.relay`) and check it against ``digest`` (sha256 hex).
+    """
 
     digest: str
     nbytes: int
@@ -229,7 +237,8 @@ class SyncFiles:
     """To one rank per node: bring the node's copy of a notebook directory to this state.
 
     ``entries`` are (path, mode, sha256); ``bundle`` carries the contents the node said it
-    lacked (None on the first ask)."""
+    lacked (None on the first ask).
+    """
 
     key: str
     root: str
@@ -241,7 +250,8 @@ class SyncFiles:
 @message
 class Workdir:
     """Where a cell runs: per node, the directories to put on ``sys.path`` (the first is the
-    working directory)."""
+    working directory).
+    """
 
     paths: dict[int, tuple[str, ...]]
     roots: tuple[str, ...] = ()
@@ -266,19 +276,22 @@ class RunCell:
 def cell_filename(number: int) -> str:
     """The file name a notebook cell runs under on the ranks, which its tracebacks and stacks
     show: ``<In [7]>`` for the notebook's ``In [7]`` (IPython's execution count, the number the
-    panel shows)."""
+    panel shows).
+    """
     return f"<In [{number}]>"
 
 
 def pool_cell_filename(cell_id: int) -> str:
     """The file name of a cell run outside a numbered notebook cell (``Pool.run``): the pool's
-    own count, ``<sky-cell-3>``."""
+    own count, ``<sky-cell-3>``.
+    """
     return f"<sky-cell-{cell_id}>"
 
 
 def cell_name(filename: str) -> str | None:
     """What a :func:`cell_filename` names: ``In [7]``, or ``cell`` (the pool's count); None
-    for any other file (a script, a module)."""
+    for any other file (a script, a module).
+    """
     if filename.startswith("<In [") and filename.endswith("]>"):
         return filename[1:-1]
     return "cell" if filename.startswith("<sky-cell-") else None
@@ -287,7 +300,8 @@ def cell_name(filename: str) -> str | None:
 @message
 class Interrupt:
     """Raise KeyboardInterrupt in cell ``cell_id`` (SIGINT to the rank's main thread); when it
-    arrives before that cell started on the rank, the cell stops as it starts."""
+    arrives before that cell started on the rank, the cell stops as it starts.
+    """
 
     cell_id: int | None = None
 
@@ -310,7 +324,8 @@ class InputReply:
 @message
 class Shutdown:
     """Leave the process group and exit; the node's copy of the synced directories goes with
-    the last rank using it, unless ``keep_files``."""
+    the last rank using it, unless ``keep_files``.
+    """
 
     keep_files: bool = False
 
@@ -360,7 +375,8 @@ class Usage:
 @message
 class Stacks:
     """Where a rank is: every thread's stack (the cell's first), and the collective the cell's
-    thread has waited in for ``waited`` seconds, called from ``where`` (a cell or file line)."""
+    thread has waited in for ``waited`` seconds, called from ``where`` (a cell or file line).
+    """
 
     text: str
     collective: str | None = None
@@ -381,7 +397,8 @@ class InputRequest:
 @message
 class GroupPort:
     """The head's rendezvous store listens on ``port`` and JAX's coordinator will on
-    ``jax_port`` (None: not set up); the others may now join."""
+    ``jax_port`` (None: not set up); the others may now join.
+    """
 
     generation: int
     port: int | None
@@ -405,7 +422,8 @@ class GroupState:
 class Synced:
     """A node's answer to :class:`SyncFiles`: the contents it lacks, or where the directory now
     is (its copy, or the notebook's own path when the node shares the notebook's files), or an
-    error for people."""
+    error for people.
+    """
 
     key: str
     missing: tuple[str, ...] = ()
@@ -469,7 +487,8 @@ ANSWERS = (Hello, CellDone, GroupPort, GroupState, Synced, Stacks)
 def request_of(answer: Answer) -> int | str | None:
     """Which request ``answer`` answers, among those of its type a rank may have pending: the
     cell, the formation's generation, the synced directory's key, the stacks request; None for
-    the one :class:`Hello` of a rank's process."""
+    the one :class:`Hello` of a rank's process.
+    """
     if isinstance(answer, CellDone):
         return answer.cell_id
     if isinstance(answer, GroupPort | GroupState):

@@ -101,7 +101,8 @@ class Rank:
     def expect(self, answer: type[A], request: int | str | None = None) -> asyncio.Future[A]:
         """A future for this rank's ``answer`` to ``request`` (:func:`.protocol.request_of`).
         When the rank ends first it fails with RankEnded, which the pool reports anyway
-        (``on_ended``): nobody has to be there to retrieve it."""
+        (``on_ended``): nobody has to be there to retrieve it.
+        """
         future: asyncio.Future[A] = asyncio.get_running_loop().create_future()
         future.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._waiting[answer, request] = future
@@ -246,7 +247,8 @@ class Ranks:
 
     def _describe_layout(self) -> _Layout:
         """What every rank's environment says of the whole pool, worked out once: per rank it
-        would cost a pass over every rank, hundreds of times over for a large pool."""
+        would cost a pass over every rank, hundreds of times over for a large pool.
+        """
         ranks: dict[int, list[int]] = {n.index: [] for n in self.nodes}
         per_address: collections.Counter[str] = collections.Counter()
         for r in self.all:
@@ -337,7 +339,8 @@ class Ranks:
 
         ``after_failure``: the group is formed again because a cell failed (torchrun would have
         restarted its workers: ``TORCHELASTIC_RESTART_COUNT`` counts it), not because the
-        cell's own code destroyed it."""
+        cell's own code destroyed it.
+        """
         try:
             return await self._restart_dead(after_failure)
         except (PoolError, ProviderError) as exc:
@@ -369,7 +372,8 @@ class Ranks:
     async def shut_down(self, grace: float, keep_files: bool = False) -> None:
         """Ask every live rank to end; kill those still there after ``grace`` seconds (idle
         ranks leave the group and run their exit hooks; only stuck ones are killed).
-        ``keep_files``: the nodes keep their copy of the synced directories."""
+        ``keep_files``: the nodes keep their copy of the synced directories.
+        """
         live = [r for r in self.all if r.alive and r.process is not None]
         bye = wire.encode(p.Shutdown(keep_files))
         for r in live:
@@ -400,7 +404,8 @@ class Ranks:
 
     async def form_group(self, jax: bool = False) -> Rebuilt:
         """(Re-)form the ranks' distributed worlds (see :mod:`.formation`); ``jax``: JAX's too.
-        Returns what the ranks had built on the earlier group."""
+        Returns what the ranks had built on the earlier group.
+        """
         skipped = nothing_to_form(self, jax)
         if skipped is not None:
             if skipped:

@@ -32,7 +32,8 @@ class RelaySecrets:
 
     def agent_settings(self, head: bool, secure: bool = False) -> dict[str, str | None]:
         """What a rank's agent reads; only the head (which serves the relay) gets the key,
-        unless the pool is ``--secure``: every rank's gloo tunnel then serves with it too."""
+        unless the pool is ``--secure``: every rank's gloo tunnel then serves with it too.
+        """
         return {
             "relay_token": self.token,
             "relay_cert": self.cert,

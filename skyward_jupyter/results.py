@@ -78,7 +78,8 @@ _FRAME = re.compile(r'File "([^"]*)", line (\d+)[^\n]*\n(?: +(\S[^\n]*))?')
 
 def _stopped_at(error: RemoteError | None) -> str:
     """Where a stopped rank was: `` at In [7] line 3: time.sleep(60)`` (the deepest line of the
-    cell that its traceback names; in a script, its deepest frame: `` at train.py line 9``)."""
+    cell that its traceback names; in a script, its deepest frame: `` at train.py line 9``).
+    """
     frames = _FRAME.findall(error.traceback) if error is not None else []
     cell = [f for f in frames if cell_name(f[0]) is not None]
     if not (cell or frames):
@@ -93,7 +94,8 @@ class CellInterrupted(KeyboardInterrupt):
     Interrupt); ``result`` says how each rank ended.
 
     Shown as one line per rank, where it stopped: the traceback of an interrupt is the
-    notebook's own frames and the cell's source, which say nothing the user does not know."""
+    notebook's own frames and the cell's source, which say nothing the user does not know.
+    """
 
     def __init__(self, result: RunResult) -> None:
         super().__init__()
@@ -150,7 +152,8 @@ class CellError(Exception):
 
     def _relation(self, error: RemoteError) -> str:
         """How another rank's error relates to the cause, said only where it is known: the
-        same error raised on its own is not "after" the cause (both ranks ran the same code)."""
+        same error raised on its own is not "after" the cause (both ranks ran the same code).
+        """
         first = self.primary
         if error.type_name == first.type_name:
             return " (the same error)" if error.message == first.message else ""

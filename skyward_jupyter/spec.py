@@ -25,7 +25,8 @@ from .providers.base import ProviderOptions
 
 class SpecError(ValueError):
     """An option that cannot describe a pool (options that clash, a provider that does not
-    exist)."""
+    exist).
+    """
 
 
 _PROVIDER_DEFAULTS = ProviderOptions()
@@ -69,7 +70,8 @@ class PoolSpec:
 
     def __post_init__(self) -> None:
         """Every number in range (finite, within bounds) whichever way the spec was made, so
-        that nothing is started, replaced or torn down for a ``nan`` or a typo's 100000."""
+        that nothing is started, replaced or torn down for a ``nan`` or a typo's 100000.
+        """
         options_class = provider_class(self.provider).Options
         if self.options is _PROVIDER_DEFAULTS:
             object.__setattr__(self, "options", options_class())
@@ -109,7 +111,8 @@ class PoolSpec:
         """``base`` overlaid with the options given (a dest -> its value, None: not given;
         a provider's options as their text, which its parser reads). Without ``--provider``,
         the provider is ``base``'s when it takes every provider option given, else the one
-        provider that does (``--hosts`` alone chooses the one that has ``--hosts``)."""
+        provider that does (``--hosts`` alone chooses the one that has ``--hosts``).
+        """
         flags = {o.dest: o for c in provider_classes() for o in c.Options.declared().values()}
         common = {k: v for k, v in given.items() if v is not None and k not in flags}
         own = {k: v for k, v in given.items() if v is not None and k in flags}
@@ -137,7 +140,8 @@ class PoolSpec:
     ) -> dict[str, Any]:
         """The Pool's keyword arguments for the synced directories, the frameworks, the GPU
         asked for, the packages (``mirrored``: the notebook's versions, with ``--mirror``) and
-        the hang doctor's limits (the pool's defaults stand for what was not given)."""
+        the hang doctor's limits (the pool's defaults stand for what was not given).
+        """
         given: dict[str, Any] = {
             "sync": () if self.no_sync else (self.sync or (cwd,)),
             "sync_chosen": bool(self.sync),
@@ -205,7 +209,8 @@ class PoolSpec:
 
 def _chosen(own: Mapping[str, Any], current: str, flags: Mapping[str, Option]) -> str:
     """The provider that the provider options given choose: ``current`` when it takes them
-    all, else the one provider that does."""
+    all, else the one provider that does.
+    """
     if set(own) <= _dests(current):
         return current
     takers = [c.name for c in provider_classes() if set(own) <= _dests(c.name)]
@@ -251,7 +256,8 @@ def backend_problem(
     """Why ``--backend`` cannot run on ranks ``where`` torch ``torch`` is (``nccl``: whether it
     has NCCL) and ``gpus`` GPUs are visible; None when it can, or when torch is missing (that is
     named on its own). The notebook asks before starting ranks that run its own torch; every
-    rank's hello answers it for the others, before the group forms."""
+    rank's hello answers it for the others, before the group forms.
+    """
     if backend != "nccl" or torch is None or nccl is None:
         return None
     if not nccl:

@@ -20,7 +20,8 @@ def status_text(
     pools: Mapping[str, tuple[str, Pool]], failed: Mapping[str, str], current: str | None
 ) -> str:
     """Per pool (``*`` the current one), its description and :class:`Pool`; then the names
-    whose pool did not start, with their description."""
+    whose pool did not start, with their description.
+    """
     lines = [_pool_status(n, text, pool, n == current) for n, (text, pool) in pools.items()]
     lines += [_failed_status(n, text, n == current) for n, text in failed.items() if n not in pools]
     return "\n".join(line for status in lines for line in status) or "no pools"
@@ -28,7 +29,8 @@ def status_text(
 
 def _pool_status(name: str, description: str, pool: Pool, current: bool) -> list[str]:
     """A pool's lines in ``%sky status``: its state (``broken`` when its group cannot run a
-    collective), then one line per rank."""
+    collective), then one line per rank.
+    """
     uptime = time.time() - (pool.started_at or time.time())
     ranks = (r.state for r in pool.ranks)
     state = (aggregate_state(ranks) if pool.running else RankState.TERMINATED).value

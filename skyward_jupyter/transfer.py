@@ -196,7 +196,8 @@ class Transfer:
 
     async def stash(self, blob: bytes, readers: list[Rank]) -> p.Relayed:
         """Hand ``blob`` to the head for ``readers`` (each reader gets it itself when the head
-        has no relay); the reference they load it by."""
+        has no relay); the reference they load it by.
+        """
         digest = await asyncio.to_thread(lambda: hashlib.sha256(blob).hexdigest())
         frame = wire.encode(p.Stash(digest, p.Pickled(blob)))
         holders = [self._ranks.all[0]] if self._relay() else readers

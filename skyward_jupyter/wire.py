@@ -72,7 +72,8 @@ def encode(obj: object) -> list[Segment]:
     """Serialise ``obj`` into the segments of one frame (header first).
 
     A small frame (a cell, a heartbeat) comes joined into one segment: it is written at once,
-    so its reader wakes once for it, and a frame sent to every rank is joined only once."""
+    so its reader wakes once for it, and a frame sent to every rank is joined only once.
+    """
     buffers: list[pickle.PickleBuffer] = []
     body = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
     segments: list[Segment] = [body, *(b.raw() for b in buffers)]
@@ -118,7 +119,8 @@ async def read_message(reader: AsyncByteReader, progress: Callable[[], None] | N
     """Read one frame; raises asyncio.IncompleteReadError at a clean end of stream.
 
     ``progress`` is called as each megabyte of a large frame arrives: a peer sending a value
-    that takes longer than its heartbeat timeout is busy, not silent."""
+    that takes longer than its heartbeat timeout is busy, not silent.
+    """
     start = await reader.readexactly(_START)
     more = _more_lengths(start)
     lengths = _lengths(start, await reader.readexactly(more) if more else b"")
@@ -137,7 +139,8 @@ async def read_message(reader: AsyncByteReader, progress: Callable[[], None] | N
 
 def write_segments(writer: AsyncByteWriter, frame: Sequence[Segment]) -> None:
     """Queue a pre-encoded frame (the same frame can go to many ranks without re-pickling);
-    a large one is written from its own buffers, never copied."""
+    a large one is written from its own buffers, never copied.
+    """
     for segment in frame:
         writer.write(segment)
 
@@ -145,7 +148,8 @@ def write_segments(writer: AsyncByteWriter, frame: Sequence[Segment]) -> None:
 def _fresh_bytes(n: int) -> tuple[bytes, memoryview]:
     """A new ``bytes`` object of ``n`` bytes and a writable view of its storage, to fill before
     anything else holds it: what C code does to build one (CPython, which torch needs, lays
-    the bytes out at the end of the object)."""
+    the bytes out at the end of the object).
+    """
     value = _new_bytes(None, n)
     storage = (ctypes.c_char * n).from_address(id(value) + bytes.__basicsize__ - 1)
     return value, memoryview(storage).cast("B")
@@ -183,7 +187,8 @@ class SyncChannel:
 
     def pending(self) -> bool:
         """Part of the stream is read already: a message may wait here while a poll of the
-        descriptor says there is nothing to read."""
+        descriptor says there is nothing to read.
+        """
         return bool(self._buffered or self._decoded)
 
     def _fill(self) -> None:
@@ -223,7 +228,8 @@ class SyncChannel:
 
     def _read_segment(self, length: int) -> bytes | bytearray:
         """A segment of the length (and flag) its frame gives: ``bytes`` where it was ``bytes``
-        when sent, read into place; otherwise writable (a numpy array loaded from it must be)."""
+        when sent, read into place; otherwise writable (a numpy array loaded from it must be).
+        """
         n = length & _SIZE
         if not length & _AS_BYTES or n <= _FILL:
             part = self._read_exact(n)

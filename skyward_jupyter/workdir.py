@@ -262,7 +262,8 @@ class Scanner:
 
     def _secret(self, rel: str, sky: GitIgnoreSpec | None) -> bool:
         """Whether ``rel`` is a key or credential the user did not name (a ``.skyignore``
-        negation that is the last pattern to match it, or a --sync of a secret directory)."""
+        negation that is the last pattern to match it, or a --sync of a secret directory).
+        """
         if self._secrets_named or not _SECRET_SPEC.match_file(rel):
             return False
         return sky is None or sky.check_file(rel).include is not False
@@ -312,7 +313,8 @@ class Scanner:
 def _ignored(rel: str, specs: list[_Spec], sky: GitIgnoreSpec | None) -> bool:
     """Git's rule: the last matching pattern decides, deeper .gitignore files after shallower
     ones, each matched relative to its own directory; then the root's .skyignore. ``rel`` ends
-    with "/" for a directory."""
+    with "/" for a directory.
+    """
     verdict: bool | None = None
     for base, spec in specs:
         include = spec.check_file(rel[len(base) + 1 :] if base else rel).include
@@ -328,7 +330,8 @@ def _ignored(rel: str, specs: list[_Spec], sky: GitIgnoreSpec | None) -> bool:
 def bundle(manifest: Manifest, digests: Collection[str]) -> bytes:
     """An uncompressed tar of the contents named by ``digests``, each member named by its
     digest, for ``WorkdirCopy.add_objects``. Contents are read from disk now: a file that
-    changed since the scan raises SyncError (scan again)."""
+    changed since the scan raises SyncError (scan again).
+    """
     by_digest: dict[str, FileEntry] = {}
     for file in manifest.files:
         by_digest.setdefault(file.digest, file)

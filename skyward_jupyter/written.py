@@ -55,7 +55,8 @@ def pages(buffers: Sequence[object]) -> tuple[Ranges, tuple[memoryview, ...]] | 
     """The whole pages ``buffers`` fill (to watch), and their bytes outside them (to read each
     time: those pages hold other memory too, whose writes say nothing about these bytes). None
     where one cannot be watched (read-only, or not contiguous: it may change through another
-    object's buffer)."""
+    object's buffer).
+    """
     found, edges = [], []
     for buffer in buffers:
         view = memoryview(buffer)  # type: ignore[arg-type]
@@ -83,7 +84,8 @@ class Watch:
 
 class Writes:
     """The process's one userfaultfd: protecting a range forgets the earlier writes to it, so
-    every watch still live is read first (and spoiled where written) before a new one begins."""
+    every watch still live is read first (and spoiled where written) before a new one begins.
+    """
 
     def __init__(self) -> None:
         self._uffd = self._pagemap = -1
@@ -143,7 +145,8 @@ class Writes:
 
     def _start(self) -> bool:
         """Open the userfaultfd and ``/proc/self/pagemap``, and check on a page of our own that
-        a write is seen and its absence too: the answer is trusted only if both hold."""
+        a write is seen and its absence too: the answer is trusted only if both hold.
+        """
         number = _SYSCALL.get(platform.machine())
         if number is None:
             return False

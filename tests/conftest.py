@@ -57,7 +57,8 @@ def agent_pids(name: bytes = b"sky-rank-") -> set[int]:
 
 def agents_among(pids: Iterable[int]) -> list[int]:
     """Which of ``pids`` run the package's agent: ranks, and a node's warm template (wherever
-    they are: a host's namespace, a cluster)."""
+    they are: a host's namespace, a cluster).
+    """
     found = []
     for pid in pids:
         try:
@@ -83,7 +84,8 @@ def ranks_among(pids: Iterable[int]) -> list[int]:
 def skip_where_nccl_runs() -> None:
     """Skip a test of ``--backend nccl`` refused where torch cannot run it, on a machine where
     ranks started here (locally, or on the test hosts, which share this Python) can: a torch
-    built with NCCL, and a GPU."""
+    built with NCCL, and a GPU.
+    """
     import torch
 
     if torch.distributed.is_nccl_available() and torch.cuda.device_count():
@@ -145,7 +147,8 @@ def no_unretrieved_task_exceptions() -> Iterator[None]:
 def pytest_configure(config: pytest.Config) -> None:
     """Ctrl-C raises KeyboardInterrupt in the main thread, as in a kernel, however pytest was
     started: one started in the background by a shell without job control inherits SIGINT
-    ignored, and Python keeps it so (a test pressing Ctrl-C then waited out its deadlines)."""
+    ignored, and Python keeps it so (a test pressing Ctrl-C then waited out its deadlines).
+    """
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
@@ -211,7 +214,8 @@ def outputs_of(
     seen: Callable[[dict[str, Any]], None] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """The iopub messages of kernel request ``msg_id`` (not its status or echoed input), until
-    the kernel is idle for it; ``seen`` gets every iopub message, the other requests' too."""
+    the kernel is idle for it; ``seen`` gets every iopub message, the other requests' too.
+    """
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -248,7 +252,8 @@ def reply_of(client: Any, msg_id: str, deadline: float, what: str) -> dict[str, 
 
 def ssh_hosts_fixture(count: int, folder: str = "hosts") -> Any:
     """A module's ``hosts`` fixture: ``count`` real SSH hosts (tests/hosts.py) for the whole
-    module, in a temporary ``folder``; the module is skipped where they cannot be made."""
+    module, in a temporary ``folder``; the module is skipped where they cannot be made.
+    """
     from .hosts import available, ssh_hosts
 
     @pytest.fixture(scope="module")

@@ -116,7 +116,8 @@ class Hosts:
     def asyncssh_options(self, i: int | None = None) -> dict[str, Any]:
         """Keyword arguments for ``asyncssh.connect``: strict host key checking against
         ``known_hosts``, only ``client_key`` (no agent, no ~/.ssh/config). With ``i``, also
-        ``host`` and ``port`` of host i, so ``asyncssh.connect(**hosts.asyncssh_options(i))``."""
+        ``host`` and ``port`` of host i, so ``asyncssh.connect(**hosts.asyncssh_options(i))``.
+        """
         options: dict[str, Any] = {
             "port": self.hosts[0].port if self.hosts else 22,
             "username": self.user,
@@ -146,7 +147,8 @@ class Hosts:
 
     def inside_argv(self, i: int, *command: str) -> list[str]:
         """``command`` run as root in all of host i's namespaces: its network, its hostname,
-        its own filesystem view (what its sessions see)."""
+        its own filesystem view (what its sessions see).
+        """
         pid = str(self.hosts[i].sshd_pid)
         return ["nsenter", "-t", pid, "-n", "-m", "-u", "--", *command]
 
@@ -156,7 +158,8 @@ class Hosts:
 
     def kill_sshd(self, i: int, timeout: float = 10.0) -> set[int]:
         """SIGKILL host i's sshd and every process in its namespace (sessions, and what they
-        started); returns once they are gone. Returns the pids killed."""
+        started); returns once they are gone. Returns the pids killed.
+        """
         killed = kill_namespace(self.hosts[i].namespace, timeout)
         with contextlib.suppress(IndexError):
             self._sshd[i].wait(timeout)  # reap our child
@@ -164,7 +167,8 @@ class Hosts:
 
     def down_link(self, i: int) -> None:
         """Take host i's link down on the bridge side: its packets are dropped silently (no RST),
-        like a network partition. The processes in the namespace keep running."""
+        like a network partition. The processes in the namespace keep running.
+        """
         _ip("link", "set", self.hosts[i].veth, "down")
 
     def up_link(self, i: int) -> None:
@@ -224,7 +228,8 @@ def _start_time(pid: int) -> str | None:
 
 def kill_namespace(namespace: str, timeout: float = 10.0) -> set[int]:
     """SIGKILL every process in the namespace until none is left (a process may fork while we
-    look, so kill again until the set stays empty). Raises at the deadline."""
+    look, so kill again until the set stays empty). Raises at the deadline.
+    """
     killed: set[int] = set()
     deadline = time.monotonic() + timeout
     while pids := netns_pids(namespace):
@@ -425,7 +430,8 @@ _PROJECT = Path(__file__).resolve().parents[1]
 def ensure_user() -> str:
     """The unprivileged login of private hosts, made on this machine the first time (it stays:
     an account, not a process). Its password field is ``*``: no password, yet not locked, which
-    sshd would refuse."""
+    sshd would refuse.
+    """
     try:
         pwd.getpwnam(USER)
     except KeyError:
@@ -441,7 +447,8 @@ def ensure_user() -> str:
 
 def _hidden_paths(tmp: Path) -> list[str]:
     """What a private host must not see: this machine's /tmp (the test's files and notebooks),
-    the notebook's home, and the project's checkout (the notebook's directory)."""
+    the notebook's home, and the project's checkout (the notebook's directory).
+    """
     return sorted({"/tmp", "/root", str(Path.home()), str(_PROJECT), str(tmp.resolve())} - {"/"})
 
 
@@ -624,7 +631,8 @@ def ssh_provider(
     hosts: Hosts, count: int, tmp: Path, which: tuple[int, ...] = (), **changes: object
 ) -> ssh.SSHProvider:
     """An SSH provider on the first ``count`` hosts (or those in ``which``: a test that killed
-    host 1 leaves it dead for the rest of the module)."""
+    host 1 leaves it dead for the rest of the module).
+    """
     options = ssh.SSHOptions(
         identity=str(hosts.client_key),
         known_hosts=str(hosts.known_hosts),

@@ -211,7 +211,8 @@ def api(
 
 def end_kernels(lab: Lab) -> None:
     """Shut down every kernel of the lab, and with them their pools (a test's ranks end with
-    the test, though the lab serves the module's next test)."""
+    the test, though the lab serves the module's next test).
+    """
     status, kernels = api(lab, "GET", "/api/kernels")
     assert status == 200, kernels
     for kernel in kernels:
@@ -260,7 +261,8 @@ class Kernel:
     def _wait_for_ready(self, timeout: float) -> None:
         """Wait for the kernel's first reply. The server writes the connection file before the
         kernel listens: under load the client's heartbeat may miss its first beats and call the
-        kernel dead while the server still runs it; then connect again, until the deadline."""
+        kernel dead while the server still runs it; then connect again, until the deadline.
+        """
         deadline = time.monotonic() + timeout
         while True:
             try:

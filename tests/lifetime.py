@@ -23,7 +23,8 @@ def new_tag() -> str:
 def detach(tag: str) -> str:
     """A cell that detaches three ``sleep tag`` processes and returns their pids: a daemon's
     double fork (``setsid`` between the forks), ``Popen(start_new_session=True)``, and
-    ``nohup ... &`` from a shell that then exits."""
+    ``nohup ... &`` from a shell that then exits.
+    """
     return f"""
 import os, subprocess
 def _detach():

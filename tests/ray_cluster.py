@@ -172,7 +172,8 @@ def _save(record: dict[str, Any]) -> None:
 def _teardown_record(record: dict[str, Any], timeout: float = 10.0) -> None:
     """SIGKILL every marked process (until none is left: one may fork meanwhile), then tear down
     what ``tests/hosts.py`` does (the namespaces' processes, namespaces, links, the record); Ray's
-    files go between the two, once nothing writes them. Each is checked gone."""
+    files go between the two, once nothing writes them. Each is checked gone.
+    """
 
     def gone() -> bool:
         for pid in (pids := _marked({record["tag"]})):
@@ -225,7 +226,8 @@ def _accepts(address: str, port: int) -> bool:
 
 def _start(spec: _Spec, temp_root: Path, logs: Path, env: dict[str, str], mb: int) -> Popen[bytes]:
     """A node's `ray start --block`, our child, in a session of its own (`ip netns exec` execs
-    in place: the pid is ray's)."""
+    in place: the pid is ray's).
+    """
     netns = ["ip", "netns", "exec", spec.namespace] if spec.namespace else []
     argv = [
         *netns, str(RAY), "start", "--block", "--disable-usage-stats",
@@ -277,7 +279,8 @@ def ray_cluster(
     timeout: float = 90.0,
 ) -> Iterator[RayCluster]:
     """A head and ``workers`` workers of ``cpus`` CPUs each, and the notebook's node (no CPUs);
-    torn down (and checked) on exit, a driver of this process connected to it shut down first."""
+    torn down (and checked) on exit, a driver of this process connected to it shut down first.
+    """
     if not 0 <= workers <= MAX_WORKERS:
         raise ValueError(f"0 <= workers <= {MAX_WORKERS}")
     if (why := available()) is not None:
@@ -356,7 +359,8 @@ def ray_cluster(
 
 def _shutdown_driver(gcs: str) -> None:
     """``ray.shutdown()`` if this process is a driver of the cluster: a driver left connected to
-    a cluster that is gone blocks on it."""
+    a cluster that is gone blocks on it.
+    """
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         node = ray._private.worker.global_worker.node

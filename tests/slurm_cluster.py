@@ -112,7 +112,8 @@ class SlurmCluster:
 
 def _environ(conf: Path) -> dict[str, str]:
     """This process's environment for a client command or daemon: with SLURM_CONF, without the
-    SLURM_* variables of a job this process may run in (they would point srun at that job)."""
+    SLURM_* variables of a job this process may run in (they would point srun at that job).
+    """
     base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     return {**base, "SLURM_CONF": str(conf)}
 
@@ -123,7 +124,8 @@ def _save(record: dict[str, Any]) -> None:
 
 def _sessions(daemons: Sequence[Mapping[str, Any]]) -> set[int]:
     """Live processes in the daemons' sessions (each was started in a session of its own, which
-    its children share), not older than the daemon: a session id may be a reused pid."""
+    its children share), not older than the daemon: a session id may be a reused pid.
+    """
     found = set()
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -142,7 +144,8 @@ def _sessions(daemons: Sequence[Mapping[str, Any]]) -> set[int]:
 def _teardown_record(record: dict[str, Any], timeout: float = 10.0) -> None:
     """SIGKILL what is left in the daemons' sessions (root namespace), then tear down what
     ``tests/hosts.py`` does: processes in the namespaces, namespaces, links, /etc/netns files,
-    the record; each checked gone."""
+    the record; each checked gone.
+    """
 
     def gone() -> bool:
         for pid in (pids := _sessions(record["daemons"])):
@@ -244,7 +247,8 @@ def _start(
     argv: Sequence[str], out: Path, env: dict[str, str], record: dict[str, Any] | None = None
 ) -> subprocess.Popen[bytes]:
     """A daemon, our child, in a session of its own, with SLURM_CONF in its environment (and its
-    descendants'). One in the root namespace (``record`` given) is recorded at once."""
+    descendants'). One in the root namespace (``record`` given) is recorded at once.
+    """
     with open(out, "wb") as log:
         proc = subprocess.Popen(
             argv, stdin=DEVNULL, stdout=log, stderr=STDOUT, env=env, start_new_session=True
@@ -264,7 +268,8 @@ def _query(env: dict[str, str], *argv: str) -> str | None:
 
 def _stop(cluster: SlurmCluster, procs: Sequence[subprocess.Popen[bytes]], timeout: float) -> None:
     """Cancel every job, wait until none is left (their steps end on their nodes), SIGTERM the
-    slurmds, slurmctld, munged (last: the others use it); the teardown SIGKILLs what is left."""
+    slurmds, slurmctld, munged (last: the others use it); the teardown SIGKILLs what is left.
+    """
     env = _environ(cluster.conf)
     ctld_up = len(procs) > 1 and procs[1].poll() is None
     if ctld_up and (jobs := (_query(env, "squeue", "-h", "-o", "%A") or "").split()):
@@ -300,7 +305,8 @@ def _daemons(
     procs: list[subprocess.Popen[bytes]], record: dict[str, Any], cluster: SlurmCluster, t: float
 ) -> None:
     """Start munged, then slurmctld, then the slurmds (into ``procs``, which the caller stops),
-    each once the one before answers; return once every node is idle."""
+    each once the one before answers; return once every node is idle.
+    """
     work, conf, sock, names = cluster.work, cluster.conf, cluster.munge_socket, cluster.node_names
     env = _environ(conf)
     outs = [work / "munged.log", work / "slurmctld.out", *(work / f"{n}.out" for n in names)]

@@ -120,7 +120,8 @@ def test_an_interrupt_that_overtakes_its_cell_stops_it_as_it_starts(
 ) -> None:
     """The pool may interrupt a cell before a busy rank has started it: the interrupt must
     neither be lost (the rank would run the cell in full and wait in its collectives until it
-    is killed) nor stop the cell still running before it."""
+    is killed) nor stop the cell still running before it.
+    """
     _, channel = agent
     channel.send(p.RunCell(1, "import time\ntime.sleep(1.0)\n'first done'", "<sky-cell-1>"))
     channel.send(p.RunCell(2, "import time\ntime.sleep(60)", "<sky-cell-2>"))
@@ -136,7 +137,8 @@ def test_an_interrupt_sent_as_its_cell_starts_stops_it(
     agent: tuple[subprocess.Popen[bytes], SyncChannel],
 ) -> None:
     """While the rank's main thread runs a cell, another thread must read the wire: an
-    interrupt sent right behind the cell (before it printed anything) still stops it."""
+    interrupt sent right behind the cell (before it printed anything) still stops it.
+    """
     _, channel = agent
     channel.send(p.RunCell(1, "import time\ntime.sleep(600)", "<sky-cell-1>"))
     channel.send(p.Interrupt(1))
@@ -148,7 +150,8 @@ def test_a_cell_run_again_names_its_own_run_in_tracebacks(
     agent: tuple[subprocess.Popen[bytes], SyncChannel],
 ) -> None:
     """The same source run as two cells is compiled once, yet each run's code, the functions
-    it defines included, carries that run's name, and its traceback shows the cell's line."""
+    it defines included, carries that run's name, and its traceback shows the cell's line.
+    """
     _, channel = agent
     source = "def f():\n    return 1 / 0\n\nf.__code__.co_filename, f()"
     for cell_id in (1, 2):
@@ -169,7 +172,8 @@ def test_a_future_import_holds_for_later_cells_as_in_ipython(
     agent: tuple[subprocess.Popen[bytes], SyncChannel],
 ) -> None:
     """Annotations are evaluated until a cell imports ``annotations`` from ``__future__``; from
-    then on they are strings, in that cell and the cells after it, as IPython has it."""
+    then on they are strings, in that cell and the cells after it, as IPython has it.
+    """
     _, channel = agent
     check = "def f(x: int): ...\n\nf.__annotations__['x']"
     cells = [check, f"from __future__ import annotations\n{check}", check]

@@ -630,7 +630,8 @@ def test_pip_packages_reach_every_instance_through_its_ssh_host(
     stand: Ec2Stand, dlami: str, address_url: str, hosts: Hosts
 ) -> None:
     """``--pip`` on EC2: each instance, once reachable over SSH, builds the environment as an
-    SSH host does (the hosts' index: this machine's file index; they have no route out)."""
+    SSH host does (the hosts' index: this machine's file index; they have no route out).
+    """
     from skyward_jupyter.environments import Packages
 
     provider = AWSProvider(_options(stand, address_url, gpu="T4", resolve=_resolver(stand, hosts)))

@@ -51,7 +51,8 @@ LATER = "%%sky\nimport time\nprint('a later cell', flush=True)\ntime.sleep(6)"
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     """A lab serving the quickstart without its final ``%sky down`` (the pool stays to inspect)
-    and a notebook that trains, then fails on rank 1; one server for the module's tests."""
+    and a notebook that trains, then fails on rank 1; one server for the module's tests.
+    """
     root = tmp_path_factory.mktemp("lab")
     nb = nbformat.read(QUICKSTART, as_version=4)
     assert nb.cells[-1].source.strip() == "%sky down"
@@ -75,7 +76,8 @@ def _epochs() -> int:
 
 def _open(lab: Lab, page: Any, notebook: str) -> None:
     """Open ``notebook`` alone, in a workspace of its own: the lab does not restore the tabs
-    the module's earlier test left open."""
+    the module's earlier test left open.
+    """
     page.goto(lab.page_url(f"lab/workspaces/{Path(notebook).stem}/tree/{notebook}"))
     page.wait_for_selector("#jupyterlab-splash", state="detached", timeout=60_000)
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
@@ -86,7 +88,8 @@ def _run_all_cells(page: Any) -> None:
 
     The notebook must be the lab's current widget, or "Run All Cells" runs nothing, and on a
     loaded machine nothing on the page says when the lab has made it current: a click that
-    came too early shows no running prompt, and is made again (3 tries)."""
+    came too early shows no running prompt, and is made again (3 tries).
+    """
     for _ in range(3):
         page.locator(".jp-Notebook .jp-Cell").first.click()
         page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
@@ -165,7 +168,8 @@ def test_a_cells_panel_shows_its_progress_then_its_failure_and_then_stays_as_it_
 ) -> None:
     """Progress while a training cell runs; rank 1's failure red and badged in the next cell's
     panel with what the pool did after it; both panels frozen while a later cell runs.
-    Pictures of the first two are the README's."""
+    Pictures of the first two are the README's.
+    """
     with chromium_page() as page_:
         page: Any = page_
         page.set_viewport_size({"width": 1000, "height": 1000})

@@ -1,5 +1,6 @@
 """The panel's live charts in a real JupyterLab, driven in headless Chromium: hovered, toggled
-to a log scale, resized; a picture of them is kept for the README."""
+to a log scale, resized; a picture of them is kept for the README.
+"""
 
 from __future__ import annotations
 

@@ -218,7 +218,8 @@ def test_input_on_another_rank_says_what_to_do(kernel: Any) -> None:
 
 def test_nccl_pending_collectives_are_read_from_the_flight_recorder() -> None:
     """No GPU here: the flight recorder's entries (as torch's ``_dump_fr_trace`` gives them) are
-    read by the same function the ranks use under NCCL."""
+    read by the same function the ranks use under NCCL.
+    """
     from skyward_jupyter.agent.stacks import pending_from
 
     now = 10_000_000_000

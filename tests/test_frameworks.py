@@ -50,7 +50,8 @@ class SharedPool:
     """One pool for the module's tests. A test during which a cell failed or did not finish
     gets the pool replaced: its ranks may hold half-imported modules (a rank interrupted by
     the failure policy stops wherever it was) or half-built library state, which would make
-    the next test fail for the wrong reason."""
+    the next test fail for the wrong reason.
+    """
 
     def __init__(self) -> None:
         self.pool: Pool | None = None
@@ -74,7 +75,8 @@ class SharedPool:
 
     def register(self) -> None:
         """Tell conftest's leak check which ranks belong to the shared pool (restarts change
-        them)."""
+        them).
+        """
         current = {r.hello.pid for r in self.pool.ranks if r.hello} if self.pool else set()
         _module_pool_pids.difference_update(self.registered)
         _module_pool_pids.update(current)

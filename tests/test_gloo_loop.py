@@ -24,7 +24,8 @@ _PR_SET_NAME = 15
 @contextmanager
 def named_thread(name: bytes | None, *, named: threading.Event | None = None) -> Iterator[int]:
     """A live thread of this process that names itself ``name`` (once ``named`` is set, when
-    given); yields its thread id."""
+    given); yields its thread id.
+    """
     started, done = threading.Event(), threading.Event()
     tid: list[int] = []
 

@@ -77,7 +77,8 @@ REPORTED = {
 @pytest.fixture
 def one_h200(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A stand-in ``nvidia-smi`` for one H200 first on PATH, for this process and its
-    children (kernels started in the test)."""
+    children (kernels started in the test).
+    """
     smi = tmp_path / "bin" / "nvidia-smi"
     smi.parent.mkdir()
     smi.write_text(FAKE_NVIDIA_SMI)
@@ -163,7 +164,8 @@ def test_ssh_hosts_gpu_is_checked_by_model_before_any_rank_starts(
     one_h200: Path, tmp_path: Path
 ) -> None:
     """A real sshd host whose ``nvidia-smi`` (the stand-in, through a ``--python`` wrapper that
-    puts it on PATH) reports an H200."""
+    puts it on PATH) reports an H200.
+    """
     python = tmp_path / "python"
     python.write_text(f'#!/bin/sh\nPATH="{one_h200}:$PATH" exec {sys.executable} "$@"\n')
     python.chmod(0o755)
@@ -189,7 +191,8 @@ def test_slurm_gpu_is_checked_by_model_against_the_nodes_gres(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A real slurmctld and slurmd whose node has one GRES GPU typed as sites name them
-    (``nvidia_h200``; a device file stands in for the GPU)."""
+    (``nvidia_h200``; a device file stands in for the GPU).
+    """
     with slurm_cluster(1, tmp_path, gpu_type="nvidia_h200") as cluster:
         for name, value in cluster.env().items():
             monkeypatch.setenv(name, value)
@@ -299,7 +302,8 @@ def test_gpu_none_gives_a_cpu_pool_on_a_gpu_machine(one_h200: Path) -> None:
 
 def test_two_nodes_on_a_one_gpu_machine_work_and_say_their_layout(one_h200: Path) -> None:
     """The README's first cell on a machine with one GPU, in a real kernel; then a description
-    NCCL cannot run is refused in one line, with the working pool left as it was."""
+    NCCL cannot run is refused in one line, with the working pool left as it was.
+    """
     kernel = Kernel()
     try:
         kernel.ok("%load_ext skyward_jupyter")

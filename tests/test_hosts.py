@@ -1,5 +1,6 @@
 """The SSH test hosts (tests/hosts.py): real sshds in network namespaces, reachable from here and
-from each other, with gloo working between them; kill/partition helpers; nothing left after."""
+from each other, with gloo working between them; kill/partition helpers; nothing left after.
+"""
 
 from __future__ import annotations
 
@@ -100,7 +101,8 @@ def test_connects_to_each_host_with_strict_host_keys(hosts2: Hosts) -> None:
 
 def test_a_private_host_is_an_ordinary_machine(hosts2: Hosts, tmp_path: Path) -> None:
     """Its own hostname on 127.0.1.1, an unprivileged login with a private home, its own /tmp,
-    and none of the notebook's files: not this test's, not the project's checkout."""
+    and none of the notebook's files: not this test's, not the project's checkout.
+    """
     (tmp_path / "beside_the_notebook.txt").write_text("here")
     check = py(f"""
         import json, os, pathlib, socket
@@ -224,7 +226,8 @@ GLOO_RANK = """
 
 def test_gloo_all_reduce_between_namespaces(hosts2: Hosts) -> None:
     """Both ranks launched over SSH. The hosts' hostnames resolve to 127.0.1.1, so, as on a
-    real Debian host, gloo must be told the interface (GLOO_SOCKET_IFNAME)."""
+    real Debian host, gloo must be told the interface (GLOO_SOCKET_IFNAME).
+    """
     a = hosts2[0]
     free_port = py(f"""
         import socket
@@ -312,7 +315,8 @@ def test_nothing_is_left_after_an_exception(tmp_path: Path) -> None:
 
 def test_a_killed_run_is_cleaned_up_by_the_next(tmp_path: Path) -> None:
     """A run SIGKILLed inside the context leaves its hosts; ``reap_stale`` (which every
-    ``ssh_hosts`` calls first) removes them."""
+    ``ssh_hosts`` calls first) removes them.
+    """
     child = subprocess.Popen(
         [
             PYTHON,

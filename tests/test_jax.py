@@ -48,7 +48,8 @@ def _pids(pool: Pool) -> set[int]:
 @pytest.fixture(scope="module")
 def pool() -> Iterator[Pool]:
     """torch and JAX together: each world is the pool's, side by side. Its ranks are
-    registered with conftest's leak check (a lost rank's test replaces them all)."""
+    registered with conftest's leak check (a lost rank's test replaces them all).
+    """
     shared = Pool(nodes=2, frameworks=Frameworks(torch=True, jax=True), interrupt_grace=2.0)
     shared.start()
     _module_pool_pids.update(_pids(shared))

@@ -1,6 +1,7 @@
 """The shape of the code (DESIGN.md): layers only downward, no import cycles. Read from the
 source, so a change that breaks it fails here. Modules are as long as their job needs: there is
-no line cap to squeeze code under."""
+no line cap to squeeze code under.
+"""
 
 from __future__ import annotations
 
@@ -122,7 +123,8 @@ def _prose(path: Path) -> list[tuple[int, str]]:
 
 def test_figures_live_in_benchmarks_not_in_docstrings() -> None:
     """What a part costs goes stale in a docstring as BENCHMARKS.md is regenerated: the code
-    says why, and BENCHMARKS.md how much."""
+    says why, and BENCHMARKS.md how much.
+    """
     found = [
         f"{path.relative_to(PACKAGE.parent)}:{line}: {match.group(0)}"
         for path in PACKAGE.rglob("*.py")

@@ -1,5 +1,6 @@
 """Nothing outlives a local pool: what a cell detaches on a rank (double fork, ``setsid``,
-``nohup``) ends with the rank however the rank ends, and the rank's private files go with it."""
+``nohup``) ends with the rank however the rank ends, and the rank's private files go with it.
+"""
 
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ def test_detached_children_end_with_the_pool(tag: str) -> None:
 @pytest.mark.parametrize("use_template", [True, False], ids=["forked", "spawned"])
 def test_detached_children_end_with_a_restart(tag: str, use_template: bool) -> None:
     """``%sky restart`` kills the old ranks (forked from the template or spawned directly):
-    what they detached goes with them, and the new ranks still work."""
+    what they detached goes with them, and the new ranks still work.
+    """
     with Pool(nodes=2, provider=LocalProvider(use_template=use_template)) as pool:
         _detached(pool, tag)
         pool.restart()
@@ -136,7 +138,8 @@ def _private_dirs(pool: Pool) -> list[Path]:
 
 def test_private_directories_go_with_a_restart_and_a_killed_ranks_with_the_pool() -> None:
     """``%sky restart`` kills the old ranks: their private directories go with them. One whose
-    rank was killed outside the pool (the OOM killer) goes with the pool."""
+    rank was killed outside the pool (the OOM killer) goes with the pool.
+    """
     with Pool(nodes=2) as pool:
         first = _private_dirs(pool)
         parent = first[0].parent

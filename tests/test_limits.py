@@ -1,6 +1,7 @@
 """Every number a user gives is finite and in range, checked where it comes in (the magics'
 parsers are tested through a real kernel in test_magics.py): the Pool API and the spec refuse
-the same values with the same words, before anything starts."""
+the same values with the same words, before anything starts.
+"""
 
 from __future__ import annotations
 

@@ -175,7 +175,8 @@ class Kernel:
 
     def interrupted(self, code: str, when: str, timeout: float = 40) -> tuple[Cell, float]:
         """Run ``code``, interrupt the kernel once its output shows ``when``; return the cell
-        and how long it took to end after the interrupt."""
+        and how long it took to end after the interrupt.
+        """
         sent: list[float] = []
 
         def interrupt_once(msg: dict[str, Any]) -> None:
@@ -404,7 +405,8 @@ def test_line_commands_check_numbers_before_touching_the_pool(nb: Kernel, tmp_pa
 
 def test_a_starting_pool_stops_at_once_on_interrupt(nb: Kernel) -> None:
     """Ctrl-C while many ranks start ends the start within 2 s and leaves no rank behind; the
-    name keeps the description until ``%sky down`` forgets it."""
+    name keeps the description until ``%sky down`` forgets it.
+    """
     nb.ok("%sky down --all")
     before = agent_pids()
     cell, took = nb.interrupted("%%sky --nodes 12 --name many\npass", when="starting")
@@ -489,7 +491,8 @@ UNKNOWN_OPTIONS = [
 
 def test_no_abbreviation_expands_and_near_misses_are_named(nb: Kernel, tmp_path: Path) -> None:
     """An option is taken only as written: an abbreviation or torchrun's spelling is refused in
-    one line naming what was meant, and neither the pools nor the defaults change."""
+    one line naming what was meant, and neither the pools nor the defaults change.
+    """
     nb.ok(POOL2)
     before, ranks_before = normalised(nb.status()), agent_pids()
     script = tmp_path / "train.py"
@@ -512,7 +515,8 @@ def test_no_abbreviation_expands_and_near_misses_are_named(nb: Kernel, tmp_path:
 def test_help_after_any_command_shows_it_and_runs_nothing(nb: Kernel, tmp_path: Path) -> None:
     """``-h``/``--help`` among a command's own options prints its help and nothing else runs:
     not the cell, not a new pool, not a shutdown or restart. After ``%sky run``'s script, the
-    option is the script's (as torchrun passes it)."""
+    option is the script's (as torchrun passes it).
+    """
     nb.ok(POOL2)
     before, ranks_before = normalised(nb.status()), agent_pids()
     script = tmp_path / "train.py"
@@ -547,7 +551,8 @@ def test_nccl_without_nccl_or_gpus_is_refused_naming_why_before_the_pool_changes
     nb: Kernel, tmp_path: Path
 ) -> None:
     """The cause, not advice about interfaces; and the working pool stays, so the next cell
-    without options still runs on both of its ranks."""
+    without options still runs on both of its ranks.
+    """
     skip_where_nccl_runs()
     nb.ok(POOL2)
     before, ranks_before = normalised(nb.status()), agent_pids()
@@ -639,7 +644,8 @@ def test_an_unchanged_array_is_not_sent_again_and_a_changed_one_is(nb: Kernel) -
 
 def test_in_place_edits_of_large_globals_reach_the_ranks(nb: Kernel) -> None:
     """Past the size where an unchanged array is recognised without reading it again: one
-    element edited in place (through the array, through a slice of it, in a torch tensor)."""
+    element edited in place (through the array, through a slice of it, in a torch tensor).
+    """
     nb.ok(POOL2)
     nb.ok(
         "import numpy as np, torch\nbig = np.zeros(1 << 18)\npart = big[1000:200_000]\n"
@@ -720,7 +726,8 @@ def test_the_heads_last_value_is_the_cells_value(nb: Kernel) -> None:
 
 def test_a_cell_is_checked_and_run_as_python_compiles_it(nb: Kernel) -> None:
     """Valid Python that string annotations would reject (a walrus in an annotation) passes the
-    notebook's syntax check and runs, with its annotations evaluated, on the ranks."""
+    notebook's syntax check and runs, with its annotations evaluated, on the ranks.
+    """
     nb.ok(POOL2)
     cell = nb.ok("%%sky --nodes 2\ndef f(x: (y := int)) -> None: ...\nf.__annotations__['x'] is y")
     assert cell.shown == ["True"], str(cell)
@@ -728,7 +735,8 @@ def test_a_cell_is_checked_and_run_as_python_compiles_it(nb: Kernel) -> None:
 
 def test_a_cell_is_compiled_once_on_the_notebook(monkeypatch: pytest.MonkeyPatch) -> None:
     """The session checks a cell before its pool starts, and the pool sends what was checked:
-    the notebook compiles the cell once, under the name its errors give."""
+    the notebook compiles the cell once, under the name its errors give.
+    """
     compiled: list[str] = []
 
     def counting(source: str, filename: str, *args: Any, **kwargs: Any) -> Any:
@@ -1006,7 +1014,8 @@ def test_several_failing_ranks_are_summarised(nb: Kernel) -> None:
 
 def test_the_same_error_on_another_rank_is_not_said_to_follow_the_first(nb: Kernel) -> None:
     """Both ranks run the same code and raise the same NameError on their own: the other rank's
-    is "the same error", not "after the failure above"."""
+    is "the same error", not "after the failure above".
+    """
     nb.ok(POOL2)
     cell = nb.fails("%%sky\nundefined_on_every_rank + 1")
     traceback = "\n".join(cell.errors[0]["traceback"])
@@ -1188,7 +1197,8 @@ def test_a_failed_replacement_leaves_the_local_pool_as_it_was(nb: Kernel, tmp_pa
     refuses (NCCL), one that breaks the ranks' start (torch refuses ``TORCH_LOGS`` at import).
     Each says that the old pool still runs, the next cell without options runs on it (same
     processes, world size 2), and its panel state (metrics) is still the one shown. The ranks
-    the failed starts made are gone (the leak check after the test)."""
+    the failed starts made are gone (the leak check after the test).
+    """
     world = (
         "%%sky --all\nimport os, torch.distributed as dist\n(os.getpid(), dist.get_world_size())"
     )
@@ -1223,7 +1233,8 @@ def test_a_failed_replacement_leaves_the_local_pool_as_it_was(nb: Kernel, tmp_pa
 def test_a_description_its_provider_refuses_leaves_the_pool_untouched(nb: Kernel) -> None:
     """A pool elsewhere replaces the local one only after it has started, but what its provider
     can check here comes first: Slurm without its commands on PATH is one line, and the 2-node
-    pool is neither replaced nor restarted."""
+    pool is neither replaced nor restarted.
+    """
     world = "%%sky --all\nimport os, torch.distributed as d\n(os.getpid(), d.get_world_size())"
     nb.ok(POOL2)
     before = nb.ok(world).per_rank

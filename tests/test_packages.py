@@ -122,7 +122,8 @@ def _report(process: subprocess.Popen[str]) -> dict[str, object]:
 
 def test_two_builders_of_the_same_packages_build_once(envs: Path) -> None:
     """Two kernels asking for the same packages at once: one installs, the other waits for it
-    and finds it built (the lock), and both get the same whole environment."""
+    and finds it built (the lock), and both get the same whole environment.
+    """
     first, second = _build(envs, ["tabulate"]), _build(envs, ["tabulate"])
     reports = [_report(first), _report(second)]
     assert sorted(bool(r["cached"]) for r in reports) == [False, True], reports
@@ -179,7 +180,8 @@ def test_local_clean_says_what_went(envs: Path) -> None:
 
 def test_pip_and_requirements_options_make_the_pools_packages(tmp_path: Path) -> None:
     """``%%sky --pip ... --requirements FILE`` (and ``%sky config`` defaults): the file is read
-    when given, so a pool is described by what it asks for; another list is another pool."""
+    when given, so a pool is described by what it asks for; another list is another pool.
+    """
     from skyward_jupyter.magics import _cell_parser
     from skyward_jupyter.options import pool_options
     from skyward_jupyter.session import Session
@@ -212,7 +214,8 @@ def test_pip_and_requirements_options_make_the_pools_packages(tmp_path: Path) ->
 
 def test_no_requirement_chooses_torch_the_node_has_it_pinned(envs: Path) -> None:
     """torch is pinned to the node's version for every install: a requirement asking another
-    fails with pip's reason, and nothing is downloaded or built."""
+    fails with pip's reason, and nothing is downloaded or built.
+    """
     report = _report(_build(envs, ["torch==2.12.0"]))
     assert "error" in report, report
     assert "torch" in str(report["error"]), report

@@ -98,7 +98,8 @@ def test_a_host_without_an_index_fails_naming_it_and_pips_reason(
     hosts: Hosts, honest_python: str, tmp_path: Path
 ) -> None:
     """The hosts have no route out: pip (with this machine's global configuration) finds no
-    index and says so; the pool does not start."""
+    index and says so; the pool does not start.
+    """
     provider = ssh_provider(hosts, 1, tmp_path, python=honest_python)
     with pytest.raises(PackagesError) as failed:
         Pool(nodes=1, provider=provider, packages=Packages(("tabulate",))).start()
@@ -120,7 +121,8 @@ def test_hosts_without_an_index_install_wheels_sent_from_the_notebook(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``--ship-wheels``: the notebook downloads the wheels once (this machine reaches the
-    index), each host gets them and installs with no index at all; a second pool sends none."""
+    index), each host gets them and installs with no index at all; a second pool sends none.
+    """
     monkeypatch.setenv("SKYWARD_WHEELS", str(tmp_path / "wheels"))
     shipped = Packages(("tabulate", "ujson"), wheels=True)
     said: list[str] = []
@@ -148,7 +150,8 @@ def test_mirror_gives_index_less_hosts_the_notebooks_versions_through_the_sessio
     hosts: Hosts, honest_python: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``--mirror --ship-wheels``: what the notebook's namespace uses (xxhash, compiled, and
-    pathspec), at the notebook's versions, on hosts whose Python has neither and no index."""
+    pathspec), at the notebook's versions, on hosts whose Python has neither and no index.
+    """
     import pathspec
     import xxhash
 

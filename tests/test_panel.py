@@ -136,7 +136,8 @@ def test_the_interrupt_button_stops_the_running_cell(pool: Pool) -> None:
 
 def test_a_cells_panel_follows_its_cell_then_keeps_how_it_ended(pool: Pool) -> None:
     """Interrupt only while the cell runs; the head's output only in the cell; at the end a
-    failed rank is red and its tab badged, the group's re-forming said, and the view frozen."""
+    failed rank is red and its tab badged, the group's re-forming said, and the view frozen.
+    """
     pool.start()
     cell_state = PanelState("default").for_cell(7)
     feed = pool.subscribe(cell_state.apply)

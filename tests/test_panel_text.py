@@ -73,7 +73,8 @@ def test_notable_state_changes_are_lines_and_routine_ones_are_not() -> None:
 
 def test_lost_ranks_back_in_one_batched_event_are_each_said_ready_again() -> None:
     """A round's answers come as one event for several ranks: each lost one among them is
-    told, the others stay routine."""
+    told, the others stay routine.
+    """
     text, out, _ = report()
     text.on_event(RankStateChanged.of(2, 1, S.LOST, "killed by SIGKILL"))
     text.on_event(RankStateChanged.of(3, 1, S.LOST, "killed by SIGKILL"))

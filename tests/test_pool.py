@@ -74,7 +74,8 @@ def test_world_of_one_still_has_a_process_group() -> None:
 def test_nccl_on_ranks_without_nccl_or_gpus_fails_the_start_naming_the_rank_and_why() -> None:
     """What each rank says when it starts is checked before the group forms: the cause, for
     ranks whose torch the notebook cannot see (a remote host's), never advice about
-    interfaces."""
+    interfaces.
+    """
     skip_where_nccl_runs()
     before = agent_pids()
     pool = Pool(nodes=2, backend="nccl")
@@ -93,7 +94,8 @@ def test_nccl_on_ranks_without_nccl_or_gpus_fails_the_start_naming_the_rank_and_
 
 def test_the_agents_settings_and_secrets_are_not_in_the_ranks_environment(pool2: Pool) -> None:
     """The relay's token (and, on the head, its key) come in the agent's settings: neither a
-    cell nor a process it starts finds them in its environment."""
+    cell nor a process it starts finds them in its environment.
+    """
     result = pool2.run(
         "import os, subprocess, sys\n"
         "child = subprocess.run([sys.executable, '-c', 'import os; print(sorted(os.environ))'],"
@@ -169,7 +171,8 @@ def test_each_rank_starts_with_its_ready_names_bound_again_as_the_group_forms_ag
 def test_the_users_names_win_over_the_ready_ones() -> None:
     """A notebook global ``rank``, and a cell's ``world_size`` and ``device`` (bound to the value
     that was ours), stay the user's through formations of the group again; a name the cell
-    deleted stays deleted; a rank restarted after its loss starts with all of them."""
+    deleted stays deleted; a rank restarted after its loss starts with all of them.
+    """
     with Pool(nodes=2) as pool:
         shipped = pool.run("rank", {"rank": "the notebook's"})
         assert shipped.values == ["the notebook's"] * 2, shipped.errors
@@ -261,7 +264,8 @@ def test_a_collective_left_pending_on_some_ranks_fails_the_cell_and_not_the_next
     pool2: Pool,
 ) -> None:
     """An ``async_op`` collective (or NCCL's, which returns at once) on some ranks does not
-    block: it would pair with the next cell's collective on the others."""
+    block: it would pair with the next cell's collective on the others.
+    """
     result = pool2.run(
         "import torch, torch.distributed as dist\n"
         "work = dist.all_reduce(torch.ones(1), async_op=True)\n"
@@ -323,7 +327,8 @@ def test_a_large_global_goes_to_local_ranks_over_their_own_pipes(
     pool2: Pool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Relaying it through the head (for remote nodes: it leaves the notebook once) would only
-    add a hop, a copy and two digests on the notebook's own machine."""
+    add a hop, a copy and two digests on the notebook's own machine.
+    """
     stashed: list[int] = []
     stash = Transfer.stash
 
@@ -340,7 +345,8 @@ def test_a_large_global_goes_to_local_ranks_over_their_own_pipes(
 
 def test_an_answer_resolves_only_the_request_it_answers() -> None:
     """A rank's answers are matched by type and request: a late CellDone of an earlier cell, or
-    a GroupState of an earlier formation, leaves the wait for the current one pending."""
+    a GroupState of an earlier formation, leaves the wait for the current one pending.
+    """
 
     async def answers() -> None:
         rank = Rank(0, Node(index=0, address="127.0.0.1"), 0, 1)
@@ -371,7 +377,8 @@ def test_unpicklable_global_fails_before_anything_runs(pool2: Pool) -> None:
 
 def test_a_cells_unfinished_last_line_arrives_before_its_result(pool2: Pool) -> None:
     """The end-of-cell sync skips its round trip only when nothing is pending: a last line
-    without its newline (held by the capture briefly) must still come before the result."""
+    without its newline (held by the capture briefly) must still come before the result.
+    """
     seen: list[str] = []
     unsubscribe = pool2.subscribe(
         lambda e: (
@@ -801,7 +808,8 @@ def test_notebook_functions_see_the_ranks_namespace(pool2: Pool) -> None:
 def test_a_rank_waits_as_a_batch_task_and_runs_cells_as_a_normal_one(pool2: Pool) -> None:
     """An idle rank waking for a cell must not preempt the notebook while it still writes the
     cell to the other ranks; the user's code and the threads it starts run as normal tasks, and
-    a policy a cell chose is left alone."""
+    a policy a cell chose is left alone.
+    """
     try:
         os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
         os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
@@ -857,7 +865,8 @@ def test_gloo_event_loop_threads_run_below_the_training_thread(pool2: Pool) -> N
     the rank's training. The pool's group's loop is lowered as the group forms (checked in the
     cell that forms it again, with the watchdog's lowering held off meanwhile), and one of a
     group the cell forms itself at the next tick; the training thread and gloo's workers stay as
-    they are."""
+    they are.
+    """
     assert pool2.run(NICES_BY_THREAD).ok
     rank = pool2.run("import os\nos.getpriority(os.PRIO_PROCESS, os.getpid())").values
     lowered = [min(nice + 5, 19) for nice in rank]
@@ -948,7 +957,8 @@ def test_a_rank_that_dies_is_the_headline_not_the_peer_it_broke() -> None:
 
 def test_ranks_run_in_the_notebooks_directory_and_reload_edited_modules(tmp_path: Path) -> None:
     """The local ranks share the notebook's files: they run in its directory, and a module from
-    it that was edited between cells is reloaded before the next (as %autoreload does)."""
+    it that was edited between cells is reloaded before the next (as %autoreload does).
+    """
     (tmp_path / "mymod.py").write_text("def f():\n    return 1\n")
     with Pool(nodes=1, procs_per_node=2, sync=[str(tmp_path)]) as pool:
         first = pool.run("import os, mymod\n(os.getcwd(), mymod.f())")

@@ -91,7 +91,8 @@ def leaks(
     source: str, where: str, providers: dict[str, tuple[list[str], set[str]]]
 ) -> Iterator[str]:
     """What ``source`` (the module at ``where``) says of the providers: ``providers`` is
-    name -> (its flags, their dests)."""
+    name -> (its flags, their dests).
+    """
     tree = ast.parse(source)
     prose = _docstrings(tree) | _fallback_list(tree)
     for name, (flags, dests) in providers.items():

@@ -32,7 +32,8 @@ PLUGIN = Path(__file__).resolve().parent / "plugins" / "fake_hosts"
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The plugin installed by pip into a directory of its own (its code and its dist-info,
-    which is where its entry point is read), as ``pip install`` puts a package on a path."""
+    which is where its entry point is read), as ``pip install`` puts a package on a path.
+    """
     target = tmp_path_factory.mktemp("site")
     pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation"]
     subprocess.run([*pip, "--no-index", "--target", str(target), str(PLUGIN)], check=True)
@@ -126,7 +127,8 @@ def test_the_built_in_providers_are_this_packages_entry_points() -> None:
 def test_a_provider_that_cannot_load_leaves_the_others_and_says_why(tmp_path: Path) -> None:
     """An installed entry point whose module is gone (a package half uninstalled): the
     magics still load with every other provider, a warning names it, and asking for it is
-    one line saying why."""
+    one line saying why.
+    """
     info = tmp_path / "skyward_gone-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: skyward-gone\nVersion: 0.1\n")

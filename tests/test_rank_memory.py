@@ -62,7 +62,8 @@ def _memory_cgroup(pid: int) -> Path | None:
 )
 def test_a_rank_the_oom_killer_ends_is_named_out_of_memory() -> None:
     """A real OOM kill, bounded: the rank is moved into a cgroup of its own with a limit just
-    above what it holds, then a cell allocates past it; the kernel kills only that rank."""
+    above what it holds, then a cell allocates past it; the kernel kills only that rank.
+    """
     with Pool(nodes=1) as pool:
         pid = pool.ranks[0].hello.pid  # type: ignore[union-attr]
         parent = _memory_cgroup(pid)
@@ -104,7 +105,8 @@ def rank_rss(pid: int) -> int:
 
 def test_a_sigkill_without_memory_evidence_is_not_called_out_of_memory() -> None:
     """Killed from outside while holding little: the OOM count did not rise, so it is only a
-    SIGKILL."""
+    SIGKILL.
+    """
     with Pool(nodes=2) as pool:
         pid = pool.ranks[1].hello.pid  # type: ignore[union-attr]
         with heartbeats(pool) as beats:

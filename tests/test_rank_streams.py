@@ -201,7 +201,8 @@ time.monotonic() - started
 
 def test_a_forked_childs_interleaved_prints_do_not_wait_for_the_ranks_pumps(pool2: Pool) -> None:
     """A DataLoader worker forked by the cell writes through the rank's streams: it has no pump
-    of its own to wait for, and must not stall each time it switches streams."""
+    of its own to wait for, and must not stall each time it switches streams.
+    """
     with heard(pool2) as events:
         result = pool2.run(FORKED, timeout=60)
     assert result.ok, result.errors

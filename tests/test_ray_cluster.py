@@ -231,7 +231,8 @@ def test_an_address_without_a_gcs_fails_in_bounded_time(cluster: RayCluster, whe
 
 def test_nothing_is_left_after_an_exception_with_a_driver_here(tmp_path: Path) -> None:
     """A driver in the test's own process (shut down by the cluster) and a detached actor (whose
-    worker outlives every driver): after an exception in the context, nothing is left."""
+    worker outlives every driver): after an exception in the context, nothing is left.
+    """
     code = f"""\
         import os
         import ray
@@ -272,7 +273,8 @@ def test_nothing_is_left_after_an_exception_with_a_driver_here(tmp_path: Path) -
 
 def test_a_killed_run_is_cleaned_up_by_the_next(tmp_path: Path) -> None:
     """A run SIGKILLed inside the context leaves its cluster; ``reap_stale`` (which every
-    ``ray_cluster`` calls first) removes it: processes, namespaces, links, files."""
+    ``ray_cluster`` calls first) removes it: processes, namespaces, links, files.
+    """
     code = f"""\
         import sys
         from pathlib import Path

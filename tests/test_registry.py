@@ -180,7 +180,8 @@ def _nodes(*ranks: tuple[int, str]) -> list[dict[str, Any]]:
 
 def test_liveness_is_checked_before_a_records_state_is_shown(tmp_path: Path) -> None:
     """A record says what its kernel last wrote; the server checks that its kernel and its
-    ranks' processes still run before showing it, and shows ``gone`` (greyed) when not."""
+    ranks' processes still run before showing it, and shows ``gone`` (greyed) when not.
+    """
     directory = registry.ensure_dir(tmp_path / "skyward")
     here = socket.gethostname()
     live = subprocess.Popen(["sleep", "60"])
@@ -218,7 +219,8 @@ def test_liveness_is_checked_before_a_records_state_is_shown(tmp_path: Path) -> 
 
 def test_one_vocabulary_of_states() -> None:
     """Every rank state has its word, tone and meaning, which the server sends to the side
-    panel and the cell's panel colours by; ``gone`` is the side panel's own."""
+    panel and the cell's panel colours by; ``gone`` is the side panel's own.
+    """
     from skyward_jupyter.display.panel_html import state_label
     from skyward_jupyter.events import RankState
     from skyward_jupyter.model import STATE_WORDS, TONE_COLOURS, state_words

@@ -165,7 +165,8 @@ def test_a_flood_of_connections_and_garbage_leaves_the_relay_serving(
 ) -> None:
     """Thousands of connections from another machine, idle or sending garbage: the relay keeps
     one thread, drops the silent and the slow within seconds, and the next large global (sent
-    while the flood holds its connections) still reaches the other rank."""
+    while the flood holds its connections) still reaches the other rank.
+    """
     host, port = _relay(pool)
     pid = _head_pid(pool)
     threads_before = len(os.listdir(f"/proc/{pid}/task"))
@@ -234,7 +235,8 @@ def _switches(pid: int, tid: int) -> int:
 
 def test_the_relay_survives_running_out_of_descriptors(hosts: Hosts, pool: Pool) -> None:
     """A cell on the head takes every descriptor while a client connects: the relay cannot
-    accept, keeps trying, and once the cell gives them back a large global arrives again."""
+    accept, keeps trying, and once the cell gives them back a large global arrives again.
+    """
     host, port = _relay(pool)
     pid = _head_pid(pool)
     # Connections a flood left in the listen queue would leave no room for this test's client.
@@ -316,7 +318,8 @@ def test_only_the_pools_ranks_get_a_value_and_a_recorded_request_is_worth_nothin
 ) -> None:
     """From another machine on the pool's network, while the head holds a large global: one
     who holds the token gets it (the control); the same request played again on a new
-    connection, a request made with another token, and one without TLS get nothing."""
+    connection, a request made with another token, and one without TLS get nothing.
+    """
     host, port = _relay(pool)
     secrets = pool._ranks.settings.relay
     assert secrets is not None and secrets.cert is not None
@@ -362,7 +365,8 @@ def test_only_the_pools_ranks_get_a_value_and_a_recorded_request_is_worth_nothin
 
 def test_what_the_relay_sends_is_encrypted_on_the_network(hosts: Hosts, pool: Pool) -> None:
     """Every frame on the head's link during a large global's transfer: the value's bytes
-    never show (the notebook's SSH channel and the relay's TLS carry them)."""
+    never show (the notebook's SSH channel and the relay's TLS carry them).
+    """
     marker = os.urandom(64)
     value = marker * (64 << 10)  # 4 MiB
     capture = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))

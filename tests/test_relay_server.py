@@ -32,7 +32,8 @@ DIGEST = hashlib.sha256(BLOB).hexdigest()
 
 class FaultyStore(BlobStore):
     """A store whose ``get`` raises on the given calls from the relay's thread: a bug in the
-    relay's loop, wherever it would come from."""
+    relay's loop, wherever it would come from.
+    """
 
     def __init__(self, failing: set[int]) -> None:
         super().__init__()
@@ -59,7 +60,8 @@ class FaultyStore(BlobStore):
 def test_an_unexpected_error_in_the_relay_is_said_and_it_goes_on_serving(failing: int) -> None:
     """Call 1 fails inside one client's exchange (that client is dropped and asks again); call 2
     fails in the round that looks for parked clients' values (the value is not there yet, so
-    the first call parked the client). Either way the value arrives and the error is said."""
+    the first call parked the client). Either way the value arrives and the error is said.
+    """
     said: list[str] = []
     store = FaultyStore({failing})
     keys = RelayKeys(secrets.token_hex(32))
@@ -121,7 +123,8 @@ def lying_relay(request: pytest.FixtureRequest) -> Iterator[int]:
 )
 def test_a_relay_announcing_another_size_than_the_values_is_refused(lying_relay: int) -> None:
     """The announced length is not authenticated: a rank makes room for the size the notebook
-    sent it with the command, and for nothing else (1 << 62 bytes would be a MemoryError)."""
+    sent it with the command, and for nothing else (1 << 62 bytes would be a MemoryError).
+    """
     with pytest.raises(RelayError, match=rf"127\.0\.0\.1:{lying_relay} offered .* not fetched"):
         fetch(("127.0.0.1", lying_relay), RelayKeys("token"), DIGEST, len(BLOB), timeout=5)
 

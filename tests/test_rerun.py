@@ -122,7 +122,8 @@ def _refused(cell: Cell, kind: Kind, name: str = "obj") -> None:
 
 def _reformed(cell: Cell, listed: str | None = None) -> str:
     """The failing cell says that the group was formed again (no rank restarted), and what must be
-    built again; returns its line."""
+    built again; returns its line.
+    """
     note = next(
         (line for line in cell.stderr.splitlines() if "formed its process group again" in line),
         None,

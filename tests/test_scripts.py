@@ -126,7 +126,8 @@ def test_a_script_beside_the_notebook_is_on_sys_path_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``python show.py`` puts the script's directory on ``sys.path`` once; the pool's cells
-    already have the notebook's directory there, which must not make it twice."""
+    already have the notebook's directory there, which must not make it twice.
+    """
     monkeypatch.chdir(tmp_path)
     script = write(
         tmp_path,
@@ -153,7 +154,8 @@ def test_torch_distributed_nn_uses_the_group_formed_again(tmp_path: Path) -> Non
     """``torch.distributed.nn.functional`` takes the default group at its import as its
     functions' default, and DDP imports it. Imported while the pool's first group was up, it
     kept that group for the rank's life: once a lost rank was replaced and the group formed
-    again, its collectives went to the dead peer."""
+    again, its collectives went to the dead peer.
+    """
     script = write(
         tmp_path,
         "ddp_once.py",
@@ -174,7 +176,8 @@ def test_torch_distributed_nn_uses_the_group_formed_again(tmp_path: Path) -> Non
 
 def test_a_scripts_objects_do_not_outlive_its_run(pool2: Pool, tmp_path: Path) -> None:
     """A script's namespace is a cycle (its functions hold its globals): on a GPU, a model left
-    to a later collection would still hold its memory when the next run builds one."""
+    to a later collection would still hold its memory when the next run builds one.
+    """
     script = write(
         tmp_path,
         "cyclic.py",
@@ -510,7 +513,8 @@ def test_the_users_env_wins_over_torchruns_choices(tmp_path: Path) -> None:
 
 def test_each_script_run_is_a_launch_of_its_own(tmp_path: Path) -> None:
     """As each torchrun is: its own run id, no restarts yet (also after a failed run), an error
-    file of its own for ``@record`` that reports as before, private, and gone with the pool."""
+    file of its own for ``@record`` that reports as before, private, and gone with the pool.
+    """
     script = write(tmp_path, "recorded.py", RECORDED)
 
     def launch(outcome: str) -> tuple[RunResult, list[dict[str, str]]]:
@@ -692,7 +696,8 @@ def test_a_group_the_code_formed_again_is_left_as_fast_as_the_pools() -> None:
     """A script destroys the pool's group and forms its own, then rank 1 fails while rank 0
     waits in that group's all_reduce (ignoring SIGINT, with a long grace before the kill). A
     DDP model holds the group, so destroying it closes nothing: only shutting down the sockets
-    of *that* group on the failed rank frees rank 0 at once."""
+    of *that* group on the failed rank frees rank 0 at once.
+    """
     with Pool(nodes=2, interrupt_grace=30.0) as pool:
         pool.run(
             "import signal\nagent_sigint = signal.signal(signal.SIGINT, lambda *_: None)"

@@ -3,7 +3,8 @@ namespaces (tests/hosts.py), what crosses the head host's link is captured as an
 network would (a raw socket) and holds no cleartext of a tensor the ranks exchange, the ranks'
 gloo listens on loopback only, and a host on the network that does not hold the pool's key gets
 no connection through a rank's tunnel. The same capture of a pool without ``--secure`` sees the
-tensor: the capture would notice."""
+tensor: the capture would notice.
+"""
 
 from __future__ import annotations
 
@@ -310,7 +311,8 @@ FORMS_A_GROUP = (
 @contextlib.contextmanager
 def holding(hosts: Hosts, address: str, port: int, count: int) -> Iterator[None]:
     """From the third host, ``count`` connections to the tunnel at ``address:port`` held open
-    without a handshake (renewed as the tunnel drops them), from when they are all open."""
+    without a handshake (renewed as the tunnel drops them), from when they are all open.
+    """
     attacker = subprocess.Popen(
         [*hosts.netns_argv(2), sys.executable, "-c", HOLDS, address, str(port), str(count)],
         stdout=subprocess.PIPE,
@@ -332,7 +334,8 @@ def test_connections_held_open_from_another_host_do_not_stop_groups_forming(
     hosts: Hosts, tmp_path: Path
 ) -> None:
     """More connections than may prove themselves at once, held by a host without the key
-    (renewed as they are dropped): the ranks still form new groups, and the pool re-forms."""
+    (renewed as they are dropped): the ranks still form new groups, and the pool re-forms.
+    """
     provider = ssh_provider(hosts, 2, tmp_path)
     with Pool(nodes=2, provider=provider, heartbeat_timeout=10, secure=True) as pool:
         ports = pool.run(LISTENING)
@@ -373,7 +376,8 @@ def test_groups_the_code_forms_and_destroys_leave_no_tunnel_threads(
     hosts: Hosts, tmp_path: Path
 ) -> None:
     """A group formed and destroyed again and again (by the user's code, within a formation of
-    the pool's group) leaves nothing of its own in the tunnels: no thread, no port."""
+    the pool's group) leaves nothing of its own in the tunnels: no thread, no port.
+    """
     provider = ssh_provider(hosts, 2, tmp_path)
     with Pool(nodes=2, provider=provider, heartbeat_timeout=10, secure=True) as pool:
         result = pool.run(GROUPS_COME_AND_GO, timeout=120)

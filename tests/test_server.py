@@ -197,7 +197,8 @@ def test_a_dead_kernels_pool_is_gone_and_cleaned_in_one_action(
 ) -> None:
     """A notebook's pool is titled by its notebook; its kernel killed, the record (still
     saying "ready") is shown ``gone``, without uptime, and one DELETE cleans every gone pool.
-    The listing's stamp changes with what it says, not with the clock."""
+    The listing's stamp changes with what it says, not with the clock.
+    """
     dying, living = Kernel(lab, "dying.ipynb"), Kernel(lab, "living.ipynb")
     kernels += [dying, living]
     dying.run("%load_ext skyward_jupyter\n%sky up --nodes 2 --name big")

@@ -1,6 +1,7 @@
 """The Slurm test cluster (tests/slurm_cluster.py): real slurmctld, slurmds in network namespaces
 and munged; batch jobs with steps across nodes, ``srun --jobid`` I/O from this (the notebook's)
-side, a job that pends with its reason, and nothing left afterwards, also after a killed run."""
+side, a job that pends with its reason, and nothing left afterwards, also after a killed run.
+"""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def system_files() -> set[Path]:
 
 def processes(conf: Path) -> list[str]:
     """Live processes with this SLURM_CONF in their environment: every daemon of a cluster (it
-    starts them so) and what they start (steps, jobs' tasks)."""
+    starts them so) and what they start (steps, jobs' tasks).
+    """
     marker = f"SLURM_CONF={conf}".encode()
     found = []
     for proc in Path("/proc").iterdir():
@@ -48,7 +50,8 @@ def processes(conf: Path) -> list[str]:
 
 def leftovers(cluster: SlurmCluster) -> list[str]:
     """What of ``cluster`` still exists on this machine (empty once it is torn down): its
-    processes, namespaces, links, /etc/netns entries, registry record and files."""
+    processes, namespaces, links, /etc/netns entries, registry record and files.
+    """
     left = processes(cluster.conf)
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True)
     namespaces = {line.split()[0] for line in netns.stdout.splitlines() if line.strip()}
@@ -122,7 +125,8 @@ def test_srun_from_here_runs_on_both_nodes(cluster: SlurmCluster) -> None:
 
 def test_srun_from_here_runs_on_a_node_with_its_stdin_and_stdout(cluster: SlurmCluster) -> None:
     """The notebook's side: a step in a running allocation whose stdin and stdout are this
-    process's pipes (slurmstepd connects back to srun, here, at the bridge's address)."""
+    process's pipes (slurmstepd connects back to srun, here, at the bridge's address).
+    """
     job = sbatch(cluster, "--nodes", "2", "--wrap", "sleep 300")
     try:
         wait_state(cluster, job, "RUNNING")
@@ -173,7 +177,8 @@ def test_nothing_is_left_after_an_exception(tmp_path: Path) -> None:
 
 def test_a_killed_run_is_cleaned_up_by_the_next(tmp_path: Path) -> None:
     """A run SIGKILLed inside the context leaves its daemons (in sessions of their own) and
-    namespaces; ``reap_stale`` (which every ``slurm_cluster`` calls first) removes them."""
+    namespaces; ``reap_stale`` (which every ``slurm_cluster`` calls first) removes them.
+    """
     script = f"""
         import sys
         from pathlib import Path

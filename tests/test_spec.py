@@ -81,7 +81,8 @@ def test_slurm_and_ray_options_make_their_providers() -> None:
 
 def test_the_options_given_choose_the_provider_that_takes_them_all() -> None:
     """An option two providers share (``--gpus-per-node``: Slurm's and Ray's) is each one's:
-    with one of them it goes to that one, alone it must be told which."""
+    with one of them it goes to that one, alone it must be told which.
+    """
     session = Session()
     spec = session.spec_from({"ray_address": "10.0.0.1:6379", "gpus_per_node": "1"})
     assert spec.provider == "ray" and spec.options == RayOptions("10.0.0.1:6379", 1)
@@ -111,7 +112,8 @@ def test_the_options_given_choose_the_provider_that_takes_them_all() -> None:
 
 def test_nccl_is_refused_naming_what_the_ranks_lack() -> None:
     """The cause for each way NCCL cannot run (this machine's torch shows only one of them);
-    nothing is said for gloo, a torch that runs it, or a missing torch (named on its own)."""
+    nothing is said for gloo, a torch that runs it, or a missing torch (named on its own).
+    """
     where = "rank 1 (node 1, gpu2)"
     no_nccl = backend_problem("nccl", where, "2.5.1+cpu", False, 0)
     assert no_nccl == (

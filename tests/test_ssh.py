@@ -188,7 +188,8 @@ def _notebook_script(
 ) -> Path:
     """A notebook process owning a pool on hosts 0 and 2 (host 1's sshd may have been killed
     by a test above): it runs ``before``, starts the pool (with ``pool``'s arguments), runs
-    ``then``, and waits to be killed."""
+    ``then``, and waits to be killed.
+    """
     extra = "".join(f", {k}={v!r}" for k, v in pool.items())
     script = tmp_path / "notebook.py"
     script.write_text(
@@ -250,7 +251,8 @@ def _from_template_name(pid: int) -> bool:
 def test_a_hosts_template_ends_when_the_notebook_falls_silent(hosts: Hosts, tmp_path: Path) -> None:
     """A stopped notebook (as its machine cut off by a partition) sends no heartbeat, while the
     connection stays open: the hosts' templates end on their own, after as long as the ranks
-    (``--heartbeat-timeout`` raises both), and with them."""
+    (``--heartbeat-timeout`` raises both), and with them.
+    """
     script = _notebook_script(
         hosts,
         tmp_path,
@@ -291,7 +293,8 @@ def test_host_strings_parse() -> None:
 def test_sky_hosts_cell_in_a_real_kernel(hosts: Hosts, tmp_path: Path) -> None:
     """A notebook as users write one: a module and a data file beside it, the module imported in
     a notebook cell and used in a %%sky cell, then edited. The hosts do not see the notebook's
-    directory: it travels, the ranks run in their copy, and the edited module is re-imported."""
+    directory: it travels, the ranks run in their copy, and the edited module is re-imported.
+    """
     from .test_magics import Kernel
 
     (tmp_path / "mymod.py").write_text("def greet():\n    return 'hello'\n")
@@ -331,7 +334,8 @@ def test_a_failed_replacement_of_an_ssh_pool_is_named_not_replaced_by_the_defaul
     that cannot work (a key file that is not there) is refused before the pool is touched; one
     that fails only as it starts (no Python at --python) leaves no pool, and the next cell or
     ``%sky run`` without options fails in one line naming it, rather than start the 1-node local
-    default; ``%sky down`` forgets it."""
+    default; ``%sky down`` forgets it.
+    """
     from .test_magics import Kernel
 
     (tmp_path / "train.py").write_text("print('THE SCRIPT RAN')\n")
@@ -452,7 +456,8 @@ def test_hosts_whose_hostname_is_loopback_form_a_group_on_the_route_to_the_head(
     hosts: Hosts, tmp_path: Path
 ) -> None:
     """The hosts resolve their own hostname to 127.0.1.1 (Debian's default): without choosing
-    the interface that routes to the head, gloo would advertise that and never connect."""
+    the interface that routes to the head, gloo would advertise that and never connect.
+    """
     probe = hosts.inside_argv(2, "getent", "hosts", hosts.hostnames[2])
     assert subprocess.run(probe, capture_output=True, text=True).stdout.startswith("127.0.1.1")
     with Pool(nodes=2, provider=ssh_provider(hosts, 2, tmp_path, which=(0, 2))) as pool:
@@ -467,7 +472,8 @@ def test_a_group_that_cannot_connect_fails_in_seconds_naming_who_and_what_to_set
     hosts: Hosts, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The user's own GLOO_SOCKET_IFNAME wins; a wrong one fails at once with the address,
-    the port and the variable to set, never a bare exit status or an unretrieved task."""
+    the port and the variable to set, never a bare exit status or an unretrieved task.
+    """
     caplog.set_level(logging.ERROR)
     started = time.monotonic()
     provider = ssh_provider(hosts, 2, tmp_path, which=(0, 2))
@@ -490,7 +496,8 @@ def test_nccl_on_hosts_whose_torch_cannot_run_it_fails_naming_the_host_and_why(
 ) -> None:
     """The notebook cannot see a host's torch: each rank says at its start whether it has NCCL
     and GPUs, and the start fails on that, before any group forms, naming the rank's host and
-    the cause, not an interface to set."""
+    the cause, not an interface to set.
+    """
     skip_where_nccl_runs()
     started = time.monotonic()
     pool = Pool(nodes=2, provider=ssh_provider(hosts, 2, tmp_path, which=(0, 2)), backend="nccl")
@@ -509,7 +516,8 @@ def test_nccl_on_hosts_whose_torch_cannot_run_it_fails_naming_the_host_and_why(
 
 def test_a_host_allowing_few_sessions_gets_more_connections(tmp_path: Path) -> None:
     """sshd's MaxSessions 2, three ranks on the host: each rank's session (and the kill of a
-    stuck one) still opens, on a further connection."""
+    stuck one) still opens, on a further connection.
+    """
     with ssh_hosts(1, tmp_path, max_sessions=2) as few:
         provider = ssh_provider(few, 1, tmp_path)
         with Pool(nodes=1, procs_per_node=3, provider=provider) as pool:
@@ -532,7 +540,8 @@ def _from_template(pid: int) -> bool:
 
 def test_ranks_are_forked_from_each_hosts_warm_template(hosts: Hosts, tmp_path: Path) -> None:
     """Ranks, and a lost rank's replacement, come from the host's template (torch imported
-    once); an environment that changes what torch reads at import starts a rank directly."""
+    once); an environment that changes what torch reads at import starts a rank directly.
+    """
     provider = ssh_provider(hosts, 2, tmp_path, which=(0, 2))
     with Pool(nodes=2, provider=provider, heartbeat_timeout=8) as pool:
         first = [r.hello.pid for r in pool.ranks if r.hello]
@@ -570,7 +579,8 @@ def test_detached_children_on_hosts_end_with_restart_and_down(
     hosts: Hosts, tmp_path: Path, tag: str
 ) -> None:
     """``%sky restart`` kills the ranks over the connection, ``%sky down`` asks them to end:
-    either way what their cells detached ends with them."""
+    either way what their cells detached ends with them.
+    """
     provider = ssh_provider(hosts, 2, tmp_path, which=(0, 2))
     with Pool(nodes=2, provider=provider, heartbeat_timeout=8) as pool:
         pids = flat(pool.run(detach(tag)).values)
@@ -624,7 +634,8 @@ def test_private_directories_on_a_host_go_with_a_kill_and_with_the_template(
 ) -> None:
     """A rank's private directory goes when the pool kills the rank (``%sky restart``), and one
     that nobody could remove (its rank killed on the host, as by the OOM killer) goes with the
-    host's template at the pool's end."""
+    host's template at the pool's end.
+    """
     provider = ssh_provider(hosts, 1, tmp_path, which=(0,))
     with Pool(nodes=1, provider=provider, heartbeat_timeout=8) as pool:
         first = _private_dir(pool)
@@ -666,7 +677,8 @@ def test_a_script_runs_record_error_file_is_private_and_goes_with_the_pool(
     hosts: Hosts, tmp_path: Path
 ) -> None:
     """On a host as locally: ``@record`` writes the run's own error file, 0600 in the rank's
-    private directory, and the file is gone once the pool is."""
+    private directory, and the file is gone once the pool is.
+    """
     script = tmp_path / "recorded.py"
     script.write_text(RECORDED)
     provider = ssh_provider(hosts, 1, tmp_path, which=(0,))

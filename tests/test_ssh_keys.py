@@ -1,6 +1,7 @@
 """``--accept-new-host-keys`` is OpenSSH's ``StrictHostKeyChecking=accept-new``, against a real
 sshd (tests/hosts.py): an unknown host's key is recorded and then checked strictly, a changed key
-is refused naming both fingerprints, and without the option an unknown host is refused."""
+is refused naming both fingerprints, and without the option an unknown host is refused.
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """The pool's rendezvous store serves only the pool's ranks: another user of the machine, or a
 host on the pool's network, cannot read, write or list its keys, nor replay a captured exchange;
 the pool still forms and trains. Attackers are real: ``nobody`` (setpriv), and a process in
-another SSH test host's network namespace (tests/hosts.py), running tests/store_attacker.py."""
+another SSH test host's network namespace (tests/hosts.py), running tests/store_attacker.py.
+"""
 
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ TRAINS = (
 class Tap:
     """A TCP relay that records what its clients send: what an observer of the network sees.
     It hangs up on its first ``drop`` clients after the store's hello, as the store does on a
-    connection it drops before its proof."""
+    connection it drops before its proof.
+    """
 
     def __init__(self, listen: str, target: tuple[str, int], drop: int = 0) -> None:
         self._listener = socket.create_server((listen, 0))
@@ -156,7 +158,8 @@ def _captured_exchange(pool: Pool, tap_host: str) -> bytes:
 
 def _assert_hung_up(seen: object) -> None:
     """The store's hello (its name and a nonce), its refusal of the proof and nothing more (the
-    refusal may be lost to a reset when the attacker sent more than a proof), then it hung up."""
+    refusal may be lost to a reset when the attacker sent more than a proof), then it hung up.
+    """
     assert isinstance(seen, dict)
     assert seen["received"] in (auth.HELLO, auth.HELLO + auth.TAG), seen
     assert bytes.fromhex(str(seen["first"])) == auth.MAGIC, seen
@@ -166,7 +169,8 @@ def _assert_hung_up(seen: object) -> None:
 
 def _attacks_fail(pool: Pool, prefix: Sequence[str], attacker: str, tap_host: str) -> None:
     """The attacker gets nothing with torch's own client, a made-up proof or a replay of a real
-    rank's exchange; what was replayed changed nothing; the head counted each refusal."""
+    rank's exchange; what was replayed changed nothing; the head counted each refusal.
+    """
     host, port = pool.nodes[0].address, pool.master_port
     assert port is not None
     report = _attack(prefix, host, port)
@@ -207,7 +211,8 @@ def test_another_user_of_the_machine_cannot_read_or_write_a_local_pools_store() 
 
 def test_the_head_exits_loudly_when_its_store_thread_ends() -> None:
     """The store's thread is one of the agent's: should it end (here its selector is closed
-    under it), the head rank exits saying so, rather than leave the next formation hanging."""
+    under it), the head rank exits saying so, rather than leave the next formation hanging.
+    """
     with Pool(nodes=1, procs_per_node=2) as pool:
         result = pool.run(
             THE_STORE + "import time\n"
@@ -248,7 +253,8 @@ def server() -> Iterator[StoreServer]:
 
 class _Handshake:
     """A client that holds the secret, by hand, in two steps: a test can hold it, accepted,
-    between the store's hello and its own proof, or alter what it sends after."""
+    between the store's hello and its own proof, or alter what it sends after.
+    """
 
     def __init__(self, port: int, source: str = "127.0.0.1") -> None:
         self.sock = socket.create_connection(
@@ -384,7 +390,8 @@ def _close_all(clients: Sequence[_Handshake]) -> None:
 
 def test_more_ranks_than_64_may_prove_the_secret_at_once(server: StoreServer) -> None:
     """Every rank connects as the group forms: each of a 100-rank pool's may be accepted, with
-    its hello, before any has proved the secret, and none is dropped."""
+    its hello, before any has proved the secret, and none is dropped.
+    """
     ranks = [_Handshake(server.port) for _ in range(RANKS)]
     try:
         assert [rank.prove() for rank in ranks] == [True] * RANKS
@@ -395,7 +402,8 @@ def test_more_ranks_than_64_may_prove_the_secret_at_once(server: StoreServer) ->
 
 def test_a_flood_of_connections_from_another_host_drops_no_rank(server: StoreServer) -> None:
     """Another host fills the connections proving the secret, and goes on while the ranks'
-    are accepted and not yet proved: the store drops the flood's, not the ranks'."""
+    are accepted and not yet proved: the store drops the flood's, not the ranks'.
+    """
     cap = server.max_unproven
     flood = [_Handshake(server.port, "127.0.0.2") for _ in range(cap)]
     ranks: list[_Handshake] = []
@@ -414,7 +422,8 @@ def test_ranks_get_in_through_a_flood_of_connections_from_their_own_address(
 ) -> None:
     """A user of the machine floods the store from the ranks' own address (what a per-host
     share cannot tell apart): a rank whose connection is dropped connects again, and all get
-    in."""
+    in.
+    """
     stop = threading.Event()
     opened: collections.deque[socket.socket] = collections.deque()
 
@@ -489,7 +498,8 @@ def test_a_store_that_drops_every_connection_is_named_not_blamed_on_the_secret(
 
 def test_an_answer_announcing_more_than_the_bound_is_refused_before_it_is_read() -> None:
     """Before the HMAC can be checked, a frame's length is all a client has: a server without
-    the secret's (here: one that proves it, then announces 100 MiB) gets no buffer that big."""
+    the secret's (here: one that proves it, then announces 100 MiB) gets no buffer that big.
+    """
     listener = socket.create_server(("127.0.0.1", 0))
 
     def serve() -> None:
@@ -587,7 +597,8 @@ sys.stdin.readline()
 
 def test_the_listener_closes_also_while_accepting_is_paused() -> None:
     """Out of descriptors, every connection proven, the store stops accepting a while (in a
-    process of its own, with few descriptors); closed then, its port closes too."""
+    process of its own, with few descriptors); closed then, its port closes too.
+    """
     store = subprocess.Popen(
         [sys.executable, "-c", PAUSED],
         stdin=subprocess.PIPE,
@@ -631,7 +642,8 @@ def test_no_secret_in_what_reprs_show() -> None:
 def test_a_listener_that_fails_to_accept_does_not_end_the_store() -> None:
     """accept(2) fails for reasons of its own (Linux passes a connection's network error this
     way; here the listener is shut down under the store): the store says so on the rank's
-    diagnostics and goes on serving the connections it has."""
+    diagnostics and goes on serving the connections it has.
+    """
     said: list[str] = []
     server = StoreServer(socket.create_server(("127.0.0.1", 0)), SECRET, RANKS, said.append)
     try:

@@ -129,7 +129,8 @@ def test_a_global_from_a_module_beside_the_notebook_loads_on_the_ranks(
     hosts: Hosts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A notebook global whose class lives in a module beside the notebook is pickled by
-    reference: the ranks can only load it once the directory is on their sys.path."""
+    reference: the ranks can only load it once the directory is on their sys.path.
+    """
     root = _project(tmp_path / "project")
     (root / "shapes.py").write_text(
         "class Square:\n    def __init__(self, n):\n        self.n = n\n"
@@ -193,7 +194,8 @@ def test_a_host_that_shares_the_notebooks_files_runs_in_them(tmp_path: Path) -> 
 
 def test_a_large_global_leaves_the_notebook_once(hosts: Hosts, tmp_path: Path) -> None:
     """Three hosts, a 24 MiB global: the notebook's bytes on the wire stay about 1x its size
-    (the other hosts fetch it from the head); without the relay they would be 3x."""
+    (the other hosts fetch it from the head); without the relay they would be 3x.
+    """
     import numpy as np
 
     tx = Path(f"/sys/class/net/{hosts.bridge}/statistics/tx_bytes")
@@ -220,7 +222,8 @@ def test_a_script_in_the_synced_directory_runs_from_the_nodes_copy(
     hosts: Hosts, tmp_path: Path
 ) -> None:
     """``%sky run train.py`` on hosts without the notebook's files: the script runs in the
-    node's copy of its directory, so the module and the data beside it are found."""
+    node's copy of its directory, so the module and the data beside it are found.
+    """
     from skyward_jupyter.protocol import Script
 
     root = _project(tmp_path / "project")
@@ -320,7 +323,8 @@ def test_the_copy_goes_with_the_last_pool_using_it_unless_kept(
 
 def test_the_copy_goes_also_when_a_cells_forked_child_held_it(hosts: Hosts, tmp_path: Path) -> None:
     """A process the cell forked (a DataLoader worker, a multiprocessing pool) inherits the
-    rank's hold on the copy: the rank ends it before it lets go, so the copy still goes."""
+    rank's hold on the copy: the rank ends it before it lets go, so the copy still goes.
+    """
     root = _project(tmp_path / "project")
     pool = Pool(nodes=1, provider=_provider(hosts, (0,)), sync=[str(root)]).start()
     try:
@@ -341,7 +345,8 @@ def test_the_copy_goes_also_when_a_cells_forked_child_held_it(hosts: Hosts, tmp_
 
 def test_a_node_removes_its_copy_when_the_notebook_is_gone(hosts: Hosts, tmp_path: Path) -> None:
     """The notebook's process is killed (no shutdown reaches the ranks): the node's rank sees
-    its channel close and removes the copy on its way out."""
+    its channel close and removes the copy on its way out.
+    """
     root = _project(tmp_path / "project")
     h = hosts[1]
     notebook = subprocess.Popen(
@@ -403,7 +408,8 @@ def test_a_pool_replaced_on_the_same_hosts_keeps_their_copy(
 ) -> None:
     """A cell with other options replaces the pool on the same host: the new pool works in the
     copy the old one left (nothing travels again, what the ranks made there is still there);
-    ``%sky down`` removes it."""
+    ``%sky down`` removes it.
+    """
     from skyward_jupyter.session import Session
 
     root = _project(tmp_path / "project")
@@ -426,7 +432,8 @@ def test_sky_clean_says_each_hosts_outcome_and_cleans_a_custom_cache_and_copy(
     hosts: Hosts, tmp_path: Path
 ) -> None:
     """One unreachable host does not hide the others' reports; a provider's own cache
-    directory is the one cleaned."""
+    directory is the one cleaned.
+    """
     import asyncio
 
     root = _project(tmp_path / "project")

@@ -81,7 +81,8 @@ def test_sync_channel_round_trip_over_a_pipe() -> None:
 
 def test_a_small_array_arrives_whole_and_writable_over_a_pipe() -> None:
     """A frame split across writes is read whole, and an array loaded from it can be written
-    to, as a cell expects of a global it was sent (a read-only buffer would make it read-only)."""
+    to, as a cell expects of a global it was sent (a read-only buffer would make it read-only).
+    """
     r, w = os.pipe()
     array = np.arange(1000, dtype=np.float64)
     channel = SyncChannel(r, -1)
@@ -105,7 +106,8 @@ def test_a_small_array_arrives_whole_and_writable_over_a_pipe() -> None:
 
 def test_a_frame_read_ahead_is_said_to_be_pending() -> None:
     """Two frames in one write: after the first, the second is already read here, where a poll
-    of the descriptor would not see it (the agent's reader asks before it polls)."""
+    of the descriptor would not see it (the agent's reader asks before it polls).
+    """
     r, w = os.pipe()
     channel = SyncChannel(r, -1)
     try:
@@ -122,7 +124,8 @@ def test_a_frame_read_ahead_is_said_to_be_pending() -> None:
 
 def test_base64_lines_carry_frames_larger_than_a_pipe() -> None:
     """Slurm's step I/O moves whole lines: a frame travels as base64 lines, one larger than
-    the pipe holds arriving over many reads, and what follows it is read after it."""
+    the pipe holds arriving over many reads, and what follows it is read after it.
+    """
     r, w = os.pipe()
     array = np.arange(300_000, dtype=np.float64)  # a line of 3 MiB
     sender, receiver = SyncChannel(-1, w, lines=True), SyncChannel(r, -1, lines=True)
@@ -144,7 +147,8 @@ def test_base64_lines_carry_frames_larger_than_a_pipe() -> None:
 
 def test_every_message_survives_pickling_as_its_constructor_call() -> None:
     """Messages pickle as a call of their class (see ``protocol.message``): each field comes
-    back, whatever the number of fields."""
+    back, whatever the number of fields.
+    """
     messages = [
         p.Beat(),
         p.Drop(("ab",)),
@@ -181,7 +185,8 @@ def test_closed_stream_raises_eof() -> None:
 
 def test_sync_channel_sends_a_frame_larger_than_the_pipe_in_many_segments() -> None:
     """More buffers than one ``writev`` takes, and more bytes than the pipe holds (the writer
-    blocks while the reader drains it): the frame arrives whole and in order."""
+    blocks while the reader drains it): the frame arrives whole and in order.
+    """
     arrays = [np.full(700 + i, i, dtype=np.int32) for i in range(1500)]
     big = np.arange(3_000_000, dtype=np.float64)  # 24 MB
     r, w = os.pipe()

@@ -610,7 +610,8 @@ def test_a_copy_goes_with_the_last_process_holding_it(tmp_path: Path) -> None:
 
 def test_a_removed_copy_is_whole_or_absent_and_leftovers_are_swept(tmp_path: Path) -> None:
     """Removal renames the copy away under its lock: whoever comes for the copy next makes a
-    fresh one, never works in a half-deleted one; a deletion cut short is swept later."""
+    fresh one, never works in a half-deleted one; a deletion cut short is swept later.
+    """
     root = tmp_path / "root"
     write(root, "a.txt", "a" * 100)
     base = tmp_path / "base"

@@ -80,7 +80,8 @@ def test_only_whole_pages_are_watched_and_the_ends_are_read(big: np.ndarray) -> 
 
 def test_a_user_without_privileges_gets_watches_too() -> None:
     """Unprivileged processes may handle only user-mode faults through a userfaultfd: enough,
-    since asynchronous write-protection answers every fault in the kernel."""
+    since asynchronous write-protection answers every fault in the kernel.
+    """
     python = shutil.which("python3", path="/usr/bin:/bin")  # one that nobody may run
     if python is None:
         pytest.skip("no system python3 for the user nobody")

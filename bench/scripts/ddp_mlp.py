@@ -60,7 +60,8 @@ class Trainer:
 
     def train(self, steps: int, warmup: int) -> tuple[float, float, dict[str, float]]:
         """Run ``warmup`` steps, then time ``steps`` more: wall and CPU seconds (this process),
-        and the CPU seconds of each of its threads."""
+        and the CPU seconds of each of its threads.
+        """
         self._run_steps(warmup)
         barrier()
         threads = thread_cpu.per_thread()

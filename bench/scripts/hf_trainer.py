@@ -58,7 +58,8 @@ class RandomTokens(torch.utils.data.Dataset):
 
 class StepClock(TrainerCallback):
     """``time.perf_counter()`` (and this process's CPU time) at the end of every optimiser step;
-    each thread's CPU time from the end of step ``warmup`` to the last."""
+    each thread's CPU time from the end of step ``warmup`` to the last.
+    """
 
     def __init__(self, warmup: int) -> None:
         self.ends: list[float] = []

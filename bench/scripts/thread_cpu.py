@@ -39,7 +39,8 @@ def per_thread() -> dict[int, tuple[str, float]]:
 
 def spent(before: dict[int, tuple[str, float]]) -> dict[str, float]:
     """Seconds on a CPU since ``before``, summed by thread name (a thread started since then
-    counts from zero; one that ended since is missing)."""
+    counts from zero; one that ended since is missing).
+    """
     by_name: dict[str, float] = {}
     for tid, (name, seconds) in per_thread().items():
         start = before.get(tid, (name, 0.0))[1]

@@ -39,7 +39,8 @@ class Arrivals:
 
     def on_wire(self, message: object) -> bool:
         """Handle what the reader thread must not queue behind a running cell (the head keeps
-        a stash while it runs one); True when ``message`` was one of those."""
+        a stash while it runs one); True when ``message`` was one of those.
+        """
         if isinstance(message, p.Stash):
             self.blobs.put(message.digest, message.blob.data)  # type: ignore[arg-type]
             return True
@@ -54,7 +55,8 @@ class Arrivals:
 
     def prepare(self, command: p.RunCell) -> dict[str, Any]:
         """Enter the cell's directory, then load its globals (a module a global refers to may
-        be one of the directory's). Raises with the global's name when one cannot load."""
+        be one of the directory's). Raises with the global's name when one cannot load.
+        """
         self.files.enter(command.workdir)
         self._relay = command.relay or self._relay
         values = {}

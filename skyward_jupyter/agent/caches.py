@@ -35,7 +35,8 @@ def clean(cache: str = CACHE) -> tuple[list[tuple[str, int]], list[str]]:
     """(path, bytes) of what was removed, and the paths kept because they are in use.
 
     ``cache``: where the package versions are (the SSH provider's ``cache_dir``); the sync
-    copies are always in ``sync/`` of :data:`CACHE`."""
+    copies are always in ``sync/`` of :data:`CACHE`.
+    """
     base = Path(os.path.expanduser(cache))
     removed: list[tuple[str, int]] = []
     kept: list[str] = []
@@ -72,7 +73,8 @@ def clean(cache: str = CACHE) -> tuple[list[tuple[str, int]], list[str]]:
 
 def _is_package_copy(item: Path) -> bool:
     """A version of this package the SSH provider unpacked (its hash as the name, the package
-    inside, this user's): nothing else in a cache directory the user chose is touched."""
+    inside, this user's): nothing else in a cache directory the user chose is touched.
+    """
     if not _PACKAGE.fullmatch(item.name):
         return False
     try:
@@ -99,7 +101,8 @@ def _remove(item: Path, removed: list[tuple[str, int]], kept: list[str]) -> None
 
 def _running_paths() -> bytes:
     """The environments and command lines of this user's other processes, joined (a path found
-    in them, even as the start of a longer one, is taken as in use: kept rather than lost)."""
+    in them, even as the start of a longer one, is taken as in use: kept rather than lost).
+    """
     seen = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit() or int(pid) == os.getpid():

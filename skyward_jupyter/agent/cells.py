@@ -40,7 +40,8 @@ class Namespace:
 
     def ready(self, values: dict[str, Any]) -> None:
         """Bind the ready names a cell finds, leaving alone every one that is the user's (a
-        name the notebook shipped or a cell bound, also to an equal value, or deleted)."""
+        name the notebook shipped or a cell bound, also to an equal value, or deleted).
+        """
         for name, value in values.items():
             taken = name in self._ready and self.globals.get(name) is not self._ready[name]
             if taken or (name not in self._ready and name in self.globals):
@@ -106,7 +107,8 @@ def _compiled(
     source: str, filename: str, future: int
 ) -> tuple[types.CodeType, types.CodeType | None]:
     """The cell's statements and its final expression (if any), compiled under ``filename``
-    with the ``future`` features earlier cells imported."""
+    with the ``future`` features earlier cells imported.
+    """
     try:
         return _compiled_once(source, future)
     except SyntaxError as exc:
@@ -120,7 +122,8 @@ def _compiled_once(source: str, future: int) -> tuple[types.CodeType, types.Code
     only, not this module's: a cell's annotations are evaluated, as Python does). A cell run
     again (a training loop, a benchmark) is not parsed and compiled again: on a trivial cell that
     is much of a rank's work (BENCHMARKS.md, "Measurements behind the code"). Each run gets the
-    code renamed for it (:func:`_named`)."""
+    code renamed for it (:func:`_named`).
+    """
     tree = compile(source, _UNNAMED, "exec", future | ast.PyCF_ONLY_AST, dont_inherit=True)
     last: ast.expr | None = None
     if tree.body and isinstance(final := tree.body[-1], ast.Expr):
@@ -142,7 +145,8 @@ _GLOBAL_STORES = {"STORE_GLOBAL", "DELETE_GLOBAL"}
 def _stored_globals(code: types.CodeType, module: bool = True) -> frozenset[str]:
     """The globals ``code`` binds or deletes: at the cell's top level, and through ``global``
     in the functions it defines (a class body's names are the class's). Read from the code, so
-    ``world_size = 2`` makes ``world_size`` the cell's even where the value is ours too."""
+    ``world_size = 2`` makes ``world_size`` the cell's even where the value is ours too.
+    """
     stores = _MODULE_STORES if module else _GLOBAL_STORES
     names = {i.argval for i in dis.get_instructions(code) if i.opname in stores}
     for const in code.co_consts:
@@ -153,7 +157,8 @@ def _stored_globals(code: types.CodeType, module: bool = True) -> frozenset[str]
 
 def _named(code: types.CodeType, filename: str) -> types.CodeType:
     """``code`` as if compiled from ``filename``, functions and classes defined in it too (a
-    traceback names the cell that ran, and shows its lines from ``linecache``)."""
+    traceback names the cell that ran, and shows its lines from ``linecache``).
+    """
     return code.replace(
         co_filename=filename,
         co_consts=tuple(
@@ -208,7 +213,8 @@ def run_script(source: str, path: str, argv: tuple[str, ...], main: types.Module
 
 def _forget_modules_from(directory: str, names: set[str]) -> None:
     """Unload the modules a run imported from the script's directory: the next run imports them
-    afresh (edited, or another project's module of the same name), as a new process would."""
+    afresh (edited, or another project's module of the same name), as a new process would.
+    """
     inside = os.path.join(os.path.abspath(directory), "")
     for name in names:
         origin = getattr(sys.modules.get(name), "__file__", None)
@@ -236,7 +242,8 @@ def _without_agent_frames(te: traceback.TracebackException) -> None:
 
 def format_remote_traceback(exc: BaseException) -> str:
     """The traceback as the user's code made it: the agent's own frames (the runner around the
-    cell, the SIGINT handler that raised KeyboardInterrupt) are noise and are left out."""
+    cell, the SIGINT handler that raised KeyboardInterrupt) are noise and are left out.
+    """
     te = traceback.TracebackException.from_exception(exc)
     _without_agent_frames(te)
     return "".join(te.format())

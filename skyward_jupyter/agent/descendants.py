@@ -113,7 +113,8 @@ def _send(pids: Iterable[int], sig: signal.Signals) -> set[int]:
 
 def end_descendants(pid: int) -> None:
     """Freeze every process below ``pid`` until all are stopped and none appears any more (one
-    stopped mid-fork shows its child only then), then kill them all."""
+    stopped mid-fork shows its child only then), then kill them all.
+    """
     frozen: set[int] = set()
     refused: set[int] = set()
     deadline = time.monotonic() + FREEZE_TIMEOUT
@@ -133,7 +134,8 @@ def end_descendants(pid: int) -> None:
 
 def _await_exit(pids: set[int], deadline: float) -> None:
     """Wait (until ``deadline``) for killed processes to have exited: only then are the files
-    and locks they held closed (a copy's lock a forked DataLoader worker inherited)."""
+    and locks they held closed (a copy's lock a forked DataLoader worker inherited).
+    """
     while pids and time.monotonic() < deadline:
         processes = _processes()
         pids = {p for p in pids if p in processes}  # a zombie is no longer listed
@@ -150,7 +152,8 @@ def end_tree(pid: int) -> None:
 
 def end_orphans(keep: Iterable[int]) -> None:
     """Kill, with their trees, this process's children other than ``keep`` (in a subreaper
-    those are what ended children left behind)."""
+    those are what ended children left behind).
+    """
     for child in children(os.getpid()) - set(keep):
         end_tree(child)
 
@@ -173,7 +176,8 @@ def private_dir(run_id: str, pid: int) -> str:
 
 def make_private_dir(run_id: str) -> str:
     """This process's private directory (mode 0700) in its pool's; a fresh temporary one if the
-    pool's directory is not this user's own and private."""
+    pool's directory is not this user's own and private.
+    """
     parent, mine = pool_dir(run_id), private_dir(run_id, os.getpid())
     for _ in range(3):
         with contextlib.suppress(FileExistsError):

@@ -45,7 +45,8 @@ class EarlierGroups:
         """Make every collective of ``torch.distributed`` refuse a group that is gone.
 
         They all ask ``_rank_not_in_group(group)`` before anything else (torch 2.13, which this
-        project pins); the agent's own calls go through the same function."""
+        project pins); the agent's own calls go through the same function.
+        """
         from torch.distributed import distributed_c10d as c10d
 
         original: Callable[[Any], bool] = c10d._rank_not_in_group
@@ -63,7 +64,8 @@ class EarlierGroups:
     @staticmethod
     def now() -> list[Any]:
         """The groups torch has now (the default one first), to be given to :meth:`guard` once
-        they are replaced."""
+        they are replaced.
+        """
         from torch.distributed import distributed_c10d as c10d
 
         return list(c10d._world.pg_map)
@@ -74,7 +76,8 @@ class EarlierGroups:
         """The pool's group was formed again ``after`` (" after cell 3", or ""): wrap the DDP
         models in ``names`` again on it, and make the other objects built on the ``earlier``
         groups fail at their next use. Returns both, as ``name (kind)``. ``agree``: every rank
-        calls this (each must, even one with nothing to wrap: a restarted rank)."""
+        calls this (each must, even one with nothing to wrap: a restarted rank).
+        """
         self._guarded = {k: ref for k, ref in self._guarded.items() if ref() is not None}
         rewrapped = _wrap_again(names, earlier, agree)
         if not earlier:
@@ -114,7 +117,8 @@ class EarlierGroups:
 
 def _record_ddp_arguments() -> None:
     """Keep each DDP model's constructor arguments, to wrap it again on a new group; a model
-    given a communication hook is not wrapped again (the hook's state may hold the old group)."""
+    given a communication hook is not wrapped again (the hook's state may hold the old group).
+    """
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     init = DDP.__init__
@@ -147,7 +151,8 @@ def _record_ddp_arguments() -> None:
 
 def _wrap_again(names: dict[str, Any], earlier: list[Any], agree: bool) -> list[str]:
     """Wrap the DDP models of ``names`` built on the earlier default group again, on the new
-    one, in the same order on every rank; return them as ``name (DDP)``."""
+    one, in the same order on every rank; return them as ``name (DDP)``.
+    """
     from torch import distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 

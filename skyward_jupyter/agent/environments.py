@@ -102,7 +102,8 @@ def build(
     wheels: str | None = None,
 ) -> dict[str, object]:
     """The environment for ``requirements`` on this node, built unless a whole one is cached;
-    from the folder ``wheels`` alone (no index) when given."""
+    from the folder ``wheels`` alone (no index) when given.
+    """
     base = root()
     base.mkdir(parents=True, exist_ok=True)
     name = key(digest)
@@ -230,7 +231,8 @@ def _last_line(text: str) -> str:
 def use(site_dir: str) -> None:
     """Put the environment's site directory (and what its ``.pth`` files add) first on
     ``sys.path``, for this rank and the Python processes it starts; hold it against
-    ``%sky clean`` for the rank's life."""
+    ``%sky clean`` for the rank's life.
+    """
     before = list(sys.path)
     site.addsitedir(site_dir)
     sys.path[:] = [p for p in sys.path if p not in before] + before
@@ -249,7 +251,8 @@ def use(site_dir: str) -> None:
 def clean(wheels: Path | None = None) -> tuple[list[tuple[Path, int]], list[str]]:
     """Remove the cached environments no rank uses (and builds that were cut off), and the
     folders of wheels in ``wheels`` while no build runs; what is removed (and its bytes), and
-    what is kept as in use."""
+    what is kept as in use.
+    """
     base = root()
     removed: list[tuple[Path, int]] = []
     kept: list[str] = []

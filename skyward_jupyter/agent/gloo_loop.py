@@ -35,7 +35,8 @@ _TASKS = "/proc/self/task"
 
 class LoopPriority:
     """Lowers each gloo event-loop thread of this process once, to the rank's nice value at that
-    moment + 5."""
+    moment + 5.
+    """
 
     def __init__(self) -> None:
         self._usable = os.path.isdir(_TASKS) and hasattr(os, "setpriority")
@@ -47,7 +48,8 @@ class LoopPriority:
 
     def lower(self) -> None:
         """Lower the loop threads not lowered yet: any thread may call this, at any time; a
-        call that finds no new thread costs one directory listing."""
+        call that finds no new thread costs one directory listing.
+        """
         if not self._usable:
             return
         with self._lock:

@@ -61,7 +61,8 @@ class _Published:
 
 def _address_offset(value: bytes) -> int | None:
     """Where the ``sockaddr_storage`` of gloo's ``Rank`` record ``value`` starts, or None when
-    ``value`` is not one holding an IPv4 address."""
+    ``value`` is not one holding an IPv4 address.
+    """
     if len(value) < 2 * _LENGTH.size:
         return None
     (name_length,) = _LENGTH.unpack_from(value, 0)
@@ -116,7 +117,8 @@ class GlooTunnel:
 
     def published(self, key: str, value: bytes) -> bytes:
         """What the store keeps for ``value`` set under ``key``: gloo's own record on loopback
-        becomes this host's address and tunnel port; anything else is kept as it is."""
+        becomes this host's address and tunnel port; anything else is kept as it is.
+        """
         offset = _address_offset(value)
         if offset is None:
             return value
@@ -131,7 +133,8 @@ class GlooTunnel:
 
     def fetched(self, key: str, value: bytes) -> bytes:
         """What gloo reads for ``value`` fetched from ``key``: a peer's loopback address (see the
-        module's description)."""
+        module's description).
+        """
         peer = _peer(value)
         if peer is None:
             return value
@@ -153,7 +156,8 @@ class GlooTunnel:
 
     def _dial_port(self, peer: _Published) -> int:
         """The loopback port whose connection goes to ``peer``'s gloo (opened on first use,
-        until that connection)."""
+        until that connection).
+        """
         where = (peer.host, peer.tunnel_port, peer.gloo_port)
         with self._lock:
             listener = self._dials.get(where)
@@ -170,7 +174,8 @@ class GlooTunnel:
 
     def forget(self) -> None:
         """The group is gone: stop carrying its connections' successors (the next formation
-        publishes new ports)."""
+        publishes new ports).
+        """
         with self._lock:
             dials, self._dials = list(self._dials.values()), {}
             self._gloo_ports.clear()
@@ -185,7 +190,8 @@ class GlooTunnel:
     ) -> None:
         """Carry the connection gloo makes to ``listener`` to ``peer``'s tunnel. A gloo pair
         connects once: the port closes then, so a group the code forms and destroys again and
-        again leaves no port and no thread behind."""
+        again leaves no port and no thread behind.
+        """
         target = (socket.inet_ntoa(peer.host), peer.tunnel_port)
         try:
             local, _ = listener.accept()
@@ -313,7 +319,8 @@ def _join(local: socket.socket, secured: socket.socket) -> None:
 
 class _Pair:
     """gloo's connection and its tunnel: when either direction ends, both end (gloo sees its
-    peer gone), and the last pump out closes them."""
+    peer gone), and the last pump out closes them.
+    """
 
     def __init__(self, local: socket.socket, secured: socket.socket) -> None:
         self._sockets = (local, secured)

@@ -31,7 +31,8 @@ from ..wire import SyncChannel
 
 class _BatchWhileWaiting:
     """The calling thread as a batch task for a wait, and normal again after it: only from the
-    normal policy, and only where the system has the call and allows it."""
+    normal policy, and only where the system has the call and allows it.
+    """
 
     def __init__(self) -> None:
         self._usable = hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_BATCH")

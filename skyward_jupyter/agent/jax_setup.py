@@ -40,7 +40,8 @@ def jax_version() -> str | None:
 
 def keras_conflict(wanted: str | None) -> str | None:
     """Why Keras cannot have the backend ``wanted`` in this process (it was imported already,
-    with another: Keras reads its backend once, at import); None when it can."""
+    with another: Keras reads its backend once, at import); None when it can.
+    """
     keras = sys.modules.get("keras")
     if wanted is None or keras is None:
         return None
@@ -138,7 +139,8 @@ class JaxWorld:
     def start_keras(self) -> None:
         """Import Keras (on JAX) and agree on its random seed across the world, as
         ``keras.distribution.initialize()`` does: otherwise each rank initialises its weights
-        from a seed of its own, and JAX refuses a replicated variable that differs."""
+        from a seed of its own, and JAX refuses a replicated variable that differs.
+        """
         self._quiet = True  # Keras calls initialize() here; the user did not
         try:
             import keras

@@ -72,7 +72,8 @@ def choose_interfaces(head: str, environ: dict[str, str] | None = None) -> Route
     """Set the socket interface variables the user left unset to the route to the head.
 
     Returns the route (None when the head cannot be resolved here: the group's own error will
-    then say so)."""
+    then say so).
+    """
     env = os.environ if environ is None else environ
     try:
         route = route_to(head)
@@ -99,7 +100,8 @@ def advertised(backend: str) -> tuple[str, str]:
     """The address this rank's group will give its peers, and where it comes from.
 
     As gloo chooses it: the interface named in the variable, else what the hostname resolves to
-    (NCCL's own choice without the variable is not predicted: then the hostname's is checked)."""
+    (NCCL's own choice without the variable is not predicted: then the hostname's is checked).
+    """
     variable = "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
     names = os.environ.get(variable, "")
     first = names.split(",")[0].lstrip("=")
@@ -123,7 +125,8 @@ def check_peers(
     peers connect instead), publishes that in the store, and dials the others' within
     ``CONNECT_TIMEOUT``; a failure anywhere is published too, so every rank stops at once with
     the same message naming who could not reach whom, instead of each waiting out the group's
-    timeout. Raises :class:`ConnectionError` with that message."""
+    timeout. Raises :class:`ConnectionError` with that message.
+    """
     wait = datetime.timedelta(seconds=timeout)
     listener: socket.socket | None = None
     if tunnel is not None:

@@ -83,7 +83,8 @@ class NodeFiles:
         """Whether the notebook's directory is here, at its own path, with the listed contents.
 
         Only files not yet found here are hashed: after the first time, a cell checks what
-        changed."""
+        changed.
+        """
         root = Path(command.root)
         if not root.is_dir():
             return False
@@ -101,7 +102,8 @@ class NodeFiles:
 
     def enter(self, workdir: p.Workdir | None) -> None:
         """Run in this node's directories (the current one when the node shares the notebook's
-        files); reload the modules from them whose files changed since the last cell."""
+        files); reload the modules from them whose files changed since the last cell.
+        """
         paths = workdir.paths.get(self.node, ()) if workdir is not None else ()
         for path in paths:
             inside = os.path.relpath(path, self.base)
@@ -133,7 +135,8 @@ class NodeFiles:
 
     def _user_modules(self) -> Iterator[tuple[str, ModuleType, int]]:
         """The modules loaded from the directories the cells run in, with their files' times
-        (a node's copy gives a changed file a new time: its content's)."""
+        (a node's copy gives a changed file a new time: its content's).
+        """
         for name, module, file in self._find_user_modules():
             try:
                 yield name, module, os.stat(file).st_mtime_ns
@@ -143,7 +146,8 @@ class NodeFiles:
     def _find_user_modules(self) -> list[tuple[str, ModuleType, str]]:
         """Walking ``sys.modules`` (a thousand entries once torch is in) costs most of a trivial
         cell, twice: it is walked again only when an import or a removal changed it (its size
-        or its newest entry) or the directories changed."""
+        or its newest entry) or the directories changed.
+        """
         directories = self._entered or (os.getcwd(),)
         modules = sys.modules
         known = (len(modules), next(reversed(modules), None), directories)
@@ -165,7 +169,8 @@ class NodeFiles:
         """Let go of the copies this rank used; unless ``keep``, take away those no other rank
         holds (a rename: quick). The directories to delete (those, and what removals cut short
         left), and what could not be let go, in words (the rank is ending: it only says so).
-        Called once, as the rank ends."""
+        Called once, as the rank ends.
+        """
         taken: list[Path] = []
         problems: list[str] = []
         held, self._held = self._held, {}
@@ -180,7 +185,8 @@ class NodeFiles:
 
     def here(self, path: str) -> str:
         """``path`` (the notebook's) as this node has it: inside a synced directory, the same
-        file in the node's copy."""
+        file in the node's copy.
+        """
         for root, copy in self._roots:
             if path.startswith(root + os.sep):
                 return copy + path[len(root) :]
@@ -189,7 +195,8 @@ class NodeFiles:
 
 def _file_of(module: object) -> str | None:
     """A module's file, read without asking the module: an attribute access would load a module
-    imported lazily (importlib's LazyLoader), only to learn that it is not the user's."""
+    imported lazily (importlib's LazyLoader), only to learn that it is not the user's.
+    """
     try:
         file = object.__getattribute__(module, "__dict__").get("__file__")
     except AttributeError:

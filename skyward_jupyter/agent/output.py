@@ -253,7 +253,8 @@ class PythonStreams:
 def _retarget_log_handlers(streams: Mapping[int, TextIO]) -> None:
     """Point log handlers at the streams that replace the ones they hold (by ``id``): those made
     before the agent (torch's, at its import in the warm template), so what they log keeps its
-    order with the rest of the rank's output, and those holding a stream a cell closed."""
+    order with the rest of the rank's output, and those holding a stream a cell closed.
+    """
     logging = sys.modules.get("logging")
     if logging is None:
         return  # nothing was logging yet: handlers made later take sys.stderr as it is then

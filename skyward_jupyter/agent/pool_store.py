@@ -69,7 +69,8 @@ class PoolStore(dist.Store):  # type: ignore[misc,name-defined]
     def _connect(self) -> tuple[socket.socket, auth.Session]:
         """Connect and prove the secret. A connection the store closes before its proof (it
         drops the oldest when too many prove at once, as every rank connects together) is
-        made again, as TCPStore's client does, within the store's timeout."""
+        made again, as TCPStore's client does, within the store's timeout.
+        """
         started = time.monotonic()
         seconds = self.timeout.total_seconds()
         deadline = started + (seconds if seconds > 0 else CONNECT_TIMEOUT)
@@ -97,7 +98,8 @@ class PoolStore(dist.Store):  # type: ignore[misc,name-defined]
 
     def _prove(self, sock: socket.socket) -> auth.Session:
         """The handshake (see :mod:`.store_auth`); :class:`auth.Rejected` when the proofs
-        themselves fail, ``OSError`` when the connection ends before them."""
+        themselves fail, ``OSError`` when the connection ends before them.
+        """
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         hello = _receive(sock, auth.HELLO)
         if hello[: len(auth.MAGIC)] != auth.MAGIC:

@@ -38,7 +38,8 @@ def client_context(cert: str, key: str | None = None) -> ssl.SSLContext:
 
 def _load_chain(context: ssl.SSLContext, pem: bytes) -> None:
     """``load_cert_chain`` reads a file: an anonymous in-memory one (memfd) where the OS has
-    them, so the key touches no disk; elsewhere a 0600 file in a 0700 directory, gone at once."""
+    them, so the key touches no disk; elsewhere a 0600 file in a 0700 directory, gone at once.
+    """
     if hasattr(os, "memfd_create"):
         fd = os.memfd_create("sky-pool-key", os.MFD_CLOEXEC)
         try:
@@ -68,7 +69,8 @@ def _write_all(fd: int, data: bytes) -> None:
 
 def read_exact(conn: socket.socket, n: int, before: str) -> bytes:
     """``n`` bytes from ``conn``; ``ConnectionError`` ("closed before ``before``") when it ends
-    first (a TLS read returns at most one record, so a short read is normal)."""
+    first (a TLS read returns at most one record, so a short read is normal).
+    """
     data = bytearray()
     while len(data) < n:
         chunk = conn.recv(n - len(data))

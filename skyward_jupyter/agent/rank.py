@@ -207,7 +207,8 @@ class Agent:
 
     def _thread_died(self, args: threading.ExceptHookArgs) -> None:
         """A thread of the agent's own died: the rank cannot be trusted any more, so it exits
-        loudly (the pool reports it lost, with this message) rather than limp on unwatched."""
+        loudly (the pool reports it lost, with this message) rather than limp on unwatched.
+        """
         if args.thread is not None and args.thread.name in _AGENT_THREADS:
             self._diagnose(f"agent thread {args.thread.name} failed: {args.exc_value!r}")
             self.leave(EXIT_AGENT_FAILED)
@@ -273,7 +274,8 @@ class Agent:
         :data:`.descendants.FREEZE_TIMEOUT`, then the copy renamed away: the cell's children,
         forked DataLoader workers among them, hold the copy's lock until they are gone), the
         deletions last: all fit in the pool's shutdown grace, and a kill during the deletions
-        leaves what the next removal sweeps."""
+        leaves what the next removal sweeps.
+        """
         if not self._leaving.acquire(blocking=False):
             while True:
                 time.sleep(60)
@@ -293,7 +295,8 @@ class Agent:
     def _leave_files(self) -> list[Path]:
         """As the rank ends: the node's copy of the synced directories goes with its last
         rank, unless the pool keeps it; the directories to delete. Never raises: the rank's
-        other leaving steps must still run."""
+        other leaving steps must still run.
+        """
         try:
             removals, problems = self.arrivals.files.leave(self._keep_files)
         except OSError as exc:
@@ -345,7 +348,8 @@ class Agent:
 
     def _interrupt_cell(self, cell_id: int | None) -> None:
         """Stop the running cell; an interrupt that overtook its cell stops it as it starts
-        (the rank would otherwise run it in full, and wait in its collectives until killed)."""
+        (the rank would otherwise run it in full, and wait in its collectives until killed).
+        """
         with self._cell_lock:
             if self._in_cell and cell_id in (None, self.cell_id):
                 self._interrupted = True
@@ -413,7 +417,8 @@ class Agent:
 
     def _mend_output(self) -> None:
         """After a cell: its closed or replaced stdout and stderr reach the notebook again, and
-        the cell's result says what the cell had done to them."""
+        the cell's result says what the cell had done to them.
+        """
         mended = [c.mend() for c in self.captures] + self.streams.mend()
         rank = os.environ.get("RANK", "0")
         self._notes.extend(f"rank {rank}: {note}" for note in mended if note)

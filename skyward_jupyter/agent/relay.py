@@ -120,7 +120,8 @@ def _mac(token: str, nonce: bytes, digest: bytes) -> bytes:
 
 class _Connection:
     """One client's exchange, moved on by the relay's loop as far as its socket allows:
-    TLS handshake, our nonce out, its request in, then (once answered) the length and blob."""
+    TLS handshake, our nonce out, its request in, then (once answered) the length and blob.
+    """
 
     def __init__(self, sock: socket.socket, deadline: float, handshake: bool) -> None:
         self.sock = sock
@@ -142,7 +143,8 @@ class _Connection:
 
     def pump(self) -> int:
         """The event to wait for; ``_REQUESTED`` when the request is in and wants an answer;
-        ``_DONE`` when the exchange is over (answered, or the client left)."""
+        ``_DONE`` when the exchange is over (answered, or the client left).
+        """
         if self._handshake:
             try:
                 self.sock.do_handshake()  # type: ignore[attr-defined]
@@ -219,7 +221,8 @@ class RelayServer:
 
     def _say(self, line: str) -> None:
         """A line on the rank's diagnostics: the first ``SAID`` only, so that a failure
-        repeating every round cannot fill them."""
+        repeating every round cannot fill them.
+        """
         self._said += 1
         if self._said <= SAID:
             self._tell(line + ("" if self._said < SAID else " (further ones not said)"))
@@ -230,7 +233,8 @@ class RelayServer:
 
     def _loop(self) -> None:
         """Serve until the process ends: an error in a round is said, and the next one runs
-        (a dead loop would fail every later relayed value, far from the cause)."""
+        (a dead loop would fail every later relayed value, far from the cause).
+        """
         while True:
             try:
                 self._round()
@@ -380,7 +384,8 @@ def fetch(
     digest. The length the relay announces is taken only if it is ``nbytes`` (it is not
     authenticated: room for whatever it said would be a way to exhaust the rank's memory). A
     relay that drops the connection before answering (busy, or flooded) is asked again for a
-    while."""
+    while.
+    """
     where = f"{head[0]}:{head[1]}"
     context = pool_tls.client_context(keys.cert) if keys.cert else None
     started = time.monotonic()

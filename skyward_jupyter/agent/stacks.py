@@ -136,7 +136,8 @@ class Watch:
 
 def _format(frame: FrameType, from_user: bool) -> list[str]:
     """A thread's stack; for the cell's thread, from the user's first frame on (none between
-    cells: the agent is waiting for its next command)."""
+    cells: the agent is waiting for its next command).
+    """
     stack = traceback.extract_stack(frame)
     if from_user:
         first = next((i for i, f in enumerate(stack) if _users(f.filename)), len(stack))
@@ -154,7 +155,8 @@ def _format(frame: FrameType, from_user: bool) -> list[str]:
 def nccl_pending() -> list[tuple[Waiting, float]]:
     """The NCCL collectives this rank issued that have not completed, oldest first, from torch's
     flight recorder (on when ``TORCH_FR_BUFFER_SIZE`` > 0, which the pool sets on GPU ranks). Not
-    run here: the project's machines have no GPU."""
+    run here: the project's machines have no GPU.
+    """
     if "torch" not in sys.modules:
         return []
     try:

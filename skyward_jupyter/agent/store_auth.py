@@ -48,7 +48,8 @@ _SEQUENCE = struct.Struct("!Q")
 
 class Rejected(Exception):
     """What came in cannot be accepted (a proof or frame without the pool's secret, a frame out
-    of bounds): the connection ends."""
+    of bounds): the connection ends.
+    """
 
 
 class TooLarge(ValueError):
@@ -90,7 +91,8 @@ class Session:
 
     def seal(self, parts: Sequence[bytes]) -> bytes:
         """A frame: length, contents, then the HMAC over its sequence number and both.
-        :class:`TooLarge` (nothing sent, nothing counted) past ``MAX_FRAME``."""
+        :class:`TooLarge` (nothing sent, nothing counted) past ``MAX_FRAME``.
+        """
         body = pack(parts)
         if len(body) > MAX_FRAME:
             raise TooLarge(f"{len(body)} bytes, more than the store's frames take ({_LIMIT})")

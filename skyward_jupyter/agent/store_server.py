@@ -76,7 +76,8 @@ class _Conn:
 
 class StoreServer:
     """Serves the store on ``listener`` (bound and listening) to a pool of ``ranks`` until
-    :meth:`close`."""
+    :meth:`close`.
+    """
 
     def __init__(
         self,
@@ -131,7 +132,8 @@ class StoreServer:
 
     def _serve(self) -> None:
         """The store's thread. Only the selector failing ends it (the agent then reports the
-        thread dead and the rank exits); a connection's error drops that connection."""
+        thread dead and the rank exits); a connection's error drops that connection.
+        """
         try:
             while not self._closing:
                 for key, mask in self._selector.select(self._next_timeout()):
@@ -416,7 +418,8 @@ class StoreServer:
 
     def _resume(self, conn: _Conn) -> bool:
         """Answer the connection's wait if its keys are all there (True); else list it under
-        the first missing key."""
+        the first missing key.
+        """
         wait = conn.wait
         assert wait is not None
         missing = next((k for k in wait.keys if k not in self._data), None)

@@ -87,7 +87,8 @@ def cuda_device_count() -> int:
 
 def rank_device(local_rank: int) -> Any:
     """The rank's ``torch.device``: its GPU (``cuda:N``, the local rank's among those it sees;
-    a node's ranks share them only under gloo) when it sees any, else the CPU."""
+    a node's ranks share them only under gloo) when it sees any, else the CPU.
+    """
     import torch
 
     if torch.cuda.is_available():
@@ -162,7 +163,8 @@ class ProcessGroup:
         return the backend.
 
         Raises :class:`GroupError` naming the address and port when the head's store cannot be
-        reached, or the group cannot connect, with what to set."""
+        reached, or the group cannot connect, with what to set.
+        """
         import torch
 
         from .pool_store import PoolStore
@@ -217,7 +219,8 @@ class ProcessGroup:
 
     def _route(self) -> Route | None:
         """Choose the interfaces once per process (see :mod:`.network`); a secure pool's gloo
-        listens on loopback, whatever was set, as its tunnel carries the rest."""
+        listens on loopback, whatever was set, as its tunnel carries the rest.
+        """
         if not self._routed:
             self._routed = True
             if self.settings.secure:
@@ -242,7 +245,8 @@ class ProcessGroup:
     def rejoin(self, prefix: str, backend: str, timeout: datetime.timedelta, **extra: Any) -> None:
         """Form a new default group over the pool's store, under ``prefix`` (the user's code
         asked for one after destroying the pool's); its sockets are recorded as ``join``'s are,
-        so that leaving it frees peers at once too."""
+        so that leaving it frees peers at once too.
+        """
         import torch.distributed as dist
 
         store = dist.PrefixStore(prefix, self._store)  # type: ignore[attr-defined]
@@ -267,7 +271,8 @@ class ProcessGroup:
     def track_user_groups(self) -> None:
         """Record the sockets of the groups the user's code forms too (``new_group``, a
         DeviceMesh's), so that leaving frees a peer blocked in one of them as well: each is
-        formed through ``_new_process_group_helper`` (torch 2.13, which this project pins)."""
+        formed through ``_new_process_group_helper`` (torch 2.13, which this project pins).
+        """
         from torch.distributed import distributed_c10d as c10d
 
         original = c10d._new_process_group_helper
@@ -286,7 +291,8 @@ class ProcessGroup:
 
     def lower_gloo_loops(self) -> None:
         """gloo's event-loop threads below the training (see :mod:`.gloo_loop`): as each group
-        forms, and at every watchdog tick for groups the user's code forms."""
+        forms, and at every watchdog tick for groups the user's code forms.
+        """
         self._loop_priority.lower()
 
     def retire(self, group: Any) -> None:

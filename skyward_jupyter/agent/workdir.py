@@ -66,7 +66,8 @@ _NO_LINK = {errno.EXDEV, errno.EMLINK, errno.EPERM, errno.ENOTSUP, errno.EOPNOTS
 
 def manifest_digest(entries: Iterable[Entry]) -> str:
     """The id of one state of the directory: the notebook's ``Manifest.digest`` and the name of
-    a node's tree are this value, so both sides agree on what "in step" means."""
+    a node's tree are this value, so both sides agree on what "in step" means.
+    """
     h = hashlib.sha256()
     for path, mode, digest in sorted(entries):
         h.update(path.encode("utf-8", "surrogateescape"))
@@ -130,7 +131,8 @@ class WorkdirCopy:
     def add_objects(self, tar_bytes: bytes) -> None:
         """Store the contents of a bundle: an uncompressed tar whose members are named by the
         sha256 of what they hold. A member whose name is not a digest, or whose content does not
-        match its name, raises ValueError (nothing is written outside ``objects/``)."""
+        match its name, raises ValueError (nothing is written outside ``objects/``).
+        """
         with self._locked(), _reading(tar_bytes) as tar:
             for member in tar:
                 if not (_HEX64.fullmatch(member.name) and member.isfile()):
@@ -189,7 +191,8 @@ class WorkdirCopy:
 
     def release(self, fd: int, remove: bool) -> Path | None:
         """Close a :meth:`hold`; with ``remove``, take the copy away if no one else holds it:
-        where it was moved, for the caller to delete (:func:`remove_tree`) when it chooses."""
+        where it was moved, for the caller to delete (:func:`remove_tree`) when it chooses.
+        """
         with self._locked(create=False) as present:
             os.close(fd)
             if remove and present:
@@ -230,7 +233,8 @@ class WorkdirCopy:
     def _locked(self, create: bool = True) -> Iterator[bool]:
         """Ranks of one node (and pools sharing a base) take turns: one flock per copy. Yields
         whether the copy exists (without ``create``, a missing one is not made). A lock taken
-        on a copy that was removed meanwhile is taken again on the new one."""
+        on a copy that was removed meanwhile is taken again on the new one.
+        """
         lock = self.dir / ".lock"
         while True:
             if create:
@@ -452,7 +456,8 @@ def _checked(entries: Sequence[Entry]) -> list[Entry]:
 
 def _carry_over(old: Path, new: Path, synced: set[str], incoming: set[str]) -> None:
     """Move what the ranks made in ``old`` (not in ``synced``) into ``new``; a path the notebook
-    sends (``incoming``, or a directory of it) keeps the notebook's file."""
+    sends (``incoming``, or a directory of it) keeps the notebook's file.
+    """
     synced_dirs = {p.rsplit("/", i)[0] for p in synced for i in range(1, p.count("/") + 1)}
     incoming_dirs = {p.rsplit("/", i)[0] for p in incoming for i in range(1, p.count("/") + 1)}
 

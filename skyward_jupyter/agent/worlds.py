@@ -96,7 +96,8 @@ class Worlds:
 
     def ready_names(self) -> dict[str, Any]:
         """The names every cell finds bound (the README's "What a cell gets"): ``device`` only
-        where the rank sets up torch."""
+        where the rank sets up torch.
+        """
         s = self.group.settings
         names: dict[str, Any] = {
             "rank": s.rank,
@@ -123,7 +124,8 @@ class Worlds:
         """Join the pool's worlds; the head first says where the others connect.
 
         What ``names`` (the namespace) built on the earlier group is refused from now on, and
-        named to the notebook; ``after`` says when the group was formed again (" after cell 3")."""
+        named to the notebook; ``after`` says when the group was formed again (" after cell 3").
+        """
         os.environ["TORCHELASTIC_RESTART_COUNT"] = str(command.restarts)
         rewrapped: list[str] = []
         stale: list[str] = []
@@ -164,7 +166,8 @@ class Worlds:
 
     def _leave_torch(self) -> None:
         """Leave torch's groups, remembering them: the next formation guards what was built on
-        them (see :mod:`.earlier_groups`)."""
+        them (see :mod:`.earlier_groups`).
+        """
         self._left += self.earlier.now() or list(self.group.retired)
         self.group.leave()
 
@@ -175,7 +178,8 @@ class Worlds:
 
     def collectives(self) -> tuple[tuple[str, int], ...] | None:
         """Each of torch's groups by name, with the collectives this rank called in it (None:
-        a backend that does not count them)."""
+        a backend that does not count them).
+        """
         if not self.uses_torch:
             return ()
         from torch.distributed import distributed_c10d as c10d

@@ -62,7 +62,8 @@ def _finite(value: float) -> float | None:
 def decimate(rows: Sequence[MetricRow], max_points: int = MAX_POINTS) -> Points:
     """The columns a chart draws (``step``, ``first``, ``mean``, ``min``, ``max``, ``ranks``),
     at most ``max_points`` long: consecutive steps share a point when there are more, keeping
-    the bucket's last step (``first`` its first), the mean of its means and its extremes."""
+    the bucket's last step (``first`` its first), the mean of its means and its extremes.
+    """
     size = max(1, math.ceil(len(rows) / max_points))
     out: Points = {k: [] for k in ("step", "first", "mean", "min", "max", "ranks")}
     for start in range(0, len(rows), size):
@@ -95,7 +96,8 @@ class MetricChart(anywidget.AnyWidget):
 
 class ChartGrid:
     """The panel's charts: a :class:`MetricChart` per metric, side by side as the width allows,
-    each sent its points only when they changed, at most once per ``interval`` seconds."""
+    each sent its points only when they changed, at most once per ``interval`` seconds.
+    """
 
     def __init__(self, interval: float = SEND_INTERVAL, max_points: int = MAX_POINTS) -> None:
         self.interval = interval
@@ -111,7 +113,8 @@ class ChartGrid:
 
     def update(self, series: Mapping[str, Sequence[MetricRow]], now: float, force: bool) -> None:
         """Send what changed, unless the last send was under ``interval`` ago (``force``: the
-        view's first and last draw)."""
+        view's first and last draw).
+        """
         if not force and now - self._sent_at < self.interval:
             return
         if self.widget.comm is None:  # closed

@@ -50,7 +50,8 @@ def text_bar(fraction: float, width: int = 20) -> str:
 
 def progress_parts(progress: Progress, now: float) -> list[str]:
     """A cell's progress as the panel's header and the text write it: ``In [7] running``,
-    ``1 min 05 s``, ``step 140/500``, ``2.3 steps/s``, ``28%``, ``2 min 36 s left``."""
+    ``1 min 05 s``, ``step 140/500``, ``2.3 steps/s``, ``28%``, ``2 min 36 s left``.
+    """
     p = progress
     elapsed = format_seconds(p.elapsed(now))
     parts = [f"{p.label} {p.outcome}", elapsed if p.running else f"took {elapsed}"]
@@ -67,7 +68,8 @@ def progress_parts(progress: Progress, now: float) -> list[str]:
 
 def step_pace(step: int, total: int | None, rate: float | None, running: bool = True) -> str:
     """``step 140/500 (28%, 2.3 steps/s, 2 min 36 s left)``, as much of it as is known (the
-    time left only while ``running``)."""
+    time left only while ``running``).
+    """
     extra = []
     if total:
         extra.append(f"{min(1.0, step / total):.0%}")

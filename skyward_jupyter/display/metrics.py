@@ -27,7 +27,8 @@ cell have not logged it (they may never: a metric that rank 0 alone logs)."""
 
 def step_complete(ranks: int, expected: int, first_at: float, now: float, grace: float) -> bool:
     """Whether a step's values are all there is to wait for: every rank of the cell
-    (``expected``) logged it, or ``grace`` seconds passed since its first value."""
+    (``expected``) logged it, or ``grace`` seconds passed since its first value.
+    """
     return (expected > 0 and ranks >= expected) or now - first_at >= grace
 
 
@@ -35,7 +36,8 @@ class Pace:
     """A cell's last step, its steps per second (over the last :data:`RATE_STEPS` new steps)
     and its total once ``log(..., total=N)`` gave one: what tqdm shows, for the panel's
     progress and the text fallback alike. Feed it each :class:`MetricsLogged` of the cell,
-    with the steps :class:`StepNumbers` resolved."""
+    with the steps :class:`StepNumbers` resolved.
+    """
 
     def __init__(self) -> None:
         self.step: int | None = None
@@ -70,7 +72,8 @@ class MetricRow:
     """One metric at one step, reduced across the ranks that logged it.
 
     ``expected``: the ranks of the cell (0: not known); ``waiting``: the step is not complete
-    (:func:`step_complete`), so its min and max are not yet the ranks' (a view says "1 of 2")."""
+    (:func:`step_complete`), so its min and max are not yet the ranks' (a view says "1 of 2").
+    """
 
     step: int
     name: str
@@ -160,7 +163,8 @@ class MetricSteps:
         """The highest complete step the most recent cell logged (what a latest-values table
         shows): while the cell is ``running``, a step that some of its ``expected`` ranks have
         not logged yet waits (:func:`step_complete`); when no step is complete, the highest
-        one, marked waiting."""
+        one, marked waiting.
+        """
         steps = [s for s, r in self.steps.items() if r.cell_id == self.last_cell] or self.steps
         if not steps:
             return None

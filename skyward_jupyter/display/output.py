@@ -56,7 +56,8 @@ def stderr_label(ranks: Iterable[int]) -> str:
 @dataclass
 class _Held:
     """One held stderr line (who wrote it, when it was first seen), or stdout a rank wrote after
-    a stderr line of its own still held (``label`` is then its prefix): it waits behind it."""
+    a stderr line of its own still held (``label`` is then its prefix): it waits behind it.
+    """
 
     seq: int
     text: str
@@ -83,7 +84,8 @@ class CellOutput:
     ) -> None:
         """``ranks``: how many ranks run the cell, so a line all of them wrote needs no wait
         (None: every held line waits :data:`STDERR_HOLD_SECONDS`); ``head``: the first of them,
-        whose stdout ``head`` shows (``--ranks 2-3``: rank 2). ``clock`` is for tests."""
+        whose stdout ``head`` shows (``--ranks 2-3``: rank 2). ``clock`` is for tests.
+        """
         self.mode = mode
         self._head = head
         self._stdout = stdout
@@ -121,7 +123,8 @@ class CellOutput:
 
     def finish(self) -> None:
         """Kernel thread, at the cell's end (also when it failed or was interrupted): write
-        everything, held stderr lines included, since no later flush will come for this cell."""
+        everything, held stderr lines included, since no later flush will come for this cell.
+        """
         self._drain(everything=True)
 
     @property
@@ -288,7 +291,8 @@ class CellOutput:
 
     def _write(self, parts: _Parts) -> None:
         """Write the streams' texts in turn, as they came; what is over
-        :data:`MAX_FLUSH_CHARS` is skipped from the oldest on, and the cell says how much."""
+        :data:`MAX_FLUSH_CHARS` is skipped from the oldest on, and the cell says how much.
+        """
         skipped = sum(len(text) for _, text in parts) - MAX_FLUSH_CHARS
         if skipped > 0:
             self.skipped_chars += skipped

@@ -191,7 +191,8 @@ class SkyPanel:
     def stop(self) -> None:
         """Draw once more and stop redrawing; the widgets stay (showing the last state, less
         a Stacks dump: that was where the ranks were then, not how the cell ended). Once only:
-        a cell's view stopped at its cell's end keeps that state when the pool ends later."""
+        a cell's view stopped at its cell's end keeps that state when the pool ends later.
+        """
         if self._stop.is_set():
             return
         self._stop.set()
@@ -205,7 +206,8 @@ class SkyPanel:
 
     def _last_draw(self) -> None:
         """The view as it ended, less a Stacks dump (where the ranks were then, not how the
-        cell or the pool ended)."""
+        cell or the pool ended).
+        """
         self.refresh(force=True)
         if self.stacks_view.comm is not None and self.stacks_view.value:
             self.stacks_view.value = ""
@@ -267,7 +269,8 @@ class SkyPanel:
         """Every rank's stacks in the view, replacing the last ones (the Stacks button's click).
 
         Blocks the click's thread (a kernel subshell while a cell runs) for about a second: the
-        ranks answer from their reader thread. A failure is the view's one line, not raised."""
+        ranks answer from their reader thread. A failure is the view's one line, not raised.
+        """
         taken = time.strftime("%H:%M:%S")
         started = time.monotonic()
         try:
@@ -283,7 +286,8 @@ class SkyPanel:
 
     def _set_buttons(self) -> None:
         """Each button enabled only when it can act: Interrupt while a cell runs, Stacks while
-        the view is live and the pool runs, Shut down while the pool runs."""
+        the view is live and the pool runs, Shut down while the pool runs.
+        """
         pool_up = not self._pool_ended()
         live = pool_up and not self._cell_ended() and not self._stop.is_set()
         wanted = {

@@ -143,7 +143,8 @@ def output_html(rank: RankRow, limit: int = SHOWN_OUTPUT, in_cell: bool = False)
     """A rank's stdout (and stderr, when there is any), newest at the bottom, in view.
 
     ``in_cell``: the cell's own output shows this rank's (the head's, by default); the tab
-    then says so rather than show it a second time."""
+    then says so rather than show it a second time.
+    """
     stdout, cut_out = _tail(rank.stdout, limit)
     stderr, cut_err = _tail(rank.stderr, limit // 4)
     if in_cell:

@@ -120,7 +120,8 @@ class Header:
 @dataclass(frozen=True, slots=True)
 class Progress:
     """One cell's progress, as tqdm shows a loop's: elapsed, last step, steps per second, and
-    with a known total a fraction and the time left."""
+    with a known total a fraction and the time left.
+    """
 
     number: int | None  # the notebook's execution count: In [number]
     started_at: float  # epoch seconds

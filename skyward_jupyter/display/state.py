@@ -131,7 +131,8 @@ class PanelState:
     def for_cell(self, number: int | None) -> PanelState:
         """A state for one cell's view: the pool as it is now (nodes, ranks' states and usage,
         start, price), none of the earlier cells' output, metrics or notes. Feed it the pool's
-        events from now until the cell ends; ``number`` is the notebook's execution count."""
+        events from now until the cell ends; ``number`` is the notebook's execution count.
+        """
         with self._lock:
             cell = PanelState(
                 self.name,
@@ -280,7 +281,8 @@ class PanelState:
 
     def _mine(self, event: PoolEvent) -> bool:
         """A cell's view takes the events of its own cell (and the pool's), not a late line of
-        the cell before, nor anything once its cell has ended."""
+        the cell before, nor anything once its cell has ended.
+        """
         assert self._progress is not None
         if not self._progress.running:
             return False
@@ -294,7 +296,8 @@ class PanelState:
         """Mark the ranks the cell failed on; a cell's view records how the cell ended.
 
         A rank that was only stopped (the user's interrupt, or the pool's after another rank
-        failed: a ``KeyboardInterrupt`` that followed) did not fail: it is not marked."""
+        failed: a ``KeyboardInterrupt`` that followed) did not fail: it is not marked.
+        """
         result = event.result
         failed = []
         for r in result:

@@ -1,5 +1,6 @@
 """The panel as one block of plain text: what a frontend without widgets, nbconvert to text and
-``%sky panel`` in a terminal show instead of the widgets."""
+``%sky panel`` in a terminal show instead of the widgets.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ def summary_text(snap: PanelSnapshot, now: float | None = None, live: bool = Tru
     metrics and the last notes.
 
     ``live=False`` leaves out the figures that tick by themselves (uptime, cost, usage,
-    heartbeat ages): what is left changes only when the pool's state does."""
+    heartbeat ages): what is left changes only when the pool's state does.
+    """
     now = time.time() if now is None else now
     h = snap.header
     size = f"{h.nodes} node{'s' * (h.nodes != 1)}"
@@ -63,7 +65,8 @@ def summary_text(snap: PanelSnapshot, now: float | None = None, live: bool = Tru
 
 def progress_line(progress: Progress, now: float, live: bool = True) -> str:
     """``In [7] running, 1 min 05 s, step 140/500, 2.3 steps/s, |#####     | 28%, 36 s left``;
-    not ``live``: only what changes with the cell's state (outcome and step)."""
+    not ``live``: only what changes with the cell's state (outcome and step).
+    """
     parts = progress_parts(progress, now)
     if not live:
         parts = [parts[0], *(p for p in parts if p.startswith("step "))]

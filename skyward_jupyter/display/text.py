@@ -208,7 +208,8 @@ class TextReport:
 
     def _end_line(self, event: CellFinished) -> list[str]:
         """How a cell that logged steps ended: ``cell done after 1 min 05 s: step 500/500,
-        7.7 steps/s`` (failed on rank 1, interrupted)."""
+        7.7 steps/s`` (failed on rank 1, interrupted).
+        """
         pace = self._pace
         if pace.step is None or (pace.rate is None and pace.total is None):
             return []  # a step or two: the step lines said it all

@@ -97,7 +97,8 @@ class _View:
 
 class _CellView:
     """What the session calls around one cell: the ranks' output written into the cell, and
-    the pool's panel (or text report) kept current, both from the kernel's thread."""
+    the pool's panel (or text report) kept current, both from the kernel's thread.
+    """
 
     def __init__(self, views: PoolViews, view: _View | None, output: CellOutput) -> None:
         self._views = views
@@ -124,7 +125,8 @@ class _CellView:
     def _show_panel_if_due(self, ended: bool = False) -> None:
         """Display the panel (as its timer drew it last) once the cell has output to write
         below it or has run long enough to be watched; a cell that ``ended`` failing on a rank
-        shows it however quick it was (its red ranks say where the failure was)."""
+        shows it however quick it was (its red ranks say where the failure was).
+        """
         view = self._view
         if not self._panel_due or view is None:
             return
@@ -225,7 +227,8 @@ class PoolViews:
         self, entry: EntryFacts, stdout: StdoutMode, ranks: Sequence[int] | None = None
     ) -> _CellView:
         """A cell is about to run on ``entry``'s pool (kernel thread), on ``ranks`` (None:
-        every rank); its head is the first of them."""
+        every rank); its head is the first of them.
+        """
         running = list(range(entry.pool.world_size or 0)) if ranks is None else sorted(ranks)
         output = CellOutput(stdout, ranks=len(running), head=running[0] if running else 0)
         view = self._views.get(entry.name)
@@ -255,7 +258,8 @@ class PoolViews:
 
     def cell_number(self) -> int | None:
         """The running cell's ``In [N]``: the panel's name for it, and its file name on the
-        ranks (so tracebacks name it as the notebook does)."""
+        ranks (so tracebacks name it as the notebook does).
+        """
         # IPython counts the cell before running it: the running cell is In [count - 1].
         count = getattr(self.shell, "execution_count", None)
         return count - 1 if isinstance(count, int) and count > 1 else None
@@ -358,7 +362,8 @@ class PoolViews:
 
     def _display(self, view: _View, panel: SkyPanel) -> None:
         """Publish the panel's own bundle: ``display()`` would ask each of IPython's formatters
-        in turn for it, on every cell's path."""
+        in turn for it, on every cell's path.
+        """
         from IPython.display import DisplayHandle, publish_display_data
 
         try:
@@ -377,7 +382,8 @@ class PoolViews:
 
         A display made less than a second ago whose text would change only in its ticking
         figures (uptime, usage, heartbeat ages) is left alone: a quick cell's panel says at its
-        end what it said at its start, and a message to the frontend would only repeat it."""
+        end what it said at its start, and a message to the frontend would only repeat it.
+        """
         panel = view.panel
         if view.shown_in != self._cell_key() or panel is None:
             return

@@ -45,7 +45,8 @@ class UnknownProvider(LookupError):
 def _entry_points() -> dict[str, EntryPoint]:
     """Read once per process: reading entry points scans every installed distribution, and
     each cell's options ask for the providers. A provider installed later is found after a
-    restart of the kernel, as Jupyter finds its own plugins."""
+    restart of the kernel, as Jupyter finds its own plugins.
+    """
     found = {name: EntryPoint(name, value, GROUP) for name, value in BUILT_IN.items()}
     found.update({point.name: point for point in entry_points(group=GROUP)})
     return found
@@ -80,7 +81,8 @@ def provider_class(name: str) -> type[Provider]:
 
 def provider_classes() -> list[type[Provider]]:
     """Every provider that loads, in :func:`names`' order (each module is imported); one that
-    does not is said once, as a warning, and left out (``--provider NAME`` then says why)."""
+    does not is said once, as a warning, and left out (``--provider NAME`` then says why).
+    """
     found = []
     for name in names():
         try:
@@ -107,7 +109,8 @@ def sweep_all(
     ``providers``: this kernel's live pools' providers; ``records``: the registry teardowns of
     every live pool on this machine. Each provider is told the records of its own pools, and
     its own options from ``given`` (a flag's dest -> its text) over ``defaults`` (per provider
-    name, its configured options)."""
+    name, its configured options).
+    """
     providers, records = list(providers), list(records)
     reports = []
     for cls in provider_classes():

@@ -110,7 +110,8 @@ class AWSProvider(Provider):
     ) -> str:
         """Instances tagged by this product that no live pool owns, in ``--region`` (default:
         boto3's): listed, or with ``yes`` terminated with the rest of their pools (key pairs,
-        security and placement groups)."""
+        security and placement groups).
+        """
         assert isinstance(options, AWSOptions), options
         ec2, _, region = clients(options.region, extra.get("endpoint_url"))
         tags = {str(r.get("pool_tag", "")) for r in live}

@@ -113,7 +113,8 @@ ON_DEMAND_USD_PER_HOUR: Mapping[str, Mapping[str, float]] = {
 
 def gpu_choices(gpu: str) -> tuple[InstanceChoice, ...]:
     """The types carrying ``gpu``, read by model: a memory size picks that model's variant
-    (``A100 80GB``), without one the model's first entry (``A100``)."""
+    (``A100 80GB``), without one the model's first entry (``A100``).
+    """
     matches = [name for name in GPU_TYPES if same_gpu(gpu, name)]
     exact = [name for name in matches if gpu_memory(name) == gpu_memory(gpu)]
     found = exact or matches

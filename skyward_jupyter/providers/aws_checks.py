@@ -75,7 +75,8 @@ def check_type(ec2: EC2Client, region: str, instance_type: str, gpu: str | None)
 
 def _named(gpu: Any) -> str:
     """EC2's name for a GPU with its memory (``A100 80GB``): the model alone does not tell the
-    80 GB A100 from the 40 GB one."""
+    80 GB A100 from the 40 GB one.
+    """
     mib = gpu.get("MemoryInfo", {}).get("SizeInMiB")
     return f"{gpu.get('Name', '')} {round(mib / 1024)}GB" if mib else str(gpu.get("Name", ""))
 

@@ -71,7 +71,8 @@ def teardown_pool(
     ec2: EC2Client, pool_tag: str, timeout: float = 600.0, poll: float = 5.0
 ) -> list[str]:
     """Terminate the pool's instances, delete its key pair, security group and placement group,
-    and wait until they are gone. Returns what was removed; raises what could not be."""
+    and wait until they are gone. Returns what was removed; raises what could not be.
+    """
     removed: list[str] = []
     failures: list[str] = []
     deadline = time.monotonic() + timeout
@@ -182,7 +183,8 @@ def find_orphans(ec2: EC2Client, live_pools: set[str], owner: str | None) -> lis
 
 def sweep(ec2: EC2Client, region: str, live_pools: set[str], owner: str | None, yes: bool) -> str:
     """``%sky sweep``: list the orphans (of ``owner``; None: anyone's), or with ``yes`` end
-    their pools whole (instances, key pairs, security and placement groups)."""
+    their pools whole (instances, key pairs, security and placement groups).
+    """
     orphans = find_orphans(ec2, live_pools, owner)
     whose = "anyone's" if owner is None else owner
     if not orphans:

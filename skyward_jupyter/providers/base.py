@@ -36,7 +36,8 @@ died, or its machine is cut off)."""
 def notebook_silence(heartbeat_timeout: float) -> float:
     """How long the ranks of a pool with ``--heartbeat-timeout`` wait for a silent notebook: a
     rank gives up on the notebook later than the notebook on a silent rank (a large value on its
-    way down delays the notebook's beats behind it)."""
+    way down delays the notebook's beats behind it).
+    """
     return max(heartbeat_timeout, NOTEBOOK_SILENCE)
 
 
@@ -59,7 +60,8 @@ def option(
     """A field of a :class:`ProviderOptions` that users give as ``--flag`` (the field's name
     with dashes unless ``flag``). ``kwargs`` are argparse's: ``type`` parses one value,
     ``action="append"`` repeats it (the field holds a tuple), ``action="store_true"`` makes a
-    switch; ``limit`` is the range a number must be in, however the options were made."""
+    switch; ``limit`` is the range a number must be in, however the options were made.
+    """
     if limit is not None:
         kwargs.setdefault("type", ranged(limit))
     return field(default=default, metadata={_OPTION: (help, flag, limit, kwargs)})
@@ -74,7 +76,8 @@ class ProviderOptions:
     partition): a frozen dataclass of the provider's, held by the pool's spec. Its fields made
     with :func:`option` are the provider's ``--flags``: the magics' parser, ``%%sky?`` (under
     the provider's name), ``%sky config`` and the choice of provider read them from here.
-    Other fields are settings users never give (timeouts, a test's endpoint)."""
+    Other fields are settings users never give (timeouts, a test's endpoint).
+    """
 
     def __post_init__(self) -> None:
         """Every number in its range, whichever way the options were made."""
@@ -99,7 +102,8 @@ class ProviderOptions:
     def from_given(cls: type[P], given: Mapping[str, Any], base: P | None = None) -> P:
         """``base`` (or the defaults) with the options in ``given`` (a flag's dest -> the text
         it was given, None: not given), each parsed by its own parser; :class:`ProviderError`
-        naming the flag for a bad value."""
+        naming the flag for a bad value.
+        """
         changes = {}
         for name, flag in cls.declared().items():
             if given.get(flag.dest) is not None:
@@ -111,7 +115,8 @@ class ProviderOptions:
 
     def shown(self) -> dict[str, Any]:
         """``--flag`` -> value, for the options given other than their defaults (what a
-        replacement says changed)."""
+        replacement says changed).
+        """
         defaults = {each.name: each.default for each in fields(self)}
         return {
             flag.flag: getattr(self, name)
@@ -162,7 +167,8 @@ class RankProcess(Protocol):
 
 class StderrTail:
     """The last lines a rank wrote outside its wire (start-up failures, a watchdog's exit),
-    read as they come: what :meth:`RankProcess.diagnostics` says when the rank is lost."""
+    read as they come: what :meth:`RankProcess.diagnostics` says when the rank is lost.
+    """
 
     def __init__(self, lines: int = 40) -> None:
         self._lines: collections.deque[str] = collections.deque(maxlen=lines)
@@ -171,7 +177,8 @@ class StderrTail:
     def follow(self, stream: Any, ends: tuple[type[BaseException], ...] = ()) -> None:
         """Read ``stream`` to its end: a stream with ``read(n)`` in chunks (a line too long
         for asyncio's line reader must not stop the draining), else by iterating it. The
-        errors in ``ends`` end it too (a dropped channel: how the rank ended is told elsewhere)."""
+        errors in ``ends`` end it too (a dropped channel: how the rank ended is told elsewhere).
+        """
 
         async def chunks() -> AsyncIterator[bytes]:
             if hasattr(stream, "read"):
@@ -203,7 +210,8 @@ class StderrTail:
 
 class Progress(Protocol):
     """How provisioning goes, for the panel: a step of the pool (``node`` None) or of one node
-    (``state``: provisioning, booting, connecting). Callable from any thread."""
+    (``state``: provisioning, booting, connecting). Callable from any thread.
+    """
 
     def __call__(
         self, text: str, node: int | None = None, state: RankState | None = None
@@ -285,7 +293,8 @@ class Provider(abc.ABC):
     def from_spec(cls, spec: PoolSpec, pool_name: str, extra: Mapping[str, Any]) -> Provider:
         """The provider for ``spec``, or :class:`ProviderError` naming the bad option.
 
-        ``extra`` holds settings users never give (tests: an endpoint URL)."""
+        ``extra`` holds settings users never give (tests: an endpoint URL).
+        """
 
     @classmethod
     def check(cls, spec: PoolSpec) -> None:
@@ -295,13 +304,15 @@ class Provider(abc.ABC):
 
         The session calls it before a running pool is touched, so a description that cannot
         work never costs the pool it would replace. Starting still checks what only the
-        machines can tell. The default checks nothing."""
+        machines can tell. The default checks nothing.
+        """
         return
 
     @classmethod
     def settle(cls, spec: PoolSpec) -> PoolSpec:
         """Complete a spec from what it implies (one node per named host), or refuse options
-        that clash (:class:`ProviderError`); called whenever options make a spec."""
+        that clash (:class:`ProviderError`); called whenever options make a spec.
+        """
         return spec
 
     @classmethod
@@ -312,13 +323,15 @@ class Provider(abc.ABC):
     @classmethod
     def same_machines(cls, old: ProviderOptions, new: ProviderOptions) -> bool:
         """Whether a pool with options ``new`` replacing one with ``old`` runs on some of the
-        same machines (their copies of the synced directories then stay for it)."""
+        same machines (their copies of the synced directories then stay for it).
+        """
         return False
 
     @classmethod
     def prewarm(cls) -> None:
         """Get ready for a first pool while the user writes the first cell (called in a thread
-        when the extension loads, for the default provider)."""
+        when the extension loads, for the default provider).
+        """
         return
 
     @property
@@ -339,7 +352,8 @@ class Provider(abc.ABC):
     ) -> dict[int, NodeEnvironment]:
         """Give every node the environment of ``packages`` (``--pip``, ``--requirements``),
         before any rank starts; node index -> its environment. Raises
-        :class:`~skyward_jupyter.environments.PackagesError` naming the node and the reason."""
+        :class:`~skyward_jupyter.environments.PackagesError` naming the node and the reason.
+        """
         raise ProviderError(f"the {self.name} provider installs no packages on its nodes")
 
     @abc.abstractmethod
@@ -348,7 +362,8 @@ class Provider(abc.ABC):
 
     async def clean(self) -> list[str]:
         """``%sky clean``: remove, on the nodes, the caches no running pool uses (the shipped
-        package, copies of synced directories); one line per node saying what went."""
+        package, copies of synced directories); one line per node saying what went.
+        """
         raise ProviderError(
             f"%sky clean: the {self.name} provider keeps no caches on its nodes; name the "
             "hosts to clean with their provider's options (%sky clean --help)"
@@ -359,7 +374,8 @@ class Provider(abc.ABC):
     def record(self, pids: Mapping[int, Sequence[int]]) -> dict[str, Any]:
         """What the registry keeps so that :meth:`reap` can end the pool without its kernel.
 
-        ``pids``: node index -> the pids of its ranks. No secrets: the record is a file."""
+        ``pids``: node index -> the pids of its ranks. No secrets: the record is a file.
+        """
         return {}
 
     @classmethod
@@ -381,5 +397,6 @@ class Provider(abc.ABC):
 
         ``live``: the :meth:`record` of every live pool of this provider; ``options``: its own
         options as ``%sky sweep`` (over the configured defaults) gives them (where to look).
-        None when the provider leaves nothing behind to sweep."""
+        None when the provider leaves nothing behind to sweep.
+        """
         return None

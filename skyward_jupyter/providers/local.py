@@ -430,7 +430,8 @@ class LocalProvider(Provider):
         self, nodes: Sequence[Node], packages: Packages, progress: Progress
     ) -> dict[int, NodeEnvironment]:
         """One environment on this machine serves every local node: found cached without a
-        process, else built by the node-side builder run here."""
+        process, else built by the node-side builder run here.
+        """
 
         def say(text: str) -> None:
             for node in nodes:
@@ -447,7 +448,8 @@ class LocalProvider(Provider):
 
     async def clean(self) -> list[str]:
         """``%sky clean`` here: the package environments (``--pip``) no running rank uses, and
-        the wheels downloaded for ``--ship-wheels``."""
+        the wheels downloaded for ``--ship-wheels``.
+        """
         removed, kept = await asyncio.to_thread(node_environments.clean, wheels_root())
         envs = sum(1 for path, _ in removed if path.parent != wheels_root())
         parts = [f"{envs} package environment{'s' * (envs != 1)}"] if envs else []

@@ -33,7 +33,8 @@ torch reads the others when the process group forms)."""
 
 def differs_at_import(env: Mapping[str, str], base: Mapping[str, str]) -> bool:
     """Whether ``env`` changes what a process read at start-up or when torch was imported,
-    against ``base`` (the template's environment): then a rank cannot be forked from it."""
+    against ``base`` (the template's environment): then a rank cannot be forked from it.
+    """
     return any(
         k.startswith(IMPORT_TIME_PREFIXES) and base.get(k) != v
         for k, v in env.items()

@@ -99,7 +99,8 @@ class RankHost:
 
     def kill(self) -> None:
         """The rank, with every process below it (what its cells detached too), and its
-        private directory."""
+        private directory.
+        """
         end_rank(self._proc.pid, self._run_id)
 
 
@@ -370,7 +371,8 @@ class RayProvider(Provider):
     @classmethod
     def reap(cls, record: Mapping[str, Any]) -> ReapReport:
         """Nothing to do: the placement group and actors belonged to the kernel's Ray job,
-        which Ray ended with the kernel."""
+        which Ray ended with the kernel.
+        """
         group = record.get("placement_group") or "(none)"
         return ReapReport(
             notes=[f"Ray ended placement group {group} and its actors with the kernel's job"]

@@ -170,7 +170,8 @@ class SlurmRank:
 
 def gres_gpu_types(gres: str) -> list[str]:
     """The GPU types in a node's ``Gres`` (``gpu:h100:8(S:0-1),gpu:a100:2``): ``["h100",
-    "a100"]``; ``""`` for GPUs given without a type."""
+    "a100"]``; ``""`` for GPUs given without a type.
+    """
     types = []
     for item in gres.split(","):
         parts = item.split("(")[0].split(":")
@@ -181,7 +182,8 @@ def gres_gpu_types(gres: str) -> list[str]:
 
 def check_gres_gpu(node: str, gres: str, asked: str | None) -> str | None:
     """``--gpu``: the node's GRES names that model (compared by model: ``nvidia_h100_80gb_hbm3``
-    is H100); its GPU type for the panel. A GRES without types cannot tell the model: accepted."""
+    is H100); its GPU type for the panel. A GRES without types cannot tell the model: accepted.
+    """
     types = gres_gpu_types(gres)
     named = [t for t in types if t]
     if asked and not types:
@@ -210,7 +212,8 @@ class SlurmProvider(Provider):
     @classmethod
     def from_spec(cls, spec: PoolSpec, pool_name: str, extra: Mapping[str, Any]) -> Provider:
         """The job's options; ``--gpu`` needs ``--gpus-per-node`` (a job gets only the GPUs it
-        asks for), and those must carry the ranks NCCL would run."""
+        asks for), and those must carry the ranks NCCL would run.
+        """
         options = _own(spec)
         gpu = None if spec.gpu == NO_GPU else spec.gpu
         if gpu and not options.gpus_per_node:

@@ -139,7 +139,8 @@ OPENSSH_IDENTITIES = (
 
 def _unloadable_key(host: Host, identity: str | None, exc: Exception) -> ProviderError:
     """A private key that cannot be loaded, named with what to do (asyncssh's error names no
-    file, and without ``--identity`` the user may not know which of the defaults it read)."""
+    file, and without ``--identity`` the user may not know which of the defaults it read).
+    """
     if identity:
         return ProviderError(
             f"{host}: cannot load the SSH key {identity} given by --identity ({exc}); "
@@ -222,7 +223,8 @@ class Sessions:
 
     OpenSSH allows 10 sessions per connection by default, and some hosts fewer; a node with
     more ranks (one session each) than that, plus the commands that manage them, would fail
-    with "Session request failed". A refused session opens another connection instead."""
+    with "Session request failed". A refused session opens another connection instead.
+    """
 
     def __init__(self, host: Host, first: asyncssh.SSHClientConnection, connect: Connect) -> None:
         self.host = host
@@ -286,7 +288,8 @@ class SSHProvider(Provider):
     @classmethod
     def check(cls, spec: PoolSpec) -> None:
         """The key and known_hosts files named must be readable here (the hosts themselves are
-        reached only when the pool starts: a name may be an alias of the SSH configuration)."""
+        reached only when the pool starts: a name may be an alias of the SSH configuration).
+        """
         options = _own(spec)
         files = (("--identity", options.identity), ("--known-hosts", options.known_hosts))
         for flag, path in files:
@@ -327,7 +330,8 @@ class SSHProvider(Provider):
     @classmethod
     def reap(cls, record: Mapping[str, Any]) -> ReapReport:
         """Nothing to do from here: the ranks ended when their SSH channel closed, which the
-        kernel's end did (and their heartbeat watchdog backs that up)."""
+        kernel's end did (and their heartbeat watchdog backs that up).
+        """
         hosts = ", ".join(str(h.get("host")) for h in record.get("hosts") or ())
         return ReapReport(
             notes=[
@@ -540,7 +544,8 @@ class SSHProvider(Provider):
         self, nodes: Sequence[Node], packages: Packages, progress: Progress
     ) -> dict[int, NodeEnvironment]:
         """Every host builds (or finds cached) the environment, all at once; the first host
-        that fails fails the start, naming itself and the installer's reason."""
+        that fails fails the start, naming itself and the installer's reason.
+        """
 
         sent: tuple[str, bytes] | None = None
         if packages.wheels:
@@ -603,7 +608,8 @@ class SSHProvider(Provider):
 
     async def clean(self) -> list[str]:
         """``%sky clean``: on every host, remove the package's cache and the sync copies that
-        no running pool uses; one line per host saying what went and how much."""
+        no running pool uses; one line per host saying what went and how much.
+        """
         return list(
             await asyncio.gather(
                 *(
@@ -627,7 +633,8 @@ class SSHProvider(Provider):
 async def _pid(host: Host, process: Any) -> int | None:
     """The rank's first line: its pid, which ending it needs (the command that ends its tree
     and removes its private directory, run over the connection); None when the channel closed
-    before a word (the channel is then closed)."""
+    before a word (the channel is then closed).
+    """
     try:
         first = await asyncio.wait_for(process.stdout.readline(), 30)
         if not first:

@@ -28,7 +28,8 @@ Connect = Callable[["Host"], Awaitable[asyncssh.SSHClientConnection]]
 
 async def clean_host(host: Host, connect: Connect, python: str, cache_dir: str) -> str:
     """One line for ``host``: what was removed (and how much), what was kept as in use, or why
-    nothing could be done there."""
+    nothing could be done there.
+    """
     try:
         return await _clean(host, connect, python, cache_dir)
     except ProviderError as exc:

@@ -34,14 +34,16 @@ def known_hosts_file(configured: str | None) -> Path:
 
 def host_pattern(host: Host) -> str:
     """The host as OpenSSH writes it in known_hosts: ``host`` on port 22, ``[host]:port``
-    otherwise."""
+    otherwise.
+    """
     return host.host if host.port == 22 else f"[{host.host}]:{host.port}"
 
 
 def _entries(path: Path, host: Host) -> tuple[list[asyncssh.SSHKey], list[asyncssh.SSHKey], bool]:
     """The host keys and revoked keys ``path`` holds for the host, and whether it has any entry
     that could verify it. Matched by asyncssh's own matcher (plain and hashed ``|1|`` names,
-    patterns), so this and the strict check that follows agree on whether a host is known."""
+    patterns), so this and the strict check that follows agree on whether a host is known.
+    """
     try:
         text = path.read_text() if path.exists() else ""
         known = asyncssh.import_known_hosts(text)
@@ -55,7 +57,8 @@ def _entries(path: Path, host: Host) -> tuple[list[asyncssh.SSHKey], list[asyncs
 
 async def _offered(host: Host, algs: Sequence[str], timeout: float) -> asyncssh.SSHKey:
     """The key the host offers in a handshake (of one of ``algs``, when given); nothing is
-    authenticated or trusted on this connection."""
+    authenticated or trusted on this connection.
+    """
     key = await asyncio.wait_for(
         asyncssh.get_server_host_key(host.host, host.port, server_host_key_algs=algs or ()),
         timeout,
@@ -68,7 +71,8 @@ async def _offered(host: Host, algs: Sequence[str], timeout: float) -> asyncssh.
 def _record(path: Path, host: Host, key: asyncssh.SSHKey) -> None:
     """Append ``key`` for the host to ``path`` in OpenSSH's format, unless an entry appeared
     meanwhile (the same host twice in one pool), so a host is recorded once. No await between
-    the check and the write, so connections in this event loop cannot interleave."""
+    the check and the write, so connections in this event loop cannot interleave.
+    """
     _, revoked, known = _entries(path, host)
     if known:
         return  # recorded meanwhile; the strict check decides
@@ -89,7 +93,8 @@ def _record(path: Path, host: Host, key: asyncssh.SSHKey) -> None:
 async def record_if_new(path: Path, host: Host, timeout: float) -> None:
     """Record the key an unknown host offers in ``path``; a host with an entry is left alone.
     The caller connects strictly against ``path`` afterwards, so the recorded key is the only
-    one that connection (or any later one) accepts."""
+    one that connection (or any later one) accepts.
+    """
     if _entries(path, host)[2]:
         return
     _record(path, host, await _offered(host, (), timeout))
@@ -98,7 +103,8 @@ async def record_if_new(path: Path, host: Host, timeout: float) -> None:
 async def changed_key(path: Path, host: Host, timeout: float) -> ProviderError | None:
     """After the strict check refused the host: an error naming the recorded and the offered
     fingerprints when the host offers a key other than the one recorded; None when it cannot be
-    told (nothing recorded, the host unreachable now), so the caller's own error stands."""
+    told (nothing recorded, the host unreachable now), so the caller's own error stands.
+    """
     recorded = _entries(path, host)[0]
     if not recorded:
         return None

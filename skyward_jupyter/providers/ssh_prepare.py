@@ -150,7 +150,8 @@ async def unpack(
 ) -> bool:
     """Unpack ``tarball`` (gzipped tar) into ``target`` on the host: in a fresh directory,
     renamed into place, so that no reader sees it half-written. False when another pool put it
-    there first."""
+    there first.
+    """
     staging = f"{target}.{secrets.token_hex(4)}"
     steps = " && ".join(
         [

@@ -148,7 +148,8 @@ def shutdown_requested(directory: Path, pool_id: str) -> bool:
 
 def live_teardowns(directory: Path | None = None) -> list[dict[str, Any]]:
     """The ``teardown`` of every recorded pool whose owner process is alive: what a sweep
-    must spare, whichever kernel of this machine owns it."""
+    must spare, whichever kernel of this machine owns it.
+    """
     live = []
     for record in read_records(directory or registry_dir()):
         owner = record.get("owner") or {}

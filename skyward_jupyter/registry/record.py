@@ -65,7 +65,8 @@ def pool_record(
     ready_at: float | None,
 ) -> dict[str, Any]:
     """What the registry says of a pool now; its ``teardown`` is what the pool's provider
-    needs to end the pool without its kernel, and names the module that defines it."""
+    needs to end the pool without its kernel, and names the module that defines it.
+    """
     pool = entry.pool
     ranks = pool.ranks
     nodes = []

@@ -71,7 +71,8 @@ def public(
     notebooks: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """The API's pool for ``record``; ``notebooks`` maps this server's kernel ids to the paths
-    of their notebooks (its sessions)."""
+    of their notebooks (its sessions).
+    """
     now = time.time() if now is None else now
     owner = record["owner"]
     alive = owner_alive(record)
@@ -109,7 +110,8 @@ def public(
 def stamp(pools: Iterable[dict[str, Any]]) -> str:
     """A short digest of what the listing says, less what changes with the clock alone (uptime,
     cost, when the record was last rewritten): the panel asks for it often and for the listing
-    only when it changes."""
+    only when it changes.
+    """
     clock = ("uptime_s", "cost", "updated_at")
     steady = [{k: v for k, v in p.items() if k not in clock} for p in pools]
     return hashlib.sha1(json.dumps(steady, sort_keys=True).encode()).hexdigest()[:16]
