@@ -97,8 +97,8 @@ def rank_set(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected ranks such as 0, 0,2 or 0,2-3, got {text!r}")
     found: set[int] = set()
     for part in text.replace(" ", "").split(","):
-        first, _, last = part.partition("-")
-        low, high = int(first), int(last or first)
+        ends = part.split("-")  # one or two: the pattern above allows no more
+        low, high = int(ends[0]), int(ends[-1])
         if high < low:
             raise argparse.ArgumentTypeError(f"{part}: a range goes up, as in {high}-{low}")
         if high >= MAX_RANKS:
