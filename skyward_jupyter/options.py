@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
 import os
 import re
 from collections.abc import Collection, Sequence
@@ -83,10 +84,12 @@ def _provider(text: str) -> str:
     return text
 
 
-def provider_groups() -> list[tuple[str, list[Option]]]:
+@functools.cache
+def provider_groups() -> tuple[tuple[str, tuple[Option, ...]], ...]:
     """Each installed provider's own options, under its name, as the magics take them (their
     text, which the provider parses once it is known). A flag several providers declare is
-    shown once, under all their names, with what it means to each.
+    shown once, under all their names, with what it means to each. Made once per process, as
+    the providers are found once (every cell's options read it).
     """
     owners: dict[str, list[tuple[str, Option]]] = {}
     pool = {o.flag for o in POOL_OPTIONS}
@@ -115,7 +118,7 @@ def provider_groups() -> list[tuple[str, list[Option]]]:
         title = f"{', '.join(name for name, _ in declared)} provider"
         text = first.as_text()
         groups.setdefault(title, []).append(Option(flag, help, text.kwargs))
-    return list(groups.items())
+    return tuple((title, tuple(found)) for title, found in groups.items())
 
 
 POOL_EXAMPLES = (("--nodes 2", "two ranks, torch.distributed ready"),)
@@ -137,7 +140,7 @@ def grouped(
     if cell:
         groups.append(("output", list(cell)))
     if providers:
-        groups += provider_groups()
+        groups += [(title, list(found)) for title, found in provider_groups()]
     return [(title, found) for title, found in groups if found]
 
 
