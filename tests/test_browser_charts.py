@@ -14,7 +14,7 @@ import pytest
 
 from .conftest import agent_pids, wait_for
 from .lab import Lab, chromium_page, jupyter_lab, picture, screenshot
-from .test_browser import ALL_PROMPTS_NUMBERED, _run_all_cells
+from .test_browser import _run_all_cells, wait_until_all_cells_ran
 
 STEPS = 60
 TRAINING = f"""%%sky --nodes 2
@@ -74,7 +74,7 @@ def test_a_chart_shows_a_steps_values_on_hover_and_a_log_scale(lab: Lab) -> None
         )
         try:
             _run_all_cells(page)
-            page.wait_for_function(ALL_PROMPTS_NUMBERED, timeout=120_000)
+            wait_until_all_cells_ran(page)
             charts = page.locator(".sky-panel .sky-charts").first
             chart = charts.locator(".sky-chart[data-metric='loss']")
             chart.wait_for(timeout=30_000)
