@@ -88,6 +88,7 @@ from common import (
     machine_info,
     machine_line,
     ratios,
+    rotated,
     run_torchrun,
     spread_row,
     version,
@@ -228,11 +229,6 @@ def _report(path: Path, what: str) -> dict[str, Any]:
     return report
 
 
-def _rotated(sides: Sequence[str], i: int) -> list[str]:
-    k = i % len(sides)
-    return [*sides[k:], *sides[:k]]
-
-
 def _check_threads(what: str, reports: dict[str, dict[str, Any]]) -> None:
     threads = {side: r["torch_threads"] for side, r in reports.items()}
     if len(set(threads.values())) != 1:
@@ -256,7 +252,7 @@ def compare_steps(
     for i in range(reps + 1):
         counted = i > 0
         reports: dict[str, dict[str, Any]] = {}
-        for name in _rotated(names, i):
+        for name in rotated(names, i):
             with contextlib.suppress(FileNotFoundError):
                 out.unlink()
             seconds = sides[name](script, [str(out), *argv])
@@ -268,7 +264,7 @@ def compare_steps(
         _check_threads(what, reports)
         threads = {n: {k: reports[n].get(k) for k in THREAD_KEYS} for n in names}
         label = f"rep {i}/{reps}" if counted else "warm-up"
-        cells = ", ".join(f"{n} {reports[n]['steps_per_s']:.1f}" for n in _rotated(names, i))
+        cells = ", ".join(f"{n} {reports[n]['steps_per_s']:.1f}" for n in rotated(names, i))
         print(f"  {what} {label}: steps/s {cells}", file=sys.stderr, flush=True)
     base = names[0]
     return {
@@ -317,7 +313,7 @@ def compare_wall(
     samples: dict[str, list[float]] = {n: [] for n in sides}
     for i in range(reps + 1):
         times: dict[str, float] = {}
-        for name in _rotated(list(sides), i):
+        for name in rotated(list(sides), i):
             with contextlib.suppress(FileNotFoundError):
                 out.unlink()
             times[name] = sides[name]()

@@ -46,6 +46,7 @@ from common import (
     machine_info,
     machine_line,
     ratios,
+    rotated,
     run_torchrun,
     spread_row,
 )
@@ -126,11 +127,6 @@ def _report(path: Path, what: str, gpus: int) -> dict[str, Any]:
     return report
 
 
-def _rotated(sides: Sequence[str], i: int) -> list[str]:
-    k = i % len(sides)
-    return [*sides[k:], *sides[:k]]
-
-
 def compare_steps(nb: Notebook, gpus: int, args: Any, out: Path) -> dict[str, Any]:
     """(a): steps/s of the DDP loop under torchrun and in a cell, interleaved."""
     argv = [str(out), "--steps", str(args.steps), "--warmup", str(args.warmup)]
@@ -142,7 +138,7 @@ def compare_steps(nb: Notebook, gpus: int, args: Any, out: Path) -> dict[str, An
     samples: dict[str, list[float]] = {n: [] for n in sides}
     for i in range(args.reps + 1):
         seen = {}
-        for name in _rotated(list(sides), i):
+        for name in rotated(list(sides), i):
             with contextlib.suppress(FileNotFoundError):
                 out.unlink()
             sides[name]()
@@ -169,7 +165,7 @@ def compare_first(nb: Notebook, gpus: int, args: Any) -> dict[str, Any]:
     samples: dict[str, list[float]] = {"torchrun": [], "pool": []}
     for i in range(args.first_reps + 1):
         seen = {}
-        for name in _rotated(list(samples), i):
+        for name in rotated(list(samples), i):
             if name == "torchrun":
                 seen[name] = run_torchrun(FIRST_SCRIPT, [], gpus, args.timeout)
             else:

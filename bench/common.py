@@ -59,6 +59,12 @@ class Summary:
         return cls(len(ordered), statistics.median(ordered), ordered[0], ordered[-1], p10, p90)
 
 
+def rotated(sides: Sequence[str], i: int) -> list[str]:
+    """The sides' order in round ``i``: rotated each round, so no side always goes first."""
+    k = i % len(sides)
+    return [*sides[k:], *sides[:k]]
+
+
 BOOTSTRAP_RESAMPLES = 2000
 
 
