@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from .completion import rank_names_matcher
 from .display import values
 from .display.views import PoolViews
 from .magics import SkyMagics
@@ -13,6 +14,7 @@ from .registry import Registry
 from .session import Session
 
 _SESSION_ATTR = "_skyward_session"
+_MATCHER_ATTR = "_skyward_matcher"
 
 
 def load(shell: Any) -> None:
@@ -27,6 +29,9 @@ def load(shell: Any) -> None:
     registry.attach(views.request_shutdown)
     setattr(shell, _SESSION_ATTR, session)
     shell.register_magics(SkyMagics(shell, session))
+    matcher = rank_names_matcher(session)  # Tab completes the head rank's names too
+    shell.Completer.custom_matchers.append(matcher)
+    setattr(shell, _MATCHER_ATTR, matcher)
     values.register(shell)
     # Get the default provider ready (the local one: torch imported in its rank template) while
     # the user writes the first cell.
@@ -39,3 +44,7 @@ def unload(shell: Any) -> None:
     if session is not None:
         session.down_all()
         setattr(shell, _SESSION_ATTR, None)
+    matcher = getattr(shell, _MATCHER_ATTR, None)
+    if matcher in shell.Completer.custom_matchers:
+        shell.Completer.custom_matchers.remove(matcher)
+    setattr(shell, _MATCHER_ATTR, None)

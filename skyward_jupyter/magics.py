@@ -250,6 +250,10 @@ class SkyMagics(Magics):
     def _stacks(self, args: argparse.Namespace) -> None:
         print(self.session.stacks(args.name))
 
+    @_handles("who")
+    def _who(self, args: argparse.Namespace) -> None:
+        print(self.session.who(args.name, args.ranks))
+
     @_handles("restart")
     def _restart(self, args: argparse.Namespace) -> None:
         self.session.restart(args.name)

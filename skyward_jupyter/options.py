@@ -391,6 +391,20 @@ COMMANDS: tuple[Command, ...] = (
         positionals=(("name", {"nargs": "?", "type": identifier}),),
     ),
     Command(
+        "who",
+        "[NAME] [--ranks RANKS]",
+        "the names bound on the head (or on --ranks), as %whos lists the notebook's: type, and "
+        "shape, dtype and device for tensors and arrays",
+        extra=(
+            Option(
+                "--ranks",
+                "list these ranks' names (0, 0,2-3; default: the head)",
+                {"type": rank_set, "metavar": "RANKS"},
+            ),
+        ),
+        positionals=(("name", {"nargs": "?", "type": identifier}),),
+    ),
+    Command(
         "restart",
         "[NAME]",
         "fresh rank processes and worlds on the same machines (forked from warm templates)",

@@ -3,7 +3,8 @@
 All IO happens on the pool's own asyncio thread (:mod:`.io_thread`); the blocking API below
 hands work to it, and a KeyboardInterrupt while the caller waits reaches every rank. The ranks
 and their process group are :mod:`.ranks`; ranks failing during a cell, :mod:`.failure_policy`;
-hangs, :mod:`.doctor`; what leaves the notebook once, :mod:`.transfer`.
+hangs, :mod:`.doctor`; what leaves the notebook once, :mod:`.transfer`; the names the ranks
+bind, :mod:`.rank_names`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from . import doctor, limits, relay_keys, wire
+from . import doctor, limits, rank_names, relay_keys, wire
 from . import protocol as p
 from .checked_source import CheckedSource
 from .environments import NodeEnvironment, Packages
@@ -318,6 +319,24 @@ class Pool:
             return doctor.report(answers.result(timeout=doctor.STACKS_TIMEOUT + 10))
         except TimeoutError:
             raise PoolError(f"pool {self.name!r}: its IO thread did not answer") from None
+
+    def names(
+        self, ranks: Sequence[int], path: tuple[str, ...], timeout: float
+    ) -> dict[int, p.Names | None]:
+        """What each of ``ranks`` binds (``path``: the attributes of that object there), also
+        while a cell runs; None for a rank with no answer by ``timeout``, when the caller stops
+        waiting, whatever the IO thread is doing.
+        """
+        io = self._io
+        if io is None or self._closing:
+            raise PoolError(f"pool {self.name!r} is not running")
+        targets = [self._ranks.all[r] for r in self.check_ranks(ranks)]
+        answers = io.submit(rank_names.ask(self._ranks, targets, path, timeout))
+        try:
+            return answers.result(timeout=timeout)
+        except TimeoutError:
+            answers.cancel()
+            return dict.fromkeys((r.index for r in targets), None)
 
     def interrupt(self) -> None:
         """Interrupt the running cell on every rank (a second call kills what is still running)."""

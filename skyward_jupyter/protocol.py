@@ -314,6 +314,18 @@ class StackRequest:
 
 
 @message
+class NamesRequest:
+    """Answer with :class:`Names` now (the reader thread answers, also mid-cell): the names the
+    rank's namespace binds, or the attributes of the object at ``path`` in it.
+    """
+
+    request: int
+    path: tuple[str, ...] = ()
+    """Attribute names from the namespace down (``("model", "fc")``: ``model.fc``'s
+    attributes); empty: the namespace's own names."""
+
+
+@message
 class InputReply:
     """The notebook's answer to :class:`InputRequest`: the line typed, or why there is none."""
 
@@ -383,6 +395,32 @@ class Stacks:
     where: str | None = None
     waited: float = 0.0
     request: int = 0
+
+
+@message
+class Name:
+    """One name of a rank's namespace, without its value: its type and, for a tensor or an
+    array, its shape, dtype and device (None for anything else).
+    """
+
+    name: str
+    type_name: str
+    kind: str
+    """What IPython calls its completions: ``module``, ``class``, ``function`` or ``instance``."""
+    shape: tuple[int, ...] | None = None
+    dtype: str | None = None
+    device: str | None = None
+
+
+@message
+class Names:
+    """The answer to :class:`NamesRequest`: the namespace's names (each a :class:`Name`), or
+    an object's attribute names (``dir()``: names only, kind and type left empty), or why not.
+    """
+
+    request: int
+    names: tuple[Name, ...] = ()
+    error: str | None = None
 
 
 @message
@@ -476,18 +514,18 @@ class CellDone:
     stop."""
 
 
-Answer = Hello | CellDone | GroupPort | GroupState | Synced | Stacks
+Answer = Hello | CellDone | GroupPort | GroupState | Synced | Stacks | Names
 """What the pool waits for from a rank, each the answer to one request: :class:`Hello` to the
 rank's start, :class:`CellDone` to :class:`RunCell`, :class:`GroupPort` (the head's) and
 :class:`GroupState` to :class:`FormGroup`, :class:`Synced` to :class:`SyncFiles`,
-:class:`Stacks` to :class:`StackRequest`."""
-ANSWERS = (Hello, CellDone, GroupPort, GroupState, Synced, Stacks)
+:class:`Stacks` to :class:`StackRequest`, :class:`Names` to :class:`NamesRequest`."""
+ANSWERS = (Hello, CellDone, GroupPort, GroupState, Synced, Stacks, Names)
 
 
 def request_of(answer: Answer) -> int | str | None:
     """Which request ``answer`` answers, among those of its type a rank may have pending: the
-    cell, the formation's generation, the synced directory's key, the stacks request; None for
-    the one :class:`Hello` of a rank's process.
+    cell, the formation's generation, the synced directory's key, the stacks or names request;
+    None for the one :class:`Hello` of a rank's process.
     """
     if isinstance(answer, CellDone):
         return answer.cell_id
@@ -495,6 +533,6 @@ def request_of(answer: Answer) -> int | str | None:
         return answer.generation
     if isinstance(answer, Synced):
         return answer.key
-    if isinstance(answer, Stacks):
+    if isinstance(answer, Stacks | Names):
         return answer.request
     return None

@@ -27,9 +27,10 @@ from .mirror import modules_in, notebook_requirements
 from .observers import NoViews, PoolListener, Views
 from .options import StdoutMode
 from .pool import Pool
-from .protocol import Script, cell_filename
+from .protocol import Names, Script, cell_filename
 from .providers import UnknownProvider, provider_class, sweep_all
 from .providers.base import ProviderError
+from .rank_names import table
 from .results import CellError, CellInterrupted, PoolError, RunResult
 from .spec import PoolSpec, SpecError
 from .status import status_text
@@ -38,6 +39,8 @@ from .status import status_text
 __all__ = ["USER_ERRORS", "CellInterrupted", "PoolSpec", "RunResult", "Session", "SessionError"]
 Announce = Callable[[str], None]
 T = TypeVar("T")
+WHO_TIMEOUT = 5.0
+"""Seconds each rank has to list its names for ``%sky who`` (its reader thread answers)."""
 
 
 class SessionError(Exception):
@@ -473,6 +476,24 @@ class Session:
     def stacks(self, name: str | None = None) -> str:
         """Every rank's Python stacks and the collective each waits in (``%sky stacks``)."""
         return self._require(name).pool.stacks()
+
+    def head_names(self, path: tuple[str, ...], timeout: float) -> Names | None:
+        """The current pool's head's names, or the attributes of ``path`` there (the notebook's
+        Tab completion); None when no pool is ready or the head did not answer by ``timeout``.
+        Never starts a pool, nor waits for another command of the session.
+        """
+        entry = self._pools.get(self.current or "")
+        if entry is None or not entry.pool.running:
+            return None
+        try:
+            return entry.pool.names((0,), path, timeout)[0]
+        except PoolError:  # it ended meanwhile
+            return None
+
+    def who(self, name: str | None = None, ranks: Sequence[int] | None = None) -> str:
+        """``%sky who``: the names the head (or ``ranks``) binds, a table per rank."""
+        answers = self._require(name).pool.names(ranks or (0,), (), WHO_TIMEOUT)
+        return "\n\n".join(table(r, answer, WHO_TIMEOUT) for r, answer in answers.items())
 
     def metrics(self, name: str | None = None) -> Any:
         """What ``log()`` recorded on a pool's ranks: (step, name, mean, min, max, ranks) rows."""

@@ -5,9 +5,10 @@ A message handed from one thread to another costs a thread's wake-up and the int
 changing hands, a large part of what a trivial cell costs a rank (BENCHMARKS.md, "Measurements
 behind the code"). So the idle main thread reads the next command itself. While it runs one (a
 cell, a rendezvous), the messages that must be answered at once (heartbeats, interrupts, stack
-requests, input replies) still need a reader: at the watchdog's next tick the reader thread takes
-the wire and reads until the command ends, queueing any command that comes meanwhile. A command
-shorter than a tick never wakes it; one that is longer hears an interrupt a tick later at most.
+and names requests, input replies) still need a reader: at the watchdog's next tick the reader
+thread takes the wire and reads until the command ends, queueing any command that comes
+meanwhile. A command shorter than a tick never wakes it; one that is longer hears an interrupt a
+tick later at most.
 
 While it waits, the main thread is a batch task (Linux's ``SCHED_BATCH``), and a normal one again
 as soon as a command is in: a waking rank then does not preempt the notebook thread that is still

@@ -6,7 +6,7 @@ Threads and their jobs:
   SIGINT aimed at this thread interrupts it like Ctrl-C in a terminal; while idle, it reads the
   wire itself (see :mod:`.inbox`);
 - reader: reads the wire while main runs a command (from the watchdog's next tick on), so
-  heartbeats, interrupts and stack requests are still answered while a cell runs;
+  heartbeats, interrupts, stack and names requests are still answered while a cell runs;
 - watchdog: sends heartbeats and batched metrics; lets the reader read when main is busy; exits
   the process when the notebook's heartbeat has been silent too long (its machine may be gone
   without closing the channel);
@@ -56,6 +56,7 @@ from .descendants import (
     remove_private_dir,
 )
 from .inbox import Inbox
+from .names import answer as names_answer
 from .output import FdCapture, PythonStreams
 from .process import UsageMeter, flush_c_stdio, set_process_name
 from .relay import RelayKeys
@@ -242,6 +243,9 @@ class Agent:
         if isinstance(message, p.StackRequest):
             stacks = self.watch.stacks()
             self.channel.send(dataclasses.replace(stacks, request=message.request))
+            return True
+        if isinstance(message, p.NamesRequest):
+            self.channel.send(names_answer(message, self.namespace.globals))
             return True
         if isinstance(message, p.InputReply):
             self.console.answer(message)

@@ -1,0 +1,69 @@
+"""What a rank's namespace binds, listed without its values: the notebook's Tab completion of
+the ranks' names and ``%sky who`` read it.
+
+It is answered on whichever thread reads the wire, also while a cell runs (see :mod:`.inbox`):
+it only reads the namespace (names, types, ``dir()``, a tensor's or an array's shape) and never
+pickles a value, so a large model costs no more to list than an int.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from .. import protocol as p
+
+
+def answer(request: p.NamesRequest, namespace: dict[str, Any]) -> p.Names:
+    """The namespace's names, or the attribute names of the object at ``request.path``."""
+    if not request.path:
+        bound = dict(namespace)  # one copy: a cell running on main may bind names meanwhile
+        return p.Names(request.request, tuple(_name(n, v) for n, v in bound.items()))
+    first, *rest = request.path
+    if first not in namespace:
+        return p.Names(request.request, error=f"{first!r} is not bound on this rank")
+    value = namespace[first]
+    where = first
+    try:
+        for attribute in rest:
+            value = getattr(value, attribute)
+            where += f".{attribute}"
+        found = dir(value)
+    # A property or __getattr__/__dir__ of the user's may raise anything: it is the answer.
+    except Exception as exc:  # noqa: BLE001
+        return p.Names(request.request, error=f"{where}: {type(exc).__name__}: {exc}")
+    return p.Names(request.request, tuple(p.Name(n, "", "") for n in found if isinstance(n, str)))
+
+
+def _name(name: str, value: Any) -> p.Name:
+    kind = (
+        "module"
+        if inspect.ismodule(value)
+        else "class"
+        if isinstance(value, type)
+        else "function"
+        if callable(value)
+        else "instance"
+    )
+    shape, dtype, device = _array(value)
+    return p.Name(name, type(value).__name__, kind, shape, dtype, device)
+
+
+def _array(value: Any) -> tuple[tuple[int, ...] | None, str | None, str | None]:
+    """A tensor's or an array's shape, dtype and device (a numpy array's is ``cpu``); Nones
+    for any other value. Read from any class that has ``shape`` and ``dtype`` (torch, numpy,
+    JAX, CuPy), without importing one.
+    """
+    cls = type(value)
+    if isinstance(value, type) or not (hasattr(cls, "shape") and hasattr(cls, "dtype")):
+        return None, None, None
+    try:
+        shape = tuple(int(d) for d in value.shape)
+        dtype = str(value.dtype).removeprefix("torch.")
+        device = getattr(value, "device", None)
+    # An object whose shape is not a tuple of sizes, or whose properties fail: no detail.
+    except Exception:  # noqa: BLE001
+        return None, None, None
+    if device is None and cls.__module__ == "numpy":
+        device = "cpu"
+    return shape, dtype, None if device is None else str(device)
