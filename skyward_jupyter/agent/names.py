@@ -42,7 +42,7 @@ def _name(name: str, value: Any) -> p.Name:
         else "class"
         if isinstance(value, type)
         else "function"
-        if callable(value)
+        if inspect.isroutine(value)
         else "instance"
     )
     shape, dtype, device = _array(value)
