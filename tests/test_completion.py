@@ -18,7 +18,7 @@ from .conftest import reply_of, wait_for
 from .test_magics import Kernel
 
 # Slow heartbeats allowed: the busy-head test holds the head's GIL while Tab is pressed.
-POOL = """%%sky --nodes 2 --heartbeat-timeout 30
+POOL = """%%sky --nodes 2 --heartbeat-timeout 120
 import torch
 model = torch.nn.Sequential(torch.nn.Linear(4, 3))
 model_steps = 3
