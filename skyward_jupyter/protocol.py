@@ -406,7 +406,8 @@ class Name:
     name: str
     type_name: str
     kind: str
-    """What IPython calls its completions: ``module``, ``class``, ``function`` or ``instance``."""
+    """What IPython calls its completions: ``module``, ``class``, ``function``, ``instance``
+    (an attribute: also ``property``)."""
     shape: tuple[int, ...] | None = None
     dtype: str | None = None
     device: str | None = None
@@ -415,7 +416,7 @@ class Name:
 @message
 class Names:
     """The answer to :class:`NamesRequest`: the namespace's names (each a :class:`Name`), or
-    an object's attribute names (``dir()``: names only, kind and type left empty), or why not.
+    an object's attributes (``dir()``, each with its kind, no type), or why not.
     """
 
     request: int

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from collections.abc import Iterator
@@ -153,6 +154,27 @@ def test_quickstart_panel_then_interrupt(lab: Lab) -> None:
             assert "'world_size': 2" in outputs
             assert outputs.count("epoch 5: loss") == 1, outputs
             screenshot(page, "quickstart-panel")
+
+            # Tab completes what the ranks bound: the notebook never held the model. The lab
+            # drops a kernel's answer after 1 s, and Jedi's first one in a kernel may take
+            # longer on a loaded machine: Tab again until the popup shows.
+            page.locator(".jp-CodeCell").last.click()
+            page.keyboard.press("Escape")
+            page.keyboard.press("b")
+            page.keyboard.press("Enter")
+            page.keyboard.type("model.modu")
+            offered = page.locator(".jp-Completer .jp-Completer-item")
+            for _ in range(6):
+                page.keyboard.press("Tab")
+                with contextlib.suppress(PlaywrightTimeout):
+                    offered.and_(page.locator("[data-value='model.modules']")).wait_for(
+                        timeout=10_000
+                    )
+                    break
+            values = {item.get_attribute("data-value") for item in offered.all()}
+            assert {"model.module", "model.modules"} <= values, values
+            screenshot(page, "quickstart-completion")
+            page.keyboard.press("Escape")
 
             # A long cell, stopped with the panel's Interrupt button.
             page.locator(".jp-CodeCell").last.click()

@@ -51,17 +51,24 @@ def nb() -> Iterator[Kernel]:
 
 def complete(kernel: Kernel, code: str, timeout: float = 30) -> list[str]:
     """What the kernel offers for Tab at the end of ``code`` (its ``complete_reply``)."""
+    return list(kinds(kernel, code, timeout))
+
+
+def kinds(kernel: Kernel, code: str, timeout: float = 30) -> dict[str, str]:
+    """Each completion the kernel offers for Tab at the end of ``code``, with its type."""
     msg_id = kernel.kc.complete(code, len(code))
     reply = reply_of(kernel.kc, msg_id, time.monotonic() + timeout, f"complete {code!r}")
     assert reply["status"] == "ok", reply
-    return list(reply["matches"])
+    typed = reply["metadata"]["_jupyter_types_experimental"]
+    return {c["text"]: c["type"] for c in typed} or dict.fromkeys(reply["matches"], "")
 
 
 def test_names_bound_only_on_the_ranks_complete_with_their_attributes(nb: Kernel) -> None:
     assert {"model", "model_steps"} <= set(complete(nb, "mod"))
     assert "model" not in nb.ok("print(sorted(dir()))").stdout  # the notebook never held it
-    attributes = complete(nb, "model.")
-    assert {"model.forward", "model.parameters", "model.training"} <= set(attributes)
+    attributes = kinds(nb, "model.")
+    assert attributes["model.forward"] == attributes["model.parameters"] == "function"
+    assert attributes["model.training"] == "instance"
     assert not [a for a in attributes if a.startswith("model._")]  # _names only when typed
     assert "model._modules" in complete(nb, "model._mo")
     assert {"trainer.state.global_step", "trainer.state.best_metric"} <= set(

@@ -32,21 +32,33 @@ def answer(request: p.NamesRequest, namespace: dict[str, Any]) -> p.Names:
     # A property or __getattr__/__dir__ of the user's may raise anything: it is the answer.
     except Exception as exc:  # noqa: BLE001
         return p.Names(request.request, error=f"{where}: {type(exc).__name__}: {exc}")
-    return p.Names(request.request, tuple(p.Name(n, "", "") for n in found if isinstance(n, str)))
+    attributes = (_attribute(value, n) for n in found if isinstance(n, str))
+    return p.Names(request.request, tuple(attributes))
 
 
 def _name(name: str, value: Any) -> p.Name:
-    kind = (
-        "module"
-        if inspect.ismodule(value)
-        else "class"
-        if isinstance(value, type)
-        else "function"
-        if inspect.isroutine(value)
-        else "instance"
-    )
     shape, dtype, device = _array(value)
-    return p.Name(name, type(value).__name__, kind, shape, dtype, device)
+    return p.Name(name, type(value).__name__, _kind(value), shape, dtype, device)
+
+
+def _attribute(owner: Any, name: str) -> p.Name:
+    """An attribute's name and kind, read as it is stored (no property or ``__getattr__`` runs);
+    no type: that would need its value.
+    """
+    try:
+        found = inspect.getattr_static(owner, name)
+    except AttributeError:  # made by __getattr__ (an nn.Module's submodules): left unread
+        return p.Name(name, "", "instance")
+    return p.Name(name, "", "property" if isinstance(found, property) else _kind(found))
+
+
+def _kind(value: Any) -> str:
+    """What IPython's completer calls it: ``module``, ``class``, ``function`` or ``instance``."""
+    if inspect.ismodule(value):
+        return "module"
+    if isinstance(value, type):
+        return "class"
+    return "function" if inspect.isroutine(value) else "instance"
 
 
 def _array(value: Any) -> tuple[tuple[int, ...] | None, str | None, str | None]:
