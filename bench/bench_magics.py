@@ -60,6 +60,7 @@ from common import (
     machine_info,
     machine_line,
     range_row,
+    rotated,
     spread_row,
     version,
 )
@@ -341,7 +342,7 @@ def measure_shipping(sky: Kernel, px: Kernel, reps: int, warmup: int) -> dict[st
 
     for i in range(warmup + reps):
         counted = i >= warmup
-        order: list[Callable[[bool], None]] = [sky_side, px_side] if i % 2 else [px_side, sky_side]
+        order: list[Callable[[bool], None]] = rotated([px_side, sky_side], i)
         for side in order:
             side(counted)
         label = f"rep {i - warmup + 1}/{reps}" if counted else f"warm-up {i + 1}/{warmup}"
