@@ -176,8 +176,7 @@ def test_the_extensions_unload_closes_the_notebooks_descriptors() -> None:
             (1, 1),
         )
     finally:
-        nb.km.shutdown_kernel(now=True)
-        nb.kc.stop_channels()
+        nb.close()  # its template ends with it
 
 
 def _where(value: object) -> Ranges:
