@@ -215,6 +215,8 @@ def _flags(cls: type[Provider]) -> set[str]:
         "ERROR = 'pass --partition P'\n",
         "from .providers.slurm import SlurmOptions\n",
         "check(region=None)\n",
+        "n = spec.options.gpus_per_node\n",  # a shared option is still no core module's
+        "ERROR = 'give --gpus-per-node G'\n",
     ],
 )
 def test_the_reader_finds_each_kind_of_leak(source: str) -> None:
