@@ -43,8 +43,8 @@ a notebook's first run would), so machine noise and drift hit each alike. 40 rou
 on this machine the speed drifts by 10-40% over tens of seconds (three 300-step runs in one
 torchrun process agree within 5%, successive torchrun runs differ by up to 40%), so the ratio's
 precision comes from the number of rounds, not from longer runs. Reported:
-medians, p10/p90, min/max, the ratio of the medians and, for (a) and (b), a bootstrap 95%
-interval of it (repetitions resampled as rounds). Any failed run (a non-zero exit, an error on a
+medians, p10/p90, min/max, the ratio of the medians and a bootstrap 95% interval of it
+(repetitions resampled as rounds). Any failed run (a non-zero exit, an error on a
 rank, a run past ``--timeout``, a missing or inconsistent report) stops the benchmark with
 ``BenchError``; nothing is retried.
 

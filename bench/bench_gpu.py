@@ -14,7 +14,8 @@ rank per GPU on this machine, ``--backend nccl``, on both sides.
 * **(b) The first collective from cold.** A fresh pool's start and its first cell (set the
   device, all-reduce a CUDA tensor) against ``torchrun`` of ``bench/scripts/nccl_first.py`` (the
   same body between ``init_process_group`` and ``destroy_process_group``), launch to exit;
-  interleaved, each pool ended after its round.
+  interleaved, each pool ended after its round; the ratio of medians with its bootstrap 95%
+  interval.
 
 Run ``python bench/bench_gpu.py --markdown-out BENCHMARKS.md`` to regenerate its block; JSON
 goes to ``bench/results/gpu.json``. Figures are never edited by hand.
