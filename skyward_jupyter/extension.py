@@ -11,6 +11,7 @@ from .magics import SkyMagics
 from .providers import DEFAULT, provider_class
 from .registry import Registry
 from .session import Session
+from .written import WRITES
 
 _SESSION_ATTR = "_skyward_session"
 
@@ -39,3 +40,4 @@ def unload(shell: Any) -> None:
     if session is not None:
         session.down_all()
         setattr(shell, _SESSION_ATTR, None)
+        WRITES.close()  # the session's watches on large globals go with it
