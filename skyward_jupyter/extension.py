@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from .auto_cells import AutoCells
 from .display import values
 from .display.views import PoolViews
 from .magics import SkyMagics
@@ -13,6 +14,7 @@ from .registry import Registry
 from .session import Session
 
 _SESSION_ATTR = "_skyward_session"
+_CELLS_ATTR = "_skyward_auto_cells"
 
 
 def load(shell: Any) -> None:
@@ -20,9 +22,16 @@ def load(shell: Any) -> None:
         return
     views = PoolViews(shell)
     registry = Registry()  # what the Jupyter server's "Sky" panel reads
+    cells = AutoCells(shell)
     session = Session(
-        announce=views.announce, views=views, listeners=[registry], namespace=shell.user_ns
+        announce=views.announce,
+        views=views,
+        listeners=[registry],
+        namespace=shell.user_ns,
+        auto_cells=cells,
     )
+    cells.install()
+    setattr(shell, _CELLS_ATTR, cells)
     views.attach(session.down_pool)
     registry.attach(views.request_shutdown)
     setattr(shell, _SESSION_ATTR, session)
@@ -39,3 +48,7 @@ def unload(shell: Any) -> None:
     if session is not None:
         session.down_all()
         setattr(shell, _SESSION_ATTR, None)
+    cells: AutoCells | None = getattr(shell, _CELLS_ATTR, None)
+    if cells is not None:
+        cells.uninstall()
+        setattr(shell, _CELLS_ATTR, None)
