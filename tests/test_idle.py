@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 
+from skyward_jupyter.auto_cells import AutoCells
 from skyward_jupyter.results import PoolError, RunResult
 from skyward_jupyter.session import PoolSpec, Session
 
@@ -21,9 +22,10 @@ def test_defaults_on_for_aws_only_and_zero_disables() -> None:
 
 def test_an_idle_pool_stops_but_a_long_cell_is_not_stopped() -> None:
     said: list[str] = []
-    session = Session(announce=said.append)
+    session = Session(announce=said.append, auto_cells=AutoCells(shell=None))
     session.idle.check = 0.1
     spec = PoolSpec(nodes=1, idle_timeout=0.02)  # 1.2 s
+    session.auto(True)  # and %sky auto goes off with the pool its cells run on
     cell: concurrent.futures.Future[RunResult] = concurrent.futures.Future()
 
     def run_cell() -> None:
@@ -48,6 +50,8 @@ def test_an_idle_pool_stops_but_a_long_cell_is_not_stopped() -> None:
         assert "default" in session.pools
         wait_for(lambda: "default" not in session.pools, 20, "the idle pool to stop")
         assert any("no cell for 0.02 min, shutting down (--idle-timeout)" in s for s in said)
+        assert not session.auto_on
+        assert any("auto: off, as pool 'default' ended: cells run in the notebook" in s for s in said)
         # The next cell starts a pool again.
         assert session.run_cell("1", {}, spec=PoolSpec(nodes=1)).values == [1]
     finally:
