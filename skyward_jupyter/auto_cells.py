@@ -5,8 +5,8 @@ IPython's own hook for rewriting a cell before it runs is an input transformer
 ``%%sky`` line in front, so it runs exactly as a ``%%sky`` cell would (its globals shipped, its
 output, value and errors shown as such). IPython's own syntax (line and cell magics, ``!``
 escapes, ``?`` help) is the notebook's: a cell with any of it does not parse as Python and is
-left alone. A cell that begins with ``%%local`` runs in the notebook, as written after that
-line, whether auto is on or not.
+left alone, as is a cell with nothing to run (comments). A cell that begins with ``%%local``
+runs in the notebook, as written after that line, whether auto is on or not.
 
 Only the cell the frontend sent is routed: IPython also transforms code while a cell runs
 (``%%time``'s and ``%timeit``'s statements, ``%%capture``'s body), which stays the notebook's
@@ -59,8 +59,7 @@ class AutoCells:
             return lines[1:]
         if not self.enabled or self._depth or self._silent():
             return lines
-        source = "".join(lines)
-        if not source.strip() or not _plain_python(source):
+        if not _runs_python("".join(lines)):
             return lines
         return ["%%sky\n", *lines]
 
@@ -73,10 +72,11 @@ class AutoCells:
         return bool(parent.get("content", {}).get("silent"))
 
 
-def _plain_python(source: str) -> bool:
-    """Whether ``source`` is Python as written (no magic, escape or help syntax in it)."""
+def _runs_python(source: str) -> bool:
+    """Whether ``source`` is Python as written (no magic, escape or help syntax in it) with a
+    statement to run: a cell of comments alone starts no pool.
+    """
     try:
-        ast.parse(source)
+        return bool(ast.parse(source).body)
     except (SyntaxError, ValueError):  # ValueError: a null byte in the source
         return False
-    return True
