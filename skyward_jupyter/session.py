@@ -135,6 +135,7 @@ class Session:
         name, reusable = self._reusable(name, spec)
         if reusable is not None:
             self.current = name
+            self._auto_follows(name)
             return reusable
         old = self._pools.get(name)
         failed = self._failed.get(name)
@@ -174,6 +175,7 @@ class Session:
             self._announce(f"warning: {warning}")
         entry.last_active = time.monotonic()
         self.current = name
+        self._auto_follows(name)
         self._tell(lambda listener: listener.pool_started(entry))
         if wanted.idle_minutes():
             self.idle.watch()
@@ -267,9 +269,6 @@ class Session:
         with self._lock:  # the idle watcher must not stop the pool this cell is about to use
             entry = self.entry(name, spec, shipper)
             entry.busy += 1
-        if self.auto_on and entry.name != self._auto_pool:
-            self._auto_pool = entry.name
-            self.views.auto(entry.name)
         try:
             if ranks is not None:
                 ranks = entry.pool.check_ranks(ranks)
@@ -506,6 +505,14 @@ class Session:
             f"auto: cells run on pool {self._auto_pool!r} (magics, ! and %%local cells run in "
             "the notebook; %sky auto off to stop)"
         )
+
+    def _auto_follows(self, name: str) -> None:
+        """Auto cells run on the current pool: ``name`` is it now (a cell, ``%sky up`` or
+        ``%sky run`` with ``--name``), and its views say so.
+        """
+        if self.auto_on and name != self._auto_pool:
+            self._auto_pool = name
+            self.views.auto(name)
 
     def _auto_ended(self, name: str) -> None:
         """Auto goes off with the pool its cells run on: the next plain cell would otherwise
