@@ -52,7 +52,12 @@ def test_an_idle_pool_stops_but_a_long_cell_is_not_stopped() -> None:
         assert any("no cell for 0.02 min, shutting down (--idle-timeout)" in s for s in said)
         assert not session.auto_on
         assert any("auto: off, as pool 'default' ended" in s for s in said)
-        # The next cell starts a pool again.
+        # The next cell starts a pool again; the panel's "Shut down" of it turns auto off too.
+        session.auto(True)
         assert session.run_cell("1", {}, spec=PoolSpec(nodes=1)).values == [1]
+        said.clear()
+        session.down_pool("default", session.pools["default"].pool)
+        assert not session.auto_on
+        assert any("auto: off, as pool 'default' ended" in s for s in said), said
     finally:
         session.down_all()
