@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from .auto_cells import AutoCells
 from .display import values
 from .display.views import PoolViews
 from .magics import SkyMagics
@@ -14,6 +15,7 @@ from .session import Session
 from .written import WRITES
 
 _SESSION_ATTR = "_skyward_session"
+_CELLS_ATTR = "_skyward_auto_cells"
 
 
 def load(shell: Any) -> None:
@@ -21,9 +23,16 @@ def load(shell: Any) -> None:
         return
     views = PoolViews(shell)
     registry = Registry()  # what the Jupyter server's "Sky" panel reads
+    cells = AutoCells(shell)
     session = Session(
-        announce=views.announce, views=views, listeners=[registry], namespace=shell.user_ns
+        announce=views.announce,
+        views=views,
+        listeners=[registry],
+        namespace=shell.user_ns,
+        auto_cells=cells,
     )
+    cells.install()
+    setattr(shell, _CELLS_ATTR, cells)
     views.attach(session.down_pool)
     registry.attach(views.request_shutdown)
     setattr(shell, _SESSION_ATTR, session)
@@ -41,3 +50,7 @@ def unload(shell: Any) -> None:
         session.down_all()
         setattr(shell, _SESSION_ATTR, None)
         WRITES.close()  # the session's watches on large globals go with it
+    cells: AutoCells | None = getattr(shell, _CELLS_ATTR, None)
+    if cells is not None:
+        cells.uninstall()
+        setattr(shell, _CELLS_ATTR, None)
