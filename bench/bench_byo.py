@@ -43,8 +43,8 @@ a notebook's first run would), so machine noise and drift hit each alike. 40 rou
 on this machine the speed drifts by 10-40% over tens of seconds (three 300-step runs in one
 torchrun process agree within 5%, successive torchrun runs differ by up to 40%), so the ratio's
 precision comes from the number of rounds, not from longer runs. Reported:
-medians, p10/p90, min/max, the ratio of the medians and, for (a) and (b), a bootstrap 95%
-interval of it (repetitions resampled as rounds). Any failed run (a non-zero exit, an error on a
+medians, p10/p90, min/max, the ratio of the medians and a bootstrap 95% interval of it
+(repetitions resampled as rounds). Any failed run (a non-zero exit, an error on a
 rank, a run past ``--timeout``, a missing or inconsistent report) stops the benchmark with
 ``BenchError``; nothing is retried.
 
@@ -64,8 +64,8 @@ not worth keeping; ``--reps``/``--wall-reps`` set the number of rounds.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
-import json
 import os
 import statistics
 import sys
@@ -82,11 +82,14 @@ from common import (
     Script,
     Summary,
     command_line,
+    count,
     fmt_ms,
     fmt_s,
+    interleaved,
     load_avg,
     machine_info,
     machine_line,
+    rank_report,
     ratios,
     rotated,
     run_torchrun,
@@ -214,12 +217,8 @@ class PoolSide:
 
 
 def _report(path: Path, what: str) -> dict[str, Any]:
-    """The JSON rank 0 wrote, checked, then removed so the next run must write its own."""
-    try:
-        report: dict[str, Any] = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise BenchError(f"{what}: no report from rank 0 at {path}: {exc}") from None
-    path.unlink()
+    """The JSON rank 0 wrote, checked."""
+    report = rank_report(path, what)
     if report.get("world_size") != NODES:
         raise BenchError(f"{what}: trained with world size {report.get('world_size')}: {report}")
     if report.get("ddp", "DistributedDataParallel") != "DistributedDataParallel":
@@ -306,31 +305,23 @@ def compare_wall(
     pool: PoolSide, script: Path, argv: Sequence[str], reps: int, timeout: float, out: Path
 ) -> dict[str, Any]:
     """Wall time of ``%sky run`` on the warm pool against torchrun, interleaved."""
-    sides: dict[str, Callable[[], float]] = {
+
+    runs: dict[str, Callable[[], float]] = {
         "torchrun": lambda: run_torchrun(script, [str(out), *argv], NODES, timeout),
         "sky_run": lambda: pool.run_script(script, [str(out), *argv]),
     }
-    samples: dict[str, list[float]] = {n: [] for n in sides}
-    for i in range(reps + 1):
-        times: dict[str, float] = {}
-        for name in rotated(list(sides), i):
-            with contextlib.suppress(FileNotFoundError):
-                out.unlink()
-            times[name] = sides[name]()
-            _report(out, f"wall, {name}")
-            if i > 0:
-                samples[name].append(times[name])
-        label = f"rep {i}/{reps}" if i else "warm-up"
-        print(
-            f"  wall {label}: torchrun {times['torchrun']:.3f} s, "
-            f"%sky run {times['sky_run']:.3f} s",
-            file=sys.stderr,
-            flush=True,
-        )
-    tr, sky = samples["torchrun"], samples["sky_run"]
+
+    def timed(name: str) -> float:
+        with contextlib.suppress(FileNotFoundError):
+            out.unlink()
+        seconds = runs[name]()
+        _report(out, f"wall, {name}")
+        return seconds
+
+    samples = interleaved("wall", {n: functools.partial(timed, n) for n in runs}, reps, fmt_s)
     return {
         "wall_s": {n: asdict(Summary.of(v)) for n, v in samples.items()},
-        "ratio_of_medians": statistics.median(sky) / statistics.median(tr),
+        "ratio": ratios(samples["torchrun"], samples["sky_run"]),
         "samples_wall_s": samples,
         "argv": list(argv),
         "reps": reps,
@@ -474,7 +465,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         for n, runs in hf["reports"].items()
     }
     w = wall["wall_s"]
-    wall_ratio = wall["ratio_of_medians"]
+    wall_ratio = wall["ratio"]["of_medians"]
+    wall_low, wall_high = wall["ratio"]["of_medians_bootstrap_95"]
     wall_ok = "met" if wall_ratio <= GOAL_WALL_RATIO else "NOT met"
     lines = [
         "## Bring your own code: torchrun scripts on the pool against torchrun",
@@ -561,7 +553,8 @@ def render_markdown(report: dict[str, Any]) -> str:
             fmt_s,
         ),
         "",
-        f"Ratio `%sky run` / torchrun of the medians: **{wall_ratio:.3f}**. Goal <= "
+        f"Ratio `%sky run` / torchrun of the medians: **{wall_ratio:.3f}** (bootstrap 95% "
+        f"interval {wall_low:.3f} to {wall_high:.3f}). Goal <= "
         f"{GOAL_WALL_RATIO:.1f}: **{wall_ok}**. torchrun starts its launcher and two workers "
         "that import torch and form a group each time; the pool's ranks are running with torch "
         "imported, and the time includes re-forming the group the script destroyed. Both include "
@@ -576,13 +569,13 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = SCRIPT.parser(__doc__)
-    parser.add_argument("--reps", type=int, default=40, help="counted rounds of (a) and (b)")
-    parser.add_argument("--wall-reps", type=int, default=8, help="counted rounds of (c)")
-    parser.add_argument("--hf-steps", type=int, default=300, help="Trainer max_steps in (a)")
-    parser.add_argument("--hf-warmup", type=int, default=20, help="untimed steps in (a)")
-    parser.add_argument("--ddp-steps", type=int, default=600, help="timed steps in (b)")
-    parser.add_argument("--ddp-warmup", type=int, default=20, help="untimed steps in (b)")
-    parser.add_argument("--wall-steps", type=int, default=5, help="steps of the script in (c)")
+    count(parser, "--reps", 40, "counted rounds of (a) and (b)")
+    count(parser, "--wall-reps", 8, "counted rounds of (c)")
+    count(parser, "--hf-steps", 300, "Trainer max_steps in (a)")
+    count(parser, "--hf-warmup", 20, "untimed steps in (a)", minimum=0)
+    count(parser, "--ddp-steps", 600, "timed steps in (b)")
+    count(parser, "--ddp-warmup", 20, "untimed steps in (b)", minimum=0)
+    count(parser, "--wall-steps", 5, "steps of the script in (c)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per run")
     parser.add_argument(
         "--quick",
@@ -593,10 +586,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:
         args.reps, args.wall_reps = 1, 1
         args.hf_steps, args.hf_warmup, args.ddp_steps, args.ddp_warmup = 40, 5, 100, 5
-    if min(args.reps, args.wall_reps, args.hf_steps, args.ddp_steps, args.wall_steps) < 1:
-        parser.error("rounds and steps must be at least 1")
-    if args.hf_steps - args.hf_warmup < 2 or min(args.hf_warmup, args.ddp_warmup) < 0:
-        parser.error("--hf-steps must exceed --hf-warmup by at least 2; warm-ups at least 0")
+    if args.hf_steps - args.hf_warmup < 2:
+        parser.error("--hf-steps must exceed --hf-warmup by at least 2")
 
     load_before = load_avg()
     started = time.perf_counter()

@@ -34,6 +34,7 @@ from common import (
     Script,
     Summary,
     command_line,
+    count,
     fmt_ms,
     load_avg,
     machine_info,
@@ -206,10 +207,10 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = SCRIPT.parser(__doc__)
-    parser.add_argument("--runs", type=int, default=300, help="timed trivial cells of each kind")
-    parser.add_argument("--warmup", type=int, default=30, help="untimed cells of each kind first")
-    parser.add_argument("--block", type=int, default=25, help="cells per interleaved block")
-    parser.add_argument("--reps", type=int, default=30, help="timed unchanged-global checks")
+    count(parser, "--runs", 300, "timed trivial cells of each kind")
+    count(parser, "--warmup", 30, "untimed cells of each kind first", minimum=0)
+    count(parser, "--block", 25, "cells per interleaved block")
+    count(parser, "--reps", 30, "timed unchanged-global checks")
     args = SCRIPT.parse_args(parser, argv)
     load_before = load_avg()
     measured = run_benchmark(args.runs, args.warmup, args.block, args.reps)

@@ -30,11 +30,7 @@ Run ``python bench/bench_core.py --markdown-out BENCHMARKS.md`` to regenerate th
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -49,15 +45,18 @@ from common import (
     BenchError,
     Script,
     Summary,
-    child_env,
     command_line,
+    count,
     fmt_ms,
     fmt_s,
     load_avg,
     machine_info,
     machine_line,
     range_row,
+    run_to_end,
+    run_torchrun,
     spread_row,
+    torchrun_path,
 )
 
 SCRIPT = Script("core")
@@ -124,37 +123,8 @@ TORCHRUN_SCRIPT = textwrap.dedent(
 )
 
 
-def _run_to_end(cmd: list[str], timeout: float) -> tuple[float, str]:
-    """Run ``cmd`` in its own session to completion; return its wall time and stdout.
-
-    If it fails to finish (timeout, Ctrl-C), its whole process group is killed before the
-    error propagates, so no launcher or worker outlives the benchmark.
-    """
-    started = time.perf_counter()
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-        env=child_env(),
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-        elapsed = time.perf_counter() - started
-    finally:
-        if proc.returncode is None:  # not reaped yet, so the group id is still ours to kill
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    if proc.returncode != 0:
-        raise BenchError(f"{cmd[:3]}... exited with {proc.returncode}:\n{err[-4000:]}")
-    return elapsed, out
-
-
 def time_pool_start(timeout: float) -> dict[str, float]:
-    _, out = _run_to_end([sys.executable, "-c", POOL_CHILD], timeout)
+    _, out = run_to_end([sys.executable, "-c", POOL_CHILD], timeout, REPO)
     lines = [line for line in out.splitlines() if line.startswith(RESULT_PREFIX)]
     if not lines:
         raise BenchError(f"the pool child printed no result:\n{out[-4000:]}")
@@ -162,16 +132,8 @@ def time_pool_start(timeout: float) -> dict[str, float]:
     return result
 
 
-def time_torchrun(torchrun: Path, script: Path, timeout: float) -> float:
-    cmd = [str(torchrun), "--standalone", f"--nproc_per_node={NODES}", str(script)]
-    elapsed, _ = _run_to_end(cmd, timeout)
-    return elapsed
-
-
 def compare_start(repeat: int, warmup: int, timeout: float) -> dict[str, Any]:
-    torchrun = Path(sys.executable).parent / "torchrun"
-    if not torchrun.exists():
-        raise BenchError(f"torchrun not found next to the interpreter: {torchrun}")
+    torchrun = torchrun_path()
     keys = ("cold_start_s", "cold_close_s", "warm_start_s", "warm_close_s")
     pool_samples: dict[str, list[float]] = {k: [] for k in keys}
     torchrun_wall: list[float] = []
@@ -182,7 +144,7 @@ def compare_start(repeat: int, warmup: int, timeout: float) -> dict[str, Any]:
             counted = i >= warmup
             label = f"rep {i - warmup + 1}/{repeat}" if counted else f"warm-up {i + 1}/{warmup}"
             pool = time_pool_start(timeout)
-            tr = time_torchrun(torchrun, script, timeout)
+            tr = run_torchrun(script, [], NODES, timeout)
             print(
                 f"  start {label}: pool cold {pool['cold_start_s']:.3f} s, "
                 f"warm template {pool['warm_start_s']:.3f} s, torchrun {tr:.3f} s",
@@ -305,14 +267,12 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = SCRIPT.parser(__doc__)
-    parser.add_argument("--repeat", type=int, default=5, help="start repetitions of each side")
-    parser.add_argument("--start-warmup", type=int, default=1, help="uncounted start pairs first")
-    parser.add_argument("--runs", type=int, default=300, help="timed trivial-cell round trips")
-    parser.add_argument("--warmup", type=int, default=20, help="untimed round trips first")
+    count(parser, "--repeat", 5, "start repetitions of each side")
+    count(parser, "--start-warmup", 1, "uncounted start pairs first", minimum=0)
+    count(parser, "--runs", 300, "timed trivial-cell round trips")
+    count(parser, "--warmup", 20, "untimed round trips first", minimum=0)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per launched command")
     args = SCRIPT.parse_args(parser, argv)
-    if args.repeat < 1 or args.runs < 1 or args.warmup < 0 or args.start_warmup < 0:
-        parser.error("--repeat and --runs must be at least 1, warm-ups at least 0")
 
     load_before = load_avg()
     print(f"start: pool vs torchrun, {args.repeat} each, alternating", file=sys.stderr)

@@ -14,7 +14,8 @@ rank per GPU on this machine, ``--backend nccl``, on both sides.
 * **(b) The first collective from cold.** A fresh pool's start and its first cell (set the
   device, all-reduce a CUDA tensor) against ``torchrun`` of ``bench/scripts/nccl_first.py`` (the
   same body between ``init_process_group`` and ``destroy_process_group``), launch to exit;
-  interleaved, each pool ended after its round.
+  interleaved, each pool ended after its round; the ratio of medians with its bootstrap 95%
+  interval.
 
 Run ``python bench/bench_gpu.py --markdown-out BENCHMARKS.md`` to regenerate its block; JSON
 goes to ``bench/results/gpu.json``. Figures are never edited by hand.
@@ -23,10 +24,9 @@ goes to ``bench/results/gpu.json``. Figures are never edited by hand.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
-import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -41,12 +41,14 @@ from common import (
     Script,
     Summary,
     command_line,
+    count,
     fmt_s,
+    interleaved,
     load_avg,
     machine_info,
     machine_line,
+    rank_report,
     ratios,
-    rotated,
     run_torchrun,
     spread_row,
 )
@@ -117,11 +119,7 @@ class Notebook:
 
 
 def _report(path: Path, what: str, gpus: int) -> dict[str, Any]:
-    try:
-        report: dict[str, Any] = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise BenchError(f"{what}: no report from rank 0 at {path}: {exc}") from None
-    path.unlink()
+    report = rank_report(path, what)
     if report.get("world_size") != gpus or report.get("backend") != "nccl":
         raise BenchError(f"{what}: ran as {report}, not {gpus} NCCL ranks")
     return report
@@ -131,26 +129,19 @@ def compare_steps(nb: Notebook, gpus: int, args: Any, out: Path) -> dict[str, An
     """(a): steps/s of the DDP loop under torchrun and in a cell, interleaved."""
     argv = [str(out), "--steps", str(args.steps), "--warmup", str(args.warmup)]
     nb.cell(definitions(DDP_SCRIPT))
-    sides: dict[str, Callable[[], float]] = {
+    runs: dict[str, Callable[[], object]] = {
         "torchrun": lambda: run_torchrun(DDP_SCRIPT, argv, gpus, args.timeout),
         "cell": lambda: nb.cell(f"main({argv!r})"),
     }
-    samples: dict[str, list[float]] = {n: [] for n in sides}
-    for i in range(args.reps + 1):
-        seen = {}
-        for name in rotated(list(sides), i):
-            with contextlib.suppress(FileNotFoundError):
-                out.unlink()
-            sides[name]()
-            seen[name] = _report(out, f"(a) {name}", gpus)["steps_per_s"]
-            if i:
-                samples[name].append(seen[name])
-        label = f"round {i}/{args.reps}" if i else "warm-up"
-        print(
-            f"  (a) {label}: torchrun {seen['torchrun']:.0f}, cell {seen['cell']:.0f} steps/s",
-            file=sys.stderr,
-            flush=True,
-        )
+
+    def steps_per_s(name: str) -> float:
+        with contextlib.suppress(FileNotFoundError):
+            out.unlink()
+        runs[name]()
+        return float(_report(out, f"(a) {name}", gpus)["steps_per_s"])
+
+    sides = {name: functools.partial(steps_per_s, name) for name in runs}
+    samples = interleaved("(a)", sides, args.reps, _rate)
     return {
         "steps_per_s": {n: asdict(Summary.of(v)) for n, v in samples.items()},
         "ratio": ratios(samples["torchrun"], samples["cell"]),
@@ -162,29 +153,18 @@ def compare_steps(nb: Notebook, gpus: int, args: Any, out: Path) -> dict[str, An
 def compare_first(nb: Notebook, gpus: int, args: Any) -> dict[str, Any]:
     """(b): a fresh pool's start and first collective against torchrun's launch to exit."""
     body = definitions(FIRST_SCRIPT) + "\nassert first_collective() == 4.0 * dist.get_world_size()"
-    samples: dict[str, list[float]] = {"torchrun": [], "pool": []}
-    for i in range(args.first_reps + 1):
-        seen = {}
-        for name in rotated(list(samples), i):
-            if name == "torchrun":
-                seen[name] = run_torchrun(FIRST_SCRIPT, [], gpus, args.timeout)
-            else:
-                try:
-                    seen[name] = nb.cell(body, name="first")
-                finally:
-                    nb.down("first")
-            if i:
-                samples[name].append(seen[name])
-        label = f"round {i}/{args.first_reps}" if i else "warm-up"
-        print(
-            f"  (b) {label}: torchrun {seen['torchrun']:.2f} s, pool {seen['pool']:.2f} s",
-            file=sys.stderr,
-            flush=True,
-        )
+
+    def pool() -> float:
+        try:
+            return nb.cell(body, name="first")
+        finally:
+            nb.down("first")
+
+    sides = {"torchrun": lambda: run_torchrun(FIRST_SCRIPT, [], gpus, args.timeout), "pool": pool}
+    samples = interleaved("(b)", sides, args.first_reps, fmt_s)
     return {
         "wall_s": {n: asdict(Summary.of(v)) for n, v in samples.items()},
-        "ratio_of_medians": statistics.median(samples["pool"])
-        / statistics.median(samples["torchrun"]),
+        "ratio": ratios(samples["torchrun"], samples["pool"]),
         "samples": samples,
     }
 
@@ -224,17 +204,19 @@ def render_markdown(report: dict[str, Any]) -> str:
         spread_row("`torchrun --standalone`", b["wall_s"]["torchrun"], fmt_s),
         spread_row("pool start + first cell", b["wall_s"]["pool"], fmt_s),
         "",
-        f"Pool / torchrun, ratio of medians: **{b['ratio_of_medians']:.3f}**.\n",
+        f"Pool / torchrun, ratio of medians: **{b['ratio']['of_medians']:.3f}** (bootstrap 95% "
+        f"interval {b['ratio']['of_medians_bootstrap_95'][0]:.3f} to "
+        f"{b['ratio']['of_medians_bootstrap_95'][1]:.3f}).\n",
     ]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = SCRIPT.parser(__doc__)
-    parser.add_argument("--reps", type=int, default=10, help="counted rounds of (a)")
-    parser.add_argument("--steps", type=int, default=2000, help="timed DDP steps per run")
-    parser.add_argument("--warmup", type=int, default=100, help="untimed DDP steps per run")
-    parser.add_argument("--first-reps", type=int, default=3, help="counted rounds of (b)")
+    count(parser, "--reps", 10, "counted rounds of (a)")
+    count(parser, "--steps", 2000, "timed DDP steps per run")
+    count(parser, "--warmup", 100, "untimed DDP steps per run", minimum=0)
+    count(parser, "--first-reps", 3, "counted rounds of (b)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
     args = SCRIPT.parse_args(parser, argv)
     gpus, device = cuda_gpus()

@@ -42,7 +42,6 @@ Run ``python bench/bench_log.py --markdown-out BENCHMARKS.md`` to regenerate the
 
 from __future__ import annotations
 
-import random
 import statistics
 import sys
 import threading
@@ -57,11 +56,14 @@ from common import (
     BenchError,
     Script,
     Summary,
+    bootstrap_ratio,
     command_line,
+    count,
     fmt_us,
     load_avg,
     machine_info,
     machine_line,
+    rotated,
     spread_row,
 )
 
@@ -73,7 +75,6 @@ NODES = 2
 GOAL_OVERHEAD_PCT = 2.0  # log() on every step slows training by at most this much
 HYPER = {k: v for k, v in HYPERPARAMETERS.items() if k != "EPOCHS"}  # epochs: ours to choose
 SAMPLES, BATCH_SIZE = HYPER["SAMPLES"], HYPER["BATCH_SIZE"]
-BOOTSTRAP_RESAMPLES = 2000
 
 LOG_LINE = "log(step=global_step, loss=loss.item(), accuracy=100.0 * correct / len(by))"
 
@@ -239,26 +240,12 @@ def _run_train(pool: Any, counter: RowCounter, variant: str, epochs: int) -> dic
     }
 
 
-def _bootstrap_overhead(plain: list[float], logged: list[float], seed: int = 0) -> list[float]:
-    """95% interval of ``median(log)/median(plain) - 1`` in %, resampling pairs together."""
-    rng = random.Random(seed)
-    n = len(plain)
-    estimates = []
-    for _ in range(BOOTSTRAP_RESAMPLES):
-        idx = [rng.randrange(n) for _ in range(n)]
-        p = statistics.median(plain[i] for i in idx)
-        q = statistics.median(logged[i] for i in idx)
-        estimates.append(100.0 * (q / p - 1.0))
-    estimates.sort()
-    return [estimates[int(0.025 * len(estimates))], estimates[int(0.975 * len(estimates)) - 1]]
-
-
 def _overheads(plain: list[float], logged: list[float]) -> dict[str, Any]:
     """``log / plain - 1`` in %: of the medians (bootstrap interval), of the means, per pair."""
     pair = [100.0 * (q / p - 1.0) for p, q in zip(plain, logged, strict=True)]
     return {
         "of_medians_pct": 100.0 * (statistics.median(logged) / statistics.median(plain) - 1.0),
-        "of_medians_bootstrap_95_pct": _bootstrap_overhead(plain, logged),
+        "of_medians_bootstrap_95_pct": [100.0 * (r - 1.0) for r in bootstrap_ratio(plain, logged)],
         "of_means_pct": 100.0 * (statistics.fmean(logged) / statistics.fmean(plain) - 1.0),
         "per_pair_pct": asdict(Summary.of(pair)),
         "samples_per_pair_pct": pair,
@@ -272,7 +259,7 @@ def measure_training(pool: Any, counter: RowCounter, pairs: int, epochs: int) ->
     per_step: dict[str, dict[str, list[float]]] = {k: {"plain": [], "log": []} for k in kinds}
     runs: list[dict[str, Any]] = []
     for i in range(pairs + 1):  # pair 0 is the uncounted warm-up
-        order = ("plain", "log") if i % 2 == 0 else ("log", "plain")
+        order = rotated(("plain", "log"), i)
         pair: dict[str, dict[str, float]] = {}
         for variant in order:
             run = _run_train(pool, counter, variant, epochs)
@@ -499,13 +486,13 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = SCRIPT.parser(__doc__)
-    parser.add_argument("--pairs", type=int, default=300, help="timed (plain, log) pairs")
-    parser.add_argument("--epochs", type=int, default=2, help="epochs (32 steps each) per cell")
-    parser.add_argument("--calls", type=int, default=100_000, help="log() calls per micro loop")
-    parser.add_argument("--chunk", type=int, default=100, help="micro calls timed together")
+    count(parser, "--pairs", 300, "timed (plain, log) pairs")
+    count(parser, "--epochs", 2, "epochs (32 steps each) per cell")
+    count(parser, "--calls", 100_000, "log() calls per micro loop")
+    count(parser, "--chunk", 100, "micro calls timed together")
     args = SCRIPT.parse_args(parser, argv)
-    if min(args.pairs, args.epochs, args.chunk) < 1 or args.calls < args.chunk:
-        parser.error("--pairs, --epochs, --chunk must be at least 1, --calls at least --chunk")
+    if args.calls < args.chunk:
+        parser.error("--calls must be at least --chunk")
 
     load_before = load_avg()
     started = time.perf_counter()

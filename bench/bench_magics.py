@@ -53,12 +53,14 @@ from common import (
     Summary,
     child_env,
     command_line,
+    count,
     fmt_ms,
     fmt_s,
     load_avg,
     machine_info,
     machine_line,
     range_row,
+    rotated,
     spread_row,
     version,
 )
@@ -340,7 +342,7 @@ def measure_shipping(sky: Kernel, px: Kernel, reps: int, warmup: int) -> dict[st
 
     for i in range(warmup + reps):
         counted = i >= warmup
-        order: list[Callable[[bool], None]] = [sky_side, px_side] if i % 2 else [px_side, sky_side]
+        order: list[Callable[[bool], None]] = rotated([px_side, sky_side], i)
         for side in order:
             side(counted)
         label = f"rep {i - warmup + 1}/{reps}" if counted else f"warm-up {i + 1}/{warmup}"
@@ -613,15 +615,13 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = SCRIPT.parser(__doc__)
-    parser.add_argument("--runs", type=int, default=200, help="timed trivial cells of each kind")
-    parser.add_argument("--warmup", type=int, default=20, help="untimed trivial cells first")
-    parser.add_argument("--block", type=int, default=20, help="trivial cells per interleaved block")
-    parser.add_argument("--ship-reps", type=int, default=7, help="timed 100 MiB shipments each")
-    parser.add_argument("--ship-warmup", type=int, default=1, help="untimed shipments first")
+    count(parser, "--runs", 200, "timed trivial cells of each kind")
+    count(parser, "--warmup", 20, "untimed trivial cells first", minimum=0)
+    count(parser, "--block", 20, "trivial cells per interleaved block")
+    count(parser, "--ship-reps", 7, "timed 100 MiB shipments each")
+    count(parser, "--ship-warmup", 1, "untimed shipments first", minimum=0)
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per cell")
     args = SCRIPT.parse_args(parser, argv)
-    if min(args.runs, args.block, args.ship_reps) < 1 or min(args.warmup, args.ship_warmup) < 0:
-        parser.error("--runs, --block and --ship-reps must be at least 1, warm-ups at least 0")
 
     load_before = load_avg()
     measured = run_benchmark(args)

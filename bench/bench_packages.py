@@ -54,11 +54,14 @@ from common import (
     Summary,
     child_env,
     command_line,
+    count,
     fmt_s,
+    interleaved,
     load_avg,
     machine_info,
     machine_line,
     range_row,
+    rotated,
 )
 
 from skyward_jupyter.environments import BUILDER, Packages
@@ -86,23 +89,29 @@ def _timed(argv: list[str], env: dict[str, str], stdin: str = "") -> float:
 
 
 def first_builds(rounds: int, scratch: Path) -> dict[str, Any]:
-    packages = Packages(PACKAGES)
-    request = packages.request().decode()
-    ours: list[float] = []
-    by_hand: list[float] = []
-    for i in range(rounds):
-        envs, target = scratch / f"envs-{i}", scratch / f"target-{i}"
-        env = {**child_env(), "SKYWARD_ENVS": str(envs)}
-        sides = [
-            (ours, [sys.executable, *BUILDER], request),
-            (by_hand, [sys.executable, "-m", "pip", "install", "-q", "--target", str(target),
-                       *PACKAGES], ""),
-        ]  # fmt: skip
-        for samples, argv, stdin in sides if i % 2 == 0 else reversed(sides):
-            samples.append(_timed(argv, env, stdin))
-        shutil.rmtree(envs)
-        shutil.rmtree(target)
-    return {"builder_s": asdict(Summary.of(ours)), "pip_target_s": asdict(Summary.of(by_hand))}
+    request = Packages(PACKAGES).request().decode()
+
+    def ours() -> float:
+        envs = Path(tempfile.mkdtemp(dir=scratch))
+        try:
+            return _timed([sys.executable, *BUILDER], {**child_env(), "SKYWARD_ENVS": str(envs)},
+                          request)  # fmt: skip
+        finally:
+            shutil.rmtree(envs)
+
+    def by_hand() -> float:
+        target = Path(tempfile.mkdtemp(dir=scratch))
+        try:
+            return _timed([sys.executable, "-m", "pip", "install", "-q", "--target", str(target),
+                           *PACKAGES], child_env())  # fmt: skip
+        finally:
+            shutil.rmtree(target)
+
+    samples = interleaved("(a)", {"builder": ours, "pip": by_hand}, rounds, fmt_s, warmup=0)
+    return {
+        "builder_s": asdict(Summary.of(samples["builder"])),
+        "pip_target_s": asdict(Summary.of(samples["pip"])),
+    }
 
 
 def _start_to_first_cell(
@@ -122,14 +131,13 @@ def _start_to_first_cell(
 def cached_starts(rounds: int, scratch: Path) -> dict[str, Any]:
     os.environ["SKYWARD_ENVS"] = str(scratch / "cached")
     packages = Packages(PACKAGES)
-    with_env: list[float] = []
-    without: list[float] = []
     _start_to_first_cell(packages, built=False)  # builds it: not counted
-    _start_to_first_cell(None)
-    for i in range(rounds):
-        sides = [(with_env, packages), (without, None)]
-        for samples, given in sides if i % 2 == 0 else reversed(sides):
-            samples.append(_start_to_first_cell(given))
+    sides = {
+        "with": lambda: _start_to_first_cell(packages),
+        "without": lambda: _start_to_first_cell(None),
+    }
+    samples = interleaved("(b)", sides, rounds, fmt_s)
+    with_env, without = samples["with"], samples["without"]
     added = [a - b for a, b in zip(with_env, without, strict=True)]
     return {
         "with_s": asdict(Summary.of(with_env)),
@@ -176,7 +184,7 @@ def ssh_starts(rounds: int, scratch: Path) -> dict[str, Any]:
             forget()
             built.append(_start_to_first_cell(packages, built=False, provider=provider()))
             sides = [(cached, packages), (plain, None)]
-            for samples, given in sides if i % 2 == 0 else reversed(sides):
+            for samples, given in rotated(sides, i):
                 samples.append(_start_to_first_cell(given, provider=provider()))
             hand.append(by_hand(i))
         forget()
@@ -253,12 +261,10 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = SCRIPT.parser(__doc__)
-    parser.add_argument("--builds", type=int, default=4, help="first-build rounds")
-    parser.add_argument("--starts", type=int, default=6, help="counted pool start rounds")
-    parser.add_argument("--ssh-rounds", type=int, default=4, help="SSH rounds (0: none)")
+    count(parser, "--builds", 4, "first-build rounds")
+    count(parser, "--starts", 6, "counted pool start rounds")
+    count(parser, "--ssh-rounds", 4, "SSH rounds (0: none)", minimum=0)
     args = SCRIPT.parse_args(parser, argv)
-    if min(args.builds, args.starts) < 1:
-        parser.error("--builds and --starts must be at least 1")
     load_before = load_avg()
     pip = json.loads(
         subprocess.run(

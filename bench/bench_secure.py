@@ -43,6 +43,7 @@ from common import (
     Script,
     Summary,
     command_line,
+    count,
     load_avg,
     machine_info,
     machine_line,
@@ -202,11 +203,9 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = SCRIPT.parser(__doc__)
-    parser.add_argument("--reps", type=int, default=5, help="counted rounds")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds of each first")
+    count(parser, "--reps", 5, "counted rounds")
+    count(parser, "--warmup", 1, "untimed rounds of each first", minimum=0)
     args = SCRIPT.parse_args(parser, argv)
-    if args.reps < 1 or args.warmup < 0:
-        parser.error("--reps at least 1, --warmup at least 0")
     if (why := available()) is not None:
         raise SystemExit(f"bench_secure.py cannot make SSH test hosts here: it {why}")
     load_before = load_avg()

@@ -72,6 +72,7 @@ from common import (
     Script,
     Summary,
     command_line,
+    count,
     fmt_ms,
     fmt_s,
     load_avg,
@@ -526,16 +527,14 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = SCRIPT.parser(__doc__)
-    parser.add_argument("--repeat", type=int, default=5, help="counted start rounds")
-    parser.add_argument("--start-warmup", type=int, default=1, help="uncounted start rounds first")
-    parser.add_argument("--runs", type=int, default=200, help="timed trivial-cell pairs")
-    parser.add_argument("--warmup", type=int, default=20, help="untimed round trips of each first")
-    parser.add_argument("--ship-runs", type=int, default=20, help="timed shipping steps of each")
-    parser.add_argument("--restarts", type=int, default=7, help="restarts and replacements each")
+    count(parser, "--repeat", 5, "counted start rounds")
+    count(parser, "--start-warmup", 1, "uncounted start rounds first", minimum=0)
+    count(parser, "--runs", 200, "timed trivial-cell pairs")
+    count(parser, "--warmup", 20, "untimed round trips of each first", minimum=0)
+    count(parser, "--ship-runs", 20, "timed shipping steps of each")
+    count(parser, "--restarts", 7, "restarts and replacements each")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per local child")
     args = SCRIPT.parse_args(parser, argv)
-    if min(args.repeat, args.runs, args.ship_runs) < 1 or min(args.warmup, args.start_warmup) < 0:
-        parser.error("--repeat, --runs and --ship-runs must be at least 1, warm-ups at least 0")
     if (why := available()) is not None:
         raise SystemExit(f"bench_ssh.py cannot make SSH test hosts here: it {why}")
 

@@ -61,11 +61,14 @@ from common import (
     Script,
     Summary,
     command_line,
+    count,
     load_avg,
     machine_info,
     machine_line,
     version,
 )
+
+from skyward_jupyter.flags import int_at_least
 
 sys.path.insert(0, str(REPO))  # for tests.hosts (bench/ is first on the path, not the repo)
 
@@ -273,15 +276,13 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = SCRIPT.parser(__doc__)
-    parser.add_argument("--reps", type=int, default=5, help="counted rounds per host count")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds of each first")
-    parser.add_argument("--mib", type=int, default=100, help="size of the global in MiB")
+    count(parser, "--reps", 5, "counted rounds per host count")
+    count(parser, "--warmup", 1, "untimed rounds of each first", minimum=0)
+    count(parser, "--mib", 100, "size of the global in MiB", minimum=2)
     parser.add_argument(
-        "--hosts", type=int, nargs="+", default=[1, 2, 4], help="host counts to measure"
+        "--hosts", type=int_at_least(1), nargs="+", default=[1, 2, 4], help="host counts to measure"
     )
     args = SCRIPT.parse_args(parser, argv)
-    if args.reps < 1 or args.warmup < 0 or args.mib < 2 or min(args.hosts) < 1:
-        parser.error("--reps and --hosts at least 1, --warmup at least 0, --mib at least 2")
     if (why := available()) is not None:
         raise SystemExit(f"bench_transfer.py cannot make SSH test hosts here: it {why}")
 

@@ -1,10 +1,13 @@
 """What the benchmark scripts in ``bench/`` share, kept in one place so their reports agree.
 
-``bench_core.py``, ``bench_magics.py`` and ``bench_log.py`` each describe the machine they ran
-on, summarise samples (median, p10, p90, min, max), take the same output options
-(``--json-out``, ``--markdown-out``) and rewrite their own generated block of ``BENCHMARKS.md``
-between their markers. Had each its own copy, a fix to one (how the git revision is read, how a
-block is replaced) would silently not reach the others, and their sections would drift apart.
+Every ``bench_*.py`` describes the machine it ran on, takes its counts the same way
+(:func:`count`), interleaves the sides it compares (:func:`rotated`; :func:`interleaved` where
+a side is one timed call), runs what it times to the end or kills it (:func:`run_to_end`),
+summarises samples (median, p10, p90, min, max; a ratio of medians with its interval), takes the
+same output options (``--json-out``, ``--markdown-out``) and rewrites its own generated block of
+``BENCHMARKS.md`` between its markers. Had each its own copy, a fix to one (how the git
+revision is read, how a block is replaced) would silently not reach the others, and their
+sections would drift apart.
 The scripts import this module as ``common`` (they run as ``python bench/<script>.py``, so
 ``bench/`` is first on ``sys.path``).
 """
@@ -27,7 +30,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+from skyward_jupyter.flags import int_at_least
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -59,10 +64,36 @@ class Summary:
         return cls(len(ordered), statistics.median(ordered), ordered[0], ordered[-1], p10, p90)
 
 
-def rotated(sides: Sequence[str], i: int) -> list[str]:
+T = TypeVar("T")
+
+
+def rotated(sides: Sequence[T], i: int) -> list[T]:
     """The sides' order in round ``i``: rotated each round, so no side always goes first."""
     k = i % len(sides)
     return [*sides[k:], *sides[:k]]
+
+
+def interleaved(
+    what: str,
+    sides: Mapping[str, Callable[[], float]],
+    reps: int,
+    fmt: Callable[[float], str],
+    warmup: int = 1,
+) -> dict[str, list[float]]:
+    """Each side's samples of ``reps`` rounds: every side once a round, in the order
+    :func:`rotated` gives, after ``warmup`` uncounted rounds (a line of progress each round).
+    Sides measured in the same rounds share the machine's moods, so their ratio is fair.
+    """
+    samples: dict[str, list[float]] = {name: [] for name in sides}
+    for i in range(-warmup, reps):
+        seen = {name: sides[name]() for name in rotated(list(sides), i)}
+        for name, value in seen.items():
+            if i >= 0:
+                samples[name].append(value)
+        label = f"round {i + 1}/{reps}" if i >= 0 else "warm-up"
+        said = ", ".join(f"{name} {fmt(seen[name])}" for name in sides)
+        print(f"  {what} {label}: {said}", file=sys.stderr, flush=True)
+    return samples
 
 
 BOOTSTRAP_RESAMPLES = 2000
@@ -103,37 +134,35 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def _torchrun() -> Path:
+def torchrun_path() -> Path:
     torchrun = Path(sys.executable).parent / "torchrun"
     if not torchrun.exists():
         raise BenchError(f"torchrun not found next to the interpreter: {torchrun}")
     return torchrun
 
 
-def run_torchrun(script: Path, argv: Sequence[str], nproc: int, timeout: float) -> float:
-    """``torchrun --standalone --nproc-per-node NPROC SCRIPT ARGV`` to completion; its wall time.
+def run_to_end(cmd: Sequence[str], timeout: float, cwd: Path) -> tuple[float, str]:
+    """Run ``cmd`` in ``cwd``, in its own session, to completion: its wall time and stdout.
 
-    It runs in the script's directory (as ``%sky run`` runs a script) and in its own session,
-    so a run that fails to finish is killed with all its workers before the error propagates.
+    A run that fails to finish (timeout, Ctrl-C) is killed with its whole process group before
+    the error propagates, so no launcher or worker outlives the benchmark.
     """
-    cmd = [str(_torchrun()), "--standalone", "--nproc-per-node", str(nproc), str(script), *argv]
     started = time.perf_counter()
     proc = subprocess.Popen(
-        cmd,
+        list(cmd),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        cwd=script.parent,
+        cwd=cwd,
         env=child_env(),
         start_new_session=True,
     )
     try:
-        _, err = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(timeout=timeout)
         elapsed = time.perf_counter() - started
     except subprocess.TimeoutExpired:
         raise BenchError(
-            f"torchrun {script.name} {' '.join(argv)} did not finish in {timeout:.0f} s "
-            "(killed with its workers)"
+            f"{' '.join(cmd[:6])} did not finish in {timeout:.0f} s (killed with its children)"
         ) from None
     finally:
         if proc.returncode is None:  # not reaped yet, so the group id is still ours to kill
@@ -141,8 +170,28 @@ def run_torchrun(script: Path, argv: Sequence[str], nproc: int, timeout: float) 
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     if proc.returncode != 0:
-        raise BenchError(f"torchrun {script.name} exited with {proc.returncode}:\n{err[-4000:]}")
-    return elapsed
+        raise BenchError(f"{' '.join(cmd[:6])} exited with {proc.returncode}:\n{err[-4000:]}")
+    return elapsed, out
+
+
+def run_torchrun(script: Path, argv: Sequence[str], nproc: int, timeout: float) -> float:
+    """``torchrun --standalone --nproc-per-node NPROC SCRIPT ARGV`` to completion, in the
+    script's directory (as ``%sky run`` runs a script); its wall time.
+    """
+    cmd = [str(torchrun_path()), "--standalone", "--nproc-per-node", str(nproc), str(script)]
+    return run_to_end([*cmd, *argv], timeout, script.parent)[0]
+
+
+def rank_report(path: Path, what: str) -> dict[str, Any]:
+    """The JSON report a measured script's rank 0 wrote at ``path``, removed once read so the
+    next run must write its own.
+    """
+    try:
+        report: dict[str, Any] = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise BenchError(f"{what}: no report from rank 0 at {path}: {exc}") from None
+    path.unlink()
+    return report
 
 
 def version(dist: str) -> str:
@@ -268,6 +317,15 @@ def write_markdown(path: Path, section: str, begin_mark: str, end_mark: str) -> 
 
 
 # ------------------------------------------------------------------------------ scripts
+
+
+def count(
+    parser: argparse.ArgumentParser, flag: str, default: int, help: str, minimum: int = 1
+) -> None:
+    """A whole-number option (rounds, steps; a warm-up's ``minimum`` is 0), refused in
+    argparse's one line below ``minimum``, so no script checks its own counts.
+    """
+    parser.add_argument(flag, type=int_at_least(minimum), default=default, help=help)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from .auto_cells import AutoCells
 from .completion import rank_names_matcher
 from .display import values
 from .display.views import PoolViews
@@ -12,8 +13,10 @@ from .magics import SkyMagics
 from .providers import DEFAULT, provider_class
 from .registry import Registry
 from .session import Session
+from .written import WRITES
 
 _SESSION_ATTR = "_skyward_session"
+_CELLS_ATTR = "_skyward_auto_cells"
 _MATCHER_ATTR = "_skyward_matcher"
 
 
@@ -22,9 +25,16 @@ def load(shell: Any) -> None:
         return
     views = PoolViews(shell)
     registry = Registry()  # what the Jupyter server's "Sky" panel reads
+    cells = AutoCells(shell)
     session = Session(
-        announce=views.announce, views=views, listeners=[registry], namespace=shell.user_ns
+        announce=views.announce,
+        views=views,
+        listeners=[registry],
+        namespace=shell.user_ns,
+        auto_cells=cells,
     )
+    cells.install()
+    setattr(shell, _CELLS_ATTR, cells)
     views.attach(session.down_pool)
     registry.attach(views.request_shutdown)
     setattr(shell, _SESSION_ATTR, session)
@@ -44,6 +54,11 @@ def unload(shell: Any) -> None:
     if session is not None:
         session.down_all()
         setattr(shell, _SESSION_ATTR, None)
+        WRITES.close()  # the session's watches on large globals go with it
+    cells: AutoCells | None = getattr(shell, _CELLS_ATTR, None)
+    if cells is not None:
+        cells.uninstall()
+        setattr(shell, _CELLS_ATTR, None)
     matcher = getattr(shell, _MATCHER_ATTR, None)
     if matcher in shell.Completer.custom_matchers:
         shell.Completer.custom_matchers.remove(matcher)

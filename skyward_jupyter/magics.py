@@ -242,6 +242,10 @@ class SkyMagics(Magics):
     def _status(self, args: argparse.Namespace) -> None:
         print(self.session.status())
 
+    @_handles("auto")
+    def _auto(self, args: argparse.Namespace) -> None:
+        print(self.session.auto(None if args.state is None else args.state == "on"))
+
     @_handles("clean")
     def _clean(self, args: argparse.Namespace) -> None:
         print("\n".join(self.session.clean(provider_given(args))))

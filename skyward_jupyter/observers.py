@@ -63,6 +63,11 @@ class Views(PoolListener, Protocol):
     def metrics(self, name: str | None, current: str | None) -> Any:
         """A pool's metrics as rows (``%sky metrics``); LookupError when there is no such pool."""
 
+    def auto(self, name: str | None) -> None:
+        """Plain cells now run on the pool ``name`` (``%sky auto on``; None: in the notebook):
+        its views say so while it lasts.
+        """
+
 
 class _NoCellView:
     def on_event(self, event: PoolEvent) -> None:
@@ -105,3 +110,6 @@ class NoViews:
 
     def metrics(self, name: str | None, current: str | None) -> Any:
         raise LookupError("this session keeps no metrics")
+
+    def auto(self, name: str | None) -> None:
+        pass

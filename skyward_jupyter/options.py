@@ -376,6 +376,14 @@ COMMANDS: tuple[Command, ...] = (
     ),
     Command("status", "", "list pools and their ranks"),
     Command(
+        "auto",
+        "[on | off]",
+        "plain cells run on the current pool as if they began with %%sky (cells with magics, "
+        "! or ? and %%local cells run in the notebook); off when the pool is shut down; "
+        "alone: say which",
+        positionals=(("state", {"nargs": "?", "choices": ("on", "off")}),),
+    ),
+    Command(
         "clean",
         "[provider options]",
         "remove from the current pool's hosts (or the hosts its provider's options name) the "

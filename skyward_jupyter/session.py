@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .capture import Shipment, Shipper
 from .checked_source import CheckedSource
@@ -34,6 +34,9 @@ from .rank_names import table
 from .results import CellError, CellInterrupted, PoolError, RunResult
 from .spec import PoolSpec, SpecError
 from .status import status_text
+
+if TYPE_CHECKING:
+    from .auto_cells import AutoCells
 
 # What the magics use of the layers below, through the session alone.
 __all__ = ["USER_ERRORS", "CellInterrupted", "PoolSpec", "RunResult", "Session", "SessionError"]
@@ -76,6 +79,7 @@ class Session:
         views: Views | None = None,
         listeners: Sequence[PoolListener] = (),
         namespace: Mapping[str, Any] | None = None,
+        auto_cells: AutoCells | None = None,
     ) -> None:
         self._pools: dict[str, PoolEntry] = {}
         self.namespace: Mapping[str, Any] = {} if namespace is None else namespace
@@ -93,6 +97,10 @@ class Session:
         self._announce = announce or (lambda text: print(text, file=sys.stderr))
         self._lock = threading.RLock()
         self.idle: IdleStop[PoolEntry] = IdleStop(self)
+        self._auto_cells = auto_cells
+        """The shell's router of plain cells (``%sky auto``); None without a shell."""
+        self._auto_pool: str | None = None
+        """While auto is on, the pool its cells run on (the current one when they last ran)."""
 
     @property
     def pools(self) -> dict[str, PoolEntry]:
@@ -130,6 +138,7 @@ class Session:
         name, reusable = self._reusable(name, spec)
         if reusable is not None:
             self.current = name
+            self._auto_follows(name)
             return reusable
         old = self._pools.get(name)
         failed = self._failed.get(name)
@@ -169,6 +178,7 @@ class Session:
             self._announce(f"warning: {warning}")
         entry.last_active = time.monotonic()
         self.current = name
+        self._auto_follows(name)
         self._tell(lambda listener: listener.pool_started(entry))
         if wanted.idle_minutes():
             self.idle.watch()
@@ -397,6 +407,7 @@ class Session:
                 self.current = next(iter(self._pools), None)
             if not quiet:
                 self._announce(f"pool {target!r}: forgot {failed.describe()}, which did not start")
+                self._auto_ended(target)
             return []
         if target is None or target not in self._pools:
             if quiet:
@@ -405,6 +416,7 @@ class Session:
         self._close(self._forget(target), keep_files)
         if not quiet:
             self._announce(f"pool {target!r}: shut down")
+            self._auto_ended(target)
         return [target]
 
     def _forget(self, name: str) -> PoolEntry:
@@ -429,6 +441,7 @@ class Session:
     def end_pool(self, entry: PoolEntry, why: str) -> None:
         """End a pool :meth:`take_pools` took, saying ``why`` (and why it failed to end)."""
         self._announce(why)
+        self._auto_ended(entry.name)
         try:
             self._close(entry)
         except Exception as exc:  # noqa: BLE001 - said; the pool is out of the session anyway
@@ -461,13 +474,62 @@ class Session:
         entry = self._pools.get(name)
         if entry is not None and entry.pool is pool:
             self.down(name, quiet=True)
+            self._auto_ended(name)
         else:
             pool.close()
 
     def down_all(self, keep_files: bool = False) -> list[str]:
         self._failed.clear()
         names = list(self._pools)
-        return [n for name in names for n in self.down(name, quiet=True, keep_files=keep_files)]
+        ended = [n for name in names for n in self.down(name, quiet=True, keep_files=keep_files)]
+        if self._auto_pool is not None:
+            self._auto_ended(self._auto_pool)
+        return ended
+
+    @property
+    def auto_on(self) -> bool:
+        """Whether plain cells run on the pool (``%sky auto on``)."""
+        return self._auto_cells is not None and self._auto_cells.enabled
+
+    def auto(self, on: bool | None = None) -> str:
+        """``%sky auto on|off``: plain cells run on the current pool as ``%%sky`` cells, or in
+        the notebook; ``None`` changes nothing. The line that says which.
+        """
+        cells = self._auto_cells
+        if cells is None:
+            raise SessionError("%sky auto needs an IPython shell: %load_ext skyward_jupyter there")
+        if on is not None and on != cells.enabled:
+            cells.enabled = on
+            self._auto_pool = (self.current or "default") if on else None
+            self.views.auto(self._auto_pool)
+        if self._auto_pool is None:
+            return "auto: off: cells run in the notebook (%sky auto on: plain cells on the pool)"
+        return (
+            f"auto: cells run on pool {self._auto_pool!r} (magics, ! and %%local cells run in "
+            "the notebook; %sky auto off to stop)"
+        )
+
+    def _auto_follows(self, name: str) -> None:
+        """Auto cells run on the current pool: ``name`` is it now (a cell, ``%sky up`` or
+        ``%sky run`` with ``--name``), and its views say so.
+        """
+        if self.auto_on and name != self._auto_pool:
+            self._auto_pool = name
+            self.views.auto(name)
+
+    def _auto_ended(self, name: str) -> None:
+        """Auto goes off with the pool its cells run on: the next plain cell would otherwise
+        start a new pool, unasked (and undo an idle stop on paid machines).
+        """
+        if self._auto_cells is None or name != self._auto_pool:
+            return
+        self._auto_cells.enabled = False
+        self._auto_pool = None
+        self.views.auto(None)
+        self._announce(
+            f"auto: off, as pool {name!r} ended: cells run in the notebook again "
+            "(%sky auto on to run them on a pool)"
+        )
 
     def panel(self, name: str | None = None) -> None:
         """Show the live panel of a pool (the current one by default)."""

@@ -28,6 +28,7 @@ import mmap
 import os
 import platform
 import struct
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -92,6 +93,24 @@ class Writes:
         self._usable: bool | None = None
         self._live: set[Watch] = set()
         self._found = ctypes.create_string_buffer(24)  # one struct page_region
+        self._closer: weakref.finalize[..., Writes] | None = None
+        """Closes the two descriptors: at :meth:`close`, or when this object goes (the
+        interpreter's exit included), whichever comes first."""
+
+    def close(self) -> None:
+        """Close the userfaultfd and ``/proc/self/pagemap`` (the extension's unload: the
+        session's end). The kernel lifts the protection of every range with the descriptor, so
+        nothing tells of their writes any more: every live watch is spoiled (its value hashed
+        again). A later :meth:`watch` opens them anew.
+        """
+        for live in self._live:
+            live.spoiled = True
+        self._live.clear()
+        if self._closer is not None:
+            self._closer()
+        self._closer = None
+        self._uffd = self._pagemap = -1
+        self._usable = None
 
     def watch(self, where: Ranges) -> Watch | None:
         """Protect ``where`` from now on (call before reading it); None where it cannot be."""
@@ -171,11 +190,17 @@ class Writes:
             seen = quiet and self.written(watch)
             self.release(watch)
         probe.close()
-        if not seen:
-            os.close(uffd)
-            os.close(pagemap)
+        if seen:
+            self._closer = weakref.finalize(self, _close, uffd, pagemap)
+        else:
+            _close(uffd, pagemap)
             self._uffd = self._pagemap = -1
         return seen
+
+
+def _close(*descriptors: int) -> None:
+    for descriptor in descriptors:
+        os.close(descriptor)
 
 
 def _pack(*fields: int) -> bytes:

@@ -536,6 +536,9 @@ def test_sweep_shows_then_terminates_orphans_of_this_owner_only(
     )
     session = Session()
     session.provider_options["aws"] = {"endpoint_url": stand.url, "owner": me}
+    # Where to look: the configured options (%sky config), which those given override.
+    session.defaults = session.spec_from({"provider": "aws", "region": "eu-west-1"})
+    assert orphan not in session.sweep()
     shown = session.sweep({"region": REGION})
     assert orphan in shown and live not in shown and theirs not in shown
     assert "run %sky sweep --yes" in shown

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 
+from skyward_jupyter.auto_cells import AutoCells
 from skyward_jupyter.results import PoolError, RunResult
 from skyward_jupyter.session import PoolSpec, Session
 
@@ -21,9 +23,10 @@ def test_defaults_on_for_aws_only_and_zero_disables() -> None:
 
 def test_an_idle_pool_stops_but_a_long_cell_is_not_stopped() -> None:
     said: list[str] = []
-    session = Session(announce=said.append)
+    session = Session(announce=said.append, auto_cells=AutoCells(shell=None))
     session.idle.check = 0.1
     spec = PoolSpec(nodes=1, idle_timeout=0.02)  # 1.2 s
+    session.auto(True)  # and %sky auto goes off with the pool its cells run on
     cell: concurrent.futures.Future[RunResult] = concurrent.futures.Future()
 
     def run_cell() -> None:
@@ -45,10 +48,22 @@ def test_an_idle_pool_stops_but_a_long_cell_is_not_stopped() -> None:
         stopped = [s for s in said if "--idle-timeout" in s]
         assert not stopped, f"the idle stop ran while a cell was running: {stopped}"
         assert result.values == ["done"]
+        ended = time.monotonic()
         assert "default" in session.pools
         wait_for(lambda: "default" not in session.pools, 20, "the idle pool to stop")
+        # Idle is counted from the cell's end, not the pool's start: the pool outlived the cell
+        # by most of its 1.2 s (the margin is the cell's result reaching this thread).
+        outlived = time.monotonic() - ended
+        assert outlived >= 0.6, f"the pool stopped {outlived:.2f} s after its cell ended"
         assert any("no cell for 0.02 min, shutting down (--idle-timeout)" in s for s in said)
-        # The next cell starts a pool again.
+        assert not session.auto_on
+        assert any("auto: off, as pool 'default' ended" in s for s in said)
+        # The next cell starts a pool again; the panel's "Shut down" of it turns auto off too.
+        session.auto(True)
         assert session.run_cell("1", {}, spec=PoolSpec(nodes=1)).values == [1]
+        said.clear()
+        session.down_pool("default", session.pools["default"].pool)
+        assert not session.auto_on
+        assert any("auto: off, as pool 'default' ended" in s for s in said), said
     finally:
         session.down_all()

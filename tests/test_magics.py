@@ -161,9 +161,10 @@ class Kernel:
         code: str,
         timeout: float = CELL_TIMEOUT,
         on_message: Callable[[dict[str, Any]], None] | None = None,
+        silent: bool = False,
     ) -> Cell:
         """Run ``code``; collect its iopub messages until the kernel is idle for it."""
-        msg_id = self.kc.execute(code, allow_stdin=False)
+        msg_id = self.kc.execute(code, silent=silent, allow_stdin=False)
         deadline = time.monotonic() + timeout
         what = f"cell {code!r}"
         mine: list[dict[str, Any]] = []
@@ -455,7 +456,8 @@ def test_help_documents_every_option(nb: Kernel) -> None:
         ssh = page.split("\nssh provider options:")[1].split("\n\n")[0]
         assert "--hosts" in ssh and "--spot" not in ssh and "--partition" not in ssh
         shared = page.split("\nray, slurm provider options:")[1].split("\n\n")[0]
-        assert "--gpus-per-node" in shared and "ray: " in shared and "slurm: " in shared
+        assert shared.count("--gpus-per-node") == 1 and "GPUs to ask for on each node" in shared
+        assert "ray: " not in shared and "slurm: " not in shared  # one help, declared once
         examples = page.split("examples:\n")[1].split("\n\n")[0].splitlines()
         lines = [e for e in examples if e.startswith("  %%sky ")]
         assert len(lines) == 3 and all(e.startswith(" ") for e in examples), examples
@@ -1281,3 +1283,86 @@ def test_killing_the_kernel_ends_its_ranks(own_kernel: Kernel) -> None:
     spawned = _start_pool(own_kernel)
     os.kill(own_kernel.pid, signal.SIGKILL)
     wait_for(lambda: not (spawned & live_agents()), GONE_TIMEOUT, "ranks and template to end")
+
+
+# ------------------------------------------------------------------------------ %sky auto
+
+
+def _panel_texts(cell: Cell) -> list[str]:
+    """text/plain of each display and update of the cell's panel."""
+    return [
+        m["content"]["data"]["text/plain"]
+        for m in cell.messages
+        if m["msg_type"] in ("display_data", "update_display_data")
+        and "panel" in m["content"]["metadata"].get("skyward_jupyter", {})
+    ]
+
+
+def test_auto_runs_plain_cells_on_the_pool_and_the_notebooks_own_cells_here(nb: Kernel) -> None:
+    nb.ok(POOL2)
+    assert "auto: off" in nb.ok("%sky auto").stdout
+    try:
+        on = nb.ok("%sky auto on")
+        (current,) = re.findall(r"^\* (\w+):", nb.status(), re.M)
+        mark = f"auto: cells run on pool {current!r}"
+        assert mark in on.stdout, str(on)
+        assert mark in nb.ok("%sky auto").stdout
+        # A function and a class defined in one plain cell, used by the next, on every rank.
+        nb.ok(
+            "import os\n"
+            "def where():\n"
+            "    return os.getpid()\n"
+            "class Box:\n"
+            "    def __init__(self, v):\n"
+            "        self.v = v"
+        )
+        cell = nb.ok("box = Box(rank * 10)\nprint('ran in', where())\nbox.v + world_size")
+        assert cell.shown == ["2"], str(cell)  # the head's value, as for %%sky
+        (printed,) = re.findall(r"ran in (\d+)", cell.stdout)
+        assert int(printed) in nb.pool_pids() and int(printed) != nb.pid, str(cell)
+        assert any(mark in t for t in _panel_texts(cell)), str(cell)
+        assert nb.ok("%%sky --all\nbox.v").per_rank == {0: "0", 1: "10"}
+        # A failing cell shows the ranks' error as %%sky does, and auto stays on.
+        failed = nb.fails("def boom():\n    raise ValueError('auto boom')\nboom()")
+        (error,) = failed.errors
+        assert error["evalue"].startswith("cell failed on rank"), error["evalue"]
+        assert "ValueError: auto boom" in error["evalue"]
+        traceback = "\n".join(error["traceback"])
+        number = failed.reply["execution_count"]
+        assert f'File "<In [{number}]>", line 2, in boom' in traceback, traceback
+        assert nb.ok("rank + 1").shown == ["1"]
+        # The notebook's own: %%local, shell escapes, magics and what they run, silent requests.
+        here = nb.ok("%%local\nimport os\nnotebook_only = os.getpid()\nnotebook_only")
+        assert here.shown == [str(nb.pid)], str(here)
+        assert "from-the-shell" in nb.ok("!echo from-the-shell").stdout
+        nb.ok("%%time\ntimed_here = 1")
+        nb.ok("silent_here = 2", silent=True)
+        local = nb.ok("%%local\n[name in globals() for name in ('box', 'Box', 'where')]")
+        assert local.shown == ["[False, False, False]"], str(local)
+        assert nb.ok("%%local\ntimed_here + silent_here").shown == ["3"]
+        assert nb.ok("%%sky --all\n'notebook_only' in globals()").per_rank == {
+            0: "False",
+            1: "False",
+        }
+    finally:
+        off = nb.ok("%sky auto off")
+    assert "auto: off" in off.stdout, str(off)
+    assert nb.ok("import os\nos.getpid()").shown == [str(nb.pid)]
+    assert nb.ok("%%sky\nbox.v").shown == ["0"]  # the ranks kept what auto cells bound
+
+
+def test_auto_goes_off_when_its_pool_is_shut_down(nb: Kernel) -> None:
+    try:
+        nb.ok("%sky auto on")
+        nb.ok("%sky up --name autopool --nodes 1")  # auto follows the current pool
+        assert "auto: cells run on pool 'autopool'" in nb.ok("%sky auto").stdout
+        assert nb.ok("world_size").shown == ["1"]
+        down = nb.ok("%sky down autopool")
+        assert "auto: off, as pool 'autopool' ended" in down.stderr, str(down)
+        assert "auto: off" in nb.ok("%sky auto").stdout
+        nb.ok("plain_after_down = 1")
+        assert nb.ok("%%local\nplain_after_down").shown == ["1"]  # it ran in the notebook
+    finally:
+        nb.ok("%sky auto off")
+        if "autopool" in nb.status():
+            nb.ok("%sky down autopool")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import threading
 from typing import Any
 
@@ -201,6 +202,20 @@ def test_header_counts_nodes_and_ranks_and_prices_only_when_known() -> None:
     state.describe_pool(price_per_hour=3.6)
     assert state.snapshot().header.cost(1000.0 + 3600) == pytest.approx(3.6)
     assert "$3.60/hour" in summary_text(state.snapshot(), now=1060.0)
+
+
+def test_the_header_says_while_plain_cells_run_on_the_pool_and_a_cells_view_too() -> None:
+    state = state_with({0: 0})
+    mark = "auto: cells run on pool 'p'"
+    assert mark not in summary_text(state.snapshot(), now=0.0)
+    drawn = state.version
+    state.set_auto(True)
+    assert state.version != drawn, "the panel redraws to show the mark"
+    for snap in (state.snapshot(), state.for_cell(7).snapshot()):
+        assert mark in summary_text(snap, now=0.0)
+        assert html.escape(mark) in header_html(snap.header, 0.0, snap.progress)
+    state.set_auto(False)
+    assert html.escape(mark) not in header_html(state.snapshot().header, 0.0)
 
 
 def test_an_ended_pool_is_terminated_and_its_uptime_stops() -> None:

@@ -12,11 +12,14 @@ from __future__ import annotations
 import ast
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from skyward_jupyter.providers import BUILT_IN, DEFAULT, provider_class
+from skyward_jupyter.flags import Option
+from skyward_jupyter.providers import BUILT_IN, DEFAULT, base, provider_class, provider_classes
+from skyward_jupyter.providers.base import Provider, ProviderOptions, option
 
 PACKAGE = Path(__file__).resolve().parents[1] / "skyward_jupyter"
 
@@ -121,15 +124,85 @@ def _providers() -> dict[str, tuple[list[str], set[str]]]:
     return found
 
 
+def _without_shared(
+    providers: dict[str, tuple[list[str], set[str]]],
+) -> dict[str, tuple[list[str], set[str]]]:
+    """``providers`` less the options that ``providers/base.py`` declares for several of them
+    (:class:`SharedOption`): there they are declared, and they are no one provider's.
+    """
+    flags = {o.flag for o in _shared()}
+    dests = {f.lstrip("-").replace("-", "_") for f in flags}
+    return {
+        name: ([f for f in own if f not in flags], own_dests - dests)
+        for name, (own, own_dests) in providers.items()
+    }
+
+
 def test_no_core_module_names_a_provider_or_its_options() -> None:
     own, providers = _provider_modules(), _providers()
+    shared_declared = PACKAGE / "providers" / "base.py"
     found = [
         leak
         for path in sorted(PACKAGE.rglob("*.py"))
         if path not in own
-        for leak in leaks(path.read_text(), str(path.relative_to(PACKAGE.parent)), providers)
+        for leak in leaks(
+            path.read_text(),
+            str(path.relative_to(PACKAGE.parent)),
+            _without_shared(providers) if path == shared_declared else providers,
+        )
     ]
     assert not found, "\n".join(found)
+
+
+def copies(classes: list[type[Provider]]) -> list[str]:
+    """The flags that ``classes`` declare more than once, each its own way (help, parser,
+    range): a flag several providers take is one :class:`SharedOption` that each includes.
+    """
+    declared: dict[str, list[tuple[Option, list[str]]]] = {}
+    for cls in classes:
+        for flag in cls.Options.declared().values():
+            ways = declared.setdefault(flag.flag, [])
+            same = [names for way, names in ways if way == flag]
+            if same:
+                same[0].append(cls.name)
+            else:
+                ways.append((flag, [cls.name]))
+    return [
+        f"{flag}: " + "; ".join(f'{", ".join(names)}: "{o.help}"' for o, names in ways)
+        for flag, ways in declared.items()
+        if len(ways) > 1
+    ]
+
+
+def test_a_flag_several_providers_take_is_declared_once() -> None:
+    """``--python`` (SSH, AWS, Slurm) and ``--gpus-per-node`` (Slurm, Ray) each have one help
+    and one parser; the check is tested too, on a provider that declares its own ``--python``.
+    """
+    classes = provider_classes()
+    takers = {o.flag: [c.name for c in classes if o.flag in _flags(c)] for o in _shared()}
+    assert takers == {"--python": ["aws", "slurm", "ssh"], "--gpus-per-node": ["ray", "slurm"]}
+    assert copies(classes) == []
+
+    @dataclass(frozen=True)
+    class OwnPython(ProviderOptions):
+        python: str = option("Python on the hosts (python3)", default="python3")
+
+    class Copy(provider_class("local")):  # type: ignore[misc, valid-type]
+        name = "copy"
+        Options = OwnPython
+
+    assert copies([*classes, Copy]) == [
+        '--python: aws, slurm, ssh: "Python on the nodes, a path or a command on their PATH '
+        '(default: the provider\'s)"; copy: "Python on the hosts (python3)"'
+    ]
+
+
+def _shared() -> list[base.SharedOption]:
+    return [o for o in vars(base).values() if isinstance(o, base.SharedOption)]
+
+
+def _flags(cls: type[Provider]) -> set[str]:
+    return {o.flag for o in cls.Options.declared().values()}
 
 
 @pytest.mark.parametrize(
@@ -142,6 +215,8 @@ def test_no_core_module_names_a_provider_or_its_options() -> None:
         "ERROR = 'pass --partition P'\n",
         "from .providers.slurm import SlurmOptions\n",
         "check(region=None)\n",
+        "n = spec.options.gpus_per_node\n",  # a shared option is still no core module's
+        "ERROR = 'give --gpus-per-node G'\n",
     ],
 )
 def test_the_reader_finds_each_kind_of_leak(source: str) -> None:

@@ -216,3 +216,31 @@ def test_sync_channel_reads_frames_sent_back_to_back() -> None:
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_an_answer_reaches_only_the_request_it_answers() -> None:
+    """Answers are matched to requests by type and request id (``protocol.request_of``), as
+    they come off the wire: a late answer to an earlier stacks request, or another cell's
+    ``CellDone``, leaves the waiting request alone; its own answer completes it.
+    """
+    from skyward_jupyter.providers.base import Node
+    from skyward_jupyter.ranks import Rank
+
+    def done(cell_id: int) -> p.CellDone:
+        return p.CellDone(cell_id, None, None, None, 0.0)
+
+    late = [p.Stacks("earlier", request=1), done(6), p.GroupState(7, True, "gloo", "")]
+    own = [p.Stacks("now", request=2), done(7)]
+    late, own = ([_through_asyncio(encode(m)) for m in ms] for ms in (late, own))
+
+    async def go() -> None:
+        rank = Rank(0, Node(0, "127.0.0.1"), 0, 1)
+        stacks, cell = rank.expect(p.Stacks, 2), rank.expect(p.CellDone, 7)
+        for answer in late:
+            rank.resolve(answer)  # type: ignore[arg-type]
+        assert not stacks.done() and not cell.done()
+        for answer in own:
+            rank.resolve(answer)  # type: ignore[arg-type]
+        assert stacks.result().text == "now" and cell.result().cell_id == 7
+
+    asyncio.run(go())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import inspect
 import mmap
 import os
 import shutil
@@ -12,7 +14,7 @@ import numpy as np
 import pytest
 
 from skyward_jupyter import written
-from skyward_jupyter.written import WRITES, pages
+from skyward_jupyter.written import WRITES, Ranges, Writes, pages
 
 AS_NOBODY = ("setpriv", "--reuid", "nobody", "--regid", "nogroup", "--clear-groups")
 
@@ -101,3 +103,83 @@ def test_a_user_without_privileges_gets_watches_too() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["True", "False", "True"]
+
+
+def descriptors() -> tuple[int, int]:
+    """This process's userfaultfds and pagemaps open: what a ``Writes`` holds."""
+    import os
+
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # the directory's own descriptor, closed once listed
+            continue
+    return (
+        sum(link == "anon_inode:[userfaultfd]" for link in links),
+        sum(link.endswith("/pagemap") for link in links),
+    )
+
+
+def test_close_releases_the_descriptors_spoils_the_watches_and_a_watch_opens_anew(
+    big: np.ndarray,
+) -> None:
+    where = _where(big)
+    watch = WRITES.watch(where)
+    assert watch is not None and not WRITES.written(watch)
+    uffds, pagemaps = descriptors()
+    assert uffds >= 1 and pagemaps >= 1
+    WRITES.close()
+    assert descriptors() == (uffds - 1, pagemaps - 1)
+    assert WRITES.written(watch)  # nothing tells of its writes any more: hashed again
+    again = WRITES.watch(where)
+    assert again is not None and not WRITES.written(again)
+    big[123_456] += 1.0
+    assert WRITES.written(again)
+    # Another Writes (on memory of its own: a range is one userfaultfd's) closes as it goes.
+    own = mmap.mmap(-1, 4 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    writes = Writes()
+    assert writes.watch(_where(own)) is not None
+    assert descriptors() == (uffds + 1, pagemaps + 1)
+    del writes
+    gc.collect()
+    assert descriptors() == (uffds, pagemaps)
+    own.close()
+
+
+def test_the_extensions_unload_closes_the_notebooks_descriptors() -> None:
+    """The session's end (``%unload_ext``) closes what the notebook's one ``Writes`` opened;
+    a later load watches again. In a real kernel.
+    """
+    from .test_magics import Kernel
+
+    nb = Kernel()
+    try:
+        nb.ok("%load_ext skyward_jupyter")
+        nb.ok(
+            inspect.getsource(descriptors)
+            + "import numpy\n"
+            + "from skyward_jupyter.written import WRITES, pages\n"
+            + "a = numpy.ones(1 << 18)\n"
+            + "watch = WRITES.watch(pages([a])[0])\n"
+        )
+        assert nb.eval("(watch is not None, WRITES.written(watch), descriptors())") == (
+            True,
+            False,
+            (1, 1),
+        )
+        nb.ok("%unload_ext skyward_jupyter")
+        assert nb.eval("(WRITES.written(watch), descriptors())") == (True, (0, 0))
+        nb.ok("%load_ext skyward_jupyter")
+        assert nb.eval("(WRITES.watch(pages([a])[0]) is not None, descriptors())") == (
+            True,
+            (1, 1),
+        )
+    finally:
+        nb.close()  # its template ends with it
+
+
+def _where(value: object) -> Ranges:
+    found = pages([value])
+    assert found is not None
+    return found[0]

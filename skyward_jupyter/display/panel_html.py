@@ -82,6 +82,8 @@ def header_html(header: Header, now: float, progress: Progress | None = None) ->
         parts.insert(1, "pool-wide view (every cell)")
         if h.cell is not None:
             parts.append("a cell running")
+    if h.auto:
+        parts.append(f'<b class="sky-auto">{html.escape(h.auto_mark)}</b>')
     pool = " &middot; ".join(parts)
     if progress is not None:
         pool = (

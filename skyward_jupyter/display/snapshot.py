@@ -98,6 +98,12 @@ class Header:
     price_per_hour: float | None
     cell: int | None  # the cell running now
     cells: int  # cells run so far
+    auto: bool = False  # plain cells run on this pool (%sky auto on)
+
+    @property
+    def auto_mark(self) -> str:
+        """What every view of the pool says while plain cells run on it."""
+        return f"auto: cells run on pool {self.name!r}" if self.auto else ""
 
     def uptime(self, now: float) -> float:
         if self.started_at is None:

@@ -126,6 +126,7 @@ class PanelState:
         self._cells = 0
         self._version = 0
         self._progress: Progress | None = None  # a cell's view only (for_cell)
+        self._auto = False  # plain cells run on this pool (%sky auto on)
         self._pace = Pace()
 
     def for_cell(self, number: int | None) -> PanelState:
@@ -151,8 +152,16 @@ class PanelState:
                 for i, r in self._ranks.items()
             }
             cell._booting = dict(self._booting)
+            cell._auto = self._auto
             cell._progress = Progress(number, time.time(), None, "starting", None, None, None)
             return cell
+
+    def set_auto(self, on: bool) -> None:
+        """Whether plain cells run on this pool (``%sky auto``): its header says so."""
+        with self._lock:
+            if self._auto != on:
+                self._auto = on
+                self._version += 1
 
     @property
     def progress(self) -> Progress | None:
@@ -406,6 +415,7 @@ class PanelState:
                 self._price,
                 self._cell,
                 self._cells,
+                self._auto,
             )
             running = self._cell is not None
             latest = tuple(

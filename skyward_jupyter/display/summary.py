@@ -33,6 +33,8 @@ def summary_text(snap: PanelSnapshot, now: float | None = None, live: bool = Tru
     cost = h.cost(now)
     if live and h.price_per_hour is not None and cost is not None:
         line += f", ${h.price_per_hour:.2f}/hour, ${cost:.2f} so far"
+    if h.auto:
+        line += f"; {h.auto_mark}"
     lines = [line]
     if snap.progress is not None:
         lines.insert(0, progress_line(snap.progress, now, live))

@@ -145,6 +145,7 @@ class PoolViews:
         self._views: dict[str, _View] = {}
         self._shutdown: Callable[[str, Any], None] | None = None
         self._pending_line: tuple[Any, object] | None = None  # ("... ..." display, its cell)
+        self._auto: str | None = None  # the pool plain cells run on (%sky auto on)
 
     def attach(self, shutdown: Callable[[str, Any], None]) -> None:
         """How "Shut down" ends a pool: ``shutdown(name, pool)`` (the session's ``down``)."""
@@ -183,6 +184,7 @@ class PoolViews:
         pool = entry.pool
         state = PanelState(entry.name, pool.provider.name, price_per_hour=price_of(pool))
         pool.subscribe(state.apply)
+        state.set_auto(entry.name == self._auto)
         view = _View(entry.name, pool, state, replacing=self._views.get(entry.name))
         kind = self.kind
         self._views[entry.name] = view
@@ -255,6 +257,14 @@ class PoolViews:
         self._update(view)
         if pending:
             self._down(view)
+
+    def auto(self, name: str | None) -> None:
+        """Plain cells now run on the pool ``name`` (None: in the notebook): the headers of its
+        panels and text say so, a cell's panel from its next cell on.
+        """
+        self._auto = name
+        for view in list(self._views.values()):
+            view.state.set_auto(view.name == name)
 
     def cell_number(self) -> int | None:
         """The running cell's ``In [N]``: the panel's name for it, and its file name on the

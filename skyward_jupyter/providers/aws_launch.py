@@ -41,7 +41,7 @@ from ..events import RankState
 from .aws_checks import ADDRESS_URL, check_cidr, check_region, check_type, find_ami, public_cidr
 from .aws_client import CAPACITY, clients, error_code, explain
 from .aws_teardown import TAG_POOL
-from .base import Progress, ProviderError, ProviderOptions, option
+from .base import PYTHON, Progress, ProviderError, ProviderOptions, option
 from .ssh import Host
 
 if TYPE_CHECKING:
@@ -96,11 +96,8 @@ class AWSOptions(ProviderOptions):
         metavar="CIDR",
     )
     ami: str | None = option("image (default: the Deep Learning AMI)", metavar="ID")
-    python: str = option(
-        "Python on the instances (the AMI's PyTorch environment)",
-        default=REMOTE_PYTHON,
-        metavar="PATH",
-    )
+    python: str = PYTHON.field(default=REMOTE_PYTHON)
+    """The AMI's PyTorch environment unless given."""
     pool_name: str = "default"
     gpu: str | None = None
     user: str = "ubuntu"

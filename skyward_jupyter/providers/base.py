@@ -62,9 +62,42 @@ def option(
     ``action="append"`` repeats it (the field holds a tuple), ``action="store_true"`` makes a
     switch; ``limit`` is the range a number must be in, however the options were made.
     """
+    return field(default=default, metadata=_metadata(help, flag, limit, kwargs))
+
+
+def _metadata(
+    help: str, flag: str | None, limit: Range | None, kwargs: dict[str, Any]
+) -> dict[str, Any]:
     if limit is not None:
         kwargs.setdefault("type", ranged(limit))
-    return field(default=default, metadata={_OPTION: (help, flag, limit, kwargs)})
+    return {_OPTION: (help, flag, limit, kwargs)}
+
+
+class SharedOption:
+    """A ``--flag`` that several providers take with one meaning: declared once, here, so its
+    help, its parser and its range are one. A provider's options include it as a field,
+    ``python: str = PYTHON.field(default="python3")``, with the provider's own default.
+    """
+
+    def __init__(self, flag: str, help: str, *, limit: Range | None = None, **kwargs: Any):
+        self.flag = flag
+        self._metadata = _metadata(help, flag, limit, kwargs)
+
+    def field(self, default: Any = None) -> Any:
+        return field(default=default, metadata=self._metadata)
+
+
+PYTHON = SharedOption(
+    "--python",
+    "Python on the nodes, a path or a command on their PATH (default: the provider's)",
+    metavar="PATH",
+)
+GPUS_PER_NODE = SharedOption(
+    "--gpus-per-node",
+    "GPUs to ask for on each node",
+    limit=Range("--gpus-per-node", 0, 64, "GPUs", whole=True),
+    metavar="G",
+)
 
 
 P = TypeVar("P", bound="ProviderOptions")

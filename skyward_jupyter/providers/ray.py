@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 from ..agent.descendants import end_rank
 from ..events import RankState
 from ..gpus import check_cpu_or_gpus
-from ..limits import Range
 from .base import (
+    GPUS_PER_NODE,
     Node,
     Progress,
     Provider,
@@ -195,9 +195,6 @@ def _ray_tls() -> bool:
 _NO_RAY = "--provider ray needs the ray package here: pip install 'skyward_jupyter[ray]'"
 
 
-GPUS_PER_NODE = Range("--gpus-per-node", 0, 64, "GPUs", whole=True)
-
-
 @dataclass(frozen=True, slots=True)
 class RayOptions(ProviderOptions):
     """The Ray provider's options: the cluster to join and what each node's bundle holds."""
@@ -207,9 +204,8 @@ class RayOptions(ProviderOptions):
         flag="--ray-address",
         metavar="ADDR",
     )
-    gpus_per_node: int | None = option(
-        "GPUs in each node's bundle of the placement group", limit=GPUS_PER_NODE
-    )
+    gpus_per_node: int | None = GPUS_PER_NODE.field()
+    """What each node's bundle of the placement group holds."""
 
 
 def _own(spec: PoolSpec) -> RayOptions:
@@ -234,7 +230,7 @@ class RayProvider(Provider):
     @classmethod
     def settle(cls, spec: PoolSpec) -> PoolSpec:
         """``--gpu none`` and ``--gpus-per-node`` do not go together."""
-        check_cpu_or_gpus(spec.gpu, _own(spec).gpus_per_node, GPUS_PER_NODE.option)
+        check_cpu_or_gpus(spec.gpu, _own(spec).gpus_per_node, GPUS_PER_NODE.flag)
         return spec
 
     @classmethod

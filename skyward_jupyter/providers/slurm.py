@@ -33,9 +33,10 @@ from typing import TYPE_CHECKING, Any
 
 from ..events import RankState
 from ..gpus import NO_GPU, check_cpu_or_gpus, check_gpu_layout, gpu_model, same_gpu
-from ..limits import Range
 from ..wire_lines import MODE, STREAM_LIMIT, LineReader, LineWriter
 from .base import (
+    GPUS_PER_NODE,
+    PYTHON,
     Node,
     Progress,
     Provider,
@@ -74,9 +75,6 @@ done
 """
 
 
-GPUS_PER_NODE = Range("--gpus-per-node", 0, 64, "GPUs", whole=True)
-
-
 @dataclass(frozen=True, slots=True)
 class SlurmOptions(ProviderOptions):
     """The Slurm provider's options: the job's, as sbatch reads them."""
@@ -85,7 +83,7 @@ class SlurmOptions(ProviderOptions):
     account: str | None = option("Slurm account to charge", metavar="A")
     time: str | None = option("Slurm time limit (e.g. 1:00:00)", metavar="T")
     qos: str | None = option("Slurm quality of service", metavar="Q")
-    gpus_per_node: int | None = option("GPUs per Slurm node", limit=GPUS_PER_NODE)
+    gpus_per_node: int | None = GPUS_PER_NODE.field()
     constraint: str | None = option("Slurm node features", metavar="C")
     extra: tuple[str, ...] = option(
         "another sbatch option, as sbatch reads it (repeatable; e.g. --slurm-arg=--exclusive)",
@@ -94,9 +92,8 @@ class SlurmOptions(ProviderOptions):
         action="append",
         metavar="ARG",
     )
-    python: str | None = option(
-        "Python on the nodes (default: this notebook's, at the same path)", metavar="PATH"
-    )
+    python: str | None = PYTHON.field()
+    """None: this notebook's Python, at the same path on the nodes."""
     gpu: str | None = None
     """``--gpu``: the model the nodes' GRES must name (compared by model), checked once the
     job runs."""
@@ -229,7 +226,7 @@ class SlurmProvider(Provider):
     @classmethod
     def settle(cls, spec: PoolSpec) -> PoolSpec:
         """``--gpu none`` and ``--gpus-per-node`` do not go together."""
-        check_cpu_or_gpus(spec.gpu, _own(spec).gpus_per_node, GPUS_PER_NODE.option)
+        check_cpu_or_gpus(spec.gpu, _own(spec).gpus_per_node, GPUS_PER_NODE.flag)
         return spec
 
     @classmethod

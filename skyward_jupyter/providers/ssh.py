@@ -43,6 +43,7 @@ from ..events import RankState
 from ..gpus import NO_GPU, gpu_model, same_gpu
 from ..workdir import human_bytes
 from .base import (
+    PYTHON,
     Node,
     Progress,
     Provider,
@@ -115,7 +116,7 @@ class SSHOptions(ProviderOptions):
         default=False,
         action="store_true",
     )
-    python: str = option("Python on the hosts (python3)", default="python3", metavar="PATH")
+    python: str = PYTHON.field(default="python3")
     head_addr: str | None = option("the head's address as the other hosts reach it", metavar="ADDR")
     connect_timeout: float = 15.0
     keepalive_interval: float = 5.0
