@@ -164,11 +164,11 @@ def test_quickstart_panel_then_interrupt(lab: Lab) -> None:
             page.keyboard.press("Enter")
             page.keyboard.type("model.modu")
             offered = page.locator(".jp-Completer .jp-Completer-item")
-            for _ in range(6):
+            for _ in range(20):
                 page.keyboard.press("Tab")
                 with contextlib.suppress(PlaywrightTimeout):
                     offered.and_(page.locator("[data-value='model.modules']")).wait_for(
-                        timeout=10_000
+                        timeout=3_000
                     )
                     break
             values = {item.get_attribute("data-value") for item in offered.all()}
