@@ -8,6 +8,7 @@ way (a process here, a command over SSH) and hands its output lines to :func:`fo
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import io
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import zipfile
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +32,8 @@ BUILDER = ("-m", "skyward_jupyter.agent.environments", "build")
 """The builder's arguments after the node's Python."""
 WHEELS = "~/.cache/skyward_jupyter/wheels"
 """Where the notebook keeps the wheels it downloads for nodes without an index."""
+UV = "~/.cache/skyward_jupyter/uv"
+"""Where the notebook keeps the uv binary it sends to nodes that have none."""
 
 
 class PackagesError(ProviderError):
@@ -45,51 +49,63 @@ class Packages:
     requirements: tuple[str, ...]
     wheels: bool = False
     """The nodes install from wheels the notebook downloads and sends (``--ship-wheels``)."""
+    variant: bool = False
+    """Each node gets the notebook's torch in the build for its accelerator (``--mirror``)."""
 
     @classmethod
     def from_options(
-        cls, pip: Sequence[str], requirements: Sequence[str], wheels: bool = False
+        cls,
+        pip: Sequence[str],
+        requirements: Sequence[str],
+        wheels: bool = False,
+        variant: bool = False,
     ) -> Packages | None:
         """``--pip`` specs, then the ``--requirements`` file's lines; None when nothing is
         asked.
         """
         lines = (*pip, *requirements)
-        return cls(lines, wheels) if lines else None
+        return cls(lines, wheels, variant) if lines or variant else None
 
     @property
     def digest(self) -> str:
         """The content hash: equal requirements share an environment on a node."""
-        return hashlib.sha256("\n".join(self.requirements).encode()).hexdigest()
+        lines = (*self.requirements, *(["# torch's build per node"] if self.variant else []))
+        return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
-    def request(self, wheels: str | None = None) -> bytes:
+    def request(self, wheels: str | None = None, uv: str | None = None) -> bytes:
         """The builder's input line (torch pinned to the notebook's, where a node has none;
-        ``wheels``: the node's folder of wheels sent from here, its only source).
+        ``wheels``: the node's folder of wheels sent from here, its only source; ``uv``: the uv
+        binary sent there).
         """
         given = {
             "hash": self.digest,
             "requirements": list(self.requirements),
-            "torch": _notebook_torch(),
+            "torch": notebook_torch(),
             "wheels": wheels,
+            "uv": uv,
+            "variant": self.variant,
         }
         return json.dumps(given).encode() + b"\n"
 
-    def download(self) -> Path:
+    def download(self, with_torch: bool = False) -> Path:
         """The wheels of these packages and of all they need, downloaded here once per content
-        (``pip download``, binary only, torch pinned to the notebook's): what nodes without an
+        (``pip download``, binary only, torch pinned to the notebook's; ``with_torch``: the
+        notebook's torch too, for nodes without it or with another): what nodes without an
         index install from. They are this machine's platform's: nodes must share it.
         """
         root = wheels_root()
-        target = root / self.digest[:16]
+        target = root / f"{self.digest[:16]}{'-torch' * with_torch}"
         if target.is_dir():
             return target
         root.mkdir(parents=True, exist_ok=True)
         staging = root / f"{target.name}.{secrets.token_hex(4)}"
         with tempfile.TemporaryDirectory(prefix="sky-wheels-") as scratch:
             pins = Path(scratch) / "constraints.txt"
-            torch = _notebook_torch()
+            torch = notebook_torch()
             pins.write_text(f"torch=={torch}\n" if torch else "")
             wanted = Path(scratch) / "requirements.txt"
-            wanted.write_text("".join(f"{line}\n" for line in (*self.requirements, f"-c {pins}")))
+            asked = (*self.requirements, *([f"torch=={torch}"] if with_torch and torch else []))
+            wanted.write_text("".join(f"{line}\n" for line in (*asked, f"-c {pins}")))
             done = subprocess.run(
                 [sys.executable, "-m", "pip", "download", "--only-binary=:all:", "--no-input",
                  "--progress-bar", "off", "-d", str(staging), "-r", str(wanted)],
@@ -116,7 +132,56 @@ def wheels_root() -> Path:
     return Path(os.path.expanduser(os.environ.get("SKYWARD_WHEELS") or WHEELS))
 
 
-def _notebook_torch() -> str | None:
+def notebook_uv() -> Path | None:
+    """uv for the nodes: this machine's (on ``PATH``), else the binary in uv's wheel, downloaded
+    once (``pip download uv``); None where neither is had (the nodes then install with pip).
+    """
+    on_path = shutil.which("uv")
+    if on_path:
+        return Path(on_path)
+    folder = Path(os.path.expanduser(os.environ.get("SKYWARD_UV") or UV))
+    binary = folder / "uv"
+    if binary.is_file():
+        return binary
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="sky-uv-", dir=folder.parent) as scratch:
+        done = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "uv", "--only-binary=:all:", "--no-deps",
+             "--no-input", "--progress-bar", "off", "-d", scratch],
+            capture_output=True,
+            text=True,
+        )  # fmt: skip
+        wheel = next(Path(scratch).glob("uv-*.whl"), None)
+        if done.returncode != 0 or wheel is None:
+            return None
+        staging = Path(scratch) / "uv"
+        staging.mkdir()
+        with zipfile.ZipFile(wheel) as unzipped:
+            inside = next((n for n in unzipped.namelist() if n.endswith(".data/scripts/uv")), None)
+            if inside is None:
+                return None
+            (staging / "uv").write_bytes(unzipped.read(inside))
+        (staging / "uv").chmod(0o755)
+        with contextlib.suppress(OSError):  # another kernel put it there meanwhile
+            os.rename(staging, folder)
+    return binary
+
+
+def uv_tarball(binary: Path) -> tuple[str, bytes]:
+    """The uv binary as a gzipped tar for a node, and its content's name (a node keeps each
+    once).
+    """
+    data = binary.read_bytes()
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=6) as tar:
+        info = tarfile.TarInfo("uv")
+        info.size, info.mode = len(data), 0o755
+        tar.addfile(info, io.BytesIO(data))
+    return hashlib.sha256(data).hexdigest()[:16], buffer.getvalue()
+
+
+def notebook_torch() -> str | None:
+    """The notebook's torch version, None without one."""
     try:
         return importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:
@@ -149,17 +214,29 @@ class NodeEnvironment:
     """Distributions installed in it (over what the node's Python has)."""
     cached: bool
     """Found built (no install ran)."""
+    installer: str = "pip"
+    """What built it (``uv 0.13.9``, ``pip``)."""
+    torch: str | None = None
+    """torch's build chosen for the node, where one was (``--mirror``, or a node without)."""
 
     @classmethod
     def from_report(cls, digest: str, report: Mapping[str, object]) -> NodeEnvironment:
         """From the builder's last line (``{"ready", "packages", "cached"}``)."""
+        torch = report.get("torch")
         return cls(
-            digest, str(report["ready"]), int(str(report["packages"])), bool(report["cached"])
+            digest,
+            str(report["ready"]),
+            int(str(report["packages"])),
+            bool(report["cached"]),
+            str(report.get("installer") or "pip"),
+            str(torch) if torch else None,
         )
 
     def describe(self) -> str:
         count = f"{self.packages} package{'s' * (self.packages != 1)}"
-        return f"env {self.digest[:12]} ({count}{', cached' if self.cached else ''})"
+        return (
+            f"env {self.digest[:12]} ({count}, {self.installer}{', cached' if self.cached else ''})"
+        )
 
 
 async def follow(

@@ -152,7 +152,10 @@ class PoolSpec:
             "frameworks": self.framework_setup(notebook_env),
             "gpu": self.gpu,
             "packages": Packages.from_options(
-                (*mirrored, *self.pip), self.requirements, bool(self.ship_wheels)
+                (*mirrored, *self.pip),
+                self.requirements,
+                bool(self.ship_wheels),
+                bool(self.mirror),
             ),
         }
         return {k: v for k, v in given.items() if v is not None}

@@ -42,6 +42,7 @@ from ..environments import (
     Packages,
     PackagesError,
     follow,
+    notebook_uv,
     wheels_root,
 )
 from ..events import RankState
@@ -444,6 +445,8 @@ class LocalProvider(Provider):
             else await _build_here(packages, say)
         )
         say(f"packages ready: {built.describe()}")
+        if built.torch:
+            self.warnings.append(f"torch on this machine: {built.torch}")
         return {node.index: built for node in nodes}
 
     async def clean(self) -> list[str]:
@@ -547,6 +550,7 @@ class LocalProvider(Provider):
 async def _build_here(packages: Packages, say: Callable[[str], None]) -> NodeEnvironment:
     """Run the node-side builder on this machine and read its report."""
     wheels = str(await asyncio.to_thread(packages.download)) if packages.wheels else None
+    uv = await asyncio.to_thread(notebook_uv)
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         *BUILDER,
@@ -558,7 +562,7 @@ async def _build_here(packages: Packages, say: Callable[[str], None]) -> NodeEnv
     )
     assert process.stdin is not None and process.stdout is not None
     assert process.stderr is not None
-    process.stdin.write(packages.request(wheels))
+    process.stdin.write(packages.request(wheels, str(uv) if uv else None))
     process.stdin.close()
     stdout, stderr = process.stdout, process.stderr
 
