@@ -9,6 +9,7 @@ way (a process here, a command over SSH) and hands its output lines to :func:`fo
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.metadata
 import io
@@ -167,13 +168,14 @@ def notebook_uv() -> Path | None:
     return binary
 
 
+@functools.cache
 def uv_tarball(binary: Path) -> tuple[str, bytes]:
     """The uv binary as a gzipped tar for a node, and its content's name (a node keeps each
-    once).
+    once); made once per process.
     """
     data = binary.read_bytes()
     buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=6) as tar:
+    with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=1) as tar:
         info = tarfile.TarInfo("uv")
         info.size, info.mode = len(data), 0o755
         tar.addfile(info, io.BytesIO(data))
@@ -191,7 +193,7 @@ def notebook_torch() -> str | None:
 def wheels_tarball(folder: Path) -> bytes:
     """The folder's wheels as a gzipped tar (stored: wheels are compressed already)."""
     buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=1) as tar:
+    with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=0) as tar:
         for wheel in sorted(folder.glob("*.whl")):
             tar.add(wheel, arcname=wheel.name)
     return buffer.getvalue()

@@ -555,7 +555,7 @@ class SSHProvider(Provider):
         that fails fails the start, naming itself and the installer's reason. What is sent
         (the wheels of ``--ship-wheels``, uv for hosts without it) goes to each host once.
         """
-        bundles: list[tuple[str, str, bytes]] = []  # (what, folder under the cache, tarball)
+        bundles: list[_Bundle] = []
         wheels_folder: str | None = None
         if packages.wheels:
             for node in nodes:
@@ -566,20 +566,19 @@ class SSHProvider(Provider):
             )
             folder = await asyncio.to_thread(packages.download, other_torch)
             wheels_folder = f"wheels/{folder.name}"
-            tarball = await asyncio.to_thread(wheels_tarball, folder)
-            bundles.append(("wheels", wheels_folder, tarball))
+            bundles.append(_Bundle("wheels", wheels_folder, lambda: wheels_tarball(folder)))
         uv = await asyncio.to_thread(notebook_uv)
         uv_folder: str | None = None
         if uv is not None:
             name, tarball = await asyncio.to_thread(uv_tarball, uv)
             uv_folder = f"uv/{name}"
-            bundles.append(("uv", uv_folder, tarball))
+            bundles.append(_Bundle("uv", uv_folder, lambda: tarball))
 
         async def one(node: Node) -> NodeEnvironment:
             host = self.hosts[node.index]
             cache = posixpath.dirname(self._remote_package[node.index])
-            for what, folder, tarball in bundles:
-                await self._send_once(node, f"{cache}/{folder}", what, tarball, progress)
+            for bundle in bundles:
+                await self._send_once(node, f"{cache}/{bundle.folder}", bundle, progress)
             command = shlex.join(
                 [
                     "env",
@@ -629,15 +628,17 @@ class SSHProvider(Provider):
         return found
 
     async def _send_once(
-        self, node: Node, target: str, what: str, tarball: bytes, progress: Progress
+        self, node: Node, target: str, bundle: _Bundle, progress: Progress
     ) -> None:
-        """``tarball`` unpacked into ``target`` on the node's host, unless it is there already:
-        each host gets what the notebook sends for its packages once.
+        """``bundle`` unpacked into ``target`` on the node's host, unless it is there already:
+        each host gets what the notebook sends for its packages once (and the tarball is made
+        only when some host lacks it).
         """
         conn = self._sessions[node.index].conns[0]
         if (await conn.run(shlex.join(["test", "-d", target]), check=False)).exit_status:
+            tarball = await bundle.tarball()
             progress(
-                f"packages: sending {what} ({human_bytes(len(tarball))})",
+                f"packages: sending {bundle.what} ({human_bytes(len(tarball))})",
                 node.index,
                 RankState.BOOTING,
             )
@@ -665,6 +666,21 @@ class SSHProvider(Provider):
             sessions.close()
         await asyncio.gather(*(s.wait_closed() for s in self._sessions))
         self._sessions.clear()
+
+
+class _Bundle:
+    """What the notebook sends the hosts for their packages (the wheels of ``--ship-wheels``,
+    uv): its name, its folder under the host's cache, and its tarball, made on first need.
+    """
+
+    def __init__(self, what: str, folder: str, make: Callable[[], bytes]) -> None:
+        self.what, self.folder, self._make = what, folder, make
+        self._made: asyncio.Task[bytes] | None = None
+
+    async def tarball(self) -> bytes:
+        if self._made is None:
+            self._made = asyncio.ensure_future(asyncio.to_thread(self._make))
+        return await self._made
 
 
 async def _no_template() -> tuple[None, None]:
