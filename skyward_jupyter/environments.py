@@ -8,6 +8,7 @@ way (a process here, a command over SSH) and hands its output lines to :func:`fo
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import hashlib
@@ -17,6 +18,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -259,3 +261,46 @@ async def follow(
         elif "ready" in message:
             return NodeEnvironment.from_report(digest, message)
     raise PackagesError(f"{where}: the package installer ended without a word")
+
+
+async def run_builder(
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    request: bytes,
+    digest: str,
+    where: str,
+    say: Callable[[str], None],
+) -> NodeEnvironment:
+    """Start the builder here (``argv``: this machine's Python, or a command that runs it on a
+    node, as ``srun`` does), hand it ``request`` and read its report (:func:`follow`); its last
+    word on stderr joins a failure. Interrupted, the builder and its installer end with it.
+    """
+    process = await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=dict(env),
+        start_new_session=True,
+    )
+    assert process.stdin is not None and process.stdout is not None
+    assert process.stderr is not None
+    process.stdin.write(request)
+    process.stdin.close()
+    stdout, stderr = process.stdout, process.stderr
+
+    async def lines() -> AsyncIterator[str]:
+        async for raw in stdout:
+            yield raw.decode(errors="replace")
+
+    try:
+        return await follow(lines(), digest, where, say)
+    except PackagesError as exc:
+        said = (await stderr.read()).decode(errors="replace").strip().splitlines()
+        raise PackagesError(f"{exc}: {said[-1]}" if said else str(exc)) from None
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        raise
+    finally:
+        await process.wait()

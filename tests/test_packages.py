@@ -266,10 +266,11 @@ def test_a_provider_that_installs_nothing_refuses_pip_before_any_machine() -> No
 
     with pytest.raises(
         SpecError,
-        match=r"^--pip/--requirements/--mirror: the slurm provider cannot .* \(aws, local, ssh\)$",
+        match=r"^--pip/--requirements/--mirror: the ray provider cannot install packages on its "
+        r"nodes; give the Ray cluster a runtime_env .* \(aws, local, slurm, ssh\)$",
     ):
-        PoolSpec(provider="slurm", pip=("tabulate",))
-    assert PoolSpec(provider="ssh", pip=("tabulate",)).pip == ("tabulate",)
+        PoolSpec(provider="ray", pip=("tabulate",))
+    assert PoolSpec(provider="slurm", pip=("tabulate",)).pip == ("tabulate",)
 
 
 def test_pip_defaults_status_and_clean_through_the_magics_of_a_real_kernel(
