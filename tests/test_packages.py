@@ -324,3 +324,21 @@ def test_mirror_pins_the_notebooks_versions_of_what_its_namespace_uses() -> None
         f"xxhash=={metadata.version('xxhash')}",
     )
     assert local == ()
+
+
+def test_uv_installs_from_where_the_nodes_pip_is_configured_to(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """uv reads no pip configuration: the builder hands it pip's (files, then ``PIP_``)."""
+    conf = tmp_path / "pip.conf"
+    conf.write_text(
+        "[global]\nindex-url = file:///srv/a\nextra-index-url = file:///srv/b\n  file:///srv/c\n"
+        "[install]\nfind-links = /srv/wheels\n"
+    )
+    monkeypatch.setenv("PIP_CONFIG_FILE", str(conf))
+    monkeypatch.setenv("PIP_FIND_LINKS", "/srv/more")
+    monkeypatch.setenv("PIP_INDEX_URL", "file:///srv/z")
+    settings = node_environments._uv_settings()
+    assert settings["UV_INDEX_URL"] == "file:///srv/z"
+    assert settings["UV_EXTRA_INDEX_URL"].split()[-2:] == ["file:///srv/b", "file:///srv/c"]
+    assert settings["UV_FIND_LINKS"].split(",")[-2:] == ["/srv/wheels", "/srv/more"]

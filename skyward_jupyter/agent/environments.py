@@ -34,6 +34,7 @@ Standard library only: this runs on the nodes.
 
 from __future__ import annotations
 
+import configparser
 import contextlib
 import fcntl
 import hashlib
@@ -326,37 +327,57 @@ def _stand_in(site_dir: Path, env: Path) -> None:
         )
 
 
+_UV_NAMES = {
+    "index-url": "UV_INDEX_URL",
+    "extra-index-url": "UV_EXTRA_INDEX_URL",
+    "find-links": "UV_FIND_LINKS",
+    "constraint": "UV_CONSTRAINT",
+    "cert": "SSL_CERT_FILE",
+}
+"""pip's settings that say where packages come from, and uv's names for them."""
+
+
+def _pip_config_files() -> list[Path]:
+    """pip's configuration files, in the order pip reads them (a later one wins)."""
+    xdg = os.environ.get("XDG_CONFIG_DIRS", "/etc/xdg").split(os.pathsep)
+    home = Path(os.path.expanduser("~"))
+    user = Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config")
+    files = [*(Path(d) / "pip" / "pip.conf" for d in reversed(xdg)), Path("/etc/pip.conf")]
+    files += [Path(sys.prefix) / "pip.conf", home / ".pip" / "pip.conf", user / "pip" / "pip.conf"]
+    given = os.environ.get("PIP_CONFIG_FILE")
+    return [*files, *([Path(given)] if given and given != os.devnull else [])]
+
+
 def _uv_settings() -> dict[str, str]:
-    """The node's pip configuration (indexes, wheel folders, constraints, certificates) as uv's
-    environment, so that uv installs from where pip would.
+    """The node's pip configuration (its files' ``[global]`` and ``[install]``, then ``PIP_``
+    variables) for indexes, wheel folders, constraints and certificates, as uv's environment,
+    so that uv installs from where pip would (read here: pip itself takes seconds to start).
     """
-    try:
-        listed = subprocess.run(
-            [sys.executable, "-m", "pip", "config", "list"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return {}
-    names = {
-        "index-url": "UV_INDEX_URL",
-        "extra-index-url": "UV_EXTRA_INDEX_URL",
-        "find-links": "UV_FIND_LINKS",
-        "constraint": "UV_CONSTRAINT",
-        "cert": "SSL_CERT_FILE",
-    }
     found: dict[str, list[str]] = {}
-    for line in listed.stdout.splitlines():
-        setting, _, value = line.partition("=")
-        uv_name = names.get(setting.rpartition(".")[2])
-        if uv_name and value:
-            found.setdefault(uv_name, []).extend(value.strip("'\"").split())
+
+    def add(setting: str, value: str) -> None:
+        uv_name = _UV_NAMES.get(setting)
+        if uv_name and value.strip():
+            values = value.split()
+            # one index replaces another; the other settings add up
+            found[uv_name] = (
+                values if uv_name == "UV_INDEX_URL" else [*found.get(uv_name, []), *values]
+            )
+
+    for path in _pip_config_files():
+        parser = configparser.RawConfigParser()
+        with contextlib.suppress(OSError, configparser.Error):
+            parser.read(path)
+        for section in ("global", "install"):
+            if parser.has_section(section):
+                for setting, value in parser.items(section):
+                    add(setting, value)
+    for setting in _UV_NAMES:
+        add(setting, os.environ.get("PIP_" + setting.upper().replace("-", "_"), ""))
     # uv reads a list of wheel folders comma-separated, the others space-separated.
     return {
         name: ("," if name == "UV_FIND_LINKS" else " ").join(dict.fromkeys(values))
         for name, values in found.items()
-        if name != "SSL_CERT_FILE" or values
     }
 
 
