@@ -9,10 +9,11 @@ round for both sides alike (it is not cleared: a node that installs twice has it
 * **(a) First build on a node.** The builder that a pool runs on each node
   (``python -m skyward_jupyter.agent.environments build``: a venv with
   ``--system-site-packages`` over the node's Python, a ``.pth`` naming its site directories,
-  ``pip install -r ... -c <torch pin>``, then the rename into the cache) on an empty cache,
-  against ``pip install --target <new dir> tabulate ujson`` run by hand with the same Python
-  (what a user would type to add packages to a node without touching its Python), alternating,
-  each in a fresh directory.
+  ``uv pip install`` (or ``pip install``) ``-r ... -c <torch pin>``, then the rename into the
+  cache) on an empty cache, with uv (the binary the notebook sends) and with pip, against
+  ``uv pip install --target <new dir> tabulate ujson`` and ``pip install --target ...`` run by
+  hand with the same Python (what a user would type to add packages to a node without touching
+  its Python), in an order rotated each round, each in a fresh directory.
 * **(b) A pool on a cached environment.** ``Pool(nodes=2, procs_per_node=1)`` from the
   constructor to a first cell's result (``1``), with ``packages=`` whose environment is already
   built (found by its hash; no process runs), against the same pool without packages,
@@ -27,7 +28,7 @@ round for both sides alike (it is not cleared: a node that installs twice has it
   compared with ``pip install --target DIR --index-url ... tabulate ujson`` run by hand on the
   host over SSH (the OpenSSH client, timed from here, a fresh directory each time). Then the
   start with the environment **cached** against the start without packages (in alternating
-  order). One uncounted round of each first.
+  order). One uncounted round of each first (which also sends uv to the host, once).
 
 Run ``python bench/bench_packages.py --markdown-out BENCHMARKS.md`` to regenerate the figures in
 ``BENCHMARKS.md``; they are never edited by hand. JSON goes to ``bench/results/packages.json``.
@@ -59,9 +60,11 @@ from common import (
     machine_info,
     machine_line,
     range_row,
+    rotated,
 )
 
-from skyward_jupyter.environments import BUILDER, Packages
+from skyward_jupyter.agent.environments import uv_settings
+from skyward_jupyter.environments import BUILDER, Packages, notebook_uv
 from skyward_jupyter.pool import Pool
 from skyward_jupyter.providers.local import shutdown_template
 from skyward_jupyter.providers.ssh import Host, SSHOptions, SSHProvider
@@ -87,22 +90,36 @@ def _timed(argv: list[str], env: dict[str, str], stdin: str = "") -> float:
 
 def first_builds(rounds: int, scratch: Path) -> dict[str, Any]:
     packages = Packages(PACKAGES)
-    request = packages.request().decode()
-    ours: list[float] = []
-    by_hand: list[float] = []
+    uv = notebook_uv()
+    if uv is None:
+        raise BenchError("no uv here: pip download uv found none")
+    with_uv = packages.request(None, str(uv)).decode()
+    with_pip = packages.request().decode()
+    samples: dict[str, list[float]] = {k: [] for k in ("uv", "pip", "uv_hand", "pip_hand")}
     for i in range(rounds):
-        envs, target = scratch / f"envs-{i}", scratch / f"target-{i}"
-        env = {**child_env(), "SKYWARD_ENVS": str(envs)}
+        envs = {k: scratch / f"envs-{k}-{i}" for k in ("uv", "pip")}
+        target = {k: scratch / f"target-{k}-{i}" for k in ("uv_hand", "pip_hand")}
         sides = [
-            (ours, [sys.executable, *BUILDER], request),
-            (by_hand, [sys.executable, "-m", "pip", "install", "-q", "--target", str(target),
-                       *PACKAGES], ""),
+            ("uv", [sys.executable, *BUILDER], with_uv, {"SKYWARD_ENVS": str(envs["uv"])}),
+            ("pip", [sys.executable, *BUILDER], with_pip, {"SKYWARD_ENVS": str(envs["pip"])}),
+            ("uv_hand", [str(uv), "pip", "install", "-q", "--python", sys.executable,
+                         "--target", str(target["uv_hand"]), *PACKAGES], "", uv_settings()),
+            ("pip_hand", [sys.executable, "-m", "pip", "install", "-q", "--target",
+                          str(target["pip_hand"]), *PACKAGES], "", {}),
         ]  # fmt: skip
-        for samples, argv, stdin in sides if i % 2 == 0 else reversed(sides):
-            samples.append(_timed(argv, env, stdin))
-        shutil.rmtree(envs)
-        shutil.rmtree(target)
-    return {"builder_s": asdict(Summary.of(ours)), "pip_target_s": asdict(Summary.of(by_hand))}
+        by_name = {side[0]: side[1:] for side in sides}
+        for name in rotated(list(by_name), i):
+            argv, stdin, extra = by_name[name]
+            samples[name].append(_timed(argv, {**child_env(), **extra}, stdin))
+        for folder in (*envs.values(), *target.values()):
+            shutil.rmtree(folder)
+    return {
+        "builder_s": asdict(Summary.of(samples["uv"])),
+        "builder_pip_s": asdict(Summary.of(samples["pip"])),
+        "uv_target_s": asdict(Summary.of(samples["uv_hand"])),
+        "pip_target_s": asdict(Summary.of(samples["pip_hand"])),
+        "uv": subprocess.run([str(uv), "--version"], capture_output=True, text=True).stdout.strip(),
+    }
 
 
 def _start_to_first_cell(
@@ -204,13 +221,17 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         "| | median | min | max | goal |",
         "|---|---:|---:|---:|---:|",
-        range_row("the pool's builder on an empty cache", first["builder_s"], fmt_s, ""),
+        range_row(f"the pool's builder with {first['uv']}", first["builder_s"], fmt_s, ""),
+        range_row("the pool's builder with pip", first["builder_pip_s"], fmt_s, ""),
+        range_row("`uv pip install --target DIR` by hand", first["uv_target_s"], fmt_s, ""),
         range_row("`pip install --target DIR` by hand", first["pip_target_s"], fmt_s, ""),
         "",
-        f"The builder costs {first['builder_s']['median'] / first['pip_target_s']['median']:.2f}"
-        " times pip by hand: it makes a venv over the node's Python, asks pip which packages are"
-        " there already (torch pinned to the node's), installs what is missing and renames the"
-        " environment into the cache. pip's HTTP cache is warm for both.",
+        f"The builder with uv costs "
+        f"{first['builder_s']['median'] / first['pip_target_s']['median']:.2f} times pip by hand "
+        f"({first['builder_pip_s']['median'] / first['pip_target_s']['median']:.2f} with pip): "
+        "it makes a venv over the node's Python, has the installer count what is there already "
+        "(torch pinned to the node's), installs what is missing and renames the environment into "
+        "the cache. pip's and uv's caches are warm for all sides.",
         "",
         f"### (b) Start to first cell, 2 local ranks ({starts['with_s']['n']} rounds, alternating)",
         "",

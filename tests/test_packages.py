@@ -338,7 +338,7 @@ def test_uv_installs_from_where_the_nodes_pip_is_configured_to(
     monkeypatch.setenv("PIP_CONFIG_FILE", str(conf))
     monkeypatch.setenv("PIP_FIND_LINKS", "/srv/more")
     monkeypatch.setenv("PIP_INDEX_URL", "file:///srv/z")
-    settings = node_environments._uv_settings()
+    settings = node_environments.uv_settings()
     assert settings["UV_INDEX_URL"] == "file:///srv/z"
     assert settings["UV_EXTRA_INDEX_URL"].split()[-2:] == ["file:///srv/b", "file:///srv/c"]
     assert settings["UV_FIND_LINKS"].split(",")[-2:] == ["/srv/wheels", "/srv/more"]

@@ -348,7 +348,7 @@ def _pip_config_files() -> list[Path]:
     return [*files, *([Path(given)] if given and given != os.devnull else [])]
 
 
-def _uv_settings() -> dict[str, str]:
+def uv_settings() -> dict[str, str]:
     """The node's pip configuration (its files' ``[global]`` and ``[install]``, then ``PIP_``
     variables) for indexes, wheel folders, constraints and certificates, as uv's environment,
     so that uv installs from where pip would (read here: pip itself takes seconds to start).
@@ -386,7 +386,7 @@ def _install_uv(env: Path, uv: str, say: Say) -> None:
         uv, "pip", "install", "--python", str(env / "bin" / "python"),
         "--index-strategy", "unsafe-best-match", "-r", str(env / "requirements.txt"),
     ]  # fmt: skip
-    settings = {**os.environ, **_uv_settings(), "NO_COLOR": "1"}
+    settings = {**os.environ, **uv_settings(), "NO_COLOR": "1"}
     process = subprocess.Popen(
         command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, bufsize=1,
         env=settings,
