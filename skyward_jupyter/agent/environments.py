@@ -464,16 +464,14 @@ def installer_reason(stderr: str) -> str:
     # the first names what was asked and what exists.
     reason = (errors[0] if errors else _uv_reason(lines)) or "the installer failed"
     # pip retries an index it cannot reach, saying why: "... [Errno -3] Temporary failure in
-    # name resolution)", "... [Errno 101] Network is unreachable')"; uv: "dns error: ..."
-    unreachable = re.search(
-        r"WARNING: Retrying .*\[Errno -?\d+\] ([^)\"']+)|(?:dns error|tcp connect error): "
-        r"(?:[^:\n]*: )?([^\n(]+)",
-        stderr,
-    )
-    if unreachable:
+    # name resolution)", "... [Errno 101] Network is unreachable')"; uv gives the cause last in
+    # its chain: "... dns error: ...: Temporary failure in name resolution"
+    pip_said = re.search(r"WARNING: Retrying .*\[Errno -?\d+\] ([^)\"']+)", stderr)
+    uv_said = re.search(r"(?:dns error|tcp connect error|Network is unreachable).*", reason)
+    cause = pip_said.group(1) if pip_said else uv_said and uv_said.group(0).rsplit(": ", 1)[-1]
+    if cause:
         reason += (
-            f"; no package index answered from this node "
-            f"({(unreachable.group(1) or unreachable.group(2)).strip()}): name one it "
+            f"; no package index answered from this node ({cause.strip()}): name one it "
             "reaches (--index-url, --find-links in --requirements)"
         )
     return reason
