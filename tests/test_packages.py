@@ -255,6 +255,10 @@ def test_torchs_build_for_a_nodes_driver() -> None:
             ["torch==2.13.0+cpu"],
             "torch 2.13.0+cpu installed (no NVIDIA driver, over 2.12.0+cu126)",
         )
+        cuda = plan(
+            ("2.13.0+cu126", "12.6"), "2.13.0+cpu", True, True
+        )  # the version, not the build
+        assert cuda[2] == "torch 2.13.0+cpu installed (no NVIDIA driver, over 2.13.0+cu126)"
         none = plan(None, "2.13.0+cpu", False, True)  # shipped wheels: no index named
         assert none[0] == ["torch==2.13.0+cpu"], none
     # without --mirror, a node's own torch stays whatever it is
