@@ -222,10 +222,12 @@ class NodeEnvironment:
     """What built it (``uv 0.13.9``, ``pip``)."""
     torch: str | None = None
     """torch's build chosen for the node, where one was (``--mirror``, or a node without)."""
+    own_torch: bool = False
+    """The environment holds a torch of its own (what a process imported before is stale)."""
 
     @classmethod
     def from_report(cls, digest: str, report: Mapping[str, object]) -> NodeEnvironment:
-        """From the builder's last line (``{"ready", "packages", "cached"}``)."""
+        """From the builder's last line (``{"ready", "packages", "cached", ...}``)."""
         torch = report.get("torch")
         return cls(
             digest,
@@ -234,6 +236,7 @@ class NodeEnvironment:
             bool(report["cached"]),
             str(report.get("installer") or "pip"),
             str(torch) if torch else None,
+            bool(report.get("own_torch")),
         )
 
     def describe(self) -> str:

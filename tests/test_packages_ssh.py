@@ -251,5 +251,6 @@ def test_a_host_without_torch_gets_the_notebooks_cpu_build_and_runs_torch_distri
             assert [v[:2] for v in result.values] == [(2.0, torch)] * 2
             assert all(v[2].startswith(pool.environments[0].site) for v in result.values)
             assert pool.environments[0].torch == f"torch {torch} installed (no NVIDIA driver)"
+            assert pool.environments[0].own_torch
         assert any("sending wheels" in line for line in said), said
     wait_for(lambda: not _remote_agents(hosts), 10, "remote ranks to end after close")

@@ -27,7 +27,8 @@ Run as ``python -m skyward_jupyter.agent.environments build`` with one JSON line
 (``{"hash", "requirements", "torch", "wheels", "uv", "variant"}``: ``wheels``, a folder sent
 from the notebook, then the only source; ``uv``, the uv binary sent from the notebook); it prints
 JSON lines ``{"step", "detail"}`` as the install goes, then ``{"ready": SITE, "packages": N,
-"cached": BOOL, "installer": NAME, "torch": NOTE}`` or ``{"error": WHY}``.
+"cached": BOOL, "installer": NAME, "torch": NOTE, "own_torch": BOOL}`` or ``{"error": WHY}``
+(``own_torch``: the environment holds a torch of its own, over the node's).
 
 Standard library only: this runs on the nodes.
 """
@@ -126,6 +127,7 @@ def _answer(env: Path, cached: bool) -> dict[str, object]:
         "cached": cached,
         "installer": about.get("installer", "pip"),
         "torch": about.get("torch"),
+        "own_torch": bool(about.get("own_torch")),
     }
 
 
@@ -159,7 +161,8 @@ def build(
             wanted, pins, note = _torch_plan(_node_torch(), torch, variant, bool(wheels))
             tool = installer(uv)
             _make(staging, [*sources, *wanted, *requirements], pins, tool, say)
-            about = {"installer": tool.name, "torch": note}
+            own_torch = any(line.startswith("torch==") for line in wanted)
+            about = {"installer": tool.name, "torch": note, "own_torch": own_torch}
             (staging / _ABOUT).write_text(json.dumps(about))
             (staging / _IN_USE).touch()
             os.rename(staging, final)

@@ -614,7 +614,7 @@ class SSHProvider(Provider):
             finally:
                 process.close()
             say(f"packages ready: {built.describe()}")
-            if built.torch and self._templates and (template := self._templates[node.index]):
+            if built.own_torch and self._templates and (template := self._templates[node.index]):
                 # The template imported the host's torch; the environment brings another.
                 template.close()
                 self._templates[node.index] = None
