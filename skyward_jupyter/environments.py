@@ -135,9 +135,11 @@ def wheels_root() -> Path:
     return Path(os.path.expanduser(os.environ.get("SKYWARD_WHEELS") or WHEELS))
 
 
+@functools.cache
 def notebook_uv() -> Path | None:
     """uv for the nodes: this machine's (on ``PATH``), else the binary in uv's wheel, downloaded
     once (``pip download uv``); None where neither is had (the nodes then install with pip).
+    Decided once per process: a notebook that reaches no index does not wait on it again.
     """
     on_path = shutil.which("uv")
     if on_path:
@@ -150,7 +152,8 @@ def notebook_uv() -> Path | None:
     with tempfile.TemporaryDirectory(prefix="sky-uv-", dir=folder.parent) as scratch:
         done = subprocess.run(
             [sys.executable, "-m", "pip", "download", "uv", "--only-binary=:all:", "--no-deps",
-             "--no-input", "--progress-bar", "off", "-d", scratch],
+             "--no-input", "--progress-bar", "off", "--retries", "1", "--timeout", "15",
+             "-d", scratch],
             capture_output=True,
             text=True,
         )  # fmt: skip

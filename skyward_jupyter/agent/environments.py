@@ -49,6 +49,7 @@ import subprocess
 import sys
 import sysconfig
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 ENVS = "~/.cache/skyward_jupyter/envs"
@@ -171,12 +172,12 @@ def build(
     return _answer(final, cached=False)
 
 
+@dataclass(frozen=True, slots=True)
 class Installer:
     """What installs into an environment: uv (``path``, the binary) or pip (``path`` None)."""
 
-    def __init__(self, name: str, path: str | None = None) -> None:
-        self.name = name
-        self.path = path
+    name: str
+    path: str | None = None
 
 
 def installer(sent: str | None) -> Installer:
@@ -191,7 +192,7 @@ def installer(sent: str | None) -> Installer:
         except (OSError, subprocess.TimeoutExpired):
             continue  # another platform's binary, or none
         if found.returncode == 0 and found.stdout.startswith("uv "):
-            return Installer(found.stdout.split()[0] + " " + found.stdout.split()[1], path)
+            return Installer(" ".join(found.stdout.split()[:2]), path)
     return Installer("pip")
 
 
