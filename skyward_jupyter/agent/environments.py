@@ -311,24 +311,26 @@ def _stand_in(site_dir: Path, env: Path) -> None:
     """Copies of the metadata of the distributions this Python has, in the new environment:
     uv counts them as installed, as pip counts the node's own. Each names only its own files,
     so that uv replacing one (another version asked) removes the copy, never the node's files.
+    Read from the folders' names and copied unparsed: a node has hundreds.
     """
-    seen = {d.name for d in site_dir.glob("*.dist-info")}
-    for dist in metadata.distributions():
-        name = dist.metadata["Name"]
-        where = Path(str(dist.locate_file("")))
-        if not name or env in where.parents or where == env:
+    seen: set[str] = set()
+    for entry in [str(site_dir), *sys.path]:
+        folder = Path(entry or os.curdir)
+        if folder != site_dir and (folder == env or env in folder.parents):
             continue
-        folder = f"{re.sub(r'[-_.]+', '_', name)}-{dist.version}.dist-info"
-        if folder in seen:
-            continue  # an earlier one on the path shadows it, as at import
-        seen.add(folder)
-        copy = site_dir / folder
-        copy.mkdir()
-        (copy / "METADATA").write_text(dist.read_text("METADATA") or "")
-        (copy / "INSTALLER").write_text(_STAND_IN)
-        (copy / "RECORD").write_text(
-            "".join(f"{folder}/{part},,\n" for part in ("METADATA", "INSTALLER", "RECORD"))
-        )
+        for info in sorted(folder.glob("*.dist-info")) if folder.is_dir() else ():
+            name = re.sub(r"[-_.]+", "_", info.name.partition("-")[0]).lower()
+            if name in seen or not (info / "METADATA").is_file():
+                continue  # an earlier one on the path shadows it, as at import
+            seen.add(name)
+            if folder == site_dir:
+                continue  # the environment's own
+            copy = site_dir / info.name
+            copy.mkdir()
+            shutil.copyfile(info / "METADATA", copy / "METADATA")
+            (copy / "INSTALLER").write_text(_STAND_IN)
+            files = ("METADATA", "INSTALLER", "RECORD")
+            (copy / "RECORD").write_text("".join(f"{info.name}/{f},,\n" for f in files))
 
 
 _UV_NAMES = {
