@@ -9,10 +9,11 @@ round for both sides alike (it is not cleared: a node that installs twice has it
 * **(a) First build on a node.** The builder that a pool runs on each node
   (``python -m skyward_jupyter.agent.environments build``: a venv with
   ``--system-site-packages`` over the node's Python, a ``.pth`` naming its site directories,
-  ``pip install -r ... -c <torch pin>``, then the rename into the cache) on an empty cache,
-  against ``pip install --target <new dir> tabulate ujson`` run by hand with the same Python
-  (what a user would type to add packages to a node without touching its Python), alternating,
-  each in a fresh directory.
+  ``uv pip install`` (or ``pip install``) ``-r ... -c <torch pin>``, then the rename into the
+  cache) on an empty cache, with uv (the binary the notebook sends) and with pip, against
+  ``uv pip install --target <new dir> tabulate ujson`` and ``pip install --target ...`` run by
+  hand with the same Python (what a user would type to add packages to a node without touching
+  its Python), in an order rotated each round, each in a fresh directory.
 * **(b) A pool on a cached environment.** ``Pool(nodes=2, procs_per_node=1)`` from the
   constructor to a first cell's result (``1``), with ``packages=`` whose environment is already
   built (found by its hash; no process runs), against the same pool without packages,
@@ -27,7 +28,7 @@ round for both sides alike (it is not cleared: a node that installs twice has it
   compared with ``pip install --target DIR --index-url ... tabulate ujson`` run by hand on the
   host over SSH (the OpenSSH client, timed from here, a fresh directory each time). Then the
   start with the environment **cached** against the start without packages (in alternating
-  order). One uncounted round of each first.
+  order). One uncounted round of each first (which also sends uv to the host, once).
 
 Run ``python bench/bench_packages.py --markdown-out BENCHMARKS.md`` to regenerate the figures in
 ``BENCHMARKS.md``; they are never edited by hand. JSON goes to ``bench/results/packages.json``.
@@ -42,7 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,8 @@ from common import (
     rotated,
 )
 
-from skyward_jupyter.environments import BUILDER, Packages
+from skyward_jupyter.agent.environments import uv_settings
+from skyward_jupyter.environments import BUILDER, Packages, notebook_uv
 from skyward_jupyter.pool import Pool
 from skyward_jupyter.providers.local import shutdown_template
 from skyward_jupyter.providers.ssh import Host, SSHOptions, SSHProvider
@@ -89,28 +91,50 @@ def _timed(argv: list[str], env: dict[str, str], stdin: str = "") -> float:
 
 
 def first_builds(rounds: int, scratch: Path) -> dict[str, Any]:
-    request = Packages(PACKAGES).request().decode()
+    packages = Packages(PACKAGES)
+    uv = notebook_uv()
+    if uv is None:
+        raise BenchError("no uv here: pip download uv found none")
+    with_uv = packages.request(None, str(uv)).decode()
+    with_pip = packages.request().decode()
 
-    def ours() -> float:
-        envs = Path(tempfile.mkdtemp(dir=scratch))
-        try:
-            return _timed([sys.executable, *BUILDER], {**child_env(), "SKYWARD_ENVS": str(envs)},
-                          request)  # fmt: skip
-        finally:
-            shutil.rmtree(envs)
+    def builder(request: str) -> Callable[[], float]:
+        def build() -> float:
+            envs = Path(tempfile.mkdtemp(dir=scratch))
+            try:
+                return _timed([sys.executable, *BUILDER],
+                              {**child_env(), "SKYWARD_ENVS": str(envs)}, request)  # fmt: skip
+            finally:
+                shutil.rmtree(envs)
 
-    def by_hand() -> float:
-        target = Path(tempfile.mkdtemp(dir=scratch))
-        try:
-            return _timed([sys.executable, "-m", "pip", "install", "-q", "--target", str(target),
-                           *PACKAGES], child_env())  # fmt: skip
-        finally:
-            shutil.rmtree(target)
+        return build
 
-    samples = interleaved("(a)", {"builder": ours, "pip": by_hand}, rounds, fmt_s, warmup=0)
+    def by_hand(installer: list[str], extra: dict[str, str]) -> Callable[[], float]:
+        def install() -> float:
+            target = Path(tempfile.mkdtemp(dir=scratch))
+            try:
+                return _timed([*installer, "--target", str(target), *PACKAGES],
+                              {**child_env(), **extra})  # fmt: skip
+            finally:
+                shutil.rmtree(target)
+
+        return install
+
+    sides = {
+        "uv": builder(with_uv),
+        "pip": builder(with_pip),
+        "uv_hand": by_hand(
+            [str(uv), "pip", "install", "-q", "--python", sys.executable], uv_settings()
+        ),
+        "pip_hand": by_hand([sys.executable, "-m", "pip", "install", "-q"], {}),
+    }
+    samples = interleaved("(a)", sides, rounds, fmt_s, warmup=0)
     return {
-        "builder_s": asdict(Summary.of(samples["builder"])),
-        "pip_target_s": asdict(Summary.of(samples["pip"])),
+        "builder_s": asdict(Summary.of(samples["uv"])),
+        "builder_pip_s": asdict(Summary.of(samples["pip"])),
+        "uv_target_s": asdict(Summary.of(samples["uv_hand"])),
+        "pip_target_s": asdict(Summary.of(samples["pip_hand"])),
+        "uv": subprocess.run([str(uv), "--version"], capture_output=True, text=True).stdout.strip(),
     }
 
 
@@ -212,13 +236,17 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         "| | median | min | max | goal |",
         "|---|---:|---:|---:|---:|",
-        range_row("the pool's builder on an empty cache", first["builder_s"], fmt_s, ""),
+        range_row(f"the pool's builder with {first['uv']}", first["builder_s"], fmt_s, ""),
+        range_row("the pool's builder with pip", first["builder_pip_s"], fmt_s, ""),
+        range_row("`uv pip install --target DIR` by hand", first["uv_target_s"], fmt_s, ""),
         range_row("`pip install --target DIR` by hand", first["pip_target_s"], fmt_s, ""),
         "",
-        f"The builder costs {first['builder_s']['median'] / first['pip_target_s']['median']:.2f}"
-        " times pip by hand: it makes a venv over the node's Python, asks pip which packages are"
-        " there already (torch pinned to the node's), installs what is missing and renames the"
-        " environment into the cache. pip's HTTP cache is warm for both.",
+        f"The builder with uv costs "
+        f"{first['builder_s']['median'] / first['pip_target_s']['median']:.2f} times pip by hand "
+        f"({first['builder_pip_s']['median'] / first['pip_target_s']['median']:.2f} with pip): "
+        "it makes a venv over the node's Python, has the installer count what is there already "
+        "(torch pinned to the node's), installs what is missing and renames the environment into "
+        "the cache. pip's and uv's caches are warm for all sides.",
         "",
         f"### (b) Start to first cell, 2 local ranks ({starts['with_s']['n']} rounds, alternating)",
         "",

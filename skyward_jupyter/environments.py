@@ -8,6 +8,9 @@ way (a process here, a command over SSH) and hands its output lines to :func:`fo
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
 import hashlib
 import importlib.metadata
 import io
@@ -15,10 +18,12 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
 import tempfile
+import zipfile
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +35,8 @@ BUILDER = ("-m", "skyward_jupyter.agent.environments", "build")
 """The builder's arguments after the node's Python."""
 WHEELS = "~/.cache/skyward_jupyter/wheels"
 """Where the notebook keeps the wheels it downloads for nodes without an index."""
+UV = "~/.cache/skyward_jupyter/uv"
+"""Where the notebook keeps the uv binary it sends to nodes that have none."""
 
 
 class PackagesError(ProviderError):
@@ -45,51 +52,63 @@ class Packages:
     requirements: tuple[str, ...]
     wheels: bool = False
     """The nodes install from wheels the notebook downloads and sends (``--ship-wheels``)."""
+    variant: bool = False
+    """Each node gets the notebook's torch in the build for its accelerator (``--mirror``)."""
 
     @classmethod
     def from_options(
-        cls, pip: Sequence[str], requirements: Sequence[str], wheels: bool = False
+        cls,
+        pip: Sequence[str],
+        requirements: Sequence[str],
+        wheels: bool = False,
+        variant: bool = False,
     ) -> Packages | None:
         """``--pip`` specs, then the ``--requirements`` file's lines; None when nothing is
         asked.
         """
         lines = (*pip, *requirements)
-        return cls(lines, wheels) if lines else None
+        return cls(lines, wheels, variant) if lines or variant else None
 
     @property
     def digest(self) -> str:
         """The content hash: equal requirements share an environment on a node."""
-        return hashlib.sha256("\n".join(self.requirements).encode()).hexdigest()
+        lines = (*self.requirements, *(["# torch's build per node"] if self.variant else []))
+        return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
-    def request(self, wheels: str | None = None) -> bytes:
+    def request(self, wheels: str | None = None, uv: str | None = None) -> bytes:
         """The builder's input line (torch pinned to the notebook's, where a node has none;
-        ``wheels``: the node's folder of wheels sent from here, its only source).
+        ``wheels``: the node's folder of wheels sent from here, its only source; ``uv``: the uv
+        binary sent there).
         """
         given = {
             "hash": self.digest,
             "requirements": list(self.requirements),
-            "torch": _notebook_torch(),
+            "torch": notebook_torch(),
             "wheels": wheels,
+            "uv": uv,
+            "variant": self.variant,
         }
         return json.dumps(given).encode() + b"\n"
 
-    def download(self) -> Path:
+    def download(self, with_torch: bool = False) -> Path:
         """The wheels of these packages and of all they need, downloaded here once per content
-        (``pip download``, binary only, torch pinned to the notebook's): what nodes without an
+        (``pip download``, binary only, torch pinned to the notebook's; ``with_torch``: the
+        notebook's torch too, for nodes without it or with another): what nodes without an
         index install from. They are this machine's platform's: nodes must share it.
         """
         root = wheels_root()
-        target = root / self.digest[:16]
+        target = root / f"{self.digest[:16]}{'-torch' * with_torch}"
         if target.is_dir():
             return target
         root.mkdir(parents=True, exist_ok=True)
         staging = root / f"{target.name}.{secrets.token_hex(4)}"
         with tempfile.TemporaryDirectory(prefix="sky-wheels-") as scratch:
             pins = Path(scratch) / "constraints.txt"
-            torch = _notebook_torch()
+            torch = notebook_torch()
             pins.write_text(f"torch=={torch}\n" if torch else "")
             wanted = Path(scratch) / "requirements.txt"
-            wanted.write_text("".join(f"{line}\n" for line in (*self.requirements, f"-c {pins}")))
+            asked = (*self.requirements, *([f"torch=={torch}"] if with_torch and torch else []))
+            wanted.write_text("".join(f"{line}\n" for line in (*asked, f"-c {pins}")))
             done = subprocess.run(
                 [sys.executable, "-m", "pip", "download", "--only-binary=:all:", "--no-input",
                  "--progress-bar", "off", "-d", str(staging), "-r", str(wanted)],
@@ -116,7 +135,60 @@ def wheels_root() -> Path:
     return Path(os.path.expanduser(os.environ.get("SKYWARD_WHEELS") or WHEELS))
 
 
-def _notebook_torch() -> str | None:
+@functools.cache
+def notebook_uv() -> Path | None:
+    """uv for the nodes: this machine's (on ``PATH``), else the binary in uv's wheel, downloaded
+    once (``pip download uv``); None where neither is had (the nodes then install with pip).
+    Decided once per process: a notebook that reaches no index does not wait on it again.
+    """
+    on_path = shutil.which("uv")
+    if on_path:
+        return Path(on_path)
+    folder = Path(os.path.expanduser(os.environ.get("SKYWARD_UV") or UV))
+    binary = folder / "uv"
+    if binary.is_file():
+        return binary
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="sky-uv-", dir=folder.parent) as scratch:
+        done = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "uv", "--only-binary=:all:", "--no-deps",
+             "--no-input", "--progress-bar", "off", "--retries", "1", "--timeout", "15",
+             "-d", scratch],
+            capture_output=True,
+            text=True,
+        )  # fmt: skip
+        wheel = next(Path(scratch).glob("uv-*.whl"), None)
+        if done.returncode != 0 or wheel is None:
+            return None
+        staging = Path(scratch) / "uv"
+        staging.mkdir()
+        with zipfile.ZipFile(wheel) as unzipped:
+            inside = next((n for n in unzipped.namelist() if n.endswith(".data/scripts/uv")), None)
+            if inside is None:
+                return None
+            (staging / "uv").write_bytes(unzipped.read(inside))
+        (staging / "uv").chmod(0o755)
+        with contextlib.suppress(OSError):  # another kernel put it there meanwhile
+            os.rename(staging, folder)
+    return binary
+
+
+@functools.cache
+def uv_tarball(binary: Path) -> tuple[str, bytes]:
+    """The uv binary as a gzipped tar for a node, and its content's name (a node keeps each
+    once); made once per process.
+    """
+    data = binary.read_bytes()
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=1) as tar:
+        info = tarfile.TarInfo("uv")
+        info.size, info.mode = len(data), 0o755
+        tar.addfile(info, io.BytesIO(data))
+    return hashlib.sha256(data).hexdigest()[:16], buffer.getvalue()
+
+
+def notebook_torch() -> str | None:
+    """The notebook's torch version, None without one."""
     try:
         return importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:
@@ -126,7 +198,7 @@ def _notebook_torch() -> str | None:
 def wheels_tarball(folder: Path) -> bytes:
     """The folder's wheels as a gzipped tar (stored: wheels are compressed already)."""
     buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=1) as tar:
+    with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=0) as tar:
         for wheel in sorted(folder.glob("*.whl")):
             tar.add(wheel, arcname=wheel.name)
     return buffer.getvalue()
@@ -149,17 +221,32 @@ class NodeEnvironment:
     """Distributions installed in it (over what the node's Python has)."""
     cached: bool
     """Found built (no install ran)."""
+    installer: str = "pip"
+    """What built it (``uv 0.13.9``, ``pip``)."""
+    torch: str | None = None
+    """torch's build chosen for the node, where one was (``--mirror``, or a node without)."""
+    own_torch: bool = False
+    """The environment holds a torch of its own (what a process imported before is stale)."""
 
     @classmethod
     def from_report(cls, digest: str, report: Mapping[str, object]) -> NodeEnvironment:
-        """From the builder's last line (``{"ready", "packages", "cached"}``)."""
+        """From the builder's last line (``{"ready", "packages", "cached", ...}``)."""
+        torch = report.get("torch")
         return cls(
-            digest, str(report["ready"]), int(str(report["packages"])), bool(report["cached"])
+            digest,
+            str(report["ready"]),
+            int(str(report["packages"])),
+            bool(report["cached"]),
+            str(report.get("installer") or "pip"),
+            str(torch) if torch else None,
+            bool(report.get("own_torch")),
         )
 
     def describe(self) -> str:
         count = f"{self.packages} package{'s' * (self.packages != 1)}"
-        return f"env {self.digest[:12]} ({count}{', cached' if self.cached else ''})"
+        return (
+            f"env {self.digest[:12]} ({count}, {self.installer}{', cached' if self.cached else ''})"
+        )
 
 
 async def follow(
@@ -180,3 +267,46 @@ async def follow(
         elif "ready" in message:
             return NodeEnvironment.from_report(digest, message)
     raise PackagesError(f"{where}: the package installer ended without a word")
+
+
+async def run_builder(
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    request: bytes,
+    digest: str,
+    where: str,
+    say: Callable[[str], None],
+) -> NodeEnvironment:
+    """Start the builder here (``argv``: this machine's Python, or a command that runs it on a
+    node, as ``srun`` does), hand it ``request`` and read its report (:func:`follow`); its last
+    word on stderr joins a failure. Interrupted, the builder and its installer end with it.
+    """
+    process = await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=dict(env),
+        start_new_session=True,
+    )
+    assert process.stdin is not None and process.stdout is not None
+    assert process.stderr is not None
+    process.stdin.write(request)
+    process.stdin.close()
+    stdout, stderr = process.stdout, process.stderr
+
+    async def lines() -> AsyncIterator[str]:
+        async for raw in stdout:
+            yield raw.decode(errors="replace")
+
+    try:
+        return await follow(lines(), digest, where, say)
+    except PackagesError as exc:
+        said = (await stderr.read()).decode(errors="replace").strip().splitlines()
+        raise PackagesError(f"{exc}: {said[-1]}" if said else str(exc)) from None
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        raise
+    finally:
+        await process.wait()

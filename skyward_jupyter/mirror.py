@@ -3,10 +3,11 @@ as requirements every node installs where it lacks them or has other versions.
 
 What the cells use is read from the notebook's namespace: the modules bound there
 (``import numpy as np``) and the modules that define its functions and classes
-(``from tabulate import tabulate``). torch is never mirrored (every install pins it to the node's
-own, whose build suits the node's accelerator), nor this package and cloudpickle (checked at
-connect); a distribution installed from a local directory (an editable checkout) cannot be
-installed from an index, and is named as left out.
+(``from tabulate import tabulate``). torch is not among them: each node's builder gives it the
+notebook's version in the build for its accelerator (:func:`.agent.environments.torch_build`);
+nor are this package and cloudpickle (checked at connect). A distribution installed from a
+local directory (an editable checkout) cannot be installed from an index, and is named as left
+out.
 """
 
 from __future__ import annotations

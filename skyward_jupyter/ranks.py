@@ -170,6 +170,7 @@ class Ranks:
         self.provider = provider
         self.settings = settings
         provider.notebook_silence = notebook_silence(settings.heartbeat_timeout)
+        provider.packages = settings.packages
         self.emit = emit
         self.on_ended = on_ended
         self.all: list[Rank] = []

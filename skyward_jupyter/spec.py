@@ -100,9 +100,15 @@ class PoolSpec:
         asked = self.pip or self.requirements or self.mirror
         if asked and not provider_class(self.provider).installs_packages:
             able = ", ".join(sorted(c.name for c in provider_classes() if c.installs_packages))
+            own = (
+                "give the Ray cluster a runtime_env with them (pip or uv: Ray builds and caches "
+                "it per environment), "
+                if self.provider == "ray"
+                else ""
+            )
             raise SpecError(
                 f"--pip/--requirements/--mirror: the {self.provider} provider cannot install "
-                f"packages on its nodes yet; install them there, or use a provider that can "
+                f"packages on its nodes; {own}install them there, or use a provider that can "
                 f"({able})"
             )
 
@@ -152,7 +158,10 @@ class PoolSpec:
             "frameworks": self.framework_setup(notebook_env),
             "gpu": self.gpu,
             "packages": Packages.from_options(
-                (*mirrored, *self.pip), self.requirements, bool(self.ship_wheels)
+                (*mirrored, *self.pip),
+                self.requirements,
+                bool(self.ship_wheels),
+                bool(self.mirror),
             ),
         }
         return {k: v for k, v in given.items() if v is not None}

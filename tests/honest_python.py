@@ -1,6 +1,7 @@
 """An honest node's Python for tests and benchmarks: torch, cloudpickle and pip (with what they
-need), linked from the notebook's venv into a venv of the base interpreter, and nothing else of
-the notebook's. It lives under /var/tmp, which tests/hosts.py's private hosts see.
+need; or without torch), linked from the notebook's venv into a venv of the base interpreter,
+and nothing else of the notebook's. It lives under /var/tmp, which tests/hosts.py's private
+hosts see.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 HONEST_DISTS = ("torch", "cloudpickle", "pip")
+WITHOUT_TORCH = ("cloudpickle", "pip")
+"""A node's Python that lacks torch at all."""
 
 
 def _with_requirements(names: tuple[str, ...]) -> set[str]:
@@ -38,15 +41,17 @@ def _with_requirements(names: tuple[str, ...]) -> set[str]:
 
 
 @contextlib.contextmanager
-def honest_python() -> Iterator[str]:
-    """The honest Python's path, removed at the end."""
+def honest_python(dists: tuple[str, ...] = HONEST_DISTS) -> Iterator[str]:
+    """The honest Python's path, removed at the end; ``dists``: what it has (with what they
+    need) of the notebook's.
+    """
     top = Path("/var/tmp") / f"sky-honest-{secrets.token_hex(4)}"
     base = getattr(sys, "_base_executable", sys.executable)
     subprocess.run([base, "-m", "venv", "--without-pip", str(top / "venv")], check=True)
     try:
         deps = top / "deps"
         deps.mkdir()
-        for name in sorted(_with_requirements(HONEST_DISTS)):
+        for name in sorted(_with_requirements(dists)):
             dist = metadata.distribution(name)
             where = Path(str(dist.locate_file("")))
             for first in {Path(str(f)).parts[0] for f in dist.files or ()} - {"..", "__pycache__"}:

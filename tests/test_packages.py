@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 
 from skyward_jupyter.agent import environments as node_environments
+from skyward_jupyter.agent.environments import torch_build
 from skyward_jupyter.display.text import TextReport
-from skyward_jupyter.environments import BUILDER, Packages, PackagesError
+from skyward_jupyter.environments import BUILDER, Packages, PackagesError, notebook_uv
 from skyward_jupyter.pool import Pool
 from skyward_jupyter.providers.local import LocalProvider
 from skyward_jupyter.spec import PoolSpec
@@ -69,13 +70,15 @@ def test_pip_packages_import_on_every_local_rank_and_a_second_pool_finds_them_ca
         assert [v[1] for v in result.values] == ['{"rank":0}', '{"rank":1}']
         first = pool.environments
         assert set(first) == {0, 1} and not first[0].cached and first[0].packages == 2
+        assert first[0].installer.startswith("uv "), first[0]  # this machine's uv, fetched once
     text.flush()
     shown = out.getvalue().splitlines()
     for node in (0, 1):
         steps = [line for line in shown if line.startswith(f"node {node}: booting, packages")]
         assert any(": installing " in line for line in steps), shown
         assert steps[-1] == (
-            f"node {node}: booting, packages ready: env {first[0].digest[:12]} (2 packages)"
+            f"node {node}: booting, packages ready: env {first[0].digest[:12]} (2 packages, "
+            f"{first[0].installer})"
         ), shown
     with Pool(nodes=1, packages=PURE_AND_COMPILED) as again:
         assert again.environments[0].cached
@@ -97,8 +100,12 @@ def test_a_bad_spec_fails_the_start_in_one_line_naming_the_package_and_starts_no
     assert not any(envs.glob("*/")), "a failed build leaves nothing that looks built"
 
 
-def _build(envs: Path, requirements: list[str]) -> subprocess.Popen[str]:
-    request = {"hash": Packages(tuple(requirements)).digest, "requirements": requirements}
+def _build(envs: Path, requirements: list[str], uv: bool = False) -> subprocess.Popen[str]:
+    request = {
+        "hash": Packages(tuple(requirements)).digest,
+        "requirements": requirements,
+        "uv": str(notebook_uv()) if uv else None,
+    }
     process = subprocess.Popen(
         [sys.executable, *BUILDER],
         stdin=subprocess.PIPE,
@@ -212,14 +219,50 @@ def test_pip_and_requirements_options_make_the_pools_packages(tmp_path: Path) ->
         parser.parse(["--requirements", str(tmp_path / "missing.txt")])
 
 
-def test_no_requirement_chooses_torch_the_node_has_it_pinned(envs: Path) -> None:
+@pytest.mark.parametrize("uv", [False, True], ids=["pip", "uv"])
+def test_no_requirement_chooses_torch_the_node_has_it_pinned(envs: Path, uv: bool) -> None:
     """torch is pinned to the node's version for every install: a requirement asking another
-    fails with pip's reason, and nothing is downloaded or built.
+    fails with the installer's reason, and nothing is downloaded or built. What the node has
+    counts as installed for uv too (cloudpickle: nothing added for it).
     """
-    report = _report(_build(envs, ["torch==2.12.0"]))
+    report = _report(_build(envs, ["torch==2.12.0"], uv))
     assert "error" in report, report
-    assert "torch" in str(report["error"]), report
+    assert "torch" in str(report["error"]) and "\n" not in str(report["error"]), report
     assert not [p for p in envs.iterdir() if p.is_dir()]
+    report = _report(_build(envs, ["tabulate", "cloudpickle"], uv))
+    assert report["packages"] == 1, report
+    assert str(report["installer"]).startswith("uv " if uv else "pip"), report
+    site = Path(str(report["ready"]))
+    assert [d.name.split("-")[0] for d in site.glob("*.dist-info")] == ["tabulate"]
+
+
+def test_torchs_build_for_a_nodes_driver() -> None:
+    """``--mirror`` and nodes without torch: no driver, the CPU build; a driver, the newest
+    CUDA build it supports; a node whose torch is that build of the notebook's version keeps it.
+    """
+    assert [torch_build(v) for v in (None, (12, 4), (12, 5), (13, 1), (11, 8))] == [
+        "cpu", "cu124", "cu124", "cu130", "cu118",
+    ]  # fmt: skip
+    with pytest.raises(node_environments.BuildError, match=r"CUDA 11\.4, older than"):
+        torch_build((11, 4))
+    plan = node_environments._torch_plan
+    if node_environments.driver_cuda() is None:  # this machine: no NVIDIA driver
+        kept = plan(("2.13.0+cpu", None), "2.13.0+cpu", True, False)
+        assert kept == ([], ["torch==2.13.0+cpu"], "torch 2.13.0+cpu kept (the cpu build suits it)")
+        other = plan(("2.12.0+cu126", "12.6"), "2.13.0+cpu", True, False)
+        assert other == (
+            [f"--extra-index-url {node_environments.CPU_INDEX}", "torch==2.13.0+cpu"],
+            ["torch==2.13.0+cpu"],
+            "torch 2.13.0+cpu installed (no NVIDIA driver, over 2.12.0+cu126)",
+        )
+        cuda = plan(
+            ("2.13.0+cu126", "12.6"), "2.13.0+cpu", True, True
+        )  # the version, not the build
+        assert cuda[2] == "torch 2.13.0+cpu installed (no NVIDIA driver, over 2.13.0+cu126)"
+        none = plan(None, "2.13.0+cpu", False, True)  # shipped wheels: no index named
+        assert none[0] == ["torch==2.13.0+cpu"], none
+    # without --mirror, a node's own torch stays whatever it is
+    assert plan(("2.12.0+cu126", "12.6"), "2.13.0+cpu", False, False)[0] == []
 
 
 def test_a_provider_that_installs_nothing_refuses_pip_before_any_machine() -> None:
@@ -227,10 +270,11 @@ def test_a_provider_that_installs_nothing_refuses_pip_before_any_machine() -> No
 
     with pytest.raises(
         SpecError,
-        match=r"^--pip/--requirements/--mirror: the slurm provider cannot .* \(aws, local, ssh\)$",
+        match=r"^--pip/--requirements/--mirror: the ray provider cannot install packages on its "
+        r"nodes; give the Ray cluster a runtime_env .* \(aws, local, slurm, ssh\)$",
     ):
-        PoolSpec(provider="slurm", pip=("tabulate",))
-    assert PoolSpec(provider="ssh", pip=("tabulate",)).pip == ("tabulate",)
+        PoolSpec(provider="ray", pip=("tabulate",))
+    assert PoolSpec(provider="slurm", pip=("tabulate",)).pip == ("tabulate",)
 
 
 def test_pip_defaults_status_and_clean_through_the_magics_of_a_real_kernel(
@@ -249,7 +293,9 @@ def test_pip_defaults_status_and_clean_through_the_magics_of_a_real_kernel(
         assert cell.per_rank == {0: """'{"rank":0}'""", 1: """'{"rank":1}'"""}, str(cell)
         status = kernel.status()
         for node in (0, 1):
-            assert re.search(rf"node {node} packages: env [0-9a-f]{{12}} \(2 packages\), ", status)
+            assert re.search(
+                rf"node {node} packages: env [0-9a-f]{{12}} \(2 packages, uv [\d.]+\), ", status
+            ), status
         cleaned = kernel.ok("%sky clean").stdout
         assert cleaned.strip() == "this machine: nothing; kept 1 in use by a running pool", cleaned
         kernel.ok("%sky down")
@@ -282,3 +328,21 @@ def test_mirror_pins_the_notebooks_versions_of_what_its_namespace_uses() -> None
         f"xxhash=={metadata.version('xxhash')}",
     )
     assert local == ()
+
+
+def test_uv_installs_from_where_the_nodes_pip_is_configured_to(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """uv reads no pip configuration: the builder hands it pip's (files, then ``PIP_``)."""
+    conf = tmp_path / "pip.conf"
+    conf.write_text(
+        "[global]\nindex-url = file:///srv/a\nextra-index-url = file:///srv/b\n  file:///srv/c\n"
+        "[install]\nfind-links = /srv/wheels\n"
+    )
+    monkeypatch.setenv("PIP_CONFIG_FILE", str(conf))
+    monkeypatch.setenv("PIP_FIND_LINKS", "/srv/more")
+    monkeypatch.setenv("PIP_INDEX_URL", "file:///srv/z")
+    settings = node_environments.uv_settings()
+    assert settings["UV_INDEX_URL"] == "file:///srv/z"
+    assert settings["UV_EXTRA_INDEX_URL"].split()[-2:] == ["file:///srv/b", "file:///srv/c"]
+    assert settings["UV_FIND_LINKS"].split(",")[-2:] == ["/srv/wheels", "/srv/more"]

@@ -22,6 +22,7 @@ from skyward_jupyter.environments import Packages, PackagesError
 from skyward_jupyter.pool import Pool
 
 from .conftest import agents_among, ssh_hosts_fixture, wait_for
+from .honest_python import WITHOUT_TORCH
 from .honest_python import honest_python as made_honest_python
 from .hosts import Hosts, ssh_provider
 from .test_packages import IMPORT_BOTH
@@ -73,6 +74,7 @@ def test_pip_packages_import_on_every_ssh_rank_and_a_second_pool_finds_them_cach
         built = pool.environments
         assert [built[n].cached for n in (0, 1)] == [False, False]
         assert [built[n].packages for n in (0, 1)] == [2, 2]
+        assert all(built[n].installer.startswith("uv ") for n in (0, 1)), built  # sent once
     again = ssh_provider(hosts, 2, tmp_path, python=honest_python)
     with Pool(nodes=2, provider=again, packages=ON_HOSTS) as pool:
         assert [pool.environments[n].cached for n in (0, 1)] == [True, True]
@@ -80,7 +82,7 @@ def test_pip_packages_import_on_every_ssh_rank_and_a_second_pool_finds_them_cach
     wait_for(lambda: not _remote_agents(hosts), 10, "remote ranks to end after close")
 
 
-def test_a_bad_spec_names_the_host_the_package_and_pips_reason(
+def test_a_bad_spec_names_the_host_the_package_and_the_installers_reason(
     hosts: Hosts, honest_python: str, tmp_path: Path
 ) -> None:
     provider = ssh_provider(hosts, 1, tmp_path, python=honest_python)
@@ -90,7 +92,7 @@ def test_a_bad_spec_names_the_host_the_package_and_pips_reason(
     text = str(failed.value)
     assert "\n" not in text, text
     assert text.startswith(f"{hosts.user}@{hosts[0].address}:{hosts[0].port}: "), text
-    assert "satisfies the requirement skyward-no-such-package-xq" in text, text
+    assert "skyward-no-such-package-xq was not found in the package registry" in text, text
     wait_for(lambda: not _remote_agents(hosts), 10, "no rank left on the hosts")
 
 
@@ -185,6 +187,11 @@ def test_mirror_gives_index_less_hosts_the_notebooks_versions_through_the_sessio
         f"pool 'default': --mirror: the nodes get pathspec=={pathspec.__version__}, "
         f"xxhash=={xxhash.VERSION}"
     ], said
+    # torch's build per node, said once: these CPU hosts' torch is the notebook's CPU build
+    torch = metadata.version("torch")
+    chosen = [line for line in said if "torch per node" in line]
+    kept = f"torch {torch} kept (the cpu build suits it)"
+    assert len(chosen) == 1 and chosen[0].count(kept) == 2, said
     wait_for(lambda: not _remote_agents(hosts), 10, "remote ranks to end after close")
 
 
@@ -213,4 +220,37 @@ def test_clean_removes_the_hosts_environments_that_no_rank_uses(
             f"import os; print(os.listdir({str(tmp_path / 'cache' / 'wheels')!r}))",
         )
         assert listing.stdout.strip() == "[]", listing
+    wait_for(lambda: not _remote_agents(hosts), 10, "remote ranks to end after close")
+
+
+def test_a_host_without_torch_gets_the_notebooks_cpu_build_and_runs_torch_distributed(
+    hosts: Hosts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A host whose Python has cloudpickle but no torch, and no index: with ``--ship-wheels``
+    the notebook sends torch's CPU wheel (this machine's cache) with the packages; two ranks
+    there form a process group with it.
+    """
+    monkeypatch.setenv("SKYWARD_WHEELS", str(tmp_path / "wheels"))
+    with made_honest_python(WITHOUT_TORCH) as python:
+        assert _on_host(hosts, 0, python, "import torch").returncode != 0
+        said: list[str] = []
+        provider = ssh_provider(hosts, 1, tmp_path, python=python)
+        pool = Pool(
+            nodes=1, procs_per_node=2, provider=provider,
+            packages=Packages(("tabulate",), wheels=True),
+        )  # fmt: skip
+        pool.subscribe(lambda event: said.append(str(getattr(event, "detail", ""))))
+        with pool:
+            result = pool.run(
+                "import torch, torch.distributed as dist, tabulate\n"
+                "t = torch.ones(1)\ndist.all_reduce(t)\n"
+                "(t.item(), torch.__version__, torch.__file__)"
+            )
+            assert result.ok, result.errors
+            torch = metadata.version("torch")
+            assert [v[:2] for v in result.values] == [(2.0, torch)] * 2
+            assert all(v[2].startswith(pool.environments[0].site) for v in result.values)
+            assert pool.environments[0].torch == f"torch {torch} installed (no NVIDIA driver)"
+            assert pool.environments[0].own_torch
+        assert any("sending wheels" in line for line in said), said
     wait_for(lambda: not _remote_agents(hosts), 10, "remote ranks to end after close")

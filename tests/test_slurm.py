@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from skyward_jupyter import Pool
+from skyward_jupyter.environments import Packages
 from skyward_jupyter.events import NodeStateChanged, PoolEvent
 from skyward_jupyter.providers.base import ProviderError
 from skyward_jupyter.providers.slurm import SlurmOptions, SlurmProvider
@@ -131,6 +132,7 @@ def test_a_killed_notebook_leaves_nothing_in_the_queue(
         textwrap.dedent("""
             import time
             from skyward_jupyter import Pool
+from skyward_jupyter.environments import Packages
             from skyward_jupyter.providers.slurm import SlurmProvider
             provider = SlurmProvider()
             pool = Pool(nodes=2, provider=provider).start()
@@ -182,3 +184,23 @@ def test_the_time_limit_is_said_and_an_orphans_job_is_reaped(cluster: SlurmClust
         wait_for(lambda: not _queue(cluster), 20, "the reaped job to leave the queue")
     finally:
         pool.close()
+
+
+def test_pip_packages_are_built_on_each_slurm_node_before_its_ranks(
+    cluster: SlurmCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each allocated node runs the builder in a job step; the nodes share this filesystem, so
+    one builds and the other finds the environment built (the lock), and every rank imports the
+    package from it.
+    """
+    monkeypatch.setenv("SKYWARD_ENVS", str(tmp_path / "envs"))
+    packages = Packages(("--index-url=file:///opt/pypi/simple", "tabulate"))
+    with Pool(nodes=2, provider=SlurmProvider(SlurmOptions(time="10")), packages=packages) as pool:
+        result = pool.run("import socket, tabulate\n(tabulate.__file__, socket.gethostname())")
+        assert result.ok, result.errors
+        assert [v[1] for v in result.values] == ["node0", "node1"]
+        assert all(v[0].startswith(str(tmp_path / "envs")) for v in result.values), result.values
+        built = pool.environments
+        assert sorted(built[n].cached for n in (0, 1)) == [False, True], built
+        assert built[0].site == built[1].site and built[0].packages == 1
+    wait_for(lambda: not _queue(cluster), 20, "the job to leave the queue")

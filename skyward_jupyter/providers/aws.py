@@ -174,7 +174,10 @@ class AWSProvider(Provider):
     ) -> dict[int, NodeEnvironment]:
         """The instances are SSH hosts: each builds the environment as one does."""
         assert self._ssh is not None, "provision() first"
-        return await self._ssh.build_environments(nodes, packages, progress)
+        said = len(self._ssh.warnings)
+        built = await self._ssh.build_environments(nodes, packages, progress)
+        self.warnings.extend(self._ssh.warnings[said:])  # torch's build per node
+        return built
 
     async def start_rank(self, node: Node, env: Mapping[str, str]) -> SSHRank:
         assert self._ssh is not None, "provision() first"
@@ -275,6 +278,7 @@ class AWSProvider(Provider):
             ),
         )
         self._ssh.notebook_silence = self.notebook_silence
+        self._ssh.packages = self.packages
         nodes = await self._ssh.provision(len(reachable), self._progress)
         self.warnings.extend(self._ssh.warnings)
         self.node_price = await asyncio.to_thread(self._price)

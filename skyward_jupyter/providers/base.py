@@ -310,6 +310,9 @@ class Provider(abc.ABC):
     (:meth:`build_environments`); a spec asking for packages elsewhere is refused up front."""
     release_timeout: float = 0.0
     """Seconds :meth:`release` may take beyond the pool's own shutdown (instances to go)."""
+    packages: Packages | None = None
+    """The pool's packages (set by the pool before :meth:`provision`): a node may then lack
+    torch, which its environment brings."""
     notebook_silence: float = NOTEBOOK_SILENCE
     """Seconds the pool's ranks wait for a silent notebook (:func:`notebook_silence`, set by the
     pool before :meth:`provision`): what a provider keeps on the nodes for the pool's life (a

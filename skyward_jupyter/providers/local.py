@@ -30,7 +30,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..agent import environments as node_environments
@@ -40,8 +40,8 @@ from ..environments import (
     BUILDER,
     NodeEnvironment,
     Packages,
-    PackagesError,
-    follow,
+    notebook_uv,
+    run_builder,
     wheels_root,
 )
 from ..events import RankState
@@ -444,6 +444,8 @@ class LocalProvider(Provider):
             else await _build_here(packages, say)
         )
         say(f"packages ready: {built.describe()}")
+        if built.torch:
+            self.warnings.append(f"torch on this machine: {built.torch}")
         return {node.index: built for node in nodes}
 
     async def clean(self) -> list[str]:
@@ -547,37 +549,10 @@ class LocalProvider(Provider):
 async def _build_here(packages: Packages, say: Callable[[str], None]) -> NodeEnvironment:
     """Run the node-side builder on this machine and read its report."""
     wheels = str(await asyncio.to_thread(packages.download)) if packages.wheels else None
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        *BUILDER,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=base_env(),
-        start_new_session=True,
-    )
-    assert process.stdin is not None and process.stdout is not None
-    assert process.stderr is not None
-    process.stdin.write(packages.request(wheels))
-    process.stdin.close()
-    stdout, stderr = process.stdout, process.stderr
-
-    async def lines() -> AsyncIterator[str]:
-        async for raw in stdout:
-            yield raw.decode(errors="replace")
-
-    try:
-        return await follow(lines(), packages.digest, "this machine", say)
-    except PackagesError as exc:
-        said = (await stderr.read()).decode(errors="replace").strip().splitlines()
-        raise PackagesError(f"{exc}: {said[-1]}" if said else str(exc)) from None
-    except BaseException:
-        # cancelled (the start was interrupted): the builder and its installer end with it
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        raise
-    finally:
-        await process.wait()
+    uv = await asyncio.to_thread(notebook_uv)
+    request = packages.request(wheels, str(uv) if uv else None)
+    argv = (sys.executable, *BUILDER)
+    return await run_builder(argv, base_env(), request, packages.digest, "this machine", say)
 
 
 def _check_nccl() -> None:

@@ -13,7 +13,9 @@ The notebook runs where Slurm's client commands work (a login node, or any submi
 - ``%sky down`` and the kernel's end cancel the job (``scancel``); the server reaps an orphan's.
 
 The nodes must see the notebook's Python environment (a shared filesystem, as on most clusters;
-``--python`` names another interpreter). Commands are argument lists, never shell text.
+``--python`` names another interpreter). ``--pip``/``--requirements``/``--mirror`` environments
+are built on each node by a job step before the ranks start. Commands are argument lists, never
+shell text.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..environments import BUILDER, NodeEnvironment, Packages, notebook_uv, run_builder
 from ..events import RankState
 from ..gpus import NO_GPU, check_cpu_or_gpus, check_gpu_layout, gpu_model, same_gpu
 from ..wire_lines import MODE, STREAM_LIMIT, LineReader, LineWriter
@@ -205,6 +208,7 @@ def _own(spec: PoolSpec) -> SlurmOptions:
 class SlurmProvider(Provider):
     name = "slurm"
     Options = SlurmOptions
+    installs_packages = True
 
     @classmethod
     def from_spec(cls, spec: PoolSpec, pool_name: str, extra: Mapping[str, Any]) -> Provider:
@@ -347,6 +351,43 @@ class SlurmProvider(Provider):
         assert proc.stdin is not None
         proc.stdin.write(_env_line({**env, "PYTHONPATH": path, "SKYWARD_WIRE": MODE}))
         return SlurmRank(proc, self.job, name, step)
+
+    async def build_environments(
+        self, nodes: Sequence[Node], packages: Packages, progress: Progress
+    ) -> dict[int, NodeEnvironment]:
+        """Each allocated node builds (or finds cached) the environment in a job step of its
+        own before its ranks start, the same builder as elsewhere; the nodes see this
+        machine's files (uv, the wheels of ``--ship-wheels``) as they see its Python.
+        """
+        if self.job is None:
+            raise ProviderError("the Slurm job is not running")
+        wheels = str(await asyncio.to_thread(packages.download)) if packages.wheels else None
+        uv = await asyncio.to_thread(notebook_uv)
+        request = packages.request(wheels, str(uv) if uv else None)
+        python = self.options.python or sys.executable
+        path = os.pathsep.join(p for p in (_PACKAGE_PARENT, os.environ.get("PYTHONPATH")) if p)
+        child_env = {**os.environ, "PYTHONPATH": path}
+
+        async def one(node: Node) -> NodeEnvironment:
+            name = node.labels.get("slurm_node", node.address)
+            argv = ["srun", f"--jobid={self.job}", "--overlap", "--nodes=1", "--ntasks=1"]
+            argv += [f"{_EXPORT},SKYWARD_ENVS", f"--nodelist={name}", "--quiet"]
+            argv += [f"--job-name=sky-packages-{self._token}", python, *BUILDER]
+
+            def say(text: str) -> None:
+                progress(text, node.index, RankState.BOOTING)
+
+            where = f"slurm {name}, job {self.job}"
+            built = await run_builder(argv, child_env, request, packages.digest, where, say)
+            say(f"packages ready: {built.describe()}")
+            return built
+
+        built = await asyncio.gather(*(one(node) for node in nodes))
+        found = {node.index: env for node, env in zip(nodes, built, strict=True)}
+        chosen = [f"node {i}: {env.torch}" for i, env in found.items() if env.torch]
+        if chosen:
+            self.warnings.append("torch per node: " + "; ".join(chosen))
+        return found
 
     async def release(self) -> None:
         for proc in self._srun:

@@ -37,6 +37,9 @@ from ..environments import (
     Packages,
     PackagesError,
     follow,
+    notebook_torch,
+    notebook_uv,
+    uv_tarball,
     wheels_tarball,
 )
 from ..events import RankState
@@ -351,6 +354,8 @@ class SSHProvider(Provider):
         self._sessions: list[Sessions] = []
         self._remote_package: list[str] = []
         self._python: list[str] = []
+        self._torch: list[str | None] = []
+        """Each host's torch version (None: it has none)."""
         self._templates: list[HostTemplate | None] = []
         self._progress: Progress = no_progress
 
@@ -379,6 +384,7 @@ class SSHProvider(Provider):
             self._sessions.append(Sessions(host, conn, self._connect))
             self._remote_package.append(package_dir)
             self._python.append(str(found["executable"]))
+            self._torch.append(found.get("torch"))
             address = self.options.head_addr if index == 0 and self.options.head_addr else host.host
             gpus = tuple(str(i) for i in range(int(found.get("gpus") or 0)))
             out.append(Node(index, address, gpus, found.get("gpu_model")))
@@ -389,8 +395,10 @@ class SSHProvider(Provider):
         started = await asyncio.gather(
             *(
                 HostTemplate.start(s, python, package, self.notebook_silence)
-                for s, python, package in zip(
-                    self._sessions, self._python, self._remote_package, strict=True
+                if torch is not None
+                else _no_template()  # its torch comes with its packages
+                for s, python, package, torch in zip(
+                    self._sessions, self._python, self._remote_package, self._torch, strict=True
                 )
             )
         )
@@ -465,7 +473,7 @@ class SSHProvider(Provider):
         conn = await self._connect(host)
         try:
             found = await probe(host, conn, self.options.python)
-            self.warnings.extend(check_versions(host, found))
+            self.warnings.extend(check_versions(host, found, brings_torch=bool(self.packages)))
             check_host_gpu(host, found.get("gpu_model"), self.options.gpu)
             package_dir = await self._ship(host, conn, str(found["home"]))
         except BaseException:
@@ -545,31 +553,33 @@ class SSHProvider(Provider):
         self, nodes: Sequence[Node], packages: Packages, progress: Progress
     ) -> dict[int, NodeEnvironment]:
         """Every host builds (or finds cached) the environment, all at once; the first host
-        that fails fails the start, naming itself and the installer's reason.
+        that fails fails the start, naming itself and the installer's reason. What is sent
+        (the wheels of ``--ship-wheels``, uv for hosts without it) goes to each host once.
         """
-
-        sent: tuple[str, bytes] | None = None
+        bundles: list[_Bundle] = []
+        wheels_folder: str | None = None
         if packages.wheels:
             for node in nodes:
                 progress("packages: downloading wheels to send", node.index, RankState.BOOTING)
-            folder = await asyncio.to_thread(packages.download)
-            sent = (folder.name, await asyncio.to_thread(wheels_tarball, folder))
+            # torch's wheel goes too where a host has none, or (--mirror) another version
+            other_torch = any(
+                t is None or (packages.variant and t != notebook_torch()) for t in self._torch
+            )
+            folder = await asyncio.to_thread(packages.download, other_torch)
+            wheels_folder = f"wheels/{folder.name}"
+            bundles.append(_Bundle("wheels", wheels_folder, lambda: wheels_tarball(folder)))
+        uv = await asyncio.to_thread(notebook_uv)
+        uv_folder: str | None = None
+        if uv is not None:
+            name, tarball = await asyncio.to_thread(uv_tarball, uv)
+            uv_folder = f"uv/{name}"
+            bundles.append(_Bundle("uv", uv_folder, lambda: tarball))
 
         async def one(node: Node) -> NodeEnvironment:
             host = self.hosts[node.index]
-            wheels = None
-            if sent is not None:
-                name, tarball = sent
-                cache = posixpath.dirname(self._remote_package[node.index])
-                wheels = f"{cache}/wheels/{name}"
-                conn = self._sessions[node.index].conns[0]
-                if (await conn.run(shlex.join(["test", "-d", wheels]), check=False)).exit_status:
-                    progress(
-                        f"packages: sending wheels ({human_bytes(len(tarball))})",
-                        node.index,
-                        RankState.BOOTING,
-                    )
-                    await unpack(host, conn, wheels, tarball)
+            cache = posixpath.dirname(self._remote_package[node.index])
+            for bundle in bundles:
+                await self._send_once(node, f"{cache}/{bundle.folder}", bundle, progress)
             command = shlex.join(
                 [
                     "env",
@@ -582,7 +592,10 @@ class SSHProvider(Provider):
                 process = await self._sessions[node.index].process(command)
             except (asyncssh.Error, OSError) as exc:
                 raise PackagesError(f"{host}: cannot start the package installer: {exc}") from None
-            process.stdin.write(packages.request(wheels))
+            wheels = f"{cache}/{wheels_folder}" if wheels_folder else None
+            process.stdin.write(
+                packages.request(wheels, f"{cache}/{uv_folder}/uv" if uv_folder else None)
+            )
             process.stdin.write_eof()
 
             async def lines() -> AsyncIterator[str]:
@@ -602,10 +615,35 @@ class SSHProvider(Provider):
             finally:
                 process.close()
             say(f"packages ready: {built.describe()}")
+            if built.own_torch and self._templates and (template := self._templates[node.index]):
+                # The template imported the host's torch; the environment brings another.
+                template.close()
+                self._templates[node.index] = None
             return built
 
         built = await asyncio.gather(*(one(node) for node in nodes))
-        return {node.index: env for node, env in zip(nodes, built, strict=True)}
+        found = {node.index: env for node, env in zip(nodes, built, strict=True)}
+        chosen = [f"{self.hosts[i]}: {env.torch}" for i, env in found.items() if env.torch]
+        if chosen:
+            self.warnings.append("torch per node: " + "; ".join(chosen))
+        return found
+
+    async def _send_once(
+        self, node: Node, target: str, bundle: _Bundle, progress: Progress
+    ) -> None:
+        """``bundle`` unpacked into ``target`` on the node's host, unless it is there already:
+        each host gets what the notebook sends for its packages once (and the tarball is made
+        only when some host lacks it).
+        """
+        conn = self._sessions[node.index].conns[0]
+        if (await conn.run(shlex.join(["test", "-d", target]), check=False)).exit_status:
+            tarball = await bundle.tarball()
+            progress(
+                f"packages: sending {bundle.what} ({human_bytes(len(tarball))})",
+                node.index,
+                RankState.BOOTING,
+            )
+            await unpack(self.hosts[node.index], conn, target, tarball)
 
     async def clean(self) -> list[str]:
         """``%sky clean``: on every host, remove the package's cache and the sync copies that
@@ -629,6 +667,25 @@ class SSHProvider(Provider):
             sessions.close()
         await asyncio.gather(*(s.wait_closed() for s in self._sessions))
         self._sessions.clear()
+
+
+class _Bundle:
+    """What the notebook sends the hosts for their packages (the wheels of ``--ship-wheels``,
+    uv): its name, its folder under the host's cache, and its tarball, made on first need.
+    """
+
+    def __init__(self, what: str, folder: str, make: Callable[[], bytes]) -> None:
+        self.what, self.folder, self._make = what, folder, make
+        self._made: asyncio.Task[bytes] | None = None
+
+    async def tarball(self) -> bytes:
+        if self._made is None:
+            self._made = asyncio.ensure_future(asyncio.to_thread(self._make))
+        return await self._made
+
+
+async def _no_template() -> tuple[None, None]:
+    return None, None
 
 
 async def _pid(host: Host, process: Any) -> int | None:

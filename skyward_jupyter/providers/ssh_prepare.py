@@ -65,8 +65,10 @@ async def probe(host: Host, conn: asyncssh.SSHClientConnection, python: str) -> 
     return found
 
 
-def check_versions(host: Host, found: Mapping[str, Any]) -> list[str]:
-    """Errors raise; harmless differences come back as warnings."""
+def check_versions(host: Host, found: Mapping[str, Any], brings_torch: bool = False) -> list[str]:
+    """Errors raise; harmless differences come back as warnings. ``brings_torch``: the pool's
+    packages (``--pip``) give a host without torch the notebook's.
+    """
     local_py = platform.python_version_tuple()[:2]
     remote_py = str(found["python"]).split(".")[:2]
     if list(local_py) != remote_py:
@@ -75,7 +77,7 @@ def check_versions(host: Host, found: Mapping[str, Any]) -> list[str]:
             "notebook: code shipped by value cannot load across Python versions; use --python "
             "with a matching interpreter on the host"
         )
-    if found.get("torch") is None:
+    if found.get("torch") is None and not brings_torch:
         raise ProviderError(
             f"{host}: torch is not installed for {found['executable']}; install it there "
             f"(pip install torch=={_local_torch() or '<version>'}) or pass --python"
@@ -96,7 +98,7 @@ def check_versions(host: Host, found: Mapping[str, Any]) -> list[str]:
             f"{host}: cloudpickle {found['cloudpickle']} there, {cloudpickle.__version__} here"
         )
     local_torch = _local_torch()
-    if local_torch and found["torch"] != local_torch:
+    if local_torch and found.get("torch") not in (local_torch, None):
         warnings.append(f"{host}: torch {found['torch']} there, {local_torch} in the notebook")
     return warnings
 
