@@ -216,6 +216,17 @@ class RunResult(Sequence[RankResult]):
         """Whether the user stopped it (Ctrl-C, the toolbar's stop, the panel's Interrupt)."""
         return INTERRUPTED in self.notes
 
+    def only_stopped(self, r: RankResult) -> bool:
+        """Whether rank ``r`` did not fail but was stopped: by the user's interrupt, or by the
+        pool after another rank's failure (a ``KeyboardInterrupt`` that followed).
+        """
+        error = r.error
+        return (
+            error is not None
+            and error.type_name == "KeyboardInterrupt"
+            and (self.interrupted or error.secondary)
+        )
+
     @property
     def values(self) -> list[Any]:
         return [r.value for r in self.ranks]

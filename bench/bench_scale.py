@@ -1,0 +1,284 @@
+"""Scale benchmark: how a pool's costs grow from 2 ranks to hundreds, on local simulated nodes.
+
+One IPython ``InteractiveShell`` in this process (the notebook) with ``%load_ext
+skyward_jupyter``; for each size in turn a pool of ``--framework none`` ranks (``--procs-per-node
+8`` from 8 ranks on, as on 8-GPU nodes; one node below that) is started, measured and ended:
+
+* **start**: ``%sky up`` to every rank ready, wall time;
+* **trivial cell**: ``%%sky`` + ``1``, timed around ``shell.run_cell`` after a warm-up;
+* **idle CPU**: the notebook process's CPU time (every thread, user and system) over an idle
+  window with the pool up, as a percentage of one core;
+* **failing rank named**: a cell that raises on the last rank while every other rank sleeps,
+  from ``run_cell`` to the cell's error naming that rank (the pool interrupts the others); and
+  the last rank killed with SIGKILL while a cell sleeps on every rank, from the kill to the
+  cell's error naming it.
+
+Run ``python bench/bench_scale.py --markdown-out BENCHMARKS.md`` to regenerate the block in
+``BENCHMARKS.md``; JSON goes to ``bench/results/scale.json``. Never edit the figures by hand.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict
+from typing import Any
+
+from common import (
+    BenchError,
+    Script,
+    Summary,
+    command_line,
+    fmt_ms,
+    load_avg,
+    machine_info,
+    machine_line,
+)
+
+SCRIPT = Script("scale")
+SIZES = (2, 4, 8, 16, 32, 64, 128, 256)
+PER_NODE = 8
+GOALS = {"start_s": 5.0, "cell_ms": 30.0, "idle_cpu_percent": 5.0, "named_s": 3.0}
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """The cells' values and the pool's lines go nowhere."""
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        yield
+
+
+def layout(ranks: int) -> tuple[int, int]:
+    """(nodes, ranks per node) for a pool of ``ranks``."""
+    return (ranks // PER_NODE, PER_NODE) if ranks >= PER_NODE else (1, ranks)
+
+
+def cell(shell: Any, code: str) -> tuple[float, Any]:
+    started = time.perf_counter()
+    with quiet():
+        result = shell.run_cell(code, store_history=False)
+    return time.perf_counter() - started, result
+
+
+def ok_cell(shell: Any, code: str) -> float:
+    seconds, result = cell(shell, code)
+    if not result.success:
+        raise BenchError(f"cell failed: {code!r}: {result.error_in_exec}")
+    return seconds
+
+
+def failed_on(shell: Any, code: str, rank: int) -> float:
+    seconds, result = cell(shell, code)
+    error = str(result.error_in_exec or "")
+    if result.success or f"rank {rank}" not in error:
+        raise BenchError(f"the cell did not fail naming rank {rank}: {error[:300]!r}")
+    return seconds
+
+
+def cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def idle_cpu(window: float) -> float:
+    """Percent of one core this process used over ``window`` seconds while nothing ran."""
+    began, cpu = time.perf_counter(), cpu_seconds()
+    time.sleep(window)
+    return 100 * (cpu_seconds() - cpu) / (time.perf_counter() - began)
+
+
+def private_mib(shell: Any, name: str) -> float:
+    """The ranks' own memory (private pages, from ``smaps_rollup``), mean per rank in MiB."""
+    pool = shell._skyward_session.pools[name].pool
+    sizes = []
+    for r in pool._ranks.all:
+        fields = {}
+        with open(f"/proc/{r.process.pid}/smaps_rollup") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if rest.strip().endswith("kB"):
+                    fields[key] = int(rest.split()[0])
+        sizes.append((fields["Private_Clean"] + fields["Private_Dirty"]) / 1024)
+    return sum(sizes) / len(sizes)
+
+
+def kill_named(shell: Any, name: str, rank: int) -> float:
+    """SIGKILL ``rank`` a moment into a sleeping cell: seconds from the kill to the error."""
+    pool = shell._skyward_session.pools[name].pool
+    pid = next(r.process.pid for r in pool._ranks.all if r.index == rank)
+    killed_at: list[float] = []
+
+    def kill() -> None:
+        time.sleep(0.5)  # the cell is running on every rank by then
+        killed_at.append(time.perf_counter())
+        os.kill(pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill)
+    killer.start()
+    _, result = cell(shell, f"%%sky --name {name}\nimport time\ntime.sleep(20)")
+    ended = time.perf_counter()
+    killer.join()
+    error = str(result.error_in_exec or "")
+    if result.success or f"rank {rank}" not in error:
+        raise BenchError(f"the kill was not named (rank {rank}): {error[:300]!r}")
+    return ended - killed_at[0]
+
+
+def wait_ready(shell: Any, name: str, ranks: int, timeout: float = 120) -> None:
+    """After a kill, the pool restarts the rank: wait until every rank is ready again."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if ok_cell_quiet(shell, name, ranks):
+            return
+        time.sleep(0.2)
+    raise BenchError(f"pool {name!r} did not get its {ranks} ranks back in {timeout:.0f} s")
+
+
+def ok_cell_quiet(shell: Any, name: str, ranks: int) -> bool:
+    _, result = cell(shell, f"%%sky --name {name}\nworld_size")
+    return bool(result.success)
+
+
+def measure(shell: Any, ranks: int, runs: int, window: float, fails: int) -> dict[str, Any]:
+    nodes, per = layout(ranks)
+    name = f"s{ranks}"
+    up = f"up --name {name} --nodes {nodes} --procs-per-node {per} --framework none"
+    began = time.perf_counter()
+    with quiet():
+        shell.run_line_magic("sky", up)
+    start = time.perf_counter() - began
+    try:
+        trivial = f"%%sky --name {name}\n1"
+        for _ in range(max(3, runs // 10)):
+            ok_cell(shell, trivial)
+        cells = [ok_cell(shell, trivial) * 1e3 for _ in range(runs)]
+        cpu = idle_cpu(window)
+        memory = private_mib(shell, name)
+        last = ranks - 1
+        raise_code = (
+            f"%%sky --name {name}\nimport time\nif rank == {last}:\n"
+            f"    raise ValueError('rank {last} fails')\ntime.sleep(20)"
+        )
+        raised = [failed_on(shell, raise_code, last) for _ in range(fails)]
+        killed = []
+        for _ in range(fails):
+            killed.append(kill_named(shell, name, last))
+            wait_ready(shell, name, ranks)
+    finally:
+        with quiet():
+            shell.run_line_magic("sky", f"down {name}")
+    row = {
+        "ranks": ranks,
+        "nodes": nodes,
+        "per_node": per,
+        "start_s": start,
+        "cell_ms": asdict(Summary.of(cells)),
+        "idle_cpu_percent": cpu,
+        "private_mib": memory,
+        "raise_named_s": asdict(Summary.of(raised)),
+        "kill_named_s": asdict(Summary.of(killed)),
+    }
+    print(
+        f"  {ranks} ranks: start {start:.2f} s, cell {row['cell_ms']['median']:.1f} ms, "
+        f"idle cpu {cpu:.1f}%, {memory:.0f} MiB a rank, "
+        f"raise named {row['raise_named_s']['median']:.2f} s, "
+        f"kill named {row['kill_named_s']['median']:.2f} s",
+        file=sys.stderr,
+    )
+    return row
+
+
+def run_benchmark(
+    sizes: Sequence[int], runs: int, window: float, fails: int
+) -> list[dict[str, Any]]:
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    with quiet():
+        shell.run_line_magic("load_ext", "skyward_jupyter")
+        # The warm template starts with the first pool: not a cost of any size.
+        shell.run_line_magic("sky", "up --name warm --nodes 1 --procs-per-node 1 --framework none")
+        shell.run_line_magic("sky", "down warm")
+    try:
+        return [measure(shell, n, runs, window, fails) for n in sizes]
+    finally:
+        with quiet(), contextlib.suppress(Exception):
+            shell.run_line_magic("sky", "down --all")
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "**not met**"
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    rows = report["rows"]
+    lines = [
+        "## Scale (2 to 256 ranks)",
+        "",
+        machine_line(report["machine"]),
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        f"Local simulated nodes of {PER_NODE} `--framework none` ranks each (one node below "
+        f"{PER_NODE} ranks), all on this machine; one pool at a time. Trivial cell: median of "
+        f"{rows[0]['cell_ms']['n']} `%%sky` + `1` around `shell.run_cell`. Idle CPU: the "
+        f"notebook process over {report['window_s']:.0f} s with the pool up and idle, percent "
+        "of one core. Memory a rank: its private pages after the idle window (what it shares "
+        "with its template aside). Named: a cell raising on the last rank while the others "
+        "sleep (run to error naming it), and the last rank killed (SIGKILL) in a sleeping "
+        f"cell (kill to error naming it), medians of {rows[0]['raise_named_s']['n']}.",
+        "",
+        "| ranks | nodes | start | trivial cell (p10-p90) | idle CPU | memory a rank | raise named "
+        "| kill named |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        c = r["cell_ms"]
+        lines.append(
+            f"| {r['ranks']} | {r['nodes']} | {r['start_s']:.2f} s | {fmt_ms(c['median'])} "
+            f"({c['p10']:.2f}-{c['p90']:.2f}) | {r['idle_cpu_percent']:.1f}% | "
+            f"{r['private_mib']:.0f} MiB | "
+            f"{r['raise_named_s']['median']:.2f} s | {r['kill_named_s']['median']:.2f} s |"
+        )
+    big = rows[-1]
+    named = max(big["raise_named_s"]["median"], big["kill_named_s"]["median"])
+    lines += [
+        "",
+        f"- Goals at {big['ranks']} ranks: start at most {GOALS['start_s']:.0f} s "
+        f"({_met(big['start_s'] <= GOALS['start_s'])}), a trivial cell at most "
+        f"{GOALS['cell_ms']:.0f} ms ({_met(big['cell_ms']['median'] <= GOALS['cell_ms'])}), "
+        f"idle CPU at most {GOALS['idle_cpu_percent']:.0f}% of a core "
+        f"({_met(big['idle_cpu_percent'] <= GOALS['idle_cpu_percent'])}), a failing rank named "
+        f"within {GOALS['named_s']:.0f} s ({_met(named <= GOALS['named_s'])}).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = SCRIPT.parser(__doc__)
+    parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
+    parser.add_argument("--runs", type=int, default=100, help="timed trivial cells per size")
+    parser.add_argument("--window", type=float, default=10.0, help="idle seconds measured")
+    parser.add_argument("--fails", type=int, default=3, help="failures of each kind per size")
+    args = SCRIPT.parse_args(parser, argv)
+    load_before = load_avg()
+    rows = run_benchmark(args.sizes, args.runs, args.window, args.fails)
+    report = {
+        "machine": machine_info(load_before),
+        "command": command_line(),
+        "window_s": args.window,
+        "rows": rows,
+    }
+    SCRIPT.write_outputs(args, report, render_markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
