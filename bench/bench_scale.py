@@ -41,6 +41,8 @@ from common import (
     machine_line,
 )
 
+from skyward_jupyter.providers.local_template import template_pids
+
 SCRIPT = Script("scale")
 SIZES = (2, 4, 8, 16, 32, 64, 128, 256)
 PER_NODE = 8
@@ -84,6 +86,24 @@ def failed_on(shell: Any, code: str, rank: int) -> float:
 def cpu_seconds() -> float:
     t = os.times()
     return t.user + t.system
+
+
+def pid_cpu(pids: Sequence[int]) -> float:
+    """CPU seconds (user and system) the processes ``pids`` used so far, those gone aside."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def rank_pids(shell: Any, name: str) -> list[int]:
+    pool = shell._skyward_session.pools[name].pool
+    return [r.process.pid for r in pool._ranks.all if r.process is not None]
 
 
 def idle_cpu(window: float) -> float:
@@ -149,15 +169,27 @@ def measure(shell: Any, ranks: int, runs: int, window: float, fails: int) -> dic
     nodes, per = layout(ranks)
     name = f"s{ranks}"
     up = f"up --name {name} --nodes {nodes} --procs-per-node {per} --framework none"
-    began = time.perf_counter()
+    templates = template_pids()
+    began, cpu0, tcpu0 = time.perf_counter(), cpu_seconds(), pid_cpu(templates)
     with quiet():
         shell.run_line_magic("sky", up)
     start = time.perf_counter() - began
+    pids = rank_pids(shell, name)
+    start_cpu = {
+        "notebook_s": cpu_seconds() - cpu0,
+        "template_s": pid_cpu(templates) - tcpu0,
+        "ranks_s": pid_cpu(pids),
+    }
     try:
         trivial = f"%%sky --name {name}\n1"
         for _ in range(max(3, runs // 10)):
             ok_cell(shell, trivial)
+        cpu0, rcpu0 = cpu_seconds(), pid_cpu(pids)
         cells = [ok_cell(shell, trivial) * 1e3 for _ in range(runs)]
+        cell_cpu = {
+            "notebook_ms": (cpu_seconds() - cpu0) / runs * 1e3,
+            "ranks_ms": (pid_cpu(pids) - rcpu0) / runs * 1e3,
+        }
         cpu = idle_cpu(window)
         memory = private_mib(shell, name)
         last = ranks - 1
@@ -178,6 +210,8 @@ def measure(shell: Any, ranks: int, runs: int, window: float, fails: int) -> dic
         "nodes": nodes,
         "per_node": per,
         "start_s": start,
+        "start_cpu": start_cpu,
+        "cell_cpu": cell_cpu,
         "cell_ms": asdict(Summary.of(cells)),
         "idle_cpu_percent": cpu,
         "private_mib": memory,
@@ -245,6 +279,23 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"({c['p10']:.2f}-{c['p90']:.2f}) | {r['idle_cpu_percent']:.1f}% | "
             f"{r['private_mib']:.0f} MiB | "
             f"{r['raise_named_s']['median']:.2f} s | {r['kill_named_s']['median']:.2f} s |"
+        )
+    lines += [
+        "",
+        "Where the CPU goes (CPU time, which the machine's load moves far less than wall time): "
+        "a pool's start in the notebook, the rank template (it forks every rank) and the ranks; "
+        "a trivial cell in the notebook and in all the ranks together, mean of the timed cells.",
+        "",
+        "| ranks | start: notebook | template | ranks | cell: notebook | ranks | "
+        "idle notebook a rank |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        s, c = r["start_cpu"], r["cell_cpu"]
+        lines.append(
+            f"| {r['ranks']} | {s['notebook_s']:.2f} s | {s['template_s']:.2f} s | "
+            f"{s['ranks_s']:.2f} s | {c['notebook_ms']:.1f} ms | {c['ranks_ms']:.1f} ms | "
+            f"{r['idle_cpu_percent'] / r['ranks'] * 1e3:.1f} m% |"
         )
     big = rows[-1]
     named = max(big["raise_named_s"]["median"], big["kill_named_s"]["median"])
