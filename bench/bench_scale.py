@@ -41,11 +41,13 @@ from common import (
     machine_line,
 )
 
+from skyward_jupyter.limits import MAX_RANKS
 from skyward_jupyter.providers.local_template import template_pids
 
 SCRIPT = Script("scale")
 SIZES = (2, 4, 8, 16, 32, 64, 128, 256)
 PER_NODE = 8
+MODELLED = (1024, 4096)
 GOALS = {"start_s": 5.0, "cell_ms": 30.0, "idle_cpu_percent": 5.0, "named_s": 3.0}
 
 
@@ -246,6 +248,46 @@ def run_benchmark(
             shell.run_line_magic("sky", "down --all")
 
 
+def per_rank(rows: Sequence[dict[str, Any]], value: Any) -> float:
+    """The least-squares slope of ``value(row)`` against the ranks, over pools of 16 ranks and
+    more (below, the fixed costs hide the growth).
+    """
+    points = [(r["ranks"], value(r)) for r in rows if r["ranks"] >= 16] or [
+        (r["ranks"], value(r)) for r in rows
+    ]
+    if len(points) < 2:
+        return points[0][1] / points[0][0]
+    mx = sum(x for x, _ in points) / len(points)
+    my = sum(y for _, y in points) / len(points)
+    return sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+
+
+def model(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Costs per rank from the measured curves, and what they give for 1024 and 4096 ranks on
+    8-GPU nodes: the notebook's share grows with the ranks, each node's (its template forking
+    its ranks, the ranks starting and running the cell) runs on that node beside the others.
+    """
+    big = rows[-1]
+    costs = {
+        "notebook_start_s": per_rank(rows, lambda r: r["start_cpu"]["notebook_s"]),
+        "notebook_cell_ms": per_rank(rows, lambda r: r["cell_cpu"]["notebook_ms"]),
+        "notebook_idle_percent": per_rank(rows, lambda r: r["idle_cpu_percent"]),
+        "fork_s": big["start_cpu"]["template_s"] / big["ranks"],
+        "rank_start_s": big["start_cpu"]["ranks_s"] / big["ranks"],
+        "rank_cell_ms": big["cell_cpu"]["ranks_ms"] / big["ranks"],
+    }
+    at = {}
+    for ranks in MODELLED:
+        at[str(ranks)] = {
+            "nodes": ranks // PER_NODE,
+            "start_s": ranks * costs["notebook_start_s"]
+            + PER_NODE * (costs["fork_s"] + costs["rank_start_s"]),
+            "cell_ms": ranks * costs["notebook_cell_ms"] + costs["rank_cell_ms"],
+            "idle_cpu_percent": ranks * costs["notebook_idle_percent"],
+        }
+    return {"per_rank": costs, "at": at}
+
+
 def _met(ok: bool) -> str:
     return "met" if ok else "**not met**"
 
@@ -295,7 +337,51 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines.append(
             f"| {r['ranks']} | {s['notebook_s']:.2f} s | {s['template_s']:.2f} s | "
             f"{s['ranks_s']:.2f} s | {c['notebook_ms']:.1f} ms | {c['ranks_ms']:.1f} ms | "
-            f"{r['idle_cpu_percent'] / r['ranks'] * 1e3:.1f} m% |"
+            f"{r['idle_cpu_percent'] / r['ranks']:.3f}% |"
+        )
+    m = report["model"]
+    c = m["per_rank"]
+    lines += [
+        "",
+        "**Model of 1024 and 4096 ranks on 8-GPU nodes** (from the CPU figures above, which the "
+        "load moves least). Per rank, the notebook spends "
+        f"{c['notebook_start_s'] * 1e3:.2f} ms of CPU at the start, "
+        f"{c['notebook_cell_ms'] * 1e3:.0f} us on a trivial cell and "
+        f"{c['notebook_idle_percent']:.4f}% of a core while the pool idles (its heartbeat and "
+        "usage report): least-squares slopes over the pools of 16 ranks and more. Per node, "
+        f"its template forks each rank for {c['fork_s'] * 1e3:.1f} ms of CPU, a rank takes "
+        f"{c['rank_start_s'] * 1e3:.1f} ms of CPU to start and {c['rank_cell_ms'] * 1e3:.0f} us "
+        f"for a trivial cell (at {rows[-1]['ranks']} ranks); on real nodes that work runs on "
+        "each node, beside the others. So a pool of N ranks on N/8 nodes costs the notebook "
+        "about N times its share, plus one node's: a lower bound (no network, no "
+        "provisioning).",
+        "",
+        "| ranks | nodes | start | trivial cell | idle CPU of the notebook |",
+        "|---|---|---|---|---|",
+    ]
+    for ranks, e in m["at"].items():
+        lines.append(
+            f"| {ranks} | {e['nodes']} | {e['start_s']:.1f} s | {e['cell_ms']:.0f} ms | "
+            f"{e['idle_cpu_percent']:.0f}% |"
+        )
+    for ranks, e in m["at"].items():
+        over = [
+            f"{what} ({e[key]:.{digits}f}{unit} against {GOALS[key]:g}{unit})"
+            for key, what, unit, digits in (
+                ("cell_ms", "the trivial cell", " ms", 0),
+                ("start_s", "the start", " s", 1),
+                ("idle_cpu_percent", "the idle notebook's CPU", "%", 0),
+            )
+            if e[key] > GOALS[key]
+        ]
+        limit = (
+            f" it is over `MAX_RANKS` ({MAX_RANKS}), so the pool is refused first;"
+            if int(ranks) > MAX_RANKS
+            else ""
+        )
+        lines.append(
+            f"- {ranks} ranks:{limit} "
+            + (f"past the goal: {', '.join(over)}." if over else "every goal holds.")
         )
     big = rows[-1]
     named = max(big["raise_named_s"]["median"], big["kill_named_s"]["median"])
@@ -326,6 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "command": command_line(),
         "window_s": args.window,
         "rows": rows,
+        "model": model(rows),
     }
     SCRIPT.write_outputs(args, report, render_markdown(report))
     return 0
