@@ -8,6 +8,7 @@ skyward_jupyter``; for each size in turn a pool of ``--framework none`` ranks (`
 * **trivial cell**: ``%%sky`` + ``1``, timed around ``shell.run_cell`` after a warm-up;
 * **idle CPU**: the notebook process's CPU time (every thread, user and system) over an idle
   window with the pool up, as a percentage of one core;
+* **down**: ``%sky down``, wall time;
 * **failing rank named**: a cell that raises on the last rank while every other rank sleeps,
   from ``run_cell`` to the cell's error naming that rank (the pool interrupts the others); and
   the last rank killed with SIGKILL while a cell sleeps on every rank, from the kill to the
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import signal
 import sys
@@ -204,14 +206,20 @@ def measure(shell: Any, ranks: int, runs: int, window: float, fails: int) -> dic
         for _ in range(fails):
             killed.append(kill_named(shell, name, last))
             wait_ready(shell, name, ranks)
-    finally:
-        with quiet():
+    except BaseException:
+        with quiet(), contextlib.suppress(Exception):
             shell.run_line_magic("sky", f"down {name}")
+        raise
+    began = time.perf_counter()
+    with quiet():
+        shell.run_line_magic("sky", f"down {name}")
+    down = time.perf_counter() - began
     row = {
         "ranks": ranks,
         "nodes": nodes,
         "per_node": per,
         "start_s": start,
+        "down_s": down,
         "start_cpu": start_cpu,
         "cell_cpu": cell_cpu,
         "cell_ms": asdict(Summary.of(cells)),
@@ -227,6 +235,7 @@ def measure(shell: Any, ranks: int, runs: int, window: float, fails: int) -> dic
         f"kill named {row['kill_named_s']['median']:.2f} s",
         file=sys.stderr,
     )
+    print(f"  row: {json.dumps(row)}", file=sys.stderr)  # kept should a larger size fail
     return row
 
 
@@ -311,8 +320,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"cell (kill to error naming it), medians of {rows[0]['raise_named_s']['n']}.",
         "",
         "| ranks | nodes | start | trivial cell (p10-p90) | idle CPU | memory a rank | raise named "
-        "| kill named |",
-        "|---|---|---|---|---|---|---|---|",
+        "| kill named | down |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         c = r["cell_ms"]
@@ -320,7 +329,8 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"| {r['ranks']} | {r['nodes']} | {r['start_s']:.2f} s | {fmt_ms(c['median'])} "
             f"({c['p10']:.2f}-{c['p90']:.2f}) | {r['idle_cpu_percent']:.1f}% | "
             f"{r['private_mib']:.0f} MiB | "
-            f"{r['raise_named_s']['median']:.2f} s | {r['kill_named_s']['median']:.2f} s |"
+            f"{r['raise_named_s']['median']:.2f} s | {r['kill_named_s']['median']:.2f} s | "
+            f"{r['down_s']:.2f} s |"
         )
     lines += [
         "",
