@@ -294,7 +294,20 @@ def model(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "cell_ms": ranks * costs["notebook_cell_ms"] + costs["rank_cell_ms"],
             "idle_cpu_percent": ranks * costs["notebook_idle_percent"],
         }
-    return {"per_rank": costs, "at": at}
+    fixed = {
+        "start_s": PER_NODE * (costs["fork_s"] + costs["rank_start_s"]),
+        "cell_ms": costs["rank_cell_ms"],
+        "idle_cpu_percent": 0.0,
+    }
+    slope = {
+        "start_s": costs["notebook_start_s"],
+        "cell_ms": costs["notebook_cell_ms"],
+        "idle_cpu_percent": costs["notebook_idle_percent"],
+    }
+    crossing = {
+        key: (GOALS[key] - fixed[key]) / slope[key] if slope[key] > 0 else None for key in fixed
+    }
+    return {"per_rank": costs, "at": at, "goal_crossed_at_ranks": crossing}
 
 
 def _met(ok: bool) -> str:
@@ -374,6 +387,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"| {ranks} | {e['nodes']} | {e['start_s']:.1f} s | {e['cell_ms']:.0f} ms | "
             f"{e['idle_cpu_percent']:.0f}% |"
         )
+    lines.append("")
     for ranks, e in m["at"].items():
         over = [
             f"{what} ({e[key]:.{digits}f}{unit} against {GOALS[key]:g}{unit})"
@@ -393,6 +407,22 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"- {ranks} ranks:{limit} "
             + (f"past the goal: {', '.join(over)}." if over else "every goal holds.")
         )
+    crossed = sorted(
+        (ranks, what)
+        for what, ranks in (
+            ("the trivial cell", m["goal_crossed_at_ranks"]["cell_ms"]),
+            ("the idle notebook's CPU", m["goal_crossed_at_ranks"]["idle_cpu_percent"]),
+            ("the start", m["goal_crossed_at_ranks"]["start_s"]),
+        )
+        if ranks is not None
+    )
+    lines.append(
+        "- What limits first, on real 8-GPU nodes: "
+        + ", then ".join(f"{what} at about {ranks:.0f} ranks" for ranks, what in crossed)
+        + " cross their goals; all three grow with the notebook's work per rank (one stream "
+        "per rank), which one message per node (heartbeats and usage aggregated on each node, "
+        "a cell sent once per node) would divide by the ranks per node."
+    )
     big = rows[-1]
     named = max(big["raise_named_s"]["median"], big["kill_named_s"]["median"])
     lines += [
