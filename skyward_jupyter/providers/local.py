@@ -491,7 +491,9 @@ class LocalProvider(Provider):
                 exited.set_result(status)
 
         def on_exit(status: int) -> None:
-            loop.call_soon_threadsafe(record_exit, status)
+            # A rank seen gone by its pid may be reported after its pool's loop closed.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(record_exit, status)
 
         wire_in_r, wire_in_w = _pipe()
         wire_out_r, wire_out_w = _pipe()
