@@ -26,7 +26,7 @@ from skyward_jupyter.events import (
 )
 from skyward_jupyter.providers.base import Node, Progress, no_progress
 from skyward_jupyter.providers.local import LocalProvider
-from skyward_jupyter.results import RankResult, RemoteError, RunResult
+from skyward_jupyter.results import CellError, RankResult, RemoteError, RunResult
 from skyward_jupyter.runtime import TOTAL_KEY
 from skyward_jupyter.session import PoolSpec, Session
 
@@ -131,6 +131,27 @@ def test_hundreds_of_ranks_changing_alike_are_one_line_and_a_real_pool_reads_by_
     assert "failed (1 failed, 1 idle), ranks 4-5" in summary[2]
     assert summary[3].startswith("  node 6: 127.0.0.1, cpu, failed (1 failed, 1 idle), ranks 12-13")
     assert summary[4].startswith("  nodes 0-1: 4 ranks, cpu, idle, ranks 0-3")
+
+
+def test_a_cell_failing_on_hundreds_of_ranks_says_so_in_a_few_lines() -> None:
+    """The cell's error: the cause in full, then one line per other error, not one per rank."""
+    errors = [
+        RemoteError(255, "node 31", "RankLost", "killed by SIGKILL", "RankLost: killed\n"),
+        *(
+            RemoteError(r, f"node {r // 8}", "KeyboardInterrupt", "", "", secondary=True)
+            for r in range(255)
+            if r != 7
+        ),
+        RemoteError(7, "node 0", "ValueError", "boom", "ValueError: boom\n", secondary=True),
+    ]
+    error = CellError(errors)
+    assert error.render().splitlines()[-2:] == [
+        "ranks 0-6,8-254: KeyboardInterrupt (after the failure above)",
+        "rank 7: ValueError: boom (after the failure above)",
+    ]
+    assert str(error).splitlines()[1] == (
+        "and on 255 other rank(s): ranks 0-6,8-254: KeyboardInterrupt; rank 7: ValueError"
+    )
 
 
 def test_nodes_being_provisioned_are_a_line_per_step() -> None:
