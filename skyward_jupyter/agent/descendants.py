@@ -153,8 +153,13 @@ def descendants(pid: int) -> set[int]:
 
 
 def children(pid: int) -> set[int]:
-    """The live processes whose parent is ``pid``."""
-    return {child for child, (parent, _) in _around(pid).items() if parent == pid}
+    """The processes whose parent is ``pid`` (with one that has ended and is not reaped yet
+    where the kernel lists children: a template reaping hundreds of ranks reads no more).
+    """
+    kids = _children_files(pid)
+    if kids is None:
+        return {child for child, (parent, _) in _processes().items() if parent == pid}
+    return kids
 
 
 def _send(pids: Iterable[int], sig: signal.Signals) -> set[int]:
