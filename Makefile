@@ -99,6 +99,7 @@ bench: setup
 	$(PY) bench/bench_byo.py --markdown-out BENCHMARKS.md
 	$(PY) bench/bench_transfer.py --markdown-out BENCHMARKS.md
 	$(PY) bench/bench_cell.py --markdown-out BENCHMARKS.md
+	$(PY) bench/bench_scale.py --markdown-out BENCHMARKS.md
 	$(PY) bench/bench_secure.py --markdown-out BENCHMARKS.md
 	$(PY) bench/bench_packages.py --markdown-out BENCHMARKS.md
 	$(PY) bench/bench_gpu.py --markdown-out BENCHMARKS.md

@@ -9,6 +9,7 @@ so that they depend on neither :mod:`.pool` nor :mod:`.session` at run time.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -102,6 +103,12 @@ def aggregate_state(states: Iterable[RankState]) -> RankState:
         if state in present:
             return state
     return RankState.TERMINATED  # pragma: no cover - every state is in _PRECEDENCE
+
+
+def state_counts(states: Iterable[RankState]) -> tuple[tuple[RankState, int], ...]:
+    """How many ranks are in each state, in :func:`aggregate_state`'s order (trouble first)."""
+    counts = collections.Counter(states)
+    return tuple((state, counts[state]) for state in _PRECEDENCE if counts[state])
 
 
 def price_of(pool: Pool) -> float | None:

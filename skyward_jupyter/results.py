@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, overload
 
+from .flags import rank_span
 from .protocol import cell_name
 
 if TYPE_CHECKING:
@@ -17,6 +18,14 @@ if TYPE_CHECKING:
 
 def _what(error: RemoteError) -> str:
     return f"{error.type_name}: {error.message}" if error.message else error.type_name
+
+
+def _alike(errors: Sequence[RemoteError], say: Callable[[RemoteError], str]) -> list[str]:
+    """``rank 3: ...``, ``ranks 0-2,4: ...``: one entry per thing said, in order of rank."""
+    ranks: dict[str, list[int]] = {}
+    for error in errors:
+        ranks.setdefault(say(error), []).append(error.rank)
+    return [f"rank{'s' * (len(who) > 1)} {rank_span(who)}: {what}" for what, who in ranks.items()]
 
 
 INTERRUPTED = "interrupted"
@@ -139,16 +148,18 @@ class CellError(Exception):
         if others:
             lines.append(
                 f"and on {len(others)} other rank(s): "
-                + "; ".join(f"rank {e.rank}: {e.type_name}" for e in others)
+                + "; ".join(_alike(others, lambda e: e.type_name))
             )
         return "\n".join(lines)
 
     def render(self) -> str:
-        parts = [self.primary.render()]
-        for e in self.errors:
-            if e is not self.primary:
-                parts.append(f"rank {e.rank}: {_what(e)}{self._relation(e)}")
-        return "\n".join(parts)
+        """The cause in full, then a line per other error: ranks that raised alike share it
+        (``ranks 0-254: KeyboardInterrupt (after the failure above)``), however many.
+        """
+        others = [e for e in self.errors if e is not self.primary]
+        return "\n".join(
+            [self.primary.render(), *_alike(others, lambda e: _what(e) + self._relation(e))]
+        )
 
     def _relation(self, error: RemoteError) -> str:
         """How another rank's error relates to the cause, said only where it is known: the
@@ -215,6 +226,17 @@ class RunResult(Sequence[RankResult]):
     def interrupted(self) -> bool:
         """Whether the user stopped it (Ctrl-C, the toolbar's stop, the panel's Interrupt)."""
         return INTERRUPTED in self.notes
+
+    def only_stopped(self, r: RankResult) -> bool:
+        """Whether rank ``r`` did not fail but was stopped: by the user's interrupt, or by the
+        pool after another rank's failure (a ``KeyboardInterrupt`` that followed).
+        """
+        error = r.error
+        return (
+            error is not None
+            and error.type_name == "KeyboardInterrupt"
+            and (self.interrupted or error.secondary)
+        )
 
     @property
     def values(self) -> list[Any]:

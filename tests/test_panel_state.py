@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from skyward_jupyter.display.buffers import TextBuffer
+from skyward_jupyter.display.grouping import MAX_TABS, tab_ranks
 from skyward_jupyter.display.metrics import GRACE
 from skyward_jupyter.display.panel_html import (
     header_html,
@@ -704,3 +705,46 @@ def test_a_cells_progress_is_its_step_pace_and_with_a_total_a_bar_and_the_time_l
     ended = state.snapshot().progress
     assert ended is not None and ended.eta is None and not ended.running
     assert 'data-state="ended"' in header_html(snap.header, 0.0, ended)
+
+
+def test_hundreds_of_ranks_read_as_trouble_first_then_nodes_folded_by_state() -> None:
+    """256 ranks on 32 nodes: the failed and lost ranks first, one line per error; their
+    nodes next with their ranks counted per state; the healthy ones folded; a tab per rank up
+    to the limit, the head's and the troubled ones among them.
+    """
+    state = state_with({r: r // 8 for r in range(256)})
+    state.apply(CellStarted(1, 256, 0))
+    state.apply(RankStateChanged(tuple((r, r // 8) for r in range(256)), S.RUNNING))
+    state.apply(RankStateChanged.of(9, 1, S.LOST, "killed by SIGKILL"))
+    state.apply(beat(100, 12, "barrier at cell line 2", 9.0))
+    results = [
+        failure(r, r // 8, "ValueError", "boom") if r in (200, 255) else done(r, r // 8)
+        for r in range(256)
+        if r != 9
+    ]
+    state.apply(CellFinished(1, RunResult(1, tuple(results))))
+    state.apply(RankStateChanged(tuple((r, r // 8) for r in range(256) if r != 9), S.IDLE))
+    state.apply(beat(100, 12, "barrier at cell line 2", 9.0))
+    snap = state.snapshot()
+    lines = summary_text(snap, now=0.0, live=False).splitlines()
+    assert lines[1:3] == [
+        "  rank 9 (node 1): lost, killed by SIGKILL",
+        "  ranks 200,255 (nodes 25,31): failed, ValueError: boom",
+    ]
+    troubled = [line.split(":")[0].strip() for line in lines[3:7]]
+    assert troubled == ["node 1", "node 12", "node 25", "node 31"], lines
+    assert "lost (1 lost, 7 idle), ranks 8-15" in lines[3]
+    assert "failed (1 failed, 7 idle), ranks 248-255" in lines[6]
+    assert lines[7:] == [
+        "  node 0: 10.0.0.0, T4, idle, ranks 0-7",
+        "  nodes 2-11: 80 ranks, T4, idle, ranks 16-95",
+        "  nodes 13-24: 96 ranks, T4, idle, ranks 104-199",
+        "  nodes 26-30: 40 ranks, T4, idle, ranks 208-247",
+    ]
+    table = nodes_html(snap.nodes, 0.0)
+    assert table.index('data-node="1"') < table.index('data-node="0"'), "trouble first"
+    assert 'class="sky-node sky-node-group" data-nodes="2-11" data-state="idle"' in table
+    assert '<span class="sky-counts">(1 failed, 7 idle)</span>' in table
+    assert table.count("<tr ") == len(lines) - 3, "a row per line of the summary's nodes"
+    tabs = [r.rank for r in tab_ranks(snap.ranks)]
+    assert len(tabs) == MAX_TABS and {0, 9, 100, 200, 255} <= set(tabs) and tabs == sorted(tabs)

@@ -26,7 +26,7 @@ from skyward_jupyter.events import (
 )
 from skyward_jupyter.providers.base import Node, Progress, no_progress
 from skyward_jupyter.providers.local import LocalProvider
-from skyward_jupyter.results import RankResult, RemoteError, RunResult
+from skyward_jupyter.results import CellError, RankResult, RemoteError, RunResult
 from skyward_jupyter.runtime import TOTAL_KEY
 from skyward_jupyter.session import PoolSpec, Session
 
@@ -71,16 +71,87 @@ def test_notable_state_changes_are_lines_and_routine_ones_are_not() -> None:
     ]
 
 
-def test_lost_ranks_back_in_one_batched_event_are_each_said_ready_again() -> None:
-    """A round's answers come as one event for several ranks: each lost one among them is
-    told, the others stay routine.
+def test_lost_ranks_back_in_one_batched_event_are_said_ready_again_on_one_line() -> None:
+    """A round's answers come as one event for several ranks: the lost ones among them are
+    told, on one line as they were lost, the others stay routine.
     """
     text, out, _ = report()
     text.on_event(RankStateChanged.of(2, 1, S.LOST, "killed by SIGKILL"))
     text.on_event(RankStateChanged.of(3, 1, S.LOST, "killed by SIGKILL"))
     text.on_event(RankStateChanged(((0, 0), (2, 1), (3, 1)), S.READY))
     text.flush()
-    assert lines(out)[2:] == ["rank 2 (node 1): ready again", "rank 3 (node 1): ready again"]
+    assert lines(out) == [
+        "ranks 2-3 (node 1): lost, killed by SIGKILL",
+        "ranks 2-3 (node 1): ready again",
+    ]
+
+
+def test_hundreds_of_ranks_changing_alike_are_one_line_and_a_real_pool_reads_by_node(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """256 ranks failing together are one line, not 256; on a real pool of 20 ranks over 10
+    nodes, ``%sky panel``'s text puts the failed ranks first (one line for one error), their
+    nodes next with their ranks counted per state, and folds the healthy nodes.
+    """
+    text, out, _ = report()
+    text.on_event(RankStateChanged(tuple((r, r // 8) for r in range(256)), S.FAILED))
+    text.on_event(RankStateChanged.of(3, 0, S.LOST, "killed by SIGKILL"))
+    text.on_event(RankStateChanged.of(4, 0, S.LOST, "killed by SIGKILL"))
+    text.flush()
+    assert lines(out) == [
+        "ranks 0-255 (nodes 0-31): failed",
+        "ranks 3-4 (node 0): lost, killed by SIGKILL",
+    ]
+
+    views = PoolViews(shell=None)
+    session = Session(announce=lambda _: None, views=views)
+    views.attach(session.down_pool)
+    spec = PoolSpec(nodes=10, procs_per_node=2, frameworks=("none",))
+    try:
+        result = session.run_cell(
+            "if rank in (5, 13):\n    raise ValueError('boom')\n", {}, spec=spec
+        )
+        told = capsys.readouterr().out.splitlines()
+        session.panel()
+        summary = capsys.readouterr().out.splitlines()
+    finally:
+        session.down_all()
+    assert [r.rank for r in result if r.error is not None and not result.only_stopped(r)] == [5, 13]
+    assert told == ["ranks 5,13 (nodes 2,6): failed"], "the ranks only stopped are not told"
+    assert summary[0].startswith("pool 'default' (local): 10 nodes x 2 ranks per node (20 ranks)")
+    assert summary[1] == "  ranks 5,13 (nodes 2,6): failed, ValueError: boom"
+    assert [line.split(":")[0] for line in summary[2:]] == [
+        "  node 2",
+        "  node 6",
+        "  nodes 0-1",
+        "  nodes 3-5",
+        "  nodes 7-9",
+        "  note",
+    ], summary
+    assert "failed (1 failed, 1 idle), ranks 4-5" in summary[2]
+    assert summary[3].startswith("  node 6: 127.0.0.1, cpu, failed (1 failed, 1 idle), ranks 12-13")
+    assert summary[4].startswith("  nodes 0-1: 4 ranks, cpu, idle, ranks 0-3")
+
+
+def test_a_cell_failing_on_hundreds_of_ranks_says_so_in_a_few_lines() -> None:
+    """The cell's error: the cause in full, then one line per other error, not one per rank."""
+    errors = [
+        RemoteError(255, "node 31", "RankLost", "killed by SIGKILL", "RankLost: killed\n"),
+        *(
+            RemoteError(r, f"node {r // 8}", "KeyboardInterrupt", "", "", secondary=True)
+            for r in range(255)
+            if r != 7
+        ),
+        RemoteError(7, "node 0", "ValueError", "boom", "ValueError: boom\n", secondary=True),
+    ]
+    error = CellError(errors)
+    assert error.render().splitlines()[-2:] == [
+        "ranks 0-6,8-254: KeyboardInterrupt (after the failure above)",
+        "rank 7: ValueError: boom (after the failure above)",
+    ]
+    assert str(error).splitlines()[1] == (
+        "and on 255 other rank(s): ranks 0-6,8-254: KeyboardInterrupt; rank 7: ValueError"
+    )
 
 
 def test_nodes_being_provisioned_are_a_line_per_step() -> None:

@@ -88,14 +88,78 @@ def _below(pid: int, processes: dict[int, tuple[int, bytes]]) -> set[int]:
     return found
 
 
+def _children_files(pid: int) -> set[int] | None:
+    """``pid``'s children from ``/proc/PID/task/*/children``: a read per thread of ``pid``
+    rather than one per process of the machine (with hundreds of ranks ending, each reading
+    every process's was what their end waited on). None where the kernel has no such file.
+    """
+    found: set[int] = set()
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return set()  # ended
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children", "rb") as f:
+                found.update(int(child) for child in f.read().split())
+        except FileNotFoundError:
+            if os.path.exists(f"/proc/{pid}/task/{task}"):
+                return None  # the thread is there, the file is not: no such file here
+        except OSError:
+            continue  # the thread ended while we looked
+    return found
+
+
+def _state(pid: int) -> bytes | None:
+    """A process's state letter; None when it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            letter = stat.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+    return None if letter in (b"Z", b"X") else letter
+
+
+def _tree(pid: int) -> dict[int, tuple[int, bytes]] | None:
+    """The live processes below ``pid``, as :func:`_processes` gives them, read down the tree
+    from ``pid``'s children files; None where the kernel has none.
+    """
+    found: dict[int, tuple[int, bytes]] = {}
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        kids = _children_files(parent)
+        if kids is None:
+            return None
+        for child in kids:
+            letter = _state(child)
+            if letter is not None and child not in found:
+                found[child] = (parent, letter)
+                todo.append(child)
+    return found
+
+
+def _around(pid: int) -> dict[int, tuple[int, bytes]]:
+    """The processes :func:`_below` needs to find those below ``pid``: its tree where the
+    kernel lists children, else every process.
+    """
+    tree = _tree(pid)
+    return _processes() if tree is None else tree
+
+
 def descendants(pid: int) -> set[int]:
     """Every live process below ``pid``."""
-    return _below(pid, _processes())
+    return _below(pid, _around(pid))
 
 
 def children(pid: int) -> set[int]:
-    """The live processes whose parent is ``pid``."""
-    return {child for child, (parent, _) in _processes().items() if parent == pid}
+    """The processes whose parent is ``pid`` (with one that has ended and is not reaped yet
+    where the kernel lists children: a template reaping hundreds of ranks reads no more).
+    """
+    kids = _children_files(pid)
+    if kids is None:
+        return {child for child, (parent, _) in _processes().items() if parent == pid}
+    return kids
 
 
 def _send(pids: Iterable[int], sig: signal.Signals) -> set[int]:
@@ -119,7 +183,7 @@ def end_descendants(pid: int) -> None:
     refused: set[int] = set()
     deadline = time.monotonic() + FREEZE_TIMEOUT
     while time.monotonic() < deadline:
-        processes = _processes()
+        processes = _around(pid)
         found = _below(pid, processes)
         new = found - frozen
         if not new and all(processes[p][1] in (b"T", b"t") for p in found - refused):
@@ -137,8 +201,7 @@ def _await_exit(pids: set[int], deadline: float) -> None:
     and locks they held closed (a copy's lock a forked DataLoader worker inherited).
     """
     while pids and time.monotonic() < deadline:
-        processes = _processes()
-        pids = {p for p in pids if p in processes}  # a zombie is no longer listed
+        pids = {p for p in pids if _state(p) is not None}  # a zombie has exited
         if pids:
             time.sleep(0.001)
 

@@ -23,14 +23,18 @@ DOM classes, for styling and for browser tests:
                        [data-step=S]``: In [N], outcome, elapsed, step, steps/s, and with a
                        total ``span.sky-bar[data-fraction=F]`` and the time left
 ``sky-buttons``        the row of buttons: ``sky-interrupt``, ``sky-stacks`` and ``sky-shutdown``
-``sky-nodes``          the node table; one ``tr.sky-node[data-node=K][data-state=STATE]`` per node
+``sky-nodes``          the node table, trouble first; one ``tr.sky-node[data-node=K]
+                       [data-state=STATE]`` per node, or in a large pool per group of healthy
+                       neighbours ``tr.sky-node.sky-node-group[data-nodes=0-30]``; ranks in more
+                       than one state are counted in ``.sky-counts`` (``1 failed, 7 idle``)
 ``sky-state``          a state label, also ``sky-state-<state>`` (coloured), ``data-state=STATE``
 ``sky-waiting``        ranks inside a collective for a while (``span[data-ranks=0,1]``), on the
                        node's row and in the rank's output: ``waiting 12 s in barrier at cell
                        line 3``
 ``sky-stacks-view``    what the Stacks button showed last: ``.sky-stacks-title`` (when it was
                        taken, or why there are none), then every rank's stacks in a ``pre``
-``sky-tabs``           the Tab of rank outputs: "rank 0 (head)", "rank 1", ...
+``sky-tabs``           the Tab of rank outputs: "rank 0 (head)", "rank 1", ... (in a large pool
+                       the head's, the ranks in trouble and the lowest others: :mod:`.grouping`)
 ``sky-output``         a rank's output (HTML widget); inside, ``pre.sky-stdout[data-rank=K]`` and
                        ``pre.sky-stderr[data-rank=K]``, ``.sky-error`` (a failed or lost rank's
                        error), or ``.sky-in-cell`` where the cell's own output shows the rank's
@@ -58,6 +62,7 @@ import ipywidgets as widgets  # type: ignore[import-untyped]
 from ..model import GONE
 from .chart import ChartGrid
 from .clicks import route_clicks
+from .grouping import tab_ranks
 from .panel_html import (
     header_html,
     messages_html,
@@ -322,7 +327,7 @@ class SkyPanel:
             return True
 
     def _draw_outputs(self, snap: PanelSnapshot) -> None:
-        ranks = snap.ranks
+        ranks = tab_ranks(snap.ranks)
         if len(self.outputs) < len(ranks):
             missing = len(ranks) - len(self.outputs)
             self.outputs += [widgets.HTML().add_class("sky-output") for _ in range(missing)]

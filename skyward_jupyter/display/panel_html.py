@@ -11,8 +11,10 @@ import html
 from collections.abc import Sequence
 
 from ..events import RankState
+from ..flags import rank_span
 from ..model import GONE, STATE_WORDS, state_colour
 from .format import format_bytes, format_number, format_seconds, progress_parts
+from .grouping import counts_text, node_groups
 from .snapshot import Header, NodeRow, PanelSnapshot, Progress, RankRow, Waiting
 
 SHOWN_OUTPUT = 20_000
@@ -94,29 +96,40 @@ def header_html(header: Header, now: float, progress: Progress | None = None) ->
 
 
 def nodes_html(nodes: Sequence[NodeRow], now: float) -> str:
+    """A row per node, or per group of healthy neighbours in a large pool; trouble first."""
     heads = ("node", "address", "type", "state", "ranks", "CPU", "memory", "GPU memory", "heard")
     rows = []
-    for n in nodes:
-        age = n.heartbeat_age(now)
+    for group in node_groups(nodes):
+        n = group.first
+        age = group.heartbeat_age(now)
         heard = "-" if age is None or n.state in GONE else f"{age:.1f} s ago"
         note = (
             f' <span class="sky-detail" style="color: #6e7781">{html.escape(n.detail)}</span>'
             if n.detail and n.state in (RankState.FAILED, RankState.LOST)
             else ""
         )
+        if group.mixed:
+            counts = html.escape(counts_text(group.counts))
+            note = f' <span class="sky-counts">({counts})</span>' + note
         note += "".join(f" {waiting_html(w)}" for w in n.waiting)
+        single = len(group.nodes) == 1
         cells = (
-            str(n.index),
-            html.escape(n.address or "-"),
+            group.span,
+            html.escape(n.address or "-") if single else f"{len(group.nodes)} nodes",
             html.escape(n.kind or "-"),
             state_label(n.state, n.detail) + note,
-            ", ".join(map(str, n.ranks)) or "-",
-            "-" if n.cpu_percent is None else f"{n.cpu_percent:.0f}%",
-            format_bytes(n.rss_bytes),
-            format_bytes(n.gpu_memory_bytes),
+            html.escape(rank_span(group.ranks)) or "-",
+            "-" if group.cpu_percent is None else f"{group.cpu_percent:.0f}%",
+            format_bytes(group.rss_bytes),
+            format_bytes(group.gpu_memory_bytes),
             heard,
         )
-        rows.append((f'class="sky-node" data-node="{n.index}" data-state="{n.state.value}"', cells))
+        where = (
+            f'class="sky-node" data-node="{n.index}"'
+            if single
+            else f'class="sky-node sky-node-group" data-nodes="{group.span}"'
+        )
+        rows.append((f'{where} data-state="{n.state.value}"', cells))
     return _table("sky-nodes", heads, rows)
 
 

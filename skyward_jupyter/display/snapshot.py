@@ -81,6 +81,7 @@ class NodeRow:
     gpu_memory_bytes: int | None  # None when no rank reports GPU memory
     last_heartbeat: float | None  # epoch seconds of the newest usage report
     waiting: tuple[Waiting, ...] = ()  # its ranks inside a collective for a while, by collective
+    counts: tuple[tuple[RankState, int], ...] = ()  # its ranks per state, trouble first
 
     def heartbeat_age(self, now: float) -> float | None:
         return None if self.last_heartbeat is None else max(0.0, now - self.last_heartbeat)

@@ -46,7 +46,7 @@ from ..events import (
     RankStateChanged,
     RankUsage,
 )
-from ..model import GONE, aggregate_state, price_of
+from ..model import GONE, aggregate_state, price_of, state_counts
 from ..runtime import TOTAL_KEY
 from .buffers import OUTPUT_CAP, TextBuffer
 from .metrics import MAX_STEPS, MetricRow, MetricSteps, Pace, StepNumbers, total_of
@@ -313,7 +313,7 @@ class PanelState:
             error = r.error
             if error is None:
                 continue
-            if error.type_name == "KeyboardInterrupt" and (result.interrupted or error.secondary):
+            if result.only_stopped(r):
                 stopped = self._ranks.get(r.rank)
                 if stopped is not None and stopped.state is RankState.FAILED:
                     stopped.state, stopped.detail = RankState.IDLE, ""  # the pool marked it
@@ -462,11 +462,14 @@ class PanelState:
         )
 
     def _node_rows(self, ranks: Sequence[RankRow]) -> tuple[NodeRow, ...]:
-        indexes = sorted(set(self._nodes) | set(self._booting) | {r.node for r in ranks})
+        by_node: dict[int, list[RankRow]] = {}
+        for r in ranks:
+            by_node.setdefault(r.node, []).append(r)
+        indexes = sorted(set(self._nodes) | set(self._booting) | set(by_node))
         rows = []
         for index in indexes:
             info = self._nodes.get(index, NodeInfo(index))
-            mine = [r for r in ranks if r.node == index]
+            mine = by_node.get(index, [])
             if mine:
                 state = aggregate_state(r.state for r in mine)
                 detail = next((r.detail for r in mine if r.state is state and r.detail), "")
@@ -488,6 +491,7 @@ class PanelState:
                     sum(gpu) if gpu else None,
                     max(heard) if heard else None,
                     Waiting.grouped([r.waiting for r in mine if r.waiting is not None]),
+                    state_counts(r.state for r in mine),
                 )
             )
         return tuple(rows)

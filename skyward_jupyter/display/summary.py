@@ -7,14 +7,16 @@ from __future__ import annotations
 import time
 
 from ..events import RankState
+from ..flags import rank_span
 from ..model import GONE
 from .format import format_bytes, format_number, format_seconds, progress_parts, text_bar
-from .snapshot import NodeRow, PanelSnapshot, Progress
+from .grouping import NODE_LINES, NodeGroup, counts_text, node_groups, trouble_lines
+from .snapshot import PanelSnapshot, Progress
 
 
 def summary_text(snap: PanelSnapshot, now: float | None = None, live: bool = True) -> str:
-    """A cell's progress line (a cell's view), the pool line, a line per node, the latest
-    metrics and the last notes.
+    """A cell's progress line (a cell's view), the pool line, the ranks in trouble, a line per
+    node (or group of nodes, :mod:`.grouping`), the latest metrics and the last notes.
 
     ``live=False`` leaves out the figures that tick by themselves (uptime, cost, usage,
     heartbeat ages): what is left changes only when the pool's state does.
@@ -38,14 +40,24 @@ def summary_text(snap: PanelSnapshot, now: float | None = None, live: bool = Tru
     lines = [line]
     if snap.progress is not None:
         lines.insert(0, progress_line(snap.progress, now, live))
-    for node in snap.nodes:
-        parts = [f"  node {node.index}", node.address or "-", node.kind or "-", node.state.value]
+    lines.extend(f"  {line}" for line in trouble_lines(snap.ranks))
+    for group in node_groups(snap.nodes):
+        node = group.first
+        state = node.state.value
+        if group.mixed:
+            state += f" ({counts_text(group.counts)})"
+        if len(group.nodes) == 1:
+            parts = [node.address or "-", node.kind or "-", state]
+        else:
+            parts = [f"{len(group.ranks)} ranks", node.kind or "-", state]
+        if len(snap.nodes) > NODE_LINES:
+            parts.append(f"ranks {rank_span(group.ranks)}")
         if live:
-            parts.extend(_usage(node, now))
+            parts.extend(_usage(group, now))
         if node.detail and node.state in (RankState.FAILED, RankState.LOST):
             parts.append(node.detail)
         parts.extend(w.label for w in node.waiting)
-        lines.append(", ".join(parts[:1]) + ": " + ", ".join(parts[1:]))
+        lines.append(f"  {group.label}: " + ", ".join(parts))
     if snap.latest:
         lines.append("  metrics (mean, min-max across ranks):")
         width = max(len(r.name) for r in snap.latest)
@@ -78,7 +90,7 @@ def progress_line(progress: Progress, now: float, live: bool = True) -> str:
     return ", ".join(parts)
 
 
-def _usage(node: NodeRow, now: float) -> list[str]:
+def _usage(node: NodeGroup, now: float) -> list[str]:
     parts = []
     if node.cpu_percent is not None:
         parts.append(f"cpu {node.cpu_percent:.0f}%")
@@ -87,6 +99,6 @@ def _usage(node: NodeRow, now: float) -> list[str]:
     if node.gpu_memory_bytes is not None:
         parts.append(f"gpu mem {format_bytes(node.gpu_memory_bytes)}")
     age = node.heartbeat_age(now)
-    if age is not None and node.state not in GONE:
+    if age is not None and node.first.state not in GONE:
         parts.append(f"heartbeat {age:.1f} s ago")
     return parts

@@ -6,9 +6,13 @@ IO thread; :meth:`TextReport.flush` writes on the kernel's thread while a cell w
 
 - each node's progress while its machine is provisioned (``node 0: booting, i-0abc pending``);
 - rank state changes worth reading: ``rank 1 (node 1): lost, killed by SIGKILL``, ``... failed``,
-  and ``rank 1 (node 1): ready again`` when a lost rank was restarted. Changes that happen
-  between cells (a rank lost while idle) are written when the next cell starts. Starting,
-  running and idle are not news; the session already says when a pool starts and ends.
+  and ``rank 1 (node 1): ready again`` when a lost rank was restarted; ranks that changed the
+  same way one after the other share a line (``ranks 0-255 (nodes 0-31): failed``). A rank
+  that fails in a cell is told when the cell ends, unless the pool only stopped it after another
+  rank's failure. Changes that happen between cells (a rank lost while idle) are written when
+  the next cell starts.
+  Starting, running and idle are not news; the session already says when a pool starts and
+  ends.
 - notes of the pool made between cells (notes made during a cell come with its result);
 - a rank inside a collective for ``WAITING_MARK_AFTER`` seconds (from its heartbeat), once per
   rank and collective call site in a cell: ``rank 0 (node 0): waiting 3 s in barrier at cell
@@ -32,7 +36,7 @@ import collections
 import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TextIO
 
 from ..events import (
@@ -46,6 +50,7 @@ from ..events import (
     RankStateChanged,
     RankUsage,
 )
+from ..flags import rank_span
 from ..runtime import TOTAL_KEY
 from .format import format_number, format_seconds, step_pace
 from .metrics import GRACE, MetricRow, Pace, StepNumbers, step_complete, total_of
@@ -73,6 +78,41 @@ def metric_line(step: int, rows: list[MetricRow], expected: int = 0, pace: str =
     if expected and ranks < expected:
         line += f" [{ranks} of {expected} ranks]"
     return plain(line)
+
+
+class _Lines:
+    """The lines of one flush; ranks whose state changed the same way in a row share one
+    (``ranks 8-15 (node 1): lost, killed by SIGKILL``), however many there are.
+    """
+
+    def __init__(self) -> None:
+        self._lines: list[str | tuple[str, list[int], list[int]]] = []
+
+    def append(self, line: str) -> None:
+        self._lines.append(line)
+
+    def extend(self, lines: Iterable[str]) -> None:
+        self._lines.extend(lines)
+
+    def rank(self, rank: int, node: int, what: str) -> None:
+        last = self._lines[-1] if self._lines else None
+        if isinstance(last, tuple) and last[0] == what:
+            last[1].append(rank)
+            if node not in last[2]:
+                last[2].append(node)
+        else:
+            self._lines.append((what, [rank], [node]))
+
+    def text(self) -> str:
+        return "".join(
+            (line if isinstance(line, str) else plain(_ranks_line(*line))) + "\n"
+            for line in self._lines
+        )
+
+
+def _ranks_line(what: str, ranks: list[int], nodes: list[int]) -> str:
+    who = f"rank{'s' * (len(ranks) > 1)} {rank_span(ranks)}"
+    return f"{who} (node{'s' * (len(nodes) > 1)} {rank_span(nodes)}): {what}"
 
 
 class TextReport:
@@ -104,6 +144,7 @@ class TextReport:
         self._tokens = float(burst)
         self._refilled = clock()
         self._lost: set[int] = set()
+        self._failing: dict[int, tuple[int, str]] = {}  # rank -> (node, line) until the cell ends
         # Ranks over the waiting mark, as of their last heartbeat (set on the IO thread, taken
         # on the kernel's: one entry per rank, so heartbeats never fill the queue).
         self._waits: dict[int, RankUsage] = {}
@@ -138,7 +179,7 @@ class TextReport:
 
     def flush(self, final: bool = False) -> None:
         """Write what is new; ``final``: the cell ended, write its last metrics too."""
-        lines: list[str] = []
+        lines = _Lines()
         while self._queue:
             event = self._queue.popleft()
             if isinstance(event, CellFinished):
@@ -148,23 +189,28 @@ class TextReport:
         lines.extend(self._metric_lines(final=final))
         if final:
             self._cell = None
-        if lines:
+        text = lines.text()
+        if text:
             out = self._out or sys.stdout
-            out.write("".join(line + "\n" for line in lines))
+            out.write(text)
             out.flush()
 
-    def _rank_state(self, rank: int, node: int, event: RankStateChanged, lines: list[str]) -> None:
-        where = f"rank {rank} (node {node})"
+    def _rank_state(self, rank: int, node: int, event: RankStateChanged, lines: _Lines) -> None:
         if event.state in (RankState.LOST, RankState.FAILED):
+            detail = f", {event.detail}" if event.detail else ""
+            if event.state is RankState.FAILED and self._cell is not None:
+                # Told at the cell's end: a rank the pool only stopped after another's
+                # failure is marked failed too, and is not news.
+                self._failing[rank] = (node, f"{event.state.value}{detail}")
+                return
             if event.state is RankState.LOST:
                 self._lost.add(rank)
-            detail = f", {event.detail}" if event.detail else ""
-            lines.append(plain(f"{where}: {event.state.value}{detail}"))
+            lines.rank(rank, node, f"{event.state.value}{detail}")
         elif event.state is RankState.READY and rank in self._lost:
             self._lost.discard(rank)
-            lines.append(plain(f"{where}: ready again"))
+            lines.rank(rank, node, "ready again")
 
-    def _take(self, event: PoolEvent, lines: list[str]) -> None:
+    def _take(self, event: PoolEvent, lines: _Lines) -> None:
         if isinstance(event, RankStateChanged):
             for rank, node in event.ranks:
                 self._rank_state(rank, node, event, lines)
@@ -185,6 +231,10 @@ class TextReport:
             self._held, self._skipped = None, 0
             self._pace, self._cell_started = Pace(), self._clock()
         elif isinstance(event, CellFinished):
+            failing, self._failing = self._failing, {}
+            for rank, (node, what) in sorted(failing.items()):
+                if not any(r.rank == rank and event.result.only_stopped(r) for r in event.result):
+                    lines.rank(rank, node, what)
             if self._cell == event.cell_id:
                 self._cell = None
                 lines.extend(self._end_line(event))

@@ -70,9 +70,10 @@ __all__ = [
     "template_pids",
 ]
 
-RANK_FOOTPRINT = 256 << 20
-"""About what one rank with torch imported takes of this machine's memory (its own pages; what
-it shares with its template aside): a local pool that could never fit is refused up front."""
+RANK_FOOTPRINT = 32 << 20
+"""About what one rank forked from the warm template takes of this machine's memory at start
+(its own pages; torch's, shared with the template, aside; measured in BENCHMARKS.md, "Scale"),
+with room to spare: a local pool that could never fit is refused up front."""
 _PIPE_BYTES = 1 << 20
 
 
@@ -492,7 +493,9 @@ class LocalProvider(Provider):
                 exited.set_result(status)
 
         def on_exit(status: int) -> None:
-            loop.call_soon_threadsafe(record_exit, status)
+            # A rank seen gone by its pid may be reported after its pool's loop closed.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(record_exit, status)
 
         wire_in_r, wire_in_w = _pipe()
         wire_out_r, wire_out_w = _pipe()
@@ -580,7 +583,7 @@ def _check_fits(ranks: int) -> None:
     if ranks > fits:
         raise ProviderError(
             f"{ranks} local ranks would need about {ranks * RANK_FOOTPRINT / 2**30:.0f} GiB of "
-            f"memory ({RANK_FOOTPRINT >> 20} MiB a rank with torch loaded); this machine has "
+            f"memory ({RANK_FOOTPRINT >> 20} MiB a rank at start); this machine has "
             f"{available / 2**30:.1f} GiB available, room for {fits} ranks: ask for fewer "
             "--nodes or --procs-per-node"
         )
