@@ -92,6 +92,27 @@ def decode(segments: Sequence[Segment]) -> Any:
     return pickle.loads(segments[0], buffers=segments[1:])
 
 
+def encode_blob(obj: object) -> bytes:
+    """``obj`` as one frame in one buffer: what a node keeps in a file and maps
+    (:func:`decode_blob`), so that a large array's bytes are read from the mapping, not copied.
+    """
+    return b"".join(encode(obj))
+
+
+def decode_blob(blob: memoryview) -> Any:
+    """Inverse of :func:`encode_blob`; the buffers are slices of ``blob`` (no copy)."""
+    count = _check_header(bytes(blob[: _HEADER.size]))
+    end = _HEADER.size + _LENGTH.size * count
+    lengths = [n & _SIZE for (n,) in _LENGTH.iter_unpack(blob[_HEADER.size : end])]
+    if end + sum(lengths) != blob.nbytes:
+        raise WireError(f"corrupt blob: {blob.nbytes} bytes for a frame of {end + sum(lengths)}")
+    segments = []
+    for n in lengths:
+        segments.append(blob[end : end + n])
+        end += n
+    return decode(segments)
+
+
 def _check_header(raw: bytes) -> int:
     magic, version, count = _HEADER.unpack(raw)
     if magic != MAGIC:
