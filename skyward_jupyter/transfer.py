@@ -199,7 +199,7 @@ class Transfer:
         relay = _relay_of(self._ranks.all[0])
         return relay[1:] if relay else None
 
-    async def stash(self, blob: bytes, readers: list[Rank]) -> p.Relayed:
+    async def stash(self, blob: bytes | bytearray, readers: list[Rank]) -> p.Relayed:
         """Hand ``blob`` to the head, and have the first rank of each of the ``readers``'
         nodes fetch it in the nodes' tree (each gets it from the notebook itself when the head
         has no relay); the reference they load it by.
