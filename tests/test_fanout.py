@@ -8,6 +8,7 @@ of their relays, and the ranks of a node share one copy. Bytes are counted on ea
 
 from __future__ import annotations
 
+import pwd
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,9 +16,10 @@ import numpy as np
 import pytest
 
 from skyward_jupyter import Pool
+from skyward_jupyter.agent.node_blobs import NodeBlobs
 from skyward_jupyter.frameworks import Frameworks
 
-from .conftest import ssh_hosts_fixture
+from .conftest import ssh_hosts_fixture, wait_for
 from .hosts import Hosts, available, ssh_provider
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
@@ -29,10 +31,17 @@ hosts = ssh_hosts_fixture(NODES, "fanout-hosts")
 
 @pytest.fixture(scope="module")
 def pool(hosts: Hosts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
+    """The pool; once it is closed, every node's store of large values is gone with it."""
     provider = ssh_provider(hosts, NODES, tmp_path_factory.mktemp("fanout"))
     with Pool(NODES, PER_NODE, provider=provider, frameworks=Frameworks(torch=False)) as made:
         made.run("1").raise_for_errors()
+        relay = made._ranks.settings.relay
+        assert relay is not None
+        base = Path(f"/dev/shm/skyward-{pwd.getpwnam(hosts.user).pw_uid}")
+        stores = [NodeBlobs(relay.token, i, base).dir for i in range(NODES)]
+        assert all(store.is_dir() for store in stores), stores
         yield made
+    wait_for(lambda: not any(s.exists() for s in stores), 10, "the nodes' stores to go")
 
 
 def _link(hosts: Hosts, i: int, which: str) -> int:

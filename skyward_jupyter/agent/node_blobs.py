@@ -33,6 +33,8 @@ from .relay import RelayError
 _SHM = Path("/dev/shm")
 _LOCK = ".lock"
 _FAILED = ".failed"
+SWEEP_AFTER = 600.0
+"""Seconds a directory no rank holds is left alone (the ranks of a new pool may be starting)."""
 _POLL_FIRST, _POLL_MOST = 0.002, 0.05
 """Seconds between two looks for a value's file: short at first, longer while it travels."""
 
@@ -70,15 +72,20 @@ class NodeBlobs:
         fcntl.flock(self._lock, fcntl.LOCK_SH)
 
     def sweep(self) -> list[Path]:
-        """Remove the directories of this user's pools that no rank holds any longer."""
+        """Remove the directories of this user's pools that no rank holds any longer (a
+        directory younger than ``SWEEP_AFTER`` may be one whose ranks are starting).
+        """
         gone = []
+        now = time.time()
         for other in self._base.iterdir() if self._base.is_dir() else ():
             if other == self.dir:
                 continue
             try:
+                if now - other.stat().st_mtime < SWEEP_AFTER:
+                    continue
                 lock = os.open(other / _LOCK, os.O_RDWR)
             except OSError:
-                continue  # being made, or not ours: left alone
+                continue  # gone meanwhile, or not ours: left alone
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
