@@ -205,7 +205,8 @@ def fanout_round(pool: Pool, size: int) -> float:
     result = pool.run(CELL, {"x": x})
     took = time.perf_counter() - t0
     if not result.ok or result.values != [float(x.sum())] * len(result.values):
-        raise BenchError(f"the fanout cell failed or got a wrong sum: {result.errors!r}")
+        said = "".join(e.render() for e in result.errors[:2])
+        raise BenchError(f"the fanout cell failed or got a wrong sum:\n{said}")
     return took
 
 
