@@ -65,11 +65,11 @@ class Arrivals:
             return
         if not first:
             return
-        address = head if node == 0 else route_to(head).address
         try:
+            address = head if node == 0 else route_to(head).address
             self.relay_port = RelayServer(self.blobs, address, keys, say).port
-        except OSError as exc:  # the notebook then sends this node its own copy
-            say(f"the relay cannot listen on {address}: {exc}")
+        except OSError as exc:  # the notebook then leaves this node out of the tree
+            say(f"this node's relay cannot listen (on the route to {head}): {exc}")
 
     def on_wire(self, message: object) -> bool:
         """Handle what the reader thread must not queue behind a running cell (the node's
