@@ -202,12 +202,22 @@ def scp_round(pool: Pool, hosts: Hosts, n: int, size: int, tmp: Path) -> float:
 def fanout_round(pool: Pool, size: int) -> float:
     x = np.random.rand(size // 8)
     t0 = time.perf_counter()
-    result = pool.run(CELL, {"x": x})
+    try:
+        result = pool.run(CELL, {"x": x})
+    except Exception as exc:
+        raise BenchError(f"the fanout cell failed: {exc!r}\n{_said(pool)}") from exc
     took = time.perf_counter() - t0
     if not result.ok or result.values != [float(x.sum())] * len(result.values):
         said = "".join(e.render() for e in result.errors[:2])
-        raise BenchError(f"the fanout cell failed or got a wrong sum:\n{said}")
+        raise BenchError(f"the fanout cell failed or got a wrong sum:\n{said}\n{_said(pool)}")
     return took
+
+
+def _said(pool: Pool) -> str:
+    """What each rank wrote to its diagnostics (why a lost one ended)."""
+    return "\n".join(
+        f"rank {r.index}: {r.process.diagnostics()[-2000:]}" for r in pool._ranks.all if r.process
+    )
 
 
 def measure(hosts: Hosts, n: int, args: Any, tree: Path, tmp: Path) -> dict[str, Any]:
