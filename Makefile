@@ -98,6 +98,7 @@ bench: setup
 	$(PY) bench/bench_ssh.py --markdown-out BENCHMARKS.md
 	$(PY) bench/bench_byo.py --markdown-out BENCHMARKS.md
 	$(PY) bench/bench_transfer.py --markdown-out BENCHMARKS.md
+	$(PY) bench/bench_fanout.py --markdown-out BENCHMARKS.md
 	$(PY) bench/bench_cell.py --markdown-out BENCHMARKS.md
 	$(PY) bench/bench_scale.py --markdown-out BENCHMARKS.md
 	$(PY) bench/bench_secure.py --markdown-out BENCHMARKS.md

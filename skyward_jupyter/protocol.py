@@ -209,8 +209,9 @@ class Script:
 
 @message
 class Relayed:
-    """A large value the notebook sent once, to the head; the other ranks fetch it from the
-    head's relay (see :mod:`.agent.relay`) and check it against ``digest`` (sha256 hex).
+    """A large value the notebook sent once, to the head; each node's first rank fetches it
+    (:class:`Fetch`, see :mod:`.agent.relay`) and checks it against ``digest`` (sha256 hex), and
+    the node's ranks share that copy (:mod:`.agent.node_blobs`).
     """
 
     digest: str
@@ -219,7 +220,9 @@ class Relayed:
 
 @message
 class Stash:
-    """To the head: keep ``blob`` (its sha256 is ``digest``) for the other ranks to fetch."""
+    """To the head (or, with no relay, to each node's first rank): keep ``blob`` (its sha256 is
+    ``digest``, a frame of :func:`.wire.encode_blob`) for the node's ranks and the relay.
+    """
 
     digest: str
     blob: Pickled
@@ -227,9 +230,20 @@ class Stash:
 
 @message
 class Drop:
-    """To the head: the other ranks have what these blobs held."""
+    """To each node's first rank: the ranks have what these blobs held."""
 
     digests: tuple[str, ...]
+
+
+@message
+class Fetch:
+    """To a node's first rank: fetch blob ``digest`` now, from the first of ``sources`` (node,
+    address, port) that has it, for the node's ranks and the relay's children.
+    """
+
+    digest: str
+    nbytes: int
+    sources: tuple[tuple[int, str, int], ...]
 
 
 @message
@@ -244,7 +258,6 @@ class SyncFiles:
     root: str
     entries: tuple[tuple[str, int, str], ...]
     bundle: Relayed | None = None
-    relay: tuple[str, int] | None = None
 
 
 @message
@@ -266,8 +279,6 @@ class RunCell:
     globals: dict[str, Pickled | Relayed] = field(default_factory=dict)
     script: Script | None = None
     workdir: Workdir | None = None
-    relay: tuple[str, int] | None = None
-    """The head's relay (address, port), where the ranks fetch :class:`Relayed` values."""
     run_id: str | None = None
     """A script's ``TORCHELASTIC_RUN_ID``: each ``%sky run`` is a launch of its own, as each
     torchrun is, with a new id unless ``--env`` chose one (None: a cell, in the pool's launch)."""
@@ -356,7 +367,8 @@ class Hello:
     torch: str | None
     cuda_devices: int
     relay_port: int | None = None
-    """The head's relay for large values (None on other ranks, or when it cannot listen)."""
+    """The node's relay for large values, on its first rank (None on the others, on the
+    notebook's own machine, or when it cannot listen)."""
     jax: str | None = None
     """JAX's version, when the pool asked for JAX (None: not installed, or not asked)."""
     problem: str | None = None

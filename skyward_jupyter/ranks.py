@@ -275,7 +275,7 @@ class Ranks:
             "backend": self.backend,
             "pg_timeout": s.pg_timeout,
             "secure": s.secure,
-            **(s.relay.agent_settings(rank.index == 0, s.secure) if s.relay else {}),
+            **(s.relay.agent_settings(rank.local_rank == 0, s.secure) if s.relay else {}),
             **s.frameworks.agent_settings(),
         }
         place = RankPlace(

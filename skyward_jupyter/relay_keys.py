@@ -1,10 +1,11 @@
-"""The pool's secrets for the head's relay (:mod:`.agent.relay`), made in the notebook.
+"""The pool's secrets for the nodes' relays (:mod:`.agent.relay`), made in the notebook.
 
 A token every relay request proves it holds (an HMAC over the relay's fresh nonce), and, for pools
-whose ranks are on other machines, a self-signed certificate and its key: the head's relay speaks
-TLS with them and the other ranks trust that certificate alone (a ``--secure`` pool's gloo
-tunnels too, on every rank: :mod:`.agent.gloo_tunnel`). They reach the ranks in the
-environment that travels over the wire (never a command line); the key goes to the head only.
+whose ranks are on other machines, a self-signed certificate and its key: the relays speak TLS
+with them and the ranks trust that certificate alone (a ``--secure`` pool's gloo tunnels too, on
+every rank: :mod:`.agent.gloo_tunnel`). They reach the ranks in the environment that travels over
+the wire (never a command line); the key goes to each node's first rank only, which serves the
+node's relay.
 """
 
 from __future__ import annotations
@@ -30,14 +31,15 @@ class RelaySecrets:
         cert, key = _self_signed()
         return cls(secrets.token_hex(32), cert, key)
 
-    def agent_settings(self, head: bool, secure: bool = False) -> dict[str, str | None]:
-        """What a rank's agent reads; only the head (which serves the relay) gets the key,
-        unless the pool is ``--secure``: every rank's gloo tunnel then serves with it too.
+    def agent_settings(self, serves: bool, secure: bool = False) -> dict[str, str | None]:
+        """What a rank's agent reads; only each node's first rank (which serves the node's
+        relay) gets the key, unless the pool is ``--secure``: every rank's gloo tunnel then
+        serves with it too.
         """
         return {
             "relay_token": self.token,
             "relay_cert": self.cert,
-            "relay_key": self.key if head or secure else None,
+            "relay_key": self.key if serves or secure else None,
         }
 
 

@@ -2,10 +2,14 @@
 
 Both leave the notebook once per pool, whatever the number of nodes. A global of
 ``RELAY_MIN_BYTES`` or more goes to the head only (a :class:`~.protocol.Stash`); the command every
-rank gets names it by digest, and the other ranks fetch it from the head's relay
-(:mod:`.agent.relay`), checking it against that digest. The synced directories travel the same
-way: one rank per node says which contents it lacks, those go to the head once as a bundle, and
-each node fetches the bundle from the head and switches its copy.
+rank gets names it by digest. The nodes pass it on among themselves in a binary tree of their
+relays (:mod:`.agent.relay`, :func:`tree`): each node's first rank fetches it from its parent
+(a :class:`~.protocol.Fetch`), checks it against that digest and serves it to at most two
+children, so each node's link carries it once, no relay sends it more than twice, and N nodes
+have it after about log2(N) hops. The node's ranks map that one copy (:mod:`.agent.node_blobs`).
+The synced directories travel the same way: one rank per node says which contents it lacks,
+those go to the head once as a bundle, and the nodes that lack them pass the bundle on in the
+same tree and switch their copy.
 
 Ranks on the notebook's own machine (local) get every global over their own pipes: the relay
 would only add a hop. Nodes that share the notebook's filesystem get no copy: when the provider
@@ -22,7 +26,6 @@ import asyncio
 import dataclasses
 import hashlib
 import heapq
-import pickle
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +38,9 @@ from .providers.base import Provider
 from .ranks import Rank, Ranks
 from .results import PoolError, RankEnded
 from .workdir import Manifest, Scanner, SyncError, bundle, human_bytes
+
+Relay = tuple[int, str, int]
+"""A node's relay: the node's index, its address, the port."""
 
 RELAY_MIN_BYTES = 1 << 20
 """Smaller values go to every rank with the command: a relay round trip would cost more."""
@@ -127,8 +133,7 @@ class Transfer:
         return notes
 
     async def _sync(self, key: str, manifest: Manifest, first: bool) -> dict[int, str]:
-        relay = self._relay()
-        ask = p.SyncFiles(key, manifest.root, manifest.entries, None, relay)
+        ask = p.SyncFiles(key, manifest.root, manifest.entries, None)
         answers = await self._ask(self._leaders(), ask)
         lacking = {r: a for r, a in answers.items() if a.missing}
         if lacking:
@@ -150,7 +155,7 @@ class Transfer:
                 raise PoolError(str(exc)) from None
             ref = await self.stash(blob, list(lacking))
             self.sent.append((manifest.root, len(digests), size))
-            again = p.SyncFiles(key, manifest.root, manifest.entries, ref, relay)
+            again = p.SyncFiles(key, manifest.root, manifest.entries, ref)
             try:
                 answers.update(await self._ask(list(lacking), again))
             finally:
@@ -190,19 +195,30 @@ class Transfer:
     # -- the relay ----------------------------------------------------------------------------
 
     def _relay(self) -> tuple[str, int] | None:
-        head = self._ranks.all[0]
-        port = head.hello.relay_port if head.hello else None
-        return (head.node.address, port) if port else None
+        """The head's relay (address, port)."""
+        relay = _relay_of(self._ranks.all[0])
+        return relay[1:] if relay else None
 
-    async def stash(self, blob: bytes, readers: list[Rank]) -> p.Relayed:
-        """Hand ``blob`` to the head for ``readers`` (each reader gets it itself when the head
+    async def stash(self, blob: bytes | bytearray, readers: list[Rank]) -> p.Relayed:
+        """Hand ``blob`` to the head, and have the first rank of each of the ``readers``'
+        nodes fetch it in the nodes' tree (each gets it from the notebook itself when the head
         has no relay); the reference they load it by.
         """
         digest = await asyncio.to_thread(lambda: hashlib.sha256(blob).hexdigest())
         frame = wire.encode(p.Stash(digest, p.Pickled(blob)))
-        holders = [self._ranks.all[0]] if self._relay() else readers
-        for r in holders:
-            self._ranks.send(r, frame)
+        nodes = {r.node.index for r in readers}
+        leaders = [r for r in self._leaders() if r.node.index in nodes and r.index != 0]
+        head = _relay_of(self._ranks.all[0])
+        if head is None:
+            for r in leaders:
+                self._ranks.send(r, frame)
+        self._ranks.send(self._ranks.all[0], frame)
+        if head is not None:
+            relays = [relay for relay in map(_relay_of, leaders) if relay]
+            sources = tree([head, *relays])
+            for r in leaders:  # a node without a relay of its own fetches from the head
+                fetch = p.Fetch(digest, len(blob), sources.get(r.node.index, (head,)))
+                self._ranks.send(r, wire.encode(fetch))
         return p.Relayed(digest, len(blob))
 
     def drop(self, digests: list[str]) -> None:
@@ -214,17 +230,36 @@ class Transfer:
 
     async def relay_globals(self, command: p.RunCell, live: list[Rank]) -> p.RunCell:
         """``command`` with its large globals replaced by references to a stash on the head."""
-        relay = self._relay()
-        if relay is None or len(live) < 2:  # no relay on a pool of the notebook's machine
+        if self._relay() is None or len(live) < 2:  # no relay on a pool of the notebook's machine
             return command
         shipped: dict[str, p.Pickled | p.Relayed] = {}
         for name, value in command.globals.items():
             if isinstance(value, p.Pickled) and value.nbytes >= RELAY_MIN_BYTES:
-                blob = await asyncio.to_thread(pickle.dumps, value, 5)
+                blob = await asyncio.to_thread(wire.encode_blob, value)
                 shipped[name] = await self.stash(blob, live)
             else:
                 shipped[name] = value
-        return dataclasses.replace(command, globals=shipped, relay=relay)
+        return dataclasses.replace(command, globals=shipped)
+
+
+def _relay_of(rank: Rank) -> Relay | None:
+    port = rank.hello.relay_port if rank.hello else None
+    return (rank.node.index, rank.node.address, port) if port else None
+
+
+def tree(relays: Sequence[Relay]) -> dict[int, tuple[Relay, ...]]:
+    """Per node after the first (the head, the root), the relays it fetches from: its parent
+    in a binary tree of ``relays`` in their order, then the parent's ancestors up to the head,
+    where it turns when a parent cannot serve.
+    """
+    sources = {}
+    for k, (node, _, _) in enumerate(relays[1:], start=1):
+        chain = []
+        while k:
+            k = (k - 1) // 2
+            chain.append(relays[k])
+        sources[node] = tuple(chain)
+    return sources
 
 
 def _listing(manifest: Manifest) -> str:

@@ -46,6 +46,8 @@ _FILL = 1 << 16
 an allocation of its size on every read)."""
 _JOIN_BELOW = 1 << 16
 """Frames up to this size are copied into one write."""
+_BLOB_ALIGN = 64
+"""Where each segment of a blob starts (a multiple of it): as a large allocation is aligned."""
 _IOV_MAX = 1024
 """Buffers one ``writev`` takes (Linux's ``IOV_MAX``)."""
 
@@ -90,6 +92,44 @@ def encode(obj: object) -> list[Segment]:
 def decode(segments: Sequence[Segment]) -> Any:
     """Inverse of :func:`encode` minus the header: segment 0 is the pickle, the rest its buffers."""
     return pickle.loads(segments[0], buffers=segments[1:])
+
+
+def encode_blob(obj: object) -> bytearray:
+    """``obj`` as one frame in one buffer, each segment starting on a multiple of
+    ``_BLOB_ALIGN``: what a node keeps in a file and maps (:func:`decode_blob`), so that a large
+    array is read from the mapping, aligned as a fresh allocation would be (numpy's loops, and
+    so a float sum's last bit, depend on it), not copied.
+    """
+    buffers: list[pickle.PickleBuffer] = []
+    body = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    segments = [memoryview(body), *(b.raw() for b in buffers)]
+    head = _HEADER.pack(MAGIC, VERSION, len(segments)) + b"".join(
+        _LENGTH.pack(s.nbytes) for s in segments
+    )
+    starts, end = [], len(head)
+    for segment in segments:
+        end += -end % _BLOB_ALIGN
+        starts.append(end)
+        end += segment.nbytes
+    blob = bytearray(end)
+    blob[: len(head)] = head
+    for start, segment in zip(starts, segments, strict=True):
+        blob[start : start + segment.nbytes] = segment
+    return blob
+
+
+def decode_blob(blob: memoryview) -> Any:
+    """Inverse of :func:`encode_blob`; the buffers are slices of ``blob`` (no copy)."""
+    count = _check_header(bytes(blob[: _HEADER.size]))
+    end = _HEADER.size + _LENGTH.size * count
+    segments = []
+    for (n,) in _LENGTH.iter_unpack(blob[_HEADER.size : end]):
+        end += -end % _BLOB_ALIGN
+        segments.append(blob[end : end + (n & _SIZE)])
+        end += n & _SIZE
+    if end != blob.nbytes:
+        raise WireError(f"corrupt blob: {blob.nbytes} bytes for a frame of {end}")
+    return decode(segments)
 
 
 def _check_header(raw: bytes) -> int:

@@ -136,10 +136,11 @@ def test_gloo_listens_on_loopback_and_the_tunnel_admits_only_the_pools_key(
         for rank, (listening, tunnel, store) in enumerate(result.values):
             host = hosts[rank].address
             outside = {port for address, port in listening if not address.startswith("127.")}
-            # on the network: the tunnel (and on the head the store and the relay) alone
+            # on the network: the tunnel, the node's relay (each node's first rank: here every
+            # rank) and on the head the store, alone
             assert tunnel in outside
-            hello = pool.ranks[0].hello
-            relay = {hello.relay_port} if rank == 0 and hello and hello.relay_port else set()
+            hello = pool.ranks[rank].hello
+            relay = {hello.relay_port} if hello and hello.relay_port else set()
             assert outside == {tunnel, *store, *relay}, (host, listening)
             assert any(address == "127.0.0.1" for address, _ in listening)  # gloo's
         tunnel = result.values[0][1]

@@ -1,56 +1,147 @@
-"""What reaches a rank besides code: large values through the head's relay, the node's files.
+"""What reaches a rank besides code: large values through the nodes' relays, the node's files.
 
-The head (rank 0) keeps what the notebook stashed with it and serves it (:mod:`.relay`); every
-rank loads a cell's globals from the command itself or, for a relayed one, from the head; one
-rank per node keeps the notebook's directories in step (:mod:`.node_files`) and every rank enters
-them before the cell.
+Each node's first rank runs a relay (:mod:`.relay`): the head's keeps what the notebook stashed
+with it, the others fetch a value from their parent in the notebook's tree when told
+(:class:`~skyward_jupyter.protocol.Fetch`) and serve it to their children. Whichever way a value
+came, the node's first rank writes it to the node's store (:mod:`.node_blobs`), where every rank
+of the node maps it: one copy crosses the node's link, one lies in its memory. Every rank loads a
+cell's globals from the command itself or, for a relayed one, from that store; one rank per node
+keeps the notebook's directories in step (:mod:`.node_files`) and every rank enters them before
+the cell.
 """
 
 from __future__ import annotations
 
-import pickle
+import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from .. import protocol as p
+from .. import wire
+from .network import route_to
+from .node_blobs import NodeBlobs
 from .node_files import NodeFiles
-from .relay import BlobStore, RelayKeys, RelayServer, fetch
+from .relay import BlobStore, RelayError, RelayKeys, RelayServer, Source, fetch
+
+WAIT = 600.0
+"""Seconds a rank waits for its node's copy of a value (the relays' own limits come first)."""
 
 
 class Arrivals:
     def __init__(
         self,
-        rank: int,
         node: int,
-        address: str,
+        first: bool,
+        head: str,
         keys: RelayKeys | None,
         say: Callable[[str], None],
     ) -> None:
+        """``first``: this is the node's first rank (it runs the relay and fetches for the
+        node); ``head``: the head's address (the head's relay listens there, the others' on
+        the address that routes to it).
+        """
         self.blobs = BlobStore()
         self.files = NodeFiles(node)
+        self._node = node
+        self._first = first
         self._keys = keys
-        self._relay: tuple[str, int] | None = None
+        self._say = say
+        self._dropped: set[str] = set()
+        """Digests dropped while they were fetched or written: not kept when they arrive."""
+        self._keeping = threading.Lock()
         self.relay_port: int | None = None
-        if rank == 0 and keys is not None:
-            try:
-                self.relay_port = RelayServer(self.blobs, address, keys, say).port
-            except OSError as exc:  # the notebook then sends every rank its own copy
-                say(f"the relay cannot listen on {address}: {exc}")
+        self.node_blobs: NodeBlobs | None = None
+        if keys is None:
+            return  # ranks on the notebook's own machine: every value comes over the pipe
+        self.node_blobs = NodeBlobs(keys.token, node)
+        try:
+            self.node_blobs.open()
+            if first:
+                self.node_blobs.sweep()
+        except OSError as exc:
+            say(f"this node cannot keep large values in {self.node_blobs.dir}: {exc}")
+            self.node_blobs = None
+            return
+        if not first:
+            return
+        try:
+            address = head if node == 0 else route_to(head).address
+            self.relay_port = RelayServer(self.blobs, address, keys, say).port
+        except OSError as exc:  # the notebook then leaves this node out of the tree
+            say(f"this node's relay cannot listen (on the route to {head}): {exc}")
 
     def on_wire(self, message: object) -> bool:
-        """Handle what the reader thread must not queue behind a running cell (the head keeps
-        a stash while it runs one); True when ``message`` was one of those.
+        """Handle what the reader thread must not queue behind a running cell (the node's
+        first rank fetches and keeps values while it runs one); True when ``message`` was one
+        of those.
         """
         if isinstance(message, p.Stash):
-            self.blobs.put(message.digest, message.blob.data)  # type: ignore[arg-type]
+            blob = message.blob.data
+            self.blobs.put(message.digest, blob)
+            self._start(self._keep, message.digest, blob)
+            return True
+        if isinstance(message, p.Fetch):
+            self._start(self._fetch, message)
             return True
         if isinstance(message, p.Drop):
-            self.blobs.drop(message.digests)
+            with self._keeping:
+                self._dropped.update(message.digests)
+                self.blobs.drop(message.digests)
+                if self.node_blobs is not None:
+                    self.node_blobs.drop(message.digests)
             return True
         return False
 
+    def _start(self, target: Callable[..., None], *args: Any) -> None:
+        threading.Thread(target=target, args=args, name="relay-fetch", daemon=True).start()
+
+    def _fetch(self, command: p.Fetch) -> None:
+        """Fetch a value for this node (on a thread of its own), or say why not to the relay's
+        children and the node's ranks.
+        """
+        assert self._keys is not None
+        sources = tuple(Source(*s) for s in command.sources)
+        try:
+            blob = fetch(sources, self._keys, command.digest, command.nbytes)
+        except RelayError as exc:
+            self.blobs.fail(command.digest)
+            self._fail(command.digest, f"node {self._node} could not fetch a value: {exc}")
+            return
+        self.blobs.put(command.digest, blob)  # the children need not wait for the file
+        self._keep(command.digest, blob)
+
+    def _keep(self, digest: str, blob: bytes | bytearray | memoryview) -> None:
+        """Write the value to the node's store, then serve it from there: the copy in this
+        process's memory goes.
+        """
+        if self.node_blobs is None:
+            return
+        try:
+            view = self.node_blobs.publish(digest, blob)
+        except OSError as exc:
+            self._fail(
+                digest,
+                f"node {self._node} cannot keep a value of {len(memoryview(blob).cast('B'))} "
+                f"bytes in {self.node_blobs.dir}: {exc}",
+            )
+            return
+        with self._keeping:
+            if digest in self._dropped:
+                self.node_blobs.drop((digest,))
+            else:
+                self.blobs.put(digest, view)
+
+    def _fail(self, digest: str, why: str) -> None:
+        self._say(why)
+        if self.node_blobs is None:
+            return
+        try:
+            self.node_blobs.fail(digest, why)
+        except OSError as exc:  # the node's ranks then wait until their limit: say it here
+            self._say(f"could not tell the node's ranks ({exc})")
+
     def sync(self, command: p.SyncFiles) -> p.Synced:
-        self._relay = command.relay or self._relay
         return self.files.sync(command, self._blob)
 
     def prepare(self, command: p.RunCell) -> dict[str, Any]:
@@ -58,12 +149,13 @@ class Arrivals:
         be one of the directory's). Raises with the global's name when one cannot load.
         """
         self.files.enter(command.workdir)
-        self._relay = command.relay or self._relay
         values = {}
         for name, shipped in command.globals.items():
             try:
                 pickled = (
-                    pickle.loads(self._blob(shipped)) if isinstance(shipped, p.Relayed) else shipped
+                    wire.decode_blob(self._blob(shipped))
+                    if isinstance(shipped, p.Relayed)
+                    else shipped
                 )
                 values[name] = pickled.load()
             except Exception as exc:
@@ -72,10 +164,12 @@ class Arrivals:
                 ) from exc
         return values
 
-    def _blob(self, ref: p.Relayed) -> bytes | bytearray | memoryview:
-        here = self.blobs.get(ref.digest)
-        if here is not None:
-            return here
-        if self._relay is None or self._keys is None:
-            raise RuntimeError("a relayed value arrived, but no relay was named")
-        return fetch(self._relay, self._keys, ref.digest, ref.nbytes)
+    def _blob(self, ref: p.Relayed) -> memoryview:
+        """The node's copy of a relayed value (waiting for it while it travels)."""
+        if self.node_blobs is None:
+            raise RuntimeError("a relayed value arrived, but this node cannot keep one")
+        return self.node_blobs.wait(ref.digest, ref.nbytes, WAIT)
+
+    def leaving(self) -> list[Path]:
+        """As the rank ends: what goes with it (the node's store, with its first rank)."""
+        return [self.node_blobs.dir] if self._first and self.node_blobs is not None else []

@@ -75,6 +75,7 @@ _AGENT_THREADS = {
     "capture-stdout",
     "capture-stderr",
     "relay",
+    "relay-fetch",
     "store",
     "tunnel",
 }
@@ -143,8 +144,8 @@ class Agent:
             group, settings.frameworks, settings.keras_backend, self._notes.append, self._diagnose
         )
         self.arrivals = Arrivals(
-            group.rank,
             int(os.environ.get("GROUP_RANK", "0")),
+            group.local_rank == 0,
             group.master_addr,
             RelayKeys(settings.relay_token, settings.relay_cert, settings.relay_key)
             if settings.relay_token
@@ -298,17 +299,17 @@ class Agent:
 
     def _leave_files(self) -> list[Path]:
         """As the rank ends: the node's copy of the synced directories goes with its last
-        rank, unless the pool keeps it; the directories to delete. Never raises: the rank's
-        other leaving steps must still run.
+        rank, unless the pool keeps it, and its large values with its first; the directories
+        to delete. Never raises: the rank's other leaving steps must still run.
         """
         try:
             removals, problems = self.arrivals.files.leave(self._keep_files)
         except OSError as exc:
             self._diagnose(f"could not let go of the synced copies: {exc}")
-            return []
+            return self.arrivals.leaving()
         for problem in problems:
             self._diagnose(problem)
-        return removals
+        return removals + self.arrivals.leaving()
 
     def _touch_heartbeat_file(self) -> None:
         """Tell the machine's watchdog that the notebook is alive (cloud instances only)."""

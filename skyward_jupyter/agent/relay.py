@@ -1,8 +1,13 @@
-"""The head's relay: what the notebook sends once, the other ranks fetch from the head.
+"""The nodes' relays: what the notebook sends once, the nodes pass on among themselves.
 
-Without it, a 1 GB global goes from the notebook to every node over the user's uplink, once per
-node. With it, the notebook sends it to the head only (:class:`~skyward_jupyter.protocol.Stash`)
-and the others fetch it over the pool's own network.
+Without them, a 1 GB global goes from the notebook to every node over the user's uplink, once
+per node. With them, the notebook sends it to the head only
+(:class:`~skyward_jupyter.protocol.Stash`) and the other nodes fetch it over the pool's own
+network, in a tree: each node's first rank runs a relay, fetches the value from its parent's
+(:class:`~skyward_jupyter.protocol.Fetch`) and serves it to its children, so no relay sends
+more than two copies whatever the number of nodes. A parent that cannot serve (gone, or its own
+fetch failed: its relay then answers "not here" at once) sends its children to the next relay
+up, the head last.
 
 Trust: the value's sha256 comes to every rank over its authenticated channel (the wire) with the
 command that needs it, and a fetched blob is checked against it before it is unpickled, so the
@@ -10,10 +15,10 @@ relay can only deliver what the notebook sent. Who may read: every connection ge
 nonce and must answer HMAC(pool token, nonce + digest), so only the pool's ranks can ask and a
 recorded request is worth nothing on a later connection. What others see: with the pool's
 certificate (multi-host pools) the exchange runs in TLS, and clients trust that certificate
-alone. Token, certificate and key reached the ranks over the wire (the key the head's only). The
-head hands the key to TLS through an anonymous in-memory file (memfd, Linux), so it touches no
-disk; where the OS has none, through a 0600 file in a 0700 temporary directory, removed as soon
-as it is loaded.
+alone. Token, certificate and key reached the ranks over the wire (the key only each node's
+first rank's, which serves). A relay hands the key to TLS through an anonymous in-memory file
+(memfd, Linux), so it touches no disk; where the OS has none, through a 0600 file in a 0700
+temporary directory, removed as soon as it is loaded.
 
 Abuse: one thread serves every connection (a selector loop). A connection that has not made a
 valid request within ``REQUEST_WITHIN`` seconds is dropped, at most ``MAX_UNANSWERED`` such
@@ -64,11 +69,29 @@ RETRY_WITHIN = 30.0
 """Seconds a client keeps retrying a relay that drops it before answering (it is busy)."""
 SAID = 20
 """Lines the relay writes to the rank's diagnostics at most."""
+_KEEPALIVE = (
+    (socket.TCP_KEEPIDLE, 5),
+    (socket.TCP_KEEPINTVL, 2),
+    (socket.TCP_KEEPCNT, 3),
+)
 _GONE = frozenset({errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH})
 
 
 class RelayError(Exception):
-    """A blob could not be fetched: the message names the head and what went wrong."""
+    """A blob could not be fetched: the message names the relays asked and what went wrong."""
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """A relay a node fetches from: the node it runs on, and where it listens."""
+
+    node: int
+    address: str
+    port: int
+
+    def __str__(self) -> str:
+        head = ", the head" if self.node == 0 else ""
+        return f"node {self.node}{head} ({self.address}:{self.port})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,10 +110,12 @@ class BlobStore:
 
     def __init__(self) -> None:
         self._blobs: dict[str, memoryview] = {}
+        self._failed: set[str] = set()
+        """Digests this node could not get: a client asking for one is told at once."""
         self._changed = threading.Condition()
         self._watchers: list[Callable[[], None]] = []
 
-    def put(self, digest: str, blob: memoryview | bytes) -> None:
+    def put(self, digest: str, blob: memoryview | bytes | bytearray) -> None:
         with self._changed:
             self._blobs[digest] = memoryview(blob).cast("B")
             self._changed.notify_all()
@@ -98,15 +123,29 @@ class BlobStore:
         for watcher in watchers:
             watcher()
 
+    def fail(self, digest: str) -> None:
+        """This node will not have ``digest``: clients waiting for it go elsewhere."""
+        with self._changed:
+            self._failed.add(digest)
+            self._changed.notify_all()
+            watchers = list(self._watchers)
+        for watcher in watchers:
+            watcher()
+
+    def failed(self, digest: str) -> bool:
+        with self._changed:
+            return digest in self._failed
+
     def get(self, digest: str, timeout: float = 0.0) -> memoryview | None:
         with self._changed:
-            self._changed.wait_for(lambda: digest in self._blobs, timeout)
+            self._changed.wait_for(lambda: digest in self._blobs or digest in self._failed, timeout)
             return self._blobs.get(digest)
 
     def drop(self, digests: tuple[str, ...]) -> None:
         with self._changed:
             for digest in digests:
                 self._blobs.pop(digest, None)
+                self._failed.discard(digest)
 
     def watch(self, watcher: Callable[[], None]) -> None:
         """Call ``watcher`` (from the putting thread) after every put."""
@@ -328,7 +367,7 @@ class RelayServer:
         conn.digest = digest.decode("ascii", "replace")
         blob = self.store.get(conn.digest)
         now = time.monotonic()
-        if blob is None:
+        if blob is None and not self.store.failed(conn.digest):
             conn.deadline = now + self._wait
             self._parked.append(conn)
             return _REQUESTED
@@ -338,7 +377,7 @@ class RelayServer:
     def _unpark(self, now: float) -> None:
         for conn in list(self._parked):
             blob = self.store.get(conn.digest)
-            if blob is not None or conn.deadline <= now:
+            if blob is not None or conn.deadline <= now or self.store.failed(conn.digest):
                 self._parked.remove(conn)
                 conn.answer(blob, now)
                 self._step(conn)
@@ -378,15 +417,31 @@ def _described(exc: Exception) -> str:
 
 
 def fetch(
-    head: tuple[str, int], keys: RelayKeys, digest: str, nbytes: int, timeout: float = 600.0
+    sources: tuple[Source, ...], keys: RelayKeys, digest: str, nbytes: int, timeout: float = 600.0
 ) -> bytearray:
-    """The blob ``digest`` of ``nbytes`` bytes from the head's relay, checked against its
-    digest. The length the relay announces is taken only if it is ``nbytes`` (it is not
-    authenticated: room for whatever it said would be a way to exhaust the rank's memory). A
-    relay that drops the connection before answering (busy, or flooded) is asked again for a
-    while.
+    """The blob ``digest`` of ``nbytes`` bytes from the first of ``sources`` that serves it
+    whole (the node's parent first, the head last), checked against its digest.
     """
-    where = f"{head[0]}:{head[1]}"
+    tried = []
+    for source in sources:
+        try:
+            return _fetch_from(source, keys, digest, nbytes, timeout)
+        except RelayError as exc:
+            tried.append(str(exc))
+    raise RelayError("; ".join(tried) or "no relay to fetch from")
+
+
+def _fetch_from(
+    source: Source, keys: RelayKeys, digest: str, nbytes: int, timeout: float
+) -> bytearray:
+    """The blob from one relay. The length the relay announces is taken only if it is
+    ``nbytes`` (it is not authenticated: room for whatever it said would be a way to exhaust
+    the rank's memory). A relay that drops the connection before answering (busy, or flooded)
+    is asked again for a while; one that is gone, says it has not the blob, or stops mid-way
+    is not.
+    """
+    where = str(source)
+    head = (source.address, source.port)
     context = pool_tls.client_context(keys.cert) if keys.cert else None
     started = time.monotonic()
     delay = 0.05
@@ -396,13 +451,14 @@ def fetch(
             break
         except ssl.SSLCertVerificationError:
             raise RelayError(
-                f"the relay at {where} does not hold the pool's certificate; not fetched"
+                f"the relay of {where} does not hold the pool's certificate; not fetched"
             ) from None
         except OSError as exc:
             late = time.monotonic() + delay - started > RETRY_WITHIN
-            if exc.errno in _GONE or late or isinstance(exc, _Answered):
+            gone = exc.errno in _GONE or isinstance(exc, (_Answered, TimeoutError))
+            if gone or late:
                 raise RelayError(
-                    f"cannot fetch a value from the head's relay at {where} "
+                    f"cannot fetch a value from the relay of {where} "
                     f"after {time.monotonic() - started:.0f} s: {exc.strerror or exc}"
                 ) from None
         time.sleep(delay)
@@ -426,6 +482,10 @@ def _fetch_once(
     where: str,
 ) -> bytearray:
     with socket.create_connection(head, timeout=10) as plain:
+        # A relay's host gone while this waits for its blob (no reset comes) is found in seconds.
+        plain.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for option, value in _KEEPALIVE:
+            plain.setsockopt(socket.IPPROTO_TCP, option, value)
         conn = plain if context is None else context.wrap_socket(plain)
         with conn:
             conn.settimeout(2 * REQUEST_WITHIN)
@@ -434,13 +494,14 @@ def _fetch_once(
             conn.settimeout(timeout)
             (length,) = _LENGTH.unpack(pool_tls.read_exact(conn, _LENGTH.size, "answering"))
             if length < 0:
-                raise RelayError(f"the head's relay at {where} does not have {digest[:12]}")
+                raise RelayError(f"the relay of {where} does not have {digest[:12]}")
             if length != nbytes:
                 raise RelayError(
-                    f"the relay at {where} offered {length} bytes for a value of {nbytes} "
+                    f"the relay of {where} offered {length} bytes for a value of {nbytes} "
                     f"({digest[:12]}); not fetched: is something other than the pool's relay "
                     "on that port?"
                 )
+            conn.settimeout(SEND_STALL)  # the blob is there: a stall is a relay gone mid-way
             blob = bytearray(length)
             view = memoryview(blob)
             got = 0

@@ -1,0 +1,160 @@
+"""A node's large values, one file each in its memory (``/dev/shm``), shared by its ranks.
+
+A large value crosses a node's link once: the node's first rank fetches it (:mod:`.arrivals`)
+and writes it here; every rank of the node, that one included, maps the file (copy on write:
+the pages stay shared until a rank writes to its value) instead of fetching its own copy. A
+rank waiting for a value that is not here yet polls for its file, or for the reason it will
+not come (``<digest>.failed``, written by the rank that tried).
+
+Who may read: the directory is the user's (0700, checked: another user cannot plant one), one
+per pool and node, named by a digest of the pool's relay token (not the token). The files are
+written under a temporary name and renamed whole, so a rank never maps half a value. The
+node's first rank removes the directory as it ends; a directory whose pool is gone (no rank
+holds its lock: a killed pool) is swept by the next pool's first rank on that machine.
+
+Standard library only: this runs on the nodes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import mmap
+import os
+import shutil
+import stat
+import tempfile
+import time
+from pathlib import Path
+
+from .relay import RelayError
+
+_SHM = Path("/dev/shm")
+_LOCK = ".lock"
+_FAILED = ".failed"
+SWEEP_AFTER = 600.0
+"""Seconds a directory no rank holds is left alone (the ranks of a new pool may be starting)."""
+_POLL_FIRST, _POLL_MOST = 0.002, 0.05
+"""Seconds between two looks for a value's file: short at first, longer while it travels."""
+
+
+def _base() -> Path:
+    """Where the machine keeps memory-backed files (``/dev/shm``), else its temporary folder."""
+    root = _SHM if _SHM.is_dir() and os.access(_SHM, os.W_OK) else Path(tempfile.gettempdir())
+    return root / f"skyward-{os.getuid()}"
+
+
+def _private_dir(path: Path) -> Path:
+    """``path``, made 0700 if missing; refused unless it is this user's own and no one else's."""
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+    info = path.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise OSError(f"{path} is not a private directory of this user; not used")
+    return path
+
+
+class NodeBlobs:
+    """The values of one pool on this node (its ranks share the directory)."""
+
+    def __init__(self, token: str, node: int, base: Path | None = None) -> None:
+        pool = hashlib.sha256(f"skyward node blobs {token}".encode()).hexdigest()[:20]
+        self._base = base or _base()
+        self.dir = self._base / f"{pool}-n{node}"
+        self._lock: int | None = None
+
+    def open(self) -> None:
+        """Make the directory (if missing) and hold it while this rank lives."""
+        _private_dir(self._base)
+        _private_dir(self.dir)
+        self._lock = os.open(self.dir / _LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(self._lock, fcntl.LOCK_SH)
+
+    def sweep(self) -> list[Path]:
+        """Remove the directories of this user's pools that no rank holds any longer (a
+        directory younger than ``SWEEP_AFTER`` may be one whose ranks are starting).
+        """
+        gone = []
+        now = time.time()
+        for other in self._base.iterdir() if self._base.is_dir() else ():
+            if other == self.dir:
+                continue
+            try:
+                if now - other.stat().st_mtime < SWEEP_AFTER:
+                    continue
+                lock = os.open(other / _LOCK, os.O_RDWR)
+            except OSError:
+                continue  # gone meanwhile, or not ours: left alone
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live pool's
+            else:
+                shutil.rmtree(other, ignore_errors=True)
+                gone.append(other)
+            finally:
+                os.close(lock)
+        return gone
+
+    def publish(self, digest: str, blob: memoryview | bytes | bytearray) -> memoryview:
+        """Keep ``blob`` as the node's copy of ``digest``; a read-only mapping of it."""
+        fd, temporary = tempfile.mkstemp(dir=self.dir, prefix=f".{digest[:12]}-")
+        try:
+            with os.fdopen(fd, "wb") as file:
+                file.write(blob)
+            os.replace(temporary, self.dir / digest)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            raise
+        return self._map(digest, mmap.ACCESS_READ)
+
+    def fail(self, digest: str, why: str) -> None:
+        """Tell the node's ranks waiting for ``digest`` that it will not come, and why."""
+        fd, temporary = tempfile.mkstemp(dir=self.dir, prefix=f".{digest[:12]}-")
+        with os.fdopen(fd, "w") as file:
+            file.write(why)
+        os.replace(temporary, self.dir / (digest + _FAILED))
+
+    def wait(self, digest: str, nbytes: int, timeout: float) -> memoryview:
+        """The node's copy of ``digest``, mapped copy-on-write (a rank may write to its value);
+        waits for it up to ``timeout`` seconds. Raises :class:`RelayError` with the reason the
+        node's first rank gave, or that nothing came.
+        """
+        deadline = time.monotonic() + timeout
+        pause = _POLL_FIRST
+        while True:
+            try:
+                view = self._map(digest, mmap.ACCESS_COPY)
+                break
+            except FileNotFoundError:
+                pass
+            with contextlib.suppress(FileNotFoundError):
+                raise RelayError((self.dir / (digest + _FAILED)).read_text())
+            if time.monotonic() >= deadline:
+                raise RelayError(
+                    f"a value ({digest[:12]}) did not reach this node in {timeout:.0f} s: "
+                    "its first rank did not fetch it"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_MOST)
+        if view.nbytes != nbytes:
+            raise RelayError(
+                f"the node's copy of {digest[:12]} holds {view.nbytes} bytes, not {nbytes}"
+            )
+        return view
+
+    def drop(self, digests: tuple[str, ...]) -> None:
+        """The node's ranks loaded these: their files go (a mapping keeps its pages)."""
+        for digest in digests:
+            for name in (digest, digest + _FAILED):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.dir / name)
+
+    def _map(self, digest: str, access: int) -> memoryview:
+        with open(self.dir / digest, "rb" if access == mmap.ACCESS_READ else "r+b") as file:
+            size = os.fstat(file.fileno()).st_size
+            if not size:
+                return memoryview(b"")
+            return memoryview(mmap.mmap(file.fileno(), size, access=access))

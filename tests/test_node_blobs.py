@@ -1,0 +1,66 @@
+"""A node's store of large values, in one process on real files: what its ranks map, what
+they are told when the node's fetch failed, whose folder it uses, and what a sweep removes.
+
+(The store in a pool of 8 hosts is tests/test_fanout.py.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pwd
+import secrets
+from pathlib import Path
+
+import pytest
+
+from skyward_jupyter.agent.node_blobs import SWEEP_AFTER, NodeBlobs
+from skyward_jupyter.agent.relay import RelayError
+
+BLOB = secrets.token_bytes(1 << 20)
+DIGEST = hashlib.sha256(BLOB).hexdigest()
+
+
+def test_ranks_map_one_copy_each_writing_its_own_pages_and_hear_why_one_will_not_come(
+    tmp_path: Path,
+) -> None:
+    first, other = NodeBlobs("token", 3, tmp_path), NodeBlobs("token", 3, tmp_path)
+    first.open()
+    other.open()
+    first.publish(DIGEST, BLOB)
+    mine, theirs = first.wait(DIGEST, len(BLOB), 5), other.wait(DIGEST, len(BLOB), 5)
+    mine[0] = (BLOB[0] + 1) % 256
+    assert theirs.tobytes() == BLOB and (first.dir / DIGEST).read_bytes() == BLOB
+    first.drop((DIGEST,))
+    assert mine[1:].tobytes() == BLOB[1:]  # a mapping outlives its file
+    first.fail(DIGEST, "node 3 could not fetch a value: the relay of node 1 was gone")
+    with pytest.raises(RelayError, match=r"node 3 could not fetch .* node 1 was gone"):
+        other.wait(DIGEST, len(BLOB), 5)
+    with pytest.raises(RelayError, match="did not reach this node in 0 s"):
+        other.wait("0" * 64, 1, 0)
+
+
+def test_a_folder_another_user_made_is_refused(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to make a folder another user owns")
+    planted = NodeBlobs("token", 0, tmp_path)
+    planted.dir.mkdir(mode=0o700)
+    nobody = pwd.getpwnam("nobody")
+    os.chown(planted.dir, nobody.pw_uid, nobody.pw_gid)
+    with pytest.raises(OSError, match="not a private directory of this user"):
+        NodeBlobs("token", 0, tmp_path).open()
+
+
+def test_a_sweep_removes_only_old_folders_no_rank_holds(tmp_path: Path) -> None:
+    live, dead, young = (NodeBlobs(t, 0, tmp_path) for t in ("live", "dead", "young"))
+    live.open()
+    dead.open()
+    young.open()
+    for gone in (dead, young):  # their ranks are gone
+        assert gone._lock is not None
+        os.close(gone._lock)
+    old = os.stat(dead.dir).st_mtime - SWEEP_AFTER - 1
+    for store in (live, dead):
+        os.utime(store.dir, (old, old))
+    assert NodeBlobs("new", 0, tmp_path).sweep() == [dead.dir]
+    assert live.dir.is_dir() and young.dir.is_dir() and not dead.dir.exists()
