@@ -149,7 +149,9 @@ async def heartbeats(ranks: Ranks) -> None:
             continue
         answers = await stacks(ranks, silent)
         for r in silent:
-            if answers[r] is None and r.alive and r.process is not None:
+            # Heard of while the probe waited (a slow start's first heartbeat): not silent.
+            still = time.monotonic() - r.last_heard > suspect
+            if answers[r] is None and still and r.alive and r.process is not None:
                 await _declare_lost(ranks, r)
 
 

@@ -98,18 +98,14 @@ class PoolSpec:
             )
         check_gpu_layout((), self.procs_per_node, self.backend, self.gpu)  # what needs no GPUs
         asked = self.pip or self.requirements or self.mirror
-        if asked and not provider_class(self.provider).installs_packages:
+        provider = provider_class(self.provider)
+        if asked and not provider.installs_packages:
             able = ", ".join(sorted(c.name for c in provider_classes() if c.installs_packages))
-            own = (
-                "give the Ray cluster a runtime_env with them (pip or uv: Ray builds and caches "
-                "it per environment), "
-                if self.provider == "ray"
-                else ""
-            )
+            otherwise = f"{provider.packages_otherwise}, " if provider.packages_otherwise else ""
             raise SpecError(
                 f"--pip/--requirements/--mirror: the {self.provider} provider cannot install "
-                f"packages on its nodes; {own}install them there, or use a provider that can "
-                f"({able})"
+                f"packages on its nodes; {otherwise}install them there, or use a provider that "
+                f"can ({able})"
             )
 
     @classmethod

@@ -204,7 +204,7 @@ def _node_torch() -> tuple[str, str | None] | None:
         dist = metadata.distribution("torch")
     except metadata.PackageNotFoundError:
         return None
-    local = dist.version.partition("+")[2]
+    local = dist.version.split("+", 1)[1] if "+" in dist.version else ""
     if local == "cpu":
         return dist.version, None
     if local.startswith("cu") and local[2:].isdigit():
@@ -262,8 +262,8 @@ def _torch_plan(
     if notebook is None:
         return [], [], None
     build = torch_build(driver_cuda())
-    base = notebook.partition("+")[0]
-    if node is not None and node[0].partition("+")[0] == base and _suits(node[1], build):
+    base = notebook.split("+", 1)[0]
+    if node is not None and node[0].split("+", 1)[0] == base and _suits(node[1], build):
         return [], [f"torch=={node[0]}"], f"torch {node[0]} kept (the {build} build suits it)"
     wanted = f"torch=={base}+{build}"
     index = CPU_INDEX.replace("/cpu", f"/{build}")
@@ -319,7 +319,7 @@ def _stand_in(site_dir: Path, env: Path) -> None:
         if folder != site_dir and (folder == env or env in folder.parents):
             continue
         for info in sorted(folder.glob("*.dist-info")) if folder.is_dir() else ():
-            name = re.sub(r"[-_.]+", "_", info.name.partition("-")[0]).lower()
+            name = re.sub(r"[-_.]+", "_", info.name.split("-", 1)[0]).lower()
             if name in seen or not (info / "METADATA").is_file():
                 continue  # an earlier one on the path shadows it, as at import
             seen.add(name)
@@ -389,10 +389,12 @@ def uv_settings() -> dict[str, str]:
 
 def _install_uv(env: Path, uv: str, say: Say) -> None:
     command = [
-        uv, "pip", "install", "--python", str(env / "bin" / "python"),
-        "--index-strategy", "unsafe-best-match", "-r", str(env / "requirements.txt"),
+        uv, "pip", "install", "--index-strategy", "unsafe-best-match",
+        "-r", str(env / "requirements.txt"),
     ]  # fmt: skip
-    settings = {**os.environ, **uv_settings(), "NO_COLOR": "1"}
+    # UV_PYTHON: the interpreter uv installs for, the environment's (as its --python option).
+    settings = {**os.environ, **uv_settings(), "UV_PYTHON": str(env / "bin" / "python")}
+    settings["NO_COLOR"] = "1"
     process = subprocess.Popen(
         command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, bufsize=1,
         env=settings,

@@ -308,6 +308,8 @@ class Provider(abc.ABC):
     installs_packages: ClassVar[bool] = False
     """The provider builds ``--pip``/``--requirements`` environments on its nodes
     (:meth:`build_environments`); a spec asking for packages elsewhere is refused up front."""
+    packages_otherwise: ClassVar[str] = ""
+    """Where it installs none, what gives its nodes packages instead (said in that refusal)."""
     release_timeout: float = 0.0
     """Seconds :meth:`release` may take beyond the pool's own shutdown (instances to go)."""
     packages: Packages | None = None

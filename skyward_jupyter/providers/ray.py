@@ -216,6 +216,10 @@ def _own(spec: PoolSpec) -> RayOptions:
 class RayProvider(Provider):
     name = "ray"
     Options = RayOptions
+    packages_otherwise = (
+        "give the Ray cluster a runtime_env with them (pip or uv: Ray builds and caches it per "
+        "environment)"
+    )
 
     @classmethod
     def from_spec(cls, spec: PoolSpec, pool_name: str, extra: Mapping[str, Any]) -> Provider:
