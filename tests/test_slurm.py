@@ -132,7 +132,6 @@ def test_a_killed_notebook_leaves_nothing_in_the_queue(
         textwrap.dedent("""
             import time
             from skyward_jupyter import Pool
-from skyward_jupyter.environments import Packages
             from skyward_jupyter.providers.slurm import SlurmProvider
             provider = SlurmProvider()
             pool = Pool(nodes=2, provider=provider).start()
