@@ -123,3 +123,17 @@ def test_sending_to_a_rank_whose_channel_closed_leaves_its_end_to_the_failure_po
     result = pool.run("1", timeout=120)
     assert result.values == [1] * NODES * PER_NODE, result.errors
     assert victim.index in result.lost, result.lost
+
+
+def test_a_rank_killed_during_a_cell_is_named_with_its_signal_and_the_pool_goes_on(
+    pool: Pool,
+) -> None:
+    """Node 2's first rank is killed (as the OOM killer does) while the cell with a relayed value
+    runs: its result says so, the others' results stand, and the next cell runs everywhere.
+    """
+    value = np.random.default_rng(2).integers(0, 1 << 20, 1 << 18)  # 2 MiB
+    cell = "import os\nif os.environ['RANK'] == '8': os.kill(os.getpid(), 9)\n1"
+    result = pool.run(cell, {"x": value}, timeout=60)
+    lost = [e for e in result.errors if not e.secondary]
+    assert [e.rank for e in lost] == [8] and "killed by SIGKILL" in lost[0].message, result.errors
+    assert pool.run("1", timeout=60).values == [1] * NODES * PER_NODE
