@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import logging
 import os
@@ -428,8 +429,13 @@ class Ranks:
     # ------------------------------------------------------------------- the wire
 
     def send(self, rank: Rank, frame: list[wire.Segment]) -> None:
+        """Queue ``frame`` for ``rank``, unless its channel is gone: a rank that died (or was
+        killed) is found by its reader, which reports how it ended; the sender must not raise
+        a broken pipe over that cause (the process may end before its reader has seen it).
+        """
         if rank.alive and rank.process is not None:
-            wire.write_segments(rank.process.writer, frame)
+            with contextlib.suppress(ConnectionError):  # closed: _read says how it ended
+                wire.write_segments(rank.process.writer, frame)
 
     async def _read(self, rank: Rank, process: RankProcess) -> None:
         try:

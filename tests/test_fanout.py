@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 
 from skyward_jupyter import Pool
+from skyward_jupyter import protocol as p
 from skyward_jupyter.agent.node_blobs import NodeBlobs
+from skyward_jupyter.failure_policy import Cell
 from skyward_jupyter.frameworks import Frameworks
 
 from .conftest import ssh_hosts_fixture, wait_for
@@ -84,3 +86,54 @@ def test_a_large_global_crosses_each_link_once_and_the_head_sends_it_at_most_twi
     assert sent[0] < 2.2 * size, shares
     assert all(size < r < 1.3 * size for r in received), shares
     assert sum(sent) < (NODES - 1 + 0.5) * size, shares
+
+
+def test_the_same_large_global_sent_again_reaches_every_rank(pool: Pool) -> None:
+    """A value the nodes dropped after one cell (the same global sent again, as after a rank's
+    restart) is kept again on every node, not thrown away as it arrives.
+    """
+    value = np.random.default_rng(1).integers(0, 1 << 20, 1 << 18)  # 2 MiB
+    for _ in range(2):
+        result = pool.run("int(x.sum())", {"x": value}, timeout=30)
+        assert result.values == [int(value.sum())] * NODES * PER_NODE, result.errors
+
+
+def test_sending_to_a_rank_whose_channel_closed_leaves_its_end_to_the_failure_policy(
+    pool: Pool,
+) -> None:
+    """A rank's channel closes (its process ended, or the pool killed it) before its reader has
+    seen it: what a cell's end sends it then (the drop of its relayed values, the failure
+    policy's "leave the group") must not raise a broken pipe over the real cause. The rank's
+    end is then reported as any other, and the next cell runs on every rank again.
+    """
+    ranks = pool._ranks
+    victim = next(r for r in ranks.all if r.node.index == 1 and r.local_rank == 0)
+    assert pool._io is not None and victim.process is not None
+
+    async def close_then_send() -> None:
+        victim.process._process.close()  # as when the rank ended: asyncssh marks it closed
+        assert victim.alive  # its reader has not run since
+        pool._transfer.drop(["0" * 64])
+        cell = Cell(0, ranks, [], None, 1.0)
+        cell.outcomes[victim] = p.CellDone(0, None, None, p.ErrorInfo("E", "e", ""), 0.0)
+        cell._free_peers()
+
+    pool._io.submit(close_then_send()).result(30)
+    wait_for(lambda: not victim.alive, 30, "the pool to see the rank's end")
+    result = pool.run("1", timeout=120)
+    assert result.values == [1] * NODES * PER_NODE, result.errors
+    assert victim.index in result.lost, result.lost
+
+
+def test_a_rank_killed_during_a_cell_is_named_with_its_signal_and_the_pool_goes_on(
+    pool: Pool,
+) -> None:
+    """Node 2's first rank is killed (as the OOM killer does) while the cell with a relayed value
+    runs: its result says so, the others' results stand, and the next cell runs everywhere.
+    """
+    value = np.random.default_rng(2).integers(0, 1 << 20, 1 << 18)  # 2 MiB
+    cell = "import os\nif os.environ['RANK'] == '8': os.kill(os.getpid(), 9)\n1"
+    result = pool.run(cell, {"x": value}, timeout=60)
+    lost = [e for e in result.errors if not e.secondary]
+    assert [e.rank for e in lost] == [8] and "killed by SIGKILL" in lost[0].message, result.errors
+    assert pool.run("1", timeout=60).values == [1] * NODES * PER_NODE

@@ -78,10 +78,12 @@ class Arrivals:
         """
         if isinstance(message, p.Stash):
             blob = message.blob.data
+            self._wanted(message.digest)
             self.blobs.put(message.digest, blob)
             self._start(self._keep, message.digest, blob)
             return True
         if isinstance(message, p.Fetch):
+            self._wanted(message.digest)
             self._start(self._fetch, message)
             return True
         if isinstance(message, p.Drop):
@@ -92,6 +94,13 @@ class Arrivals:
                     self.node_blobs.drop(message.digests)
             return True
         return False
+
+    def _wanted(self, digest: str) -> None:
+        """A value comes again after an earlier cell dropped it (the same global sent once
+        more): this copy is kept.
+        """
+        with self._keeping:
+            self._dropped.discard(digest)
 
     def _start(self, target: Callable[..., None], *args: Any) -> None:
         threading.Thread(target=target, args=args, name="relay-fetch", daemon=True).start()

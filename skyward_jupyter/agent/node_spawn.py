@@ -43,7 +43,8 @@ def main(path: str) -> int:
         if "exited" in message:
             status = int(message["status"])
             if status < 0:
-                signal.signal(-status, signal.SIG_DFL)
+                if -status != signal.SIGKILL:  # (whose action is fixed: setting it raises)
+                    signal.signal(-status, signal.SIG_DFL)
                 os.kill(os.getpid(), -status)
             return status
     return 70
