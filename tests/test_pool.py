@@ -600,6 +600,8 @@ def test_stuck_rank_is_killed_after_the_grace_period() -> None:
                 """
                 if dist.get_rank() == 0:
                     signal.signal(signal.SIGINT, signal.SIG_IGN)
+                dist.barrier()  # rank 1 fails once rank 0 ignores the interrupt, not before
+                if dist.get_rank() == 0:
                     while True:
                         time.sleep(0.05)
                 raise RuntimeError("rank 1 fails")
