@@ -249,12 +249,6 @@ class NodeEnvironment:
         )
 
 
-def torch_choices(built: Mapping[str, NodeEnvironment]) -> str | None:
-    """The one line a pool says of torch's build per node (by each node's name), if any chose."""
-    chosen = [f"{where}: {env.torch}" for where, env in built.items() if env.torch]
-    return "torch per node: " + "; ".join(chosen) if chosen else None
-
-
 async def follow(
     lines: AsyncIterator[str], digest: str, where: str, say: Callable[[str], None]
 ) -> NodeEnvironment:

@@ -39,7 +39,6 @@ from ..environments import (
     follow,
     notebook_torch,
     notebook_uv,
-    torch_choices,
     uv_tarball,
     wheels_tarball,
 )
@@ -624,8 +623,9 @@ class SSHProvider(Provider):
 
         built = await asyncio.gather(*(one(node) for node in nodes))
         found = {node.index: env for node, env in zip(nodes, built, strict=True)}
-        if said := torch_choices({str(self.hosts[i]): env for i, env in found.items()}):
-            self.warnings.append(said)
+        chosen = [f"{self.hosts[i]}: {env.torch}" for i, env in found.items() if env.torch]
+        if chosen:
+            self.warnings.append("torch per node: " + "; ".join(chosen))
         return found
 
     async def _send_once(
