@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -189,3 +191,27 @@ def test_a_future_import_holds_for_later_cells_as_in_ipython(
     path = os.path.join(os.getcwd(), "typed.py")
     channel.send(p.RunCell(4, script, path, script=p.Script(path)))
     assert _until_done(channel, 4).error is None
+
+
+def test_beats_the_agent_has_not_read_yet_count_as_heard(
+    agent: tuple[subprocess.Popen[bytes], SyncChannel],
+) -> None:
+    """A rank whose main thread cannot read its wire for longer than the heartbeat timeout
+    (importing torch on a loaded node; here, stopped as it starts) while the notebook beats
+    must not take the notebook for gone: the beats wait on its wire, unread.
+    """
+    proc, channel = agent
+    # Its watchdog and reader run (five threads with the output pumps); its main thread is
+    # importing torch, and nothing reads the wire until it is done.
+    wait_for(lambda: len(os.listdir(f"/proc/{proc.pid}/task")) >= 5, 30, "the agent's threads")
+    os.kill(proc.pid, signal.SIGSTOP)
+    with _beating(channel):
+        try:
+            stopped = time.monotonic()
+            wait_for(lambda: time.monotonic() - stopped > 3, 10, "3 s to pass")  # 2 x the timeout
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        channel.send(p.RunCell(1, "2", "<sky-cell-1>"))
+        done = _until_done(channel, 1)
+    assert proc.poll() is None
+    assert done.error is None and done.value is not None and done.value.load() == 2

@@ -21,18 +21,17 @@ their order within each stream.
 
 from __future__ import annotations
 
-import array
 import codecs
 import contextlib
-import fcntl
 import io
 import os
 import select
 import sys
-import termios
 import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, TextIO
+
+from .process import unread_bytes
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -75,7 +74,7 @@ class FdCapture:
         machine, waiting for it to be scheduled costs milliseconds every cell).
         """
         # Holding is read again after the pipe: the pump may have read it empty in between.
-        if not self._holding and _unread(self._read_end) == 0 and not self._holding:
+        if not self._holding and unread_bytes(self._read_end) == 0 and not self._holding:
             return
         if threading.current_thread() is self._thread or os.getpid() != self._pid:
             # The pump itself wrote (a failure report), or a process the cell forked did (its
@@ -156,13 +155,6 @@ def _identity(fd: int) -> tuple[int, int]:
     """What ``fd`` is open on (device, inode); OSError when it is closed."""
     st = os.fstat(fd)
     return st.st_dev, st.st_ino
-
-
-def _unread(fd: int) -> int:
-    """Bytes waiting in the pipe ``fd`` (FIONREAD)."""
-    count = array.array("i", [0])
-    fcntl.ioctl(fd, termios.FIONREAD, count)
-    return count[0]
 
 
 class WriteOrder:

@@ -8,11 +8,14 @@ nothing, rather than fail, where the platform lacks it.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import ctypes
+import fcntl
 import functools
 import os
 import sys
+import termios
 import time
 
 from .. import protocol as p
@@ -77,3 +80,10 @@ def flush_c_stdio() -> None:
     libc = _libc()
     if libc is not None:
         libc.fflush(None)
+
+
+def unread_bytes(fd: int) -> int:
+    """Bytes waiting in the pipe or socket ``fd`` that nobody has read yet (FIONREAD)."""
+    count = array.array("i", [0])
+    fcntl.ioctl(fd, termios.FIONREAD, count)
+    return count[0]

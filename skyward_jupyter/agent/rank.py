@@ -58,7 +58,7 @@ from .descendants import (
 from .inbox import Inbox
 from .names import answer as names_answer
 from .output import FdCapture, PythonStreams
-from .process import UsageMeter, flush_c_stdio, set_process_name
+from .process import UsageMeter, flush_c_stdio, set_process_name, unread_bytes
 from .relay import RelayKeys
 from .stacks import Watch
 from .torch_setup import GroupSettings
@@ -328,9 +328,15 @@ class Agent:
         s = self.settings
         tick = min(0.25, s.heartbeat_interval)
         last_beat = 0.0
+        waiting = 0
         while True:
             time.sleep(tick)
             now = time.monotonic()
+            # Bytes arriving that no thread has read yet (the main thread still importing
+            # torch, a C call holding the GIL) are the notebook heard all the same.
+            if (arrived := unread_bytes(self.channel.read_fd)) > waiting:
+                self._last_heard = now
+            waiting = arrived
             if now - self._last_heard > s.heartbeat_timeout:
                 self._diagnose(
                     f"no heartbeat from the notebook for {s.heartbeat_timeout:.0f} s; exiting"
