@@ -33,6 +33,7 @@ from typing import Any
 
 from . import protocol as p
 from . import wire
+from .agent.relay import ancestors
 from .events import PoolEvent, PoolMessage
 from .providers.base import Provider
 from .ranks import Rank, Ranks
@@ -249,17 +250,12 @@ def _relay_of(rank: Rank) -> Relay | None:
 
 def tree(relays: Sequence[Relay]) -> dict[int, tuple[Relay, ...]]:
     """Per node after the first (the head, the root), the relays it fetches from: its parent
-    in a binary tree of ``relays`` in their order, then the parent's ancestors up to the head,
-    where it turns when a parent cannot serve.
+    in a binary tree of ``relays`` in their order, then the parent's ancestors up to the head.
     """
-    sources = {}
-    for k, (node, _, _) in enumerate(relays[1:], start=1):
-        chain = []
-        while k:
-            k = (k - 1) // 2
-            chain.append(relays[k])
-        sources[node] = tuple(chain)
-    return sources
+    return {
+        node: tuple(relays[j] for j in ancestors(k))
+        for k, (node, _, _) in enumerate(relays[1:], start=1)
+    }
 
 
 def _listing(manifest: Manifest) -> str:

@@ -8,6 +8,7 @@ of their relays, and the ranks of a node share one copy. Bytes are counted on ea
 
 from __future__ import annotations
 
+import importlib.metadata as metadata
 import pwd
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 from skyward_jupyter import Pool
 from skyward_jupyter import protocol as p
 from skyward_jupyter.agent.node_blobs import NodeBlobs
+from skyward_jupyter.environments import Packages, notebook_uv, uv_tarball, wheels_tarball
 from skyward_jupyter.failure_policy import Cell
 from skyward_jupyter.frameworks import Frameworks
 
@@ -48,6 +50,11 @@ def pool(hosts: Hosts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Poo
 
 def _link(hosts: Hosts, i: int, which: str) -> int:
     return int(Path(f"/sys/class/net/{hosts[i].veth}/statistics/{which}").read_text())
+
+
+def _uplink(hosts: Hosts) -> int:
+    """What the notebook (this machine's root namespace) has sent to the hosts so far."""
+    return int(Path(f"/sys/class/net/{hosts.bridge}/statistics/tx_bytes").read_text())
 
 
 def _links(hosts: Hosts) -> list[tuple[int, int]]:
@@ -137,3 +144,37 @@ def test_a_rank_killed_during_a_cell_is_named_with_its_signal_and_the_pool_goes_
     lost = [e for e in result.errors if not e.secondary]
     assert [e.rank for e in lost] == [8] and "killed by SIGKILL" in lost[0].message, result.errors
     assert pool.run("1", timeout=60).values == [1] * NODES * PER_NODE
+
+
+def test_wheels_for_hosts_without_an_index_leave_the_notebook_once_and_the_hosts_pass_them_on(
+    hosts: Hosts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--ship-wheels`` on 8 hosts: what the notebook sends for their packages (the wheels, and
+    uv where it has it) crosses its uplink once, to one host; the hosts pass it on in a tree, so
+    none sends more than two copies and each receives one. Every rank imports the package.
+    """
+    monkeypatch.setenv("SKYWARD_WHEELS", str(tmp_path / "wheels"))
+    packages = Packages(("sympy",), wheels=True)  # sympy and mpmath: about 7 MB of wheels
+    uv = notebook_uv()
+    provider = ssh_provider(hosts, NODES, tmp_path)
+    said: list[str] = []
+    before, uplink = _links(hosts), _uplink(hosts)
+    with Pool(NODES, 1, provider=provider, frameworks=Frameworks(torch=False), packages=packages) \
+            as shipped:  # fmt: skip
+        shipped.subscribe(lambda event: said.append(str(getattr(event, "detail", ""))))
+        after, uplink = _links(hosts), _uplink(hosts) - uplink
+        result = shipped.run("import sympy\nsympy.__version__", timeout=60)
+        assert result.values == [metadata.version("sympy")] * NODES, result.errors
+    wheels = next((tmp_path / "wheels").iterdir())
+    size = len(wheels_tarball(wheels)) + (len(uv_tarball(uv)[1]) if uv else 0)
+    sent = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
+    received = [a[1] - b[1] for a, b in zip(after, before, strict=True)]
+    shares = (
+        f"uplink/size {uplink / size:.2f}, sent/size {[round(s / size, 2) for s in sent]}, "
+        f"received/size {[round(r / size, 2) for r in received]}"
+    )
+    # The start's own traffic (this package's tarball, SSH) is a few hundred kB per host.
+    slack = 1 << 20
+    assert uplink < size + NODES * slack, shares
+    assert all(s < 2.2 * size + slack for s in sent), shares
+    assert all(size < r < 1.3 * size + slack for r in received), shares

@@ -153,6 +153,18 @@ class BlobStore:
             self._watchers.append(watcher)
 
 
+def ancestors(position: int) -> list[int]:
+    """Where the node at ``position`` in a binary tree of relays (0: the root) fetches from:
+    its parent first, then the parent's ancestors up to the root, where it turns when a parent
+    cannot serve.
+    """
+    chain = []
+    while position:
+        position = (position - 1) // 2
+        chain.append(position)
+    return chain
+
+
 def _mac(token: str, nonce: bytes, digest: bytes) -> bytes:
     return hmac.new(token.encode(), nonce + digest, hashlib.sha256).digest()
 

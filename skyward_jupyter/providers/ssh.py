@@ -44,7 +44,6 @@ from ..environments import (
 )
 from ..events import RankState
 from ..gpus import NO_GPU, gpu_model, same_gpu
-from ..workdir import human_bytes
 from .base import (
     PYTHON,
     Node,
@@ -57,9 +56,10 @@ from .base import (
     no_progress,
     option,
 )
+from .ssh_bundles import Bundle, Receiver, pass_bundle
 from .ssh_clean import clean_host
 from .ssh_keys import changed_key, known_hosts_file, record_if_new
-from .ssh_prepare import check_versions, probe, ship, unpack
+from .ssh_prepare import check_versions, probe, ship
 from .ssh_template import HostTemplate
 
 if TYPE_CHECKING:
@@ -556,7 +556,7 @@ class SSHProvider(Provider):
         that fails fails the start, naming itself and the installer's reason. What is sent
         (the wheels of ``--ship-wheels``, uv for hosts without it) goes to each host once.
         """
-        bundles: list[_Bundle] = []
+        bundles: list[Bundle] = []
         wheels_folder: str | None = None
         if packages.wheels:
             for node in nodes:
@@ -567,27 +567,31 @@ class SSHProvider(Provider):
             )
             folder = await asyncio.to_thread(packages.download, other_torch)
             wheels_folder = f"wheels/{folder.name}"
-            bundles.append(_Bundle("wheels", wheels_folder, lambda: wheels_tarball(folder)))
+            bundles.append(Bundle("wheels", wheels_folder, lambda: wheels_tarball(folder)))
         uv = await asyncio.to_thread(notebook_uv)
         uv_folder: str | None = None
         if uv is not None:
             name, tarball = await asyncio.to_thread(uv_tarball, uv)
             uv_folder = f"uv/{name}"
-            bundles.append(_Bundle("uv", uv_folder, lambda: tarball))
+            bundles.append(Bundle("uv", uv_folder, lambda: tarball))
+        receivers = [
+            Receiver(
+                node,
+                str(self.hosts[node.index]),
+                self._sessions[node.index].process,
+                self._sessions[node.index].run,
+                self._node_python(node.index),
+                posixpath.dirname(self._remote_package[node.index]),
+            )
+            for node in nodes
+        ]
+        for bundle in bundles:
+            await pass_bundle(bundle, receivers, progress)
 
         async def one(node: Node) -> NodeEnvironment:
             host = self.hosts[node.index]
             cache = posixpath.dirname(self._remote_package[node.index])
-            for bundle in bundles:
-                await self._send_once(node, f"{cache}/{bundle.folder}", bundle, progress)
-            command = shlex.join(
-                [
-                    "env",
-                    f"PYTHONPATH={self._remote_package[node.index]}",
-                    self._python[node.index],
-                    *BUILDER,
-                ]
-            )
+            command = shlex.join([*self._node_python(node.index), *BUILDER])
             try:
                 process = await self._sessions[node.index].process(command)
             except (asyncssh.Error, OSError) as exc:
@@ -628,22 +632,9 @@ class SSHProvider(Provider):
             self.warnings.append("torch per node: " + "; ".join(chosen))
         return found
 
-    async def _send_once(
-        self, node: Node, target: str, bundle: _Bundle, progress: Progress
-    ) -> None:
-        """``bundle`` unpacked into ``target`` on the node's host, unless it is there already:
-        each host gets what the notebook sends for its packages once (and the tarball is made
-        only when some host lacks it).
-        """
-        conn = self._sessions[node.index].conns[0]
-        if (await conn.run(shlex.join(["test", "-d", target]), check=False)).exit_status:
-            tarball = await bundle.tarball()
-            progress(
-                f"packages: sending {bundle.what} ({human_bytes(len(tarball))})",
-                node.index,
-                RankState.BOOTING,
-            )
-            await unpack(self.hosts[node.index], conn, target, tarball)
+    def _node_python(self, index: int) -> list[str]:
+        """The host's Python with this package on its path: how the tools run there."""
+        return ["env", f"PYTHONPATH={self._remote_package[index]}", self._python[index]]
 
     async def clean(self) -> list[str]:
         """``%sky clean``: on every host, remove the package's cache and the sync copies that
@@ -667,21 +658,6 @@ class SSHProvider(Provider):
             sessions.close()
         await asyncio.gather(*(s.wait_closed() for s in self._sessions))
         self._sessions.clear()
-
-
-class _Bundle:
-    """What the notebook sends the hosts for their packages (the wheels of ``--ship-wheels``,
-    uv): its name, its folder under the host's cache, and its tarball, made on first need.
-    """
-
-    def __init__(self, what: str, folder: str, make: Callable[[], bytes]) -> None:
-        self.what, self.folder, self._make = what, folder, make
-        self._made: asyncio.Task[bytes] | None = None
-
-    async def tarball(self) -> bytes:
-        if self._made is None:
-            self._made = asyncio.ensure_future(asyncio.to_thread(self._make))
-        return await self._made
 
 
 async def _no_template() -> tuple[None, None]:

@@ -1,0 +1,160 @@
+"""What the SSH hosts get for their packages before the ranks start (the wheels of
+``--ship-wheels``, the uv binary): sent over the notebook's uplink once, to the first host that
+lacks it, and passed on by the hosts in a tree (:mod:`..agent.bundles` says how, and what each
+host checks).
+
+A host that has the bundle's folder already (an earlier pool) is left out. The first host's
+relay listens before it receives; the others start as soon as their parent's relay listens, and
+wait there for the bytes. Every relay serves until each host has its copy, then ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import shlex
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..agent.relay import ancestors
+from ..environments import PackagesError
+from ..events import RankState
+from ..relay_keys import RelaySecrets
+from ..workdir import human_bytes
+from .base import Node, Progress
+
+PASSER = ("-m", "skyward_jupyter.agent.bundles")
+"""The host side's arguments after the host's Python."""
+CLOSE_WITHIN = 10.0
+"""Seconds a host's relay has to end once the pass is over, before its channel is closed."""
+
+
+class Bundle:
+    """A thing to send (the wheels, uv): its name, its folder under a host's cache, and its
+    tarball, made on first need.
+    """
+
+    def __init__(self, what: str, folder: str, make: Callable[[], bytes]) -> None:
+        self.what, self.folder, self._make = what, folder, make
+        self._made: asyncio.Task[bytes] | None = None
+
+    async def tarball(self) -> bytes:
+        if self._made is None:
+            self._made = asyncio.ensure_future(asyncio.to_thread(self._make))
+        return await self._made
+
+
+@dataclass(frozen=True, slots=True)
+class Receiver:
+    """A host that may need the bundle: its node, how it is named in errors, how to run its
+    relay (``python`` with what it needs on the path) and where its cache is.
+    """
+
+    node: Node
+    label: str
+    open: Callable[[str], Awaitable[Any]]
+    """A new session running a command (bytes in, bytes out)."""
+    run: Callable[[Sequence[str]], Awaitable[int | None]]
+    """A command run to its end; its exit status."""
+    python: Sequence[str]
+    cache: str
+
+    def target(self, bundle: Bundle) -> str:
+        return f"{self.cache}/{bundle.folder}"
+
+
+async def pass_bundle(bundle: Bundle, receivers: Sequence[Receiver], progress: Progress) -> None:
+    """Every receiver has ``bundle`` unpacked in its cache once this returns; the first that
+    could not get it fails the start, naming itself and why.
+    """
+    missing = await asyncio.gather(*(r.run(["test", "-d", r.target(bundle)]) for r in receivers))
+    lacking = [r for r, status in zip(receivers, missing, strict=True) if status != 0]
+    if not lacking:
+        return
+    tarball = await bundle.tarball()
+    digest = await asyncio.to_thread(lambda: hashlib.sha256(tarball).hexdigest())
+    keys = await asyncio.to_thread(RelaySecrets.make, True)
+    loop = asyncio.get_running_loop()
+    ports: list[asyncio.Future[int | None]] = [loop.create_future() for _ in lacking]
+    """Per receiver: where its relay listens; None once it never will."""
+    processes: list[Any] = []
+    size = human_bytes(len(tarball))
+
+    async def one(k: int) -> None:
+        receiver = lacking[k]
+        try:
+            sources = [
+                [lacking[j].node.index, lacking[j].node.address, port]
+                for j in ancestors(k)
+                if (port := await ports[j]) is not None
+            ]
+            if k and not sources:
+                raise PackagesError(
+                    f"{receiver.label}: no host could pass on the {bundle.what}; "
+                    "see the first host's error"
+                )
+            process = await receiver.open(shlex.join([*receiver.python, *PASSER]))
+            processes.append(process)
+            request = {
+                "target": receiver.target(bundle),
+                "digest": digest,
+                "nbytes": len(tarball),
+                "root": lacking[0].node.address,
+                "sources": sources,
+                "token": keys.token,
+                "cert": keys.cert,
+                "key": keys.key,
+            }
+            process.stdin.write(json.dumps(request).encode() + b"\n")
+            if not sources:
+                say(k, f"packages: sending {bundle.what} ({size})")
+                process.stdin.write(tarball)
+            async for raw in process.stdout:
+                try:
+                    line = json.loads(raw)
+                except ValueError:
+                    continue  # not the relay's: something the host's Python printed
+                if "port" in line:
+                    ports[k].set_result(int(line["port"]))
+                elif "fetching" in line:
+                    say(
+                        k, f"packages: fetching {bundle.what} ({size}) from node {line['fetching']}"
+                    )
+                elif "done" in line:
+                    return
+                elif "error" in line:
+                    raise PackagesError(
+                        f"{receiver.label}: could not get the {bundle.what}: {line['error']}"
+                    )
+            said = (await process.stderr.read()).decode(errors="replace").strip()
+            raise PackagesError(
+                f"{receiver.label}: the {bundle.what}'s relay ended before it had them"
+                + (f": {said.splitlines()[-1]}" if said else "")
+            )
+        finally:
+            if not ports[k].done():
+                ports[k].set_result(None)
+
+    def say(k: int, text: str) -> None:
+        progress(text, lacking[k].node.index, RankState.BOOTING)
+
+    try:
+        outcomes = await asyncio.gather(
+            *(one(k) for k in range(len(lacking))), return_exceptions=True
+        )
+    finally:
+        for process in processes:
+            process.stdin.write_eof()  # every relay's last client is served: they end
+        await asyncio.gather(*(_closed(process) for process in processes))
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            raise outcome
+
+
+async def _closed(process: Any) -> None:
+    try:
+        await asyncio.wait_for(process.wait_closed(), CLOSE_WITHIN)
+    except asyncio.TimeoutError:
+        process.close()
