@@ -28,11 +28,13 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .agent.environments import installer_reason
+from .agent.environments import CPU_INDEX, installed_torch, installer_reason
 from .providers.base import ProviderError
 
 BUILDER = ("-m", "skyward_jupyter.agent.environments", "build")
 """The builder's arguments after the node's Python."""
+TORCH_BUILD = ("-m", "skyward_jupyter.agent.environments", "torch-build")
+"""The arguments that ask a node which build of torch it takes."""
 WHEELS = "~/.cache/skyward_jupyter/wheels"
 """Where the notebook keeps the wheels it downloads for nodes without an index."""
 UV = "~/.cache/skyward_jupyter/uv"
@@ -90,24 +92,25 @@ class Packages:
         }
         return json.dumps(given).encode() + b"\n"
 
-    def download(self, with_torch: bool = False) -> Path:
+    def download(self, torch_build: str | None = None) -> Path:
         """The wheels of these packages and of all they need, downloaded here once per content
-        (``pip download``, binary only, torch pinned to the notebook's; ``with_torch``: the
-        notebook's torch too, for nodes without it or with another): what nodes without an
-        index install from. They are this machine's platform's: nodes must share it.
+        (``pip download``, binary only, torch pinned to the notebook's version); with
+        ``torch_build`` (``cpu``, ``cu126``: for nodes without torch, or with another), torch
+        too, in that build: what nodes without an index install from. They are this machine's
+        platform's: nodes must share it.
         """
         root = wheels_root()
-        target = root / f"{self.digest[:16]}{'-torch' * with_torch}"
+        target = root / f"{self.digest[:16]}{f'-torch-{torch_build}' if torch_build else ''}"
         if target.is_dir():
             return target
         root.mkdir(parents=True, exist_ok=True)
         staging = root / f"{target.name}.{secrets.token_hex(4)}"
+        torch, sources = torch_wheel(torch_build)
         with tempfile.TemporaryDirectory(prefix="sky-wheels-") as scratch:
             pins = Path(scratch) / "constraints.txt"
-            torch = notebook_torch()
             pins.write_text(f"torch=={torch}\n" if torch else "")
             wanted = Path(scratch) / "requirements.txt"
-            asked = (*self.requirements, *([f"torch=={torch}"] if with_torch and torch else []))
+            asked = (*self.requirements, *sources, *([f"torch=={torch}"] if torch_build else []))
             wanted.write_text("".join(f"{line}\n" for line in (*asked, f"-c {pins}")))
             done = subprocess.run(
                 [sys.executable, "-m", "pip", "download", "--only-binary=:all:", "--no-input",
@@ -126,6 +129,37 @@ class Packages:
         except OSError:  # another kernel downloaded them meanwhile
             shutil.rmtree(staging, ignore_errors=True)
         return target
+
+
+def torch_wheel(build: str | None) -> tuple[str | None, list[str]]:
+    """torch's version for nodes of ``build`` (None: the notebook's, as every install pins it)
+    and the index lines to download it from: the notebook's own where its build is that one,
+    else PyTorch's index of that build (``2.13.0+cu126`` from ``.../whl/cu126``).
+    """
+    torch = notebook_torch()
+    if build is None or torch is None or notebook_torch_build() == build:
+        return torch, []
+    index = CPU_INDEX.replace("/cpu", f"/{build}")
+    return f"{torch.split('+', 1)[0]}+{build}", [f"--extra-index-url {index}"]
+
+
+def is_notebook_torch(torch: str, build: str) -> bool:
+    """Whether a node's ``torch`` is the notebook's version in ``build``; one without a local
+    tag (PyPI's Linux wheels: a recent CUDA) is taken as a CUDA build that suits.
+    """
+    notebook = notebook_torch() or ""
+    if torch.split("+", 1)[0] != notebook.split("+", 1)[0]:
+        return False
+    return torch.endswith(f"+{build}") if "+" in torch else build != "cpu"
+
+
+def notebook_torch_build() -> str | None:
+    """The build of the notebook's torch (``cpu``, ``cu126``), None without one."""
+    found = installed_torch()
+    if found is None:
+        return None
+    cuda = found[1]
+    return "cpu" if cuda is None else "cu" + "".join(cuda.split(".")[:2])
 
 
 def wheels_root() -> Path:

@@ -28,7 +28,9 @@ Run as ``python -m skyward_jupyter.agent.environments build`` with one JSON line
 from the notebook, then the only source; ``uv``, the uv binary sent from the notebook); it prints
 JSON lines ``{"step", "detail"}`` as the install goes, then ``{"ready": SITE, "packages": N,
 "cached": BOOL, "installer": NAME, "torch": NOTE, "own_torch": BOOL}`` or ``{"error": WHY}``
-(``own_torch``: the environment holds a torch of its own, over the node's).
+(``own_torch``: the environment holds a torch of its own, over the node's). With
+``torch-build`` it prints ``{"build": BUILD}`` (:func:`torch_build` for this node) or ``{"error":
+WHY}``: the build the notebook downloads for a node without an index.
 
 Standard library only: this runs on the nodes.
 """
@@ -159,7 +161,7 @@ def build(
         shutil.rmtree(staging, ignore_errors=True)
         try:
             sources = ["--no-index", f"--find-links {wheels}"] if wheels else []
-            wanted, pins, note = _torch_plan(_node_torch(), torch, variant, bool(wheels))
+            wanted, pins, note = _torch_plan(installed_torch(), torch, variant, bool(wheels))
             tool = installer(uv)
             _make(staging, [*sources, *wanted, *requirements], pins, tool, say)
             own_torch = any(line.startswith("torch==") for line in wanted)
@@ -196,7 +198,7 @@ def installer(sent: str | None) -> Installer:
     return Installer("pip")
 
 
-def _node_torch() -> tuple[str, str | None] | None:
+def installed_torch() -> tuple[str, str | None] | None:
     """This Python's torch (version, the CUDA version it is built for), read without importing
     it; None without one.
     """
@@ -578,8 +580,18 @@ def _held_by_other(lock: Path) -> bool:
 
 
 def main() -> int:
+    if sys.argv[1:] == ["torch-build"]:  # what the notebook sends a node without an index
+        try:
+            print(json.dumps({"build": torch_build(driver_cuda())}), flush=True)
+        except BuildError as exc:
+            print(json.dumps({"error": str(exc)}), flush=True)
+            return 1
+        return 0
     if sys.argv[1:] != ["build"]:
-        print("usage: python -m skyward_jupyter.agent.environments build", file=sys.stderr)
+        print(
+            "usage: python -m skyward_jupyter.agent.environments build|torch-build",
+            file=sys.stderr,
+        )
         return 2
     request = json.loads(sys.stdin.readline())
 

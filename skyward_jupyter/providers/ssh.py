@@ -26,6 +26,7 @@ import shlex
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,11 +34,12 @@ import asyncssh
 
 from ..environments import (
     BUILDER,
+    TORCH_BUILD,
     NodeEnvironment,
     Packages,
     PackagesError,
     follow,
-    notebook_torch,
+    is_notebook_torch,
     notebook_uv,
     uv_tarball,
     wheels_tarball,
@@ -556,26 +558,8 @@ class SSHProvider(Provider):
         that fails fails the start, naming itself and the installer's reason. What is sent
         (the wheels of ``--ship-wheels``, uv for hosts without it) goes to each host once.
         """
-        bundles: list[Bundle] = []
-        wheels_folder: str | None = None
-        if packages.wheels:
-            for node in nodes:
-                progress("packages: downloading wheels to send", node.index, RankState.BOOTING)
-            # torch's wheel goes too where a host has none, or (--mirror) another version
-            other_torch = any(
-                t is None or (packages.variant and t != notebook_torch()) for t in self._torch
-            )
-            folder = await asyncio.to_thread(packages.download, other_torch)
-            wheels_folder = f"wheels/{folder.name}"
-            bundles.append(Bundle("wheels", wheels_folder, lambda: wheels_tarball(folder)))
-        uv = await asyncio.to_thread(notebook_uv)
-        uv_folder: str | None = None
-        if uv is not None:
-            name, tarball = await asyncio.to_thread(uv_tarball, uv)
-            uv_folder = f"uv/{name}"
-            bundles.append(Bundle("uv", uv_folder, lambda: tarball))
-        receivers = [
-            Receiver(
+        receivers = {
+            node.index: Receiver(
                 node,
                 str(self.hosts[node.index]),
                 self._sessions[node.index].process,
@@ -584,9 +568,26 @@ class SSHProvider(Provider):
                 posixpath.dirname(self._remote_package[node.index]),
             )
             for node in nodes
-        ]
-        for bundle in bundles:
-            await pass_bundle(bundle, receivers, progress)
+        }
+        wheels: dict[int, str] = {}
+        """Per node: its folder of the wheels sent from here (``--ship-wheels``)."""
+        if packages.wheels:
+            for node in nodes:
+                progress("packages: downloading wheels to send", node.index, RankState.BOOTING)
+            builds = await asyncio.gather(*(self._torch_to_send(n, packages) for n in nodes))
+            for build in dict.fromkeys(builds):  # a folder per torch build the nodes take
+                folder = await asyncio.to_thread(packages.download, build)
+                bundle = Bundle("wheels", f"wheels/{folder.name}", partial(wheels_tarball, folder))
+                group = [n for n, b in zip(nodes, builds, strict=True) if b == build]
+                await pass_bundle(bundle, [receivers[n.index] for n in group], progress)
+                wheels.update((n.index, receivers[n.index].target(bundle)) for n in group)
+        uv = await asyncio.to_thread(notebook_uv)
+        uv_folder: str | None = None
+        if uv is not None:
+            name, tarball = await asyncio.to_thread(uv_tarball, uv)
+            uv_folder = f"uv/{name}"
+            bundle = Bundle("uv", uv_folder, lambda: tarball)
+            await pass_bundle(bundle, list(receivers.values()), progress)
 
         async def one(node: Node) -> NodeEnvironment:
             host = self.hosts[node.index]
@@ -596,9 +597,10 @@ class SSHProvider(Provider):
                 process = await self._sessions[node.index].process(command)
             except (asyncssh.Error, OSError) as exc:
                 raise PackagesError(f"{host}: cannot start the package installer: {exc}") from None
-            wheels = f"{cache}/{wheels_folder}" if wheels_folder else None
             process.stdin.write(
-                packages.request(wheels, f"{cache}/{uv_folder}/uv" if uv_folder else None)
+                packages.request(
+                    wheels.get(node.index), f"{cache}/{uv_folder}/uv" if uv_folder else None
+                )
             )
             process.stdin.write_eof()
 
@@ -631,6 +633,26 @@ class SSHProvider(Provider):
         if chosen:
             self.warnings.append("torch per node: " + "; ".join(chosen))
         return found
+
+    async def _torch_to_send(self, node: Node, packages: Packages) -> str | None:
+        """The build of torch (``cpu``, ``cu126``) whose wheel goes to ``node`` with the
+        others: where its host has no torch or (``--mirror``) not the notebook's version in the
+        build its NVIDIA driver takes (read there, as its build step will); None elsewhere.
+        """
+        torch = self._torch[node.index]
+        if torch is not None and not packages.variant:
+            return None
+        host = self.hosts[node.index]
+        argv = [*self._node_python(node.index), *TORCH_BUILD]
+        try:
+            result = await self._sessions[node.index].conns[0].run(shlex.join(argv), check=False)
+            said = json.loads(str(result.stdout).strip().splitlines()[-1])
+        except (asyncssh.Error, OSError, ValueError, IndexError) as exc:
+            raise PackagesError(f"{host}: cannot tell which torch build it takes: {exc}") from None
+        if "error" in said:
+            raise PackagesError(f"{host}: {said['error']}")
+        build = str(said["build"])
+        return None if torch is not None and is_notebook_torch(torch, build) else build
 
     def _node_python(self, index: int) -> list[str]:
         """The host's Python with this package on its path: how the tools run there."""
