@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from skyward_jupyter.environments import Packages, PackagesError
+from skyward_jupyter.environments import Packages, PackagesError, notebook_uv
 from skyward_jupyter.pool import Pool
 
 from .conftest import agents_among, ssh_hosts_fixture, wait_for
@@ -200,7 +200,9 @@ def test_mirror_gives_index_less_hosts_the_notebooks_versions_through_the_sessio
 def test_clean_removes_the_hosts_environments_that_no_rank_uses(
     hosts: Hosts, honest_python: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """...and the wheels sent to them (``--ship-wheels``), while no build runs."""
+    """...and what was sent for them (the wheels of ``--ship-wheels``, uv), while no build
+    runs.
+    """
     monkeypatch.setenv("SKYWARD_WHEELS", str(tmp_path / "wheels"))
     provider = ssh_provider(hosts, 2, tmp_path, python=honest_python)
     with Pool(nodes=2, provider=provider, packages=Packages(("ujson",), wheels=True)) as pool:
@@ -219,9 +221,11 @@ def test_clean_removes_the_hosts_environments_that_no_rank_uses(
             hosts,
             i,
             honest_python,
-            f"import os; print(os.listdir({str(tmp_path / 'cache' / 'wheels')!r}))",
+            "import os; print([os.listdir(f) for f in "
+            f"({str(tmp_path / 'cache' / 'wheels')!r}, {str(tmp_path / 'cache' / 'uv')!r}) "
+            "if os.path.isdir(f)])",
         )
-        assert listing.stdout.strip() == "[]", listing
+        assert listing.stdout.strip() == ("[[], []]" if notebook_uv() else "[[]]"), listing
     wait_for(lambda: not _remote_agents(hosts), 10, "remote ranks to end after close")
 
 

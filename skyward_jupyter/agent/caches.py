@@ -6,11 +6,11 @@ SSH provider once per content hash (``<hash>/``, and ``<hash>.<tag>/`` left by a
 unpack), and the copies of notebook directories (``sync/<key>/``, see :mod:`.workdir`). A copy
 goes only when no rank holds it; a package version only when no process of this user runs
 from it (its path in the process's environment or command line: templates and ranks have it in
-``PYTHONPATH``). The packages' environments (``envs/``) and the wheels sent for them (``wheels/``
-beside the package versions) go as :func:`.environments.clean` says. Run as
-``python -m skyward_jupyter.agent.caches [PACKAGES]`` (the directory the
-package versions are in, if not that one); it prints one JSON
-line: ``{"removed": [[path, bytes], ...], "kept": [path, ...]}``.
+``PYTHONPATH``). The packages' environments (``envs/``) and what was sent for them (the wheels
+in ``wheels/``, uv in ``uv/``, beside the package versions) go as
+:func:`.environments.clean` says. Run as ``python -m skyward_jupyter.agent.caches [PACKAGES]``
+(the directory the package versions are in, if not that one); it prints one JSON line:
+``{"removed": [[path, bytes], ...], "kept": [path, ...]}``.
 
 Standard library only: this runs on the nodes.
 """
@@ -56,7 +56,7 @@ def clean(cache: str = CACHE) -> tuple[list[tuple[str, int]], list[str]]:
                 kept.append(str(item))
             else:
                 removed.append((str(item), size))
-    gone, in_use = environments.clean(base / "wheels")
+    gone, in_use = environments.clean([base / "wheels", base / "uv"])
     removed += [(str(path), size) for path, size in gone]
     kept += in_use
     if base.is_dir():

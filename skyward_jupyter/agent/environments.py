@@ -50,7 +50,7 @@ import site
 import subprocess
 import sys
 import sysconfig
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -527,17 +527,19 @@ def use(site_dir: str) -> None:
         _held.append(fd)
 
 
-def clean(wheels: Path | None = None) -> tuple[list[tuple[Path, int]], list[str]]:
+def clean(sent: Sequence[Path] = ()) -> tuple[list[tuple[Path, int]], list[str]]:
     """Remove the cached environments no rank uses (and builds that were cut off), and the
-    folders of wheels in ``wheels`` while no build runs; what is removed (and its bytes), and
-    what is kept as in use.
+    folders in ``sent`` (of the wheels, of uv: what the notebook sent for the builds) while no
+    build runs; what is removed (and its bytes), and what is kept as in use.
     """
     base = root()
     removed: list[tuple[Path, int]] = []
     kept: list[str] = []
-    if wheels is not None and wheels.is_dir():
-        building = base.is_dir() and any(_held_by_other(lock) for lock in base.glob("*.lock"))
-        for item in sorted(wheels.iterdir()):
+    building = base.is_dir() and any(_held_by_other(lock) for lock in base.glob("*.lock"))
+    for folder in sent:
+        if not folder.is_dir():
+            continue
+        for item in sorted(folder.iterdir()):
             if not item.is_dir() or item.is_symlink():
                 continue
             if building:

@@ -453,7 +453,7 @@ class LocalProvider(Provider):
         """``%sky clean`` here: the package environments (``--pip``) no running rank uses, and
         the wheels downloaded for ``--ship-wheels``.
         """
-        removed, kept = await asyncio.to_thread(node_environments.clean, wheels_root())
+        removed, kept = await asyncio.to_thread(node_environments.clean, [wheels_root()])
         envs = sum(1 for path, _ in removed if path.parent != wheels_root())
         parts = [f"{envs} package environment{'s' * (envs != 1)}"] if envs else []
         if len(removed) > envs:

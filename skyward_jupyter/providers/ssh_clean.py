@@ -70,11 +70,11 @@ async def _clean(host: Host, connect: Connect, python: str, cache_dir: str) -> s
 
 
 def _said(host: Host, removed: list[list[object]], kept: list[str]) -> str:
-    kinds: dict[str, list[int]] = {"/sync/": [], "/envs/": [], "/wheels/": [], "": []}
+    kinds: dict[str, list[int]] = {"/sync/": [], "/envs/": [], "/wheels/": [], "/uv/": [], "": []}
     for path, size in removed:
         kind = next(k for k in kinds if k in str(path))
         kinds[kind].append(int(str(size)))
-    copies, envs, wheels, packages = kinds.values()
+    copies, envs, wheels, uv, packages = kinds.values()
     parts = []
     if copies:
         parts.append(f"{len(copies)} synced director{'ies' if len(copies) != 1 else 'y'}")
@@ -82,9 +82,11 @@ def _said(host: Host, removed: list[list[object]], kept: list[str]) -> str:
         parts.append(f"{len(envs)} package environment{'s' * (len(envs) != 1)}")
     if wheels:
         parts.append(f"{len(wheels)} folder{'s' * (len(wheels) != 1)} of wheels")
+    if uv:
+        parts.append(f"{len(uv)} uv binar{'ies' if len(uv) != 1 else 'y'}")
     if packages:
         parts.append(f"{len(packages)} package version{'s' * (len(packages) != 1)}")
-    total = human_bytes(sum(copies) + sum(envs) + sum(wheels) + sum(packages))
+    total = human_bytes(sum(copies) + sum(envs) + sum(wheels) + sum(uv) + sum(packages))
     text = f"{host}: removed {' and '.join(parts)} ({total})" if parts else f"{host}: nothing"
     if kept:
         text += f"; kept {len(kept)} in use by a running pool"
