@@ -42,8 +42,11 @@ _MAX_DATAGRAM = 1 << 16
 
 def socket_path(run_id: str, node: int) -> str | None:
     """Where the node's first rank takes the others' samples; None when the pool's directory on
-    this machine is not this user's own and private (then every rank sends its own).
+    this machine is not this user's own and private, or the system cannot say what a socket
+    still holds unread (Linux can): then every rank sends its own.
     """
+    if not hasattr(termios, "TIOCOUTQ"):
+        return None  # a first rank that stops could not be told from a slow one: no gathering
     parent = pool_dir(run_id)
     try:
         st = os.lstat(parent)
