@@ -370,8 +370,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         "load moves least). Per rank, the notebook spends "
         f"{c['notebook_start_s'] * 1e3:.2f} ms of CPU at the start, "
         f"{c['notebook_cell_ms'] * 1e3:.0f} us on a trivial cell and "
-        f"{c['notebook_idle_percent']:.4f}% of a core while the pool idles (its heartbeat and "
-        "usage report): least-squares slopes over the pools of 16 ranks and more. Per node, "
+        f"{c['notebook_idle_percent']:.4f}% of a core while the pool idles (an eighth of its "
+        "node's usage message and beat each second, its own usage event and a beat every few "
+        "seconds): least-squares slopes over the pools of 16 ranks and more. Per node, "
         f"its template forks each rank for {c['fork_s'] * 1e3:.1f} ms of CPU, a rank takes "
         f"{c['rank_start_s'] * 1e3:.1f} ms of CPU to start and {c['rank_cell_ms'] * 1e3:.0f} us "
         f"for a trivial cell (at {rows[-1]['ranks']} ranks); on real nodes that work runs on "
@@ -419,9 +420,10 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines.append(
         "- What limits first, on real 8-GPU nodes: "
         + ", then ".join(f"{what} at about {ranks:.0f} ranks" for ranks, what in crossed)
-        + " cross their goals; all three grow with the notebook's work per rank (one stream "
-        "per rank), which one message per node (heartbeats and usage aggregated on each node, "
-        "a cell sent once per node) would divide by the ranks per node."
+        + " cross their goals. The start and the cell grow with the notebook's work per rank "
+        "(a command written to each rank, its answer read from each); the idle notebook's "
+        "mostly with the nodes (each node's first rank sends the usage of all its ranks in one "
+        "message a second)."
     )
     big = rows[-1]
     named = max(big["raise_named_s"]["median"], big["kill_named_s"]["median"])

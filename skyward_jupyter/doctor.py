@@ -125,7 +125,7 @@ def ahead_message(r: Rank, calls: int, only: list[int]) -> str:
 
 
 async def heartbeats(ranks: Ranks) -> None:
-    """Beat every live rank; declare one silent past the timeout lost, and kill it.
+    """Beat the live ranks; declare one silent past the timeout lost, and kill it.
 
     A rank heard of in any way (a heartbeat, any message, part of a large one) is not silent.
     Before the verdict it is asked for its stacks: one whose reader still answers is busy (its
@@ -134,13 +134,18 @@ async def heartbeats(ranks: Ranks) -> None:
     interval, timeout = ranks.settings.heartbeat_interval, ranks.settings.heartbeat_timeout
     # Suspected early enough that the probe and this loop's tick still end within the timeout.
     suspect = max(timeout - STACKS_TIMEOUT - interval, 2 * interval)
-    while True:
+    # A node's first rank hears a beat every interval; the others, which wait far longer for
+    # one than the notebook waits for them, four times within that wait, on ticks spread over
+    # the ranks: the notebook's idle writes (and the ranks' wake-ups) grow with its nodes.
+    every = max(1, int(ranks.provider.notebook_silence / (4 * interval)))
+    for tick in itertools.count():
         await asyncio.sleep(interval)
         now = time.monotonic()
         silent = []
         for r in ranks.all:
             if r.alive and r.process is not None:
-                ranks.send(r, ranks.beat)
+                if r.local_rank == 0 or (tick + r.index) % every == 0:
+                    ranks.send(r, ranks.beat)
                 # Until its hello, a rank is starting (loading torch can hold the GIL for
                 # seconds): the start's own timeout applies.
                 if r.hello is not None and now - r.last_heard > suspect:

@@ -48,7 +48,9 @@ class RankStateChanged:
 
 @dataclass(frozen=True, slots=True)
 class RankUsage:
-    """A rank's resource use, with its heartbeat; ``at`` (epoch seconds) is when it arrived."""
+    """A rank's resource use, with its heartbeat; ``at`` (epoch seconds) is when the rank took
+    the sample (one its node's first rank passed on is a moment old when it arrives).
+    """
 
     rank: int
     node: int

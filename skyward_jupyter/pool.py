@@ -426,13 +426,19 @@ class Pool:
             cell = Cell(command.cell_id, self._ranks, live, timeout, self.interrupt_grace, running)
             cell.notes.extend(said)
             self._cell, self._cell_task = cell, asyncio.current_task()
+            # Encoded once, the same bytes written to each rank. The others (``--ranks``) bind
+            # the globals only: the notebook's record of what the ranks hold stays true for
+            # every rank, and they are idle at once.
             frame = wire.encode(command)
-            # The others bind the globals only: the notebook's record of what the ranks hold
-            # stays true for every rank, and they are idle at once.
-            idle = wire.encode(replace(command, source="", script=None))
+            chosen = set(running)  # looked up once per rank: a list would cost ranks squared
+            idle = (
+                frame
+                if len(chosen) == len(live)
+                else wire.encode(replace(command, source="", script=None))
+            )
             self._ranks.set_states(running, RankState.RUNNING)
             for r in live:
-                self._ranks.send(r, frame if r in running else idle)
+                self._ranks.send(r, frame if r in chosen else idle)
             shipped = sum(v.nbytes for v in command.globals.values())
             self._emit(CellStarted(command.cell_id, len(running), shipped))
             try:

@@ -397,6 +397,17 @@ class Usage:
 
 
 @message
+class NodeUsage:
+    """The :class:`Usage` of a node's ranks, sent by its first rank about once a second for all
+    of them (see :mod:`.agent.node_usage`): the notebook reads one message a node, not a rank.
+    Each entry is a rank heard since the last one: its rank, its pid, how many seconds ago its
+    sample was taken, and the sample.
+    """
+
+    ranks: tuple[tuple[int, int, float, Usage], ...]
+
+
+@message
 class Stacks:
     """Where a rank is: every thread's stack (the cell's first), and the collective the cell's
     thread has waited in for ``waited`` seconds, called from ``where`` (a cell or file line).

@@ -469,20 +469,37 @@ class Ranks:
             if isinstance(message, p.Hello):
                 rank.hello = message
             rank.resolve(message)
+        elif isinstance(message, p.NodeUsage):
+            now = time.monotonic()
+            # A sample passed on waited up to an interval for the first rank's next beat: that
+            # wait is not the rank's silence (its own channel would have brought it at once).
+            waited = self.settings.heartbeat_interval
+            for index, pid, age, usage in message.ranks:
+                peer = self.all[index] if 0 <= index < len(self.all) else None
+                # The node's own processes only: a replaced one's last sample is no news.
+                if peer and peer.node is rank.node and peer.hello and peer.hello.pid == pid:
+                    self._usage(peer, usage, now - max(age - waited, 0.0), age)
         elif isinstance(message, p.Usage):
-            rank.usage = message
-            self.emit(
-                RankUsage(
-                    rank.index,
-                    rank.node.index,
-                    message.cpu_percent,
-                    message.rss_bytes,
-                    message.gpu_memory_bytes,
-                    message.gpu_utilization,
-                    time.time(),
-                    message.waiting,
-                    message.waited,
-                )
-            )
+            self._usage(rank, message, time.monotonic(), 0.0)
         elif isinstance(message, p.InputRequest):
             self.on_input(rank, message)
+
+    def _usage(self, rank: Rank, usage: p.Usage, heard: float, age: float) -> None:
+        """A rank's usage sample, taken ``age`` seconds ago; the rank counts as heard at
+        ``heard`` (monotonic).
+        """
+        rank.usage = usage
+        rank.last_heard = max(rank.last_heard, heard)
+        self.emit(
+            RankUsage(
+                rank.index,
+                rank.node.index,
+                usage.cpu_percent,
+                usage.rss_bytes,
+                usage.gpu_memory_bytes,
+                usage.gpu_utilization,
+                time.time() - age,
+                usage.waiting,
+                usage.waited,
+            )
+        )

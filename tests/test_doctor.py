@@ -8,6 +8,8 @@ head rank are answered through a real kernel's stdin requests.
 
 from __future__ import annotations
 
+import collections
+import functools
 import os
 import queue
 import signal
@@ -19,6 +21,8 @@ from typing import Any
 import pytest
 
 from skyward_jupyter import Pool
+from skyward_jupyter import protocol as p
+from skyward_jupyter.events import RankUsage
 
 from .conftest import outputs_of, reply_of, wait_for
 
@@ -120,6 +124,57 @@ def test_a_stopped_rank_is_declared_lost_within_seconds() -> None:
         assert 1 in result.lost
         again = pool.run("import torch.distributed as dist\ndist.get_world_size()")
         assert again.values == [2, 2], again.errors
+
+
+def test_usage_comes_once_a_node_and_a_stopped_first_rank_is_found_alone() -> None:
+    """The notebook reads usage from each node's first rank only, for all its ranks; when that
+    rank stops, it is found by its silence as any rank is, and the others of its node are heard
+    on their own channels meanwhile (none is taken for silent); its replacement gathers again.
+    """
+    with Pool(nodes=2, procs_per_node=3, interrupt_grace=2.0) as pool:
+        ranks = pool._ranks
+        dispatch = ranks._dispatch
+        channels: collections.Counter[int] = collections.Counter()
+        heard: dict[int, float] = {}
+
+        def counting(rank: Any, message: object) -> None:
+            if isinstance(message, p.Usage | p.NodeUsage):
+                channels[rank.index] += 1
+            dispatch(rank, message)
+
+        def note(event: object) -> None:
+            if isinstance(event, RankUsage):
+                heard[event.rank] = event.at
+
+        def heard_since(since: float) -> bool:
+            return len(heard) == 6 and min(heard.values()) > since
+
+        def streams() -> set[int]:
+            """The channels that carried usage in the second of two rounds in which every rank
+            was heard (in the first, a rank may still find its way).
+            """
+            for _ in range(2):
+                since = time.time()
+                channels.clear()
+                wait_for(functools.partial(heard_since, since), 15, "every rank's usage")
+            return set(channels)
+
+        unsubscribe = pool.subscribe(note)
+        ranks._dispatch = counting  # type: ignore[method-assign]  # counts, then dispatches
+        try:
+            assert streams() == {0, 3}  # the nodes' first ranks
+            first = pool.ranks[3].hello.pid  # type: ignore[union-attr]
+            os.kill(first, signal.SIGSTOP)
+            wait_for(lambda: {4, 5} <= set(channels), 10, "node 1's others on their own")
+            wait_for(lambda: (h := pool.ranks[3].hello) is not None and h.pid != first, 20,
+                     "the stopped first rank found and replaced")  # fmt: skip
+            assert streams() == {0, 3}  # the new first rank gathers again
+        finally:
+            ranks._dispatch = dispatch  # type: ignore[method-assign]
+            unsubscribe()
+        result = pool.run("import os\nos.getpid()")
+        assert result.lost == (3,), result.notes  # alone: its node's others kept their namespaces
+        assert len(set(result.values)) == 6 and first not in result.values
 
 
 # ---------------------------------------------------------------- prompts, through a kernel

@@ -57,6 +57,7 @@ from .descendants import (
 )
 from .inbox import Inbox
 from .names import answer as names_answer
+from .node_usage import NodeUsage, socket_path
 from .output import FdCapture, PythonStreams
 from .process import UsageMeter, flush_c_stdio, set_process_name, unread_bytes
 from .relay import RelayKeys
@@ -74,6 +75,7 @@ _AGENT_THREADS = {
     "watchdog",
     "capture-stdout",
     "capture-stderr",
+    "node-usage",
     "relay",
     "relay-fetch",
     "store",
@@ -189,6 +191,15 @@ class Agent:
         threading.excepthook = self._thread_died
         # Helper threads inherit a blocked SIGINT, so a process-wide SIGINT reaches the main thread.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "pool")
+        self.node_usage = NodeUsage(  # the node's first rank starts its thread here
+            group.rank,
+            socket_path(run_id, int(os.environ.get("GROUP_RANK", "0"))),
+            group.local_rank == 0,
+            os.environ.get("LOCAL_WORLD_SIZE", "1") == "1",
+            self.channel.send,
+            self._diagnose,
+        )
         self.captures = [
             FdCapture(1, "stdout", self._emit_output),
             FdCapture(2, "stderr", self._emit_output),
@@ -287,6 +298,7 @@ class Agent:
         try:
             end_descendants(os.getpid())
             removals = self._leave_files()
+            self.node_usage.close()
             if self._private_dir is not None:
                 remove_private_dir(self._private_dir)
             for path in removals:
@@ -354,7 +366,7 @@ class Agent:
                     usage = dataclasses.replace(
                         usage, waiting=f"{seen.collective} at {seen.where}", waited=waited
                     )
-                self.channel.send(usage)
+                self.node_usage.beat(usage)
                 last_beat = now
 
     def _interrupt_cell(self, cell_id: int | None) -> None:
