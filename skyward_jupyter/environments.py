@@ -283,6 +283,14 @@ class NodeEnvironment:
         )
 
 
+def torch_choices(envs: Mapping[str, NodeEnvironment]) -> str | None:
+    """The line said once per pool on torch's build per node (``envs`` by the node's name),
+    None when no node had one chosen.
+    """
+    chosen = [f"{name}: {env.torch}" for name, env in envs.items() if env.torch]
+    return "torch per node: " + "; ".join(chosen) if chosen else None
+
+
 async def follow(
     lines: AsyncIterator[str], digest: str, where: str, say: Callable[[str], None]
 ) -> NodeEnvironment:

@@ -398,3 +398,14 @@ def test_uv_installs_from_where_the_nodes_pip_is_configured_to(
     assert settings["UV_INDEX_URL"] == "file:///srv/z"
     assert settings["UV_EXTRA_INDEX_URL"].split()[-2:] == ["file:///srv/b", "file:///srv/c"]
     assert settings["UV_FIND_LINKS"].split(",")[-2:] == ["/srv/wheels", "/srv/more"]
+
+
+def test_torchs_build_per_node_is_said_in_one_line_naming_the_nodes_that_had_one_chosen() -> None:
+    from skyward_jupyter.environments import NodeEnvironment, torch_choices
+
+    chosen = NodeEnvironment("d", "/s", 1, False, torch="torch 2.13.0+cpu kept")
+    plain = NodeEnvironment("d", "/s", 1, False)
+    assert torch_choices({"node 0": chosen, "node 1": plain, "node 2": chosen}) == (
+        "torch per node: node 0: torch 2.13.0+cpu kept; node 2: torch 2.13.0+cpu kept"
+    )
+    assert torch_choices({"node 0": plain}) is None

@@ -33,7 +33,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..environments import BUILDER, NodeEnvironment, Packages, notebook_uv, run_builder
+from ..environments import (
+    BUILDER,
+    NodeEnvironment,
+    Packages,
+    notebook_uv,
+    run_builder,
+    torch_choices,
+)
 from ..events import RankState
 from ..gpus import NO_GPU, check_cpu_or_gpus, check_gpu_layout, gpu_model, same_gpu
 from ..wire_lines import MODE, STREAM_LIMIT, LineReader, LineWriter
@@ -384,9 +391,8 @@ class SlurmProvider(Provider):
 
         built = await asyncio.gather(*(one(node) for node in nodes))
         found = {node.index: env for node, env in zip(nodes, built, strict=True)}
-        chosen = [f"node {i}: {env.torch}" for i, env in found.items() if env.torch]
-        if chosen:
-            self.warnings.append("torch per node: " + "; ".join(chosen))
+        if said := torch_choices({f"node {i}": env for i, env in found.items()}):
+            self.warnings.append(said)
         return found
 
     async def release(self) -> None:

@@ -41,6 +41,7 @@ from ..environments import (
     follow,
     is_notebook_torch,
     notebook_uv,
+    torch_choices,
     uv_tarball,
     wheels_tarball,
 )
@@ -629,9 +630,8 @@ class SSHProvider(Provider):
 
         built = await asyncio.gather(*(one(node) for node in nodes))
         found = {node.index: env for node, env in zip(nodes, built, strict=True)}
-        chosen = [f"{self.hosts[i]}: {env.torch}" for i, env in found.items() if env.torch]
-        if chosen:
-            self.warnings.append("torch per node: " + "; ".join(chosen))
+        if said := torch_choices({str(self.hosts[i]): env for i, env in found.items()}):
+            self.warnings.append(said)
         return found
 
     async def _torch_to_send(self, node: Node, packages: Packages) -> str | None:
