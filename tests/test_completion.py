@@ -141,3 +141,18 @@ def test_who_lists_each_ranks_names_with_tensor_shape_dtype_and_device(nb: Kerne
     assert "rank 0:" in both and "rank 1:" in both and both.count("weights") == 2
     refused = nb.fails("%sky who --ranks 5")
     assert "--ranks 5: pool 'default' has ranks 0-1" in refused.stderr
+
+
+def test_with_no_pool_the_notebooks_own_completions_stand_alone() -> None:
+    """No pool ready: the matcher asks nothing and offers nothing; IPython's completions (the
+    notebook's names, their attributes) are what Tab shows.
+    """
+    kernel = Kernel()
+    try:
+        kernel.ok("%config IPCompleter.use_jedi = False\n%load_ext skyward_jupyter")
+        kernel.ok("modest = 'a notebook name'")
+        assert complete(kernel, "mod") == ["modest"]
+        assert [c for c in complete(kernel, "modest.up") if c.endswith("upper")]
+        assert complete(kernel, "model.") == []  # bound nowhere: nothing to offer
+    finally:
+        kernel.close()
