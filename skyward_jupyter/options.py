@@ -14,7 +14,7 @@ import difflib
 import functools
 import os
 import re
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -25,8 +25,14 @@ from .flags import Option as Option  # the magics read the rows' type from here
 from .flags import identifier, int_at_least, ranged, rank_set, switch
 from .frameworks import FRAMEWORKS, KERAS_BACKENDS
 from .gpus import parse_gpu
-from .providers import DEFAULT, names, provider_classes
-from .providers.base import ProviderError
+from .providers import (
+    DEFAULT,
+    UnknownProvider,
+    leave_out,
+    names,
+    provider_class,
+    provider_classes,
+)
 
 
 def _env(text: str) -> tuple[str, str]:
@@ -81,6 +87,11 @@ def _gpu(text: str) -> str:
 def _provider(text: str) -> str:
     if text not in names():
         raise argparse.ArgumentTypeError(f"unknown provider {text!r}; known: {', '.join(names())}")
+    provider_groups()  # leaves out the providers whose options clash
+    try:
+        provider_class(text)
+    except UnknownProvider as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return text
 
 
@@ -88,29 +99,24 @@ def _provider(text: str) -> str:
 def provider_groups() -> tuple[tuple[str, tuple[Option, ...]], ...]:
     """Each installed provider's own options, under its name, as the magics take them (their
     text, which the provider parses once it is known). A flag several providers declare is
-    shown once, under all their names, with what it means to each. Made once per process, as
-    the providers are found once (every cell's options read it).
+    shown once, under all their names, with what it means to each. A provider that declares a
+    pool's flag, or one another provider declared first with another action, is left out with
+    a warning: the others' cells must still run. Made once per process, as the providers are
+    found once (every cell's options read it).
     """
     owners: dict[str, list[tuple[str, Option]]] = {}
     pool = {o.flag for o in POOL_OPTIONS}
     for cls in provider_classes():
-        for option in cls.Options.declared().values():
-            if option.flag in pool:
-                raise ProviderError(
-                    f"the {cls.name} provider declares {option.flag}, which every pool has: "
-                    "a provider's options need names of their own"
-                )
+        own = list(cls.Options.declared().values())
+        clash = _clash(cls.name, own, pool, owners)
+        if clash is not None:
+            leave_out(cls.name, clash)
+            continue
+        for option in own:
             owners.setdefault(option.flag, []).append((cls.name, option))
     groups: dict[str, list[Option]] = {}
     for flag, declared in owners.items():
         first = declared[0][1]
-        actions = {str(o.kwargs.get("action")) for _, o in declared}
-        if len(actions) > 1:
-            who = " and ".join(name for name, _ in declared)
-            raise ProviderError(
-                f"the {who} providers declare {flag} differently ({', '.join(sorted(actions))}): "
-                "a flag providers share takes its values alike"
-            )
         helps = dict.fromkeys(o.help for _, o in declared)
         help = first.help
         if len(helps) > 1:
@@ -119,6 +125,31 @@ def provider_groups() -> tuple[tuple[str, tuple[Option, ...]], ...]:
         text = first.as_text()
         groups.setdefault(title, []).append(Option(flag, help, text.kwargs))
     return tuple((title, tuple(found)) for title, found in groups.items())
+
+
+def _clash(
+    name: str,
+    declared: Iterable[Option],
+    pool: set[str],
+    owners: Mapping[str, list[tuple[str, Option]]],
+) -> str | None:
+    """Why provider ``name``'s options cannot join the others' (None: they can)."""
+    for option in declared:
+        if option.flag in pool:
+            return (
+                f"the {name} provider declares {option.flag}, which every pool has: a "
+                "provider's options need names of their own; it is left out (update or "
+                "uninstall its package)"
+            )
+        earlier = owners.get(option.flag)
+        action = str(option.kwargs.get("action"))
+        if earlier and str(earlier[0][1].kwargs.get("action")) != action:
+            return (
+                f"the {name} provider declares {option.flag} differently from the "
+                f"{earlier[0][0]} provider: a flag providers share takes its values alike; it "
+                "is left out (update or uninstall its package)"
+            )
+    return None
 
 
 POOL_EXAMPLES = (("--nodes 2", "two ranks, torch.distributed ready"),)

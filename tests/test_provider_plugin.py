@@ -157,3 +157,73 @@ def test_a_provider_that_cannot_load_leaves_the_others_and_says_why(tmp_path: Pa
     assert f"WARNED {why}\n" in out, out
     assert "HELP True\n" in out, out
     assert f"REFUSED {why}\n" in out, out
+
+
+CLASH = """
+from dataclasses import dataclass
+from skyward_jupyter.providers.base import ProviderOptions, option
+from skyward_jupyter.providers.local import LocalProvider
+
+@dataclass(frozen=True)
+class ClashOptions(ProviderOptions):
+    nodes: int = option("its own node count", default=1)
+
+class ClashProvider(LocalProvider):
+    name = "clash"
+    Options = ClashOptions
+
+@dataclass(frozen=True)
+class SwitchOptions(ProviderOptions):
+    python: bool = option("a switch where the others take a path", action="store_true")
+
+class SwitchProvider(LocalProvider):
+    name = "switch"
+    Options = SwitchOptions
+"""
+
+
+def test_a_provider_whose_options_clash_with_the_pools_is_left_out_and_the_rest_runs(
+    tmp_path: Path,
+) -> None:
+    """An installed provider that declares ``--nodes`` (every pool's), and one that takes
+    ``--python`` as a switch (the others' path): the magics load, a warning names each, the help
+    and the other providers' pools work, and asking for one is a line saying why.
+    """
+    info = tmp_path / "skyward_clash-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: skyward-clash\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(
+        f"[{GROUP}]\nclash = skyward_clash:ClashProvider\nswitch = skyward_clash:SwitchProvider\n"
+    )
+    (tmp_path / "skyward_clash.py").write_text(CLASH)
+    code = (
+        "import warnings\n"
+        "warnings.simplefilter('always')\n"
+        "with warnings.catch_warnings(record=True) as said:\n"
+        "    from skyward_jupyter.magics import _help\n"
+        "    page = _help()\n"
+        "print('WARNED', *[str(w.message) for w in said])\n"
+        "print('HELP', 'ssh provider options' in page, 'its own node count' in page)\n"
+        "from skyward_jupyter.session import USER_ERRORS, Session\n"
+        "print('LOCAL', Session().spec_from({'nodes': 2}).nodes)\n"
+        "try:\n"
+        "    Session().spec_from({'provider': 'clash'})\n"
+        "except USER_ERRORS as exc:\n"
+        "    print('REFUSED', exc)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    why = (
+        "the clash provider declares --nodes, which every pool has: a provider's options need "
+        "names of their own; it is left out (update or uninstall its package)"
+    )
+    other = (
+        "the switch provider declares --python differently from the aws provider: a flag "
+        "providers share takes its values alike; it is left out (update or uninstall its package)"
+    )
+    assert f"WARNED {why} {other}\n" in out, out
+    assert "HELP True False\n" in out, out
+    assert "LOCAL 2\n" in out, out
+    assert f"REFUSED {why}" in out, out

@@ -35,6 +35,9 @@ added); a test holds the two the same."""
 
 _loaded: dict[str, type[Provider]] = {}
 _broken: set[str] = set()
+_left_out: dict[str, str] = {}
+"""Providers that load but whose options clash with the pool's or another provider's, with
+why (:func:`leave_out`)."""
 
 
 class UnknownProvider(LookupError):
@@ -59,6 +62,8 @@ def names() -> tuple[str, ...]:
 
 def provider_class(name: str) -> type[Provider]:
     """The provider called ``name``, its module imported the first time."""
+    if name in _left_out:
+        raise UnknownProvider(_left_out[name])
     if name not in _loaded:
         point = _entry_points().get(name)
         if point is None:
@@ -77,6 +82,15 @@ def provider_class(name: str) -> type[Provider]:
             )
         _loaded[name] = cls
     return _loaded[name]
+
+
+def leave_out(name: str, why: str) -> None:
+    """Leave the provider ``name`` out from here on (said once, as a warning): its options
+    would break every pool's (a flag the pool has, or another provider's taken otherwise).
+    """
+    if name not in _left_out:
+        _left_out[name] = why
+        warnings.warn(why, stacklevel=2)
 
 
 def provider_classes() -> list[type[Provider]]:
