@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.metadata as metadata
 import pwd
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -33,19 +34,51 @@ NODES, PER_NODE = 8, 4
 hosts = ssh_hosts_fixture(NODES, "fanout-hosts")
 
 
+SHIPPED = Packages(("sympy",), wheels=True)
+"""What the pool's nodes install, from wheels the notebook sends (sympy and mpmath: about 7 MB,
+with uv where the notebook has it): the hosts reach no index."""
+
+
+@dataclass
+class Start:
+    """The module's pool, and the bytes on each link while it started."""
+
+    pool: Pool
+    before: list[tuple[int, int]]
+    after: list[tuple[int, int]]
+    uplink: int
+    """What the notebook sent the hosts meanwhile."""
+    wheels: Path
+    """The folder of wheels the notebook downloaded for the hosts."""
+
+
 @pytest.fixture(scope="module")
-def pool(hosts: Hosts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
-    """The pool; once it is closed, every node's store of large values is gone with it."""
-    provider = ssh_provider(hosts, NODES, tmp_path_factory.mktemp("fanout"))
-    with Pool(NODES, PER_NODE, provider=provider, frameworks=Frameworks(torch=False)) as made:
-        made.run("1").raise_for_errors()
-        relay = made._ranks.settings.relay
-        assert relay is not None
-        base = Path(f"/dev/shm/skyward-{pwd.getpwnam(hosts.user).pw_uid}")
-        stores = [NodeBlobs(relay.token, i, base).dir for i in range(NODES)]
-        assert all(store.is_dir() for store in stores), stores
-        yield made
+def started(hosts: Hosts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Start]:
+    """The pool, started with ``--ship-wheels``; once it is closed, every node's store of
+    large values is gone with it.
+    """
+    tmp = tmp_path_factory.mktemp("fanout")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SKYWARD_WHEELS", str(tmp / "wheels"))
+        provider = ssh_provider(hosts, NODES, tmp)
+        before, uplink = _links(hosts), _uplink(hosts)
+        with Pool(
+            NODES, PER_NODE, provider=provider, frameworks=Frameworks(torch=False), packages=SHIPPED
+        ) as made:
+            after, uplink = _links(hosts), _uplink(hosts) - uplink
+            made.run("1").raise_for_errors()
+            relay = made._ranks.settings.relay
+            assert relay is not None
+            base = Path(f"/dev/shm/skyward-{pwd.getpwnam(hosts.user).pw_uid}")
+            stores = [NodeBlobs(relay.token, i, base).dir for i in range(NODES)]
+            assert all(store.is_dir() for store in stores), stores
+            yield Start(made, before, after, uplink, next((tmp / "wheels").iterdir()))
     wait_for(lambda: not any(s.exists() for s in stores), 10, "the nodes' stores to go")
+
+
+@pytest.fixture(scope="module")
+def pool(started: Start) -> Pool:
+    return started.pool
 
 
 def _link(hosts: Hosts, i: int, which: str) -> int:
@@ -147,34 +180,24 @@ def test_a_rank_killed_during_a_cell_is_named_with_its_signal_and_the_pool_goes_
 
 
 def test_wheels_for_hosts_without_an_index_leave_the_notebook_once_and_the_hosts_pass_them_on(
-    hosts: Hosts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    started: Start,
 ) -> None:
     """``--ship-wheels`` on 8 hosts: what the notebook sends for their packages (the wheels, and
     uv where it has it) crosses its uplink once, to one host; the hosts pass it on in a tree, so
-    none sends more than two copies and each receives one. Every rank imports the package.
+    none sends more than two copies and each receives one. Every rank finds the package.
     """
-    monkeypatch.setenv("SKYWARD_WHEELS", str(tmp_path / "wheels"))
-    packages = Packages(("sympy",), wheels=True)  # sympy and mpmath: about 7 MB of wheels
+    result = started.pool.run("import importlib.metadata as m\nm.version('sympy')", timeout=60)
+    assert result.values == [metadata.version("sympy")] * NODES * PER_NODE, result.errors
     uv = notebook_uv()
-    provider = ssh_provider(hosts, NODES, tmp_path)
-    said: list[str] = []
-    before, uplink = _links(hosts), _uplink(hosts)
-    with Pool(NODES, 1, provider=provider, frameworks=Frameworks(torch=False), packages=packages) \
-            as shipped:  # fmt: skip
-        shipped.subscribe(lambda event: said.append(str(getattr(event, "detail", ""))))
-        after, uplink = _links(hosts), _uplink(hosts) - uplink
-        result = shipped.run("import sympy\nsympy.__version__", timeout=60)
-        assert result.values == [metadata.version("sympy")] * NODES, result.errors
-    wheels = next((tmp_path / "wheels").iterdir())
-    size = len(wheels_tarball(wheels)) + (len(uv_tarball(uv)[1]) if uv else 0)
-    sent = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
-    received = [a[1] - b[1] for a, b in zip(after, before, strict=True)]
+    size = len(wheels_tarball(started.wheels)) + (len(uv_tarball(uv)[1]) if uv else 0)
+    pairs = zip(started.after, started.before, strict=True)
+    sent, received = zip(*((a[0] - b[0], a[1] - b[1]) for a, b in pairs), strict=True)
     shares = (
-        f"uplink/size {uplink / size:.2f}, sent/size {[round(s / size, 2) for s in sent]}, "
-        f"received/size {[round(r / size, 2) for r in received]}"
+        f"uplink/size {started.uplink / size:.2f}, sent/size {[round(s / size, 2) for s in sent]}"
+        f", received/size {[round(r / size, 2) for r in received]}"
     )
-    # The start's own traffic (this package's tarball, SSH) is a few hundred kB per host.
+    # The start's own traffic (this package's tarball, SSH, 4 ranks) is under 1 MiB a host.
     slack = 1 << 20
-    assert uplink < size + NODES * slack, shares
+    assert started.uplink < size + NODES * slack, shares
     assert all(s < 2.2 * size + slack for s in sent), shares
     assert all(size < r < 1.3 * size + slack for r in received), shares
