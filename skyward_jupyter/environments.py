@@ -28,13 +28,13 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .agent.environments import CPU_INDEX, installed_torch, installer_reason
+from .agent.environments import build_index, installer_reason
 from .providers.base import ProviderError
 
 BUILDER = ("-m", "skyward_jupyter.agent.environments", "build")
 """The builder's arguments after the node's Python."""
-TORCH_BUILD = ("-m", "skyward_jupyter.agent.environments", "torch-build")
-"""The arguments that ask a node which build of torch it takes."""
+TORCH_WANTED = ("-m", "skyward_jupyter.agent.environments", "torch-wanted")
+"""The arguments that ask a node which torch its build will install."""
 WHEELS = "~/.cache/skyward_jupyter/wheels"
 """Where the notebook keeps the wheels it downloads for nodes without an index."""
 UV = "~/.cache/skyward_jupyter/uv"
@@ -92,25 +92,26 @@ class Packages:
         }
         return json.dumps(given).encode() + b"\n"
 
-    def download(self, torch_build: str | None = None) -> Path:
+    def download(self, torch: str | None = None) -> Path:
         """The wheels of these packages and of all they need, downloaded here once per content
-        (``pip download``, binary only, torch pinned to the notebook's version); with
-        ``torch_build`` (``cpu``, ``cu126``: for nodes without torch, or with another), torch
-        too, in that build: what nodes without an index install from. They are this machine's
+        (``pip download``, binary only, torch pinned to the notebook's version); with ``torch``
+        (``2.13.0+cu126``: what a node without torch, or with another, will install), that
+        torch too: what nodes without an index install from. They are this machine's
         platform's: nodes must share it.
         """
         root = wheels_root()
-        target = root / f"{self.digest[:16]}{f'-torch-{torch_build}' if torch_build else ''}"
+        target = root / f"{self.digest[:16]}{f'-torch-{torch}' if torch else ''}"
         if target.is_dir():
             return target
         root.mkdir(parents=True, exist_ok=True)
         staging = root / f"{target.name}.{secrets.token_hex(4)}"
-        torch, sources = torch_wheel(torch_build)
+        pinned = torch or notebook_torch()
         with tempfile.TemporaryDirectory(prefix="sky-wheels-") as scratch:
             pins = Path(scratch) / "constraints.txt"
-            pins.write_text(f"torch=={torch}\n" if torch else "")
+            pins.write_text(f"torch=={pinned}\n" if pinned else "")
             wanted = Path(scratch) / "requirements.txt"
-            asked = (*self.requirements, *sources, *([f"torch=={torch}"] if torch_build else []))
+            extra = [*torch_sources(torch), f"torch=={torch}"] if torch else []
+            asked = (*self.requirements, *extra)
             wanted.write_text("".join(f"{line}\n" for line in (*asked, f"-c {pins}")))
             done = subprocess.run(
                 [sys.executable, "-m", "pip", "download", "--only-binary=:all:", "--no-input",
@@ -131,35 +132,13 @@ class Packages:
         return target
 
 
-def torch_wheel(build: str | None) -> tuple[str | None, list[str]]:
-    """torch's version for nodes of ``build`` (None: the notebook's, as every install pins it)
-    and the index lines to download it from: the notebook's own where its build is that one,
-    else PyTorch's index of that build (``2.13.0+cu126`` from ``.../whl/cu126``).
+def torch_sources(torch: str) -> list[str]:
+    """Where to download ``torch`` (``2.13.0+cu126``) from besides this machine's own sources:
+    none for the notebook's own version, else PyTorch's index of its build.
     """
-    torch = notebook_torch()
-    if build is None or torch is None or notebook_torch_build() == build:
-        return torch, []
-    index = CPU_INDEX.replace("/cpu", f"/{build}")
-    return f"{torch.split('+', 1)[0]}+{build}", [f"--extra-index-url {index}"]
-
-
-def is_notebook_torch(torch: str, build: str) -> bool:
-    """Whether a node's ``torch`` is the notebook's version in ``build``; one without a local
-    tag (PyPI's Linux wheels: a recent CUDA) is taken as a CUDA build that suits.
-    """
-    notebook = notebook_torch() or ""
-    if torch.split("+", 1)[0] != notebook.split("+", 1)[0]:
-        return False
-    return torch.endswith(f"+{build}") if "+" in torch else build != "cpu"
-
-
-def notebook_torch_build() -> str | None:
-    """The build of the notebook's torch (``cpu``, ``cu126``), None without one."""
-    found = installed_torch()
-    if found is None:
-        return None
-    cuda = found[1]
-    return "cpu" if cuda is None else "cu" + "".join(cuda.split(".")[:2])
+    if torch == notebook_torch() or "+" not in torch:
+        return []
+    return [f"--extra-index-url {build_index(torch.split('+', 1)[1])}"]
 
 
 def wheels_root() -> Path:

@@ -26,6 +26,7 @@ from .flags import identifier, int_at_least, ranged, rank_set, switch
 from .frameworks import FRAMEWORKS, KERAS_BACKENDS
 from .gpus import parse_gpu
 from .providers import (
+    BUILT_IN,
     DEFAULT,
     UnknownProvider,
     leave_out,
@@ -106,7 +107,8 @@ def provider_groups() -> tuple[tuple[str, tuple[Option, ...]], ...]:
     """
     owners: dict[str, list[tuple[str, Option]]] = {}
     pool = {o.flag for o in POOL_OPTIONS}
-    for cls in provider_classes():
+    # This package's own first: a plugin cannot take a flag from them by its name's order.
+    for cls in sorted(provider_classes(), key=lambda c: c.name not in BUILT_IN):
         own = list(cls.Options.declared().values())
         clash = _clash(cls.name, own, pool, owners)
         if clash is not None:

@@ -5,19 +5,23 @@ tree, turning higher when a parent cannot serve, and each unpacks its copy whole
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import io
 import json
+import shlex
 import socket
 import subprocess
 import sys
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from subprocess import PIPE
 from typing import Any
 
 import pytest
 
+from skyward_jupyter.agent.bundles import unpack
 from skyward_jupyter.relay_keys import RelaySecrets
 
 KEYS = RelaySecrets.make(encrypted=True)
@@ -98,7 +102,7 @@ def test_a_host_whose_parent_cannot_serve_fetches_from_the_root(
     tarball = _tarball({"a.whl": b"A" * 3_000_000, "sub/b.txt": b"b"})
     digest = hashlib.sha256(tarball).hexdigest()
     relays.append(root := Relay(tmp_path / "root" / "wheels", tarball, [], digest))
-    port = root.until("port")["port"]
+    port = root.until("serving")["serving"]
     gone = [1, "127.0.0.1", _closed_port()]
     sources = [gone, [0, "127.0.0.1", port]]
     relays.append(child := Relay(tmp_path / "child" / "wheels", tarball, sources, digest))
@@ -111,17 +115,73 @@ def test_a_host_whose_parent_cannot_serve_fetches_from_the_root(
     assert root.close() == 0 and child.close() == 0
 
 
-def test_bytes_that_do_not_match_the_digest_are_not_unpacked_nor_passed_on(
+def test_bytes_that_do_not_match_the_digest_are_neither_served_nor_unpacked(
     relays: list[Relay], tmp_path: Path
 ) -> None:
     tarball = _tarball({"a.whl": b"A"})
     digest = hashlib.sha256(b"something else").hexdigest()
     relays.append(root := Relay(tmp_path / "root" / "wheels", tarball, [], digest))
-    port = root.until("port")["port"]
-    relays.append(child := Relay(tmp_path / "child" / "wheels", tarball, [[0, "127.0.0.1", port]],
-                                 digest))  # fmt: skip
-    assert "does not match its digest" in root.until("done")["error"]
-    failed = child.until("done")["error"]
-    assert "the relay of node 0, the head (127.0.0.1:" in failed, failed
+    said = root.until("serving")
+    assert "does not match its digest" in said["error"], said  # it never served
+    assert root.process.wait(10) == 1
     assert not (tmp_path / "root").exists() or not any((tmp_path / "root").iterdir())
-    assert not (tmp_path / "child").exists()
+
+
+class _Local:
+    """A process here with the face of an SSH session's (what ``Receiver.open`` gives)."""
+
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        self._process = process
+        self.stdin, self.stdout, self.stderr = process.stdin, process.stdout, process.stderr
+
+    async def wait_closed(self) -> None:
+        await self._process.wait()
+
+    def close(self) -> None:
+        if self._process.returncode is None:
+            self._process.kill()
+
+
+def test_the_notebook_passes_a_bundle_along_the_tree_and_sends_it_itself_where_no_relay_can(
+    tmp_path: Path,
+) -> None:
+    """Three hosts lack the bundle: the first gets it from the notebook and serves it; the
+    second's relay cannot start (its Python is broken), so the notebook sends it the bundle
+    itself; the third fetches it from the first. The notebook sent it twice, not three times.
+    """
+    from skyward_jupyter.providers.base import Node
+    from skyward_jupyter.providers.ssh_bundles import Bundle, Receiver, pass_bundle
+
+    tarball = _tarball({"a.whl": b"W" * 2_000_000})
+    sent_here: list[str] = []
+    said: list[str] = []
+
+    async def open_here(command: str) -> _Local:
+        argv = shlex.split(command)
+        made = await asyncio.create_subprocess_exec(*argv, stdin=PIPE, stdout=PIPE, stderr=PIPE)
+        return _Local(made)
+
+    async def run_here(argv: Sequence[str]) -> int:
+        return await asyncio.wait_for((await asyncio.create_subprocess_exec(*argv)).wait(), 30)
+
+    async def send_here(target: str, data: bytes) -> None:
+        sent_here.append(target)
+        unpack(data, Path(target))
+
+    def receiver(i: int, python: list[str]) -> Receiver:
+        return Receiver(Node(i, "127.0.0.1"), f"host{i}", open_here, run_here, send_here,
+                        python, str(tmp_path / f"host{i}"))  # fmt: skip
+
+    good = [sys.executable]
+    hosts = [receiver(0, good), receiver(1, ["false"]), receiver(2, good)]
+    bundle = Bundle("wheels", "wheels/x", lambda: tarball)
+    asyncio.run(pass_bundle(bundle, hosts, lambda text, node=None, state=None: said.append(text)))
+    for i in range(3):
+        assert (tmp_path / f"host{i}" / "wheels/x" / "a.whl").read_bytes() == b"W" * 2_000_000
+    assert sent_here == [str(tmp_path / "host1" / "wheels/x")], said
+    assert sum("packages: sending wheels" in line for line in said) == 2, said
+    assert any("from node 0" in line for line in said), said
+    # a second pass finds every host's copy and sends nothing
+    said.clear()
+    asyncio.run(pass_bundle(bundle, hosts, lambda text, node=None, state=None: said.append(text)))
+    assert said == [] and len(sent_here) == 1

@@ -9,6 +9,7 @@ are in tests/test_packages_ssh.py.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata as metadata
 import io
 import json
 import os
@@ -265,25 +266,21 @@ def test_torchs_build_for_a_nodes_driver() -> None:
     assert plan(("2.12.0+cu126", "12.6"), "2.13.0+cpu", False, False)[0] == []
 
 
-def test_a_node_without_an_index_is_sent_torch_in_the_build_its_driver_takes(
+def test_a_node_without_an_index_is_sent_the_torch_its_build_will_install(
     tmp_path: Path,
 ) -> None:
     """``--ship-wheels`` to a node without torch (or, ``--mirror``, with another): the node
-    says which build its driver takes (read by the same code as its build step), and the
-    notebook downloads that build: its own torch where that is its build, else PyTorch's index
-    of that build. A driver too old for any build is refused in one line.
+    says which torch its build will install (the build's own decision, made there with its
+    driver), and the notebook downloads that one: from its own sources where it is the
+    notebook's, else from PyTorch's index of that build. A driver too old for any build is
+    refused in one line. (This machine's Python stands for the node: torch 2.13.0+cpu.)
     """
-    from skyward_jupyter.environments import (
-        TORCH_BUILD,
-        is_notebook_torch,
-        notebook_torch,
-        torch_wheel,
-    )
+    from skyward_jupyter.environments import TORCH_WANTED, torch_sources
 
     fake = tmp_path / "bin"
     fake.mkdir()
 
-    def build_with(cuda: str | None) -> dict[str, str]:
+    def wanted(notebook: str, variant: bool, cuda: str | None = None) -> dict[str, str | None]:
         smi = fake / "nvidia-smi"
         smi.unlink(missing_ok=True)
         if cuda is not None:
@@ -291,7 +288,8 @@ def test_a_node_without_an_index_is_sent_torch_in_the_build_its_driver_takes(
             smi.write_text(f"#!/bin/sh\necho '{line}'\n")
             smi.chmod(0o755)
         said = subprocess.run(
-            [sys.executable, *TORCH_BUILD],
+            [sys.executable, *TORCH_WANTED],
+            input=json.dumps({"torch": notebook, "variant": variant}) + "\n",
             capture_output=True,
             text=True,
             env={**os.environ, "PATH": f"{fake}:/usr/bin:/bin"},
@@ -299,22 +297,18 @@ def test_a_node_without_an_index_is_sent_torch_in_the_build_its_driver_takes(
         )
         return json.loads(said.stdout)  # type: ignore[no-any-return]
 
-    assert build_with(None) == {"build": "cpu"}
-    assert build_with("12.6") == {"build": "cu126"}
-    assert "CUDA 11.4, older than torch's oldest CUDA build (11.8)" in build_with("11.4")["error"]
-    torch = notebook_torch()
-    assert torch == "2.13.0+cpu"  # this machine's pinned wheel
-    assert torch_wheel("cpu") == ("2.13.0+cpu", [])  # the notebook's own wheel
-    assert torch_wheel("cu126") == (
-        "2.13.0+cu126",
-        ["--extra-index-url https://download.pytorch.org/whl/cu126"],
-    )
-    assert torch_wheel(None) == ("2.13.0+cpu", [])  # only the pin, nothing downloaded
-    # a host's torch that is already the notebook's version in that build is not sent again
-    same = [("2.13.0+cu126", "cu126"), ("2.13.0+cpu", "cpu"), ("2.13.0", "cu128")]
-    other = [("2.13.0+cpu", "cu126"), ("2.12.0+cu126", "cu126"), ("2.13.0", "cpu")]
-    assert all(is_notebook_torch(*case) for case in same)  # "2.13.0": PyPI's CUDA wheel
-    assert not any(is_notebook_torch(*case) for case in other)
+    assert wanted("2.13.0+cpu", False, "12.6") == {"wanted": None}  # its own torch stays
+    assert wanted("2.13.0+cpu", True) == {"wanted": None}  # the notebook's, in the cpu build
+    assert wanted("2.13.0+cpu", True, "12.6") == {"wanted": "2.13.0+cu126"}
+    assert wanted("2.12.0+cpu", True) == {"wanted": "2.12.0+cpu"}
+    assert wanted("2.13.0", True, "12.8") == {"wanted": "2.13.0+cu128"}
+    too_old = wanted("2.13.0+cpu", True, "11.4")["error"] or ""
+    assert "CUDA 11.4, older than torch's oldest CUDA build (11.8)" in too_old
+    # the notebook's own version comes from its own sources; another build from its index
+    assert torch_sources(metadata.version("torch")) == []
+    assert torch_sources("2.13.0+cu126") == [
+        "--extra-index-url https://download.pytorch.org/whl/cu126"
+    ]
 
 
 def test_a_provider_that_installs_nothing_refuses_pip_before_any_machine() -> None:

@@ -2,22 +2,24 @@
 ``--ship-wheels``, the uv binary): it crosses the notebook's uplink once, and the hosts pass it
 on among themselves.
 
-The notebook sends a bundle (a gzipped tar) to the first host that lacks it. Every host that
-needs it serves it to two others in a binary tree, with the ranks' relay server
+The notebook sends a bundle (a gzipped tar) to the first host that lacks it. Each host, once it
+has the bundle whole, serves it to two others in a binary tree, with the ranks' relay server
 (:mod:`.relay`): the same checks, so a host takes only the bytes whose sha256 the notebook named
 in its request, and serves only clients that prove they hold the token the notebook made for
-this pass, over TLS with a certificate made for it too. A host whose parent cannot serve (gone,
-or its own fetch failed) fetches from the parent's ancestors, the first host last. Each host
-unpacks the bundle into its cache folder (in a fresh folder, renamed into place, so no reader
-sees it half-written), says so, and serves until the notebook closes its input, once every
-host has its copy.
+this pass, over TLS with a certificate made for it too. A host starts fetching only once its
+parent serves (it never waits on a relay for bytes still coming); one whose parent cannot serve
+(gone, unreachable) fetches from the parent's ancestors, the first host last, and the notebook
+sends the bundle itself to a host that got it from none. Each host unpacks the bundle into its
+cache folder (in a fresh folder, renamed into place, so no reader sees it half-written), says
+so, and serves until the notebook closes its input, once every host has its copy.
 
 Run as ``python -m skyward_jupyter.agent.bundles`` with one JSON line on stdin (``{"target",
-"digest", "nbytes", "node", "root", "sources", "token", "cert", "key"}``: ``sources``, the relays
-to fetch from, parent first, as ``[node, address, port]``; none for the first host, which then
-reads the ``nbytes`` bytes from stdin; ``root``, the first host's address, which it listens on
-and the others' route to which they listen on). It prints JSON lines: ``{"port": N}`` once it
-serves, ``{"fetching": NODE}``, then ``{"done": true}`` or ``{"error": WHY}``.
+"digest", "nbytes", "root", "sources", "token", "cert", "key"}``: ``sources``, the relays to
+fetch from, parent first, as ``[node, address, port]``; none for the first host, which then
+reads the ``nbytes`` bytes from stdin; ``root``, the first host's address, which it listens on,
+the others on their route to it). It prints JSON lines: ``{"fetching": NODE}``, ``{"serving":
+PORT}`` once it has the bundle (``null`` where it cannot listen), then ``{"done": true}``; or
+``{"error": WHY}``.
 
 Standard library only: this runs on the hosts.
 """
@@ -75,21 +77,12 @@ def _read_exact(stream: BinaryIO, nbytes: int) -> bytearray:
 
 
 def serve(request: dict[str, Any], stdin: BinaryIO) -> int:
-    """Receive or fetch the bundle, unpack it and serve it until ``stdin`` closes; the exit
-    status (1 when this host could not get it: its children then ask higher up).
+    """Receive or fetch the bundle, serve it (where this host can listen), unpack it, and go on
+    serving until ``stdin`` closes; the exit status (1 when this host could not get it).
     """
     keys = RelayKeys(request["token"], request["cert"], request["key"])
     digest, nbytes = request["digest"], request["nbytes"]
     sources = tuple(Source(*source) for source in request["sources"])
-    store = BlobStore()
-    root = request["root"]
-    address = root if not sources else route_to(root).address
-
-    def diagnose(line: str) -> None:
-        sys.stderr.write(f"skyward_jupyter bundle relay: {line}\n")
-
-    server = RelayServer(store, address, keys, diagnose)
-    _say(port=server.port)
     try:
         if sources:
             _say(fetching=sources[0].node)
@@ -98,16 +91,34 @@ def serve(request: dict[str, Any], stdin: BinaryIO) -> int:
             blob = _read_exact(stdin, nbytes)
             if hashlib.sha256(blob).hexdigest() != digest:
                 raise RelayError("the bundle from the notebook does not match its digest")
-        store.put(digest, blob)
-        unpack(blob, Path(request["target"]))
-    except (RelayError, OSError, tarfile.TarError) as exc:
-        store.fail(digest)
+    except (RelayError, OSError) as exc:
         _say(error=str(exc))
+        return 1
+    # Only now does this host serve: a host that asks it finds the bundle whole, never waits.
+    store = BlobStore()
+    store.put(digest, blob)
+    root = request["root"]
+    try:
+        address = root if not sources else route_to(root).address
+        port: int | None = RelayServer(store, address, keys, _diagnose).port
+    except OSError as exc:  # the others then fetch higher up, or from the notebook
+        _diagnose(f"cannot listen for the other hosts (on the route to {root}): {exc}")
+        port = None
+    _say(serving=port)
+    try:
+        unpack(blob, Path(request["target"]))
+    except (OSError, tarfile.TarError) as exc:
+        _say(error=f"cannot unpack into {request['target']}: {exc}")
         return 1
     _say(done=True)
     while stdin.read(1 << 16):  # the notebook closes it once every host has its copy
         pass
     return 0
+
+
+def _diagnose(line: str) -> None:
+    sys.stderr.write(f"skyward_jupyter bundle relay: {line}\n")
+    sys.stderr.flush()
 
 
 def main() -> None:

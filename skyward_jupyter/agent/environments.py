@@ -29,8 +29,9 @@ from the notebook, then the only source; ``uv``, the uv binary sent from the not
 JSON lines ``{"step", "detail"}`` as the install goes, then ``{"ready": SITE, "packages": N,
 "cached": BOOL, "installer": NAME, "torch": NOTE, "own_torch": BOOL}`` or ``{"error": WHY}``
 (``own_torch``: the environment holds a torch of its own, over the node's). With
-``torch-build`` it prints ``{"build": BUILD}`` (:func:`torch_build` for this node) or ``{"error":
-WHY}``: the build the notebook downloads for a node without an index.
+``torch-wanted`` (``{"torch", "variant"}`` on stdin) it prints ``{"wanted": VERSION}``
+(:func:`torch_wanted`) or ``{"error": WHY}``: the torch the notebook downloads for a node
+without an index.
 
 Standard library only: this runs on the nodes.
 """
@@ -227,6 +228,11 @@ def driver_cuda() -> tuple[int, int] | None:
     return (int(version.group(1)), int(version.group(2))) if version else None
 
 
+def build_index(build: str) -> str:
+    """PyTorch's package index of ``build`` (``cpu``, ``cu126``)."""
+    return CPU_INDEX.replace("/cpu", f"/{build}")
+
+
 def torch_build(cuda: tuple[int, int] | None) -> str:
     """torch's build for a node whose driver supports CUDA ``cuda`` (None: no driver): ``cpu``,
     else the newest CUDA build (``cu126``) the driver runs.
@@ -268,11 +274,20 @@ def _torch_plan(
     if node is not None and node[0].split("+", 1)[0] == base and _suits(node[1], build):
         return [], [f"torch=={node[0]}"], f"torch {node[0]} kept (the {build} build suits it)"
     wanted = f"torch=={base}+{build}"
-    index = CPU_INDEX.replace("/cpu", f"/{build}")
-    sources = [] if wheels else [f"--extra-index-url {index}"]
+    sources = [] if wheels else [f"--extra-index-url {build_index(build)}"]
     reason = "no NVIDIA driver" if build == "cpu" else f"{build} for its driver"
     had = f", over {node[0]}" if node is not None else ""
     return [*sources, wanted], [wanted], f"torch {base}+{build} installed ({reason}{had})"
+
+
+def torch_wanted(notebook: str | None, variant: bool) -> str | None:
+    """The torch this node's build will install (``2.13.0+cu126``), None where it keeps its
+    own: the one decision (:func:`_torch_plan`), asked by the notebook before it downloads the
+    wheels for a node without an index.
+    """
+    wanted, _, _ = _torch_plan(installed_torch(), notebook, variant, True)
+    line = next((line for line in wanted if line.startswith("torch==")), None)
+    return line.removeprefix("torch==") if line else None
 
 
 def _make(env: Path, requirements: list[str], pins: list[str], tool: Installer, say: Say) -> None:
@@ -582,16 +597,18 @@ def _held_by_other(lock: Path) -> bool:
 
 
 def main() -> int:
-    if sys.argv[1:] == ["torch-build"]:  # what the notebook sends a node without an index
+    if sys.argv[1:] == ["torch-wanted"]:  # what the notebook sends a node without an index
+        asked = json.loads(sys.stdin.readline())
         try:
-            print(json.dumps({"build": torch_build(driver_cuda())}), flush=True)
+            wanted = torch_wanted(asked.get("torch"), bool(asked.get("variant")))
         except BuildError as exc:
             print(json.dumps({"error": str(exc)}), flush=True)
             return 1
+        print(json.dumps({"wanted": wanted}), flush=True)
         return 0
     if sys.argv[1:] != ["build"]:
         print(
-            "usage: python -m skyward_jupyter.agent.environments build|torch-build",
+            "usage: python -m skyward_jupyter.agent.environments build|torch-wanted",
             file=sys.stderr,
         )
         return 2

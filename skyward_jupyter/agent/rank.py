@@ -346,7 +346,11 @@ class Agent:
             now = time.monotonic()
             # Bytes arriving that no thread has read yet (the main thread still importing
             # torch, a C call holding the GIL) are the notebook heard all the same.
-            if (arrived := unread_bytes(self.channel.read_fd)) > waiting:
+            try:
+                arrived = unread_bytes(self.channel.read_fd)
+            except OSError:  # a wire that cannot tell: only what was read counts
+                arrived = 0
+            if arrived > waiting:
                 self._last_heard = now
             waiting = arrived
             if now - self._last_heard > s.heartbeat_timeout:

@@ -467,7 +467,7 @@ def _fetch_from(
             ) from None
         except OSError as exc:
             late = time.monotonic() + delay - started > RETRY_WITHIN
-            gone = exc.errno in _GONE or isinstance(exc, (_Answered, TimeoutError))
+            gone = exc.errno in _GONE or isinstance(exc, (_Answered, TimeoutError, socket.gaierror))
             if gone or late:
                 raise RelayError(
                     f"cannot fetch a value from the relay of {where} "

@@ -90,6 +90,7 @@ def leave_out(name: str, why: str) -> None:
     """
     if name not in _left_out:
         _left_out[name] = why
+        _broken.add(name)  # said here: provider_classes() leaves it out without a word
         warnings.warn(why, stacklevel=2)
 
 

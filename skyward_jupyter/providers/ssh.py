@@ -34,12 +34,12 @@ import asyncssh
 
 from ..environments import (
     BUILDER,
-    TORCH_BUILD,
+    TORCH_WANTED,
     NodeEnvironment,
     Packages,
     PackagesError,
     follow,
-    is_notebook_torch,
+    notebook_torch,
     notebook_uv,
     torch_choices,
     uv_tarball,
@@ -62,7 +62,7 @@ from .base import (
 from .ssh_bundles import Bundle, Receiver, pass_bundle
 from .ssh_clean import clean_host
 from .ssh_keys import changed_key, known_hosts_file, record_if_new
-from .ssh_prepare import check_versions, probe, ship
+from .ssh_prepare import check_versions, probe, ship, unpack
 from .ssh_template import HostTemplate
 
 if TYPE_CHECKING:
@@ -565,6 +565,7 @@ class SSHProvider(Provider):
                 str(self.hosts[node.index]),
                 self._sessions[node.index].process,
                 self._sessions[node.index].run,
+                partial(self._unpack, node.index),
                 self._node_python(node.index),
                 posixpath.dirname(self._remote_package[node.index]),
             )
@@ -576,7 +577,7 @@ class SSHProvider(Provider):
             for node in nodes:
                 progress("packages: downloading wheels to send", node.index, RankState.BOOTING)
             builds = await asyncio.gather(*(self._torch_to_send(n, packages) for n in nodes))
-            for build in dict.fromkeys(builds):  # a folder per torch build the nodes take
+            for build in dict.fromkeys(builds):  # a folder per torch the nodes will install
                 folder = await asyncio.to_thread(packages.download, build)
                 bundle = Bundle("wheels", f"wheels/{folder.name}", partial(wheels_tarball, folder))
                 group = [n for n, b in zip(nodes, builds, strict=True) if b == build]
@@ -635,24 +636,37 @@ class SSHProvider(Provider):
         return found
 
     async def _torch_to_send(self, node: Node, packages: Packages) -> str | None:
-        """The build of torch (``cpu``, ``cu126``) whose wheel goes to ``node`` with the
-        others: where its host has no torch or (``--mirror``) not the notebook's version in the
-        build its NVIDIA driver takes (read there, as its build step will); None elsewhere.
+        """The torch (``2.13.0+cu126``) whose wheel goes to ``node`` with the others: what its
+        build step will install (its host has none, or ``--mirror`` wants the notebook's in the
+        build its driver takes), asked of the host, which decides as its build will; None where
+        it keeps its own.
         """
-        torch = self._torch[node.index]
-        if torch is not None and not packages.variant:
+        notebook = notebook_torch()
+        if notebook is None or (self._torch[node.index] is not None and not packages.variant):
             return None
         host = self.hosts[node.index]
-        argv = [*self._node_python(node.index), *TORCH_BUILD]
+        argv = [*self._node_python(node.index), *TORCH_WANTED]
+        asked = json.dumps({"torch": notebook, "variant": packages.variant})
         try:
-            result = await self._sessions[node.index].conns[0].run(shlex.join(argv), check=False)
-            said = json.loads(str(result.stdout).strip().splitlines()[-1])
-        except (asyncssh.Error, OSError, ValueError, IndexError) as exc:
-            raise PackagesError(f"{host}: cannot tell which torch build it takes: {exc}") from None
-        if "error" in said:
-            raise PackagesError(f"{host}: {said['error']}")
-        build = str(said["build"])
-        return None if torch is not None and is_notebook_torch(torch, build) else build
+            result = (
+                await self._sessions[node.index]
+                .conns[0]
+                .run(shlex.join(argv), input=asked + "\n", check=False)
+            )
+        except (asyncssh.Error, OSError) as exc:
+            raise PackagesError(f"{host}: cannot ask which torch it takes: {exc}") from None
+        lines = str(result.stdout).strip().splitlines()
+        try:
+            said = json.loads(lines[-1])
+            if "error" in said:
+                raise PackagesError(f"{host}: {said['error']}")
+            return str(said["wanted"]) if said["wanted"] else None
+        except (ValueError, IndexError, KeyError, TypeError):
+            why = str(result.stderr).strip().splitlines()[-1:] or [f"exit {result.exit_status}"]
+            raise PackagesError(f"{host}: cannot tell which torch it takes: {why[0]}") from None
+
+    async def _unpack(self, index: int, target: str, tarball: bytes) -> None:
+        await unpack(self.hosts[index], self._sessions[index].conns[0], target, tarball)
 
     def _node_python(self, index: int) -> list[str]:
         """The host's Python with this package on its path: how the tools run there."""

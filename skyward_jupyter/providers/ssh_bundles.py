@@ -18,12 +18,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import asyncssh
+
 from ..agent.relay import ancestors
 from ..environments import PackagesError
 from ..events import RankState
 from ..relay_keys import RelaySecrets
 from ..workdir import human_bytes
-from .base import Node, Progress
+from .base import Node, Progress, ProviderError
 
 PASSER = ("-m", "skyward_jupyter.agent.bundles")
 """The host side's arguments after the host's Python."""
@@ -58,6 +60,8 @@ class Receiver:
     """A new session running a command (bytes in, bytes out)."""
     run: Callable[[Sequence[str]], Awaitable[int | None]]
     """A command run to its end; its exit status."""
+    send: Callable[[str, bytes], Awaitable[object]]
+    """A tarball sent from here over SSH and unpacked into a folder (when no relay passes it)."""
     python: Sequence[str]
     cache: str
 
@@ -66,10 +70,16 @@ class Receiver:
 
 
 async def pass_bundle(bundle: Bundle, receivers: Sequence[Receiver], progress: Progress) -> None:
-    """Every receiver has ``bundle`` unpacked in its cache once this returns; the first that
-    could not get it fails the start, naming itself and why.
+    """Every receiver has ``bundle`` unpacked in its cache once this returns; one that got it
+    from no relay gets it from here; the first that could not get it at all fails the start,
+    naming itself and why.
     """
-    missing = await asyncio.gather(*(r.run(["test", "-d", r.target(bundle)]) for r in receivers))
+    try:
+        missing = await asyncio.gather(
+            *(r.run(["test", "-d", r.target(bundle)]) for r in receivers)
+        )
+    except (asyncssh.Error, OSError) as exc:
+        raise PackagesError(f"cannot look for the {bundle.what} on the hosts: {exc}") from None
     lacking = [r for r, status in zip(receivers, missing, strict=True) if status != 0]
     if not lacking:
         return
@@ -83,6 +93,7 @@ async def pass_bundle(bundle: Bundle, receivers: Sequence[Receiver], progress: P
     size = human_bytes(len(tarball))
 
     async def one(k: int) -> None:
+        """Receiver ``k`` gets the bundle through the relays, or else from the notebook."""
         receiver = lacking[k]
         try:
             sources = [
@@ -91,22 +102,42 @@ async def pass_bundle(bundle: Bundle, receivers: Sequence[Receiver], progress: P
                 if (port := await ports[j]) is not None
             ]
             if k and not sources:
+                raise PackagesError("no host up the tree serves it")
+            await relayed(k, sources)
+        except PackagesError as exc:
+            if not ports[k].done():
+                ports[k].set_result(None)
+            say(k, f"packages: sending {bundle.what} ({size}) from here ({exc})")
+            try:
+                await receiver.send(receiver.target(bundle), tarball)
+            except (ProviderError, asyncssh.Error, OSError) as direct:
                 raise PackagesError(
-                    f"{receiver.label}: no host could pass on the {bundle.what}; "
-                    "see the first host's error"
-                )
+                    f"{receiver.label}: could not get the {bundle.what} ({exc}; sent from here: "
+                    f"{direct})"
+                ) from None
+        finally:
+            if not ports[k].done():
+                ports[k].set_result(None)
+
+    async def relayed(k: int, sources: list[list[Any]]) -> None:
+        """Receiver ``k``'s relay, until it has the bundle unpacked; raises why it has not."""
+        receiver = lacking[k]
+        try:
             process = await receiver.open(shlex.join([*receiver.python, *PASSER]))
-            processes.append(process)
-            request = {
-                "target": receiver.target(bundle),
-                "digest": digest,
-                "nbytes": len(tarball),
-                "root": lacking[0].node.address,
-                "sources": sources,
-                "token": keys.token,
-                "cert": keys.cert,
-                "key": keys.key,
-            }
+        except (ProviderError, asyncssh.Error, OSError) as exc:
+            raise PackagesError(f"its relay did not start: {exc}") from None
+        processes.append(process)
+        request = {
+            "target": receiver.target(bundle),
+            "digest": digest,
+            "nbytes": len(tarball),
+            "root": lacking[0].node.address,
+            "sources": sources,
+            "token": keys.token,
+            "cert": keys.cert,
+            "key": keys.key,
+        }
+        try:
             process.stdin.write(json.dumps(request).encode() + b"\n")
             if not sources:
                 say(k, f"packages: sending {bundle.what} ({size})")
@@ -116,26 +147,23 @@ async def pass_bundle(bundle: Bundle, receivers: Sequence[Receiver], progress: P
                     line = json.loads(raw)
                 except ValueError:
                     continue  # not the relay's: something the host's Python printed
-                if "port" in line:
-                    ports[k].set_result(int(line["port"]))
+                if not isinstance(line, dict):
+                    continue
+                if "serving" in line:
+                    ports[k].set_result(line["serving"] and int(line["serving"]))
                 elif "fetching" in line:
-                    say(
-                        k, f"packages: fetching {bundle.what} ({size}) from node {line['fetching']}"
-                    )
+                    parent = line["fetching"]
+                    say(k, f"packages: fetching {bundle.what} ({size}) from node {parent}")
                 elif "done" in line:
                     return
                 elif "error" in line:
-                    raise PackagesError(
-                        f"{receiver.label}: could not get the {bundle.what}: {line['error']}"
-                    )
-            said = (await process.stderr.read()).decode(errors="replace").strip()
-            raise PackagesError(
-                f"{receiver.label}: the {bundle.what}'s relay ended before it had them"
-                + (f": {said.splitlines()[-1]}" if said else "")
-            )
-        finally:
-            if not ports[k].done():
-                ports[k].set_result(None)
+                    raise PackagesError(str(line["error"]))
+        except (asyncssh.Error, OSError) as exc:
+            raise PackagesError(f"its relay's channel failed: {exc}") from None
+        said = (await process.stderr.read()).decode(errors="replace").strip()
+        raise PackagesError(
+            "its relay ended before it had them" + (f": {said.splitlines()[-1]}" if said else "")
+        )
 
     def say(k: int, text: str) -> None:
         progress(text, lacking[k].node.index, RankState.BOOTING)
