@@ -52,7 +52,7 @@ def unpack(tarball: bytes | bytearray, target: Path) -> None:
     staging = target.with_name(f"{target.name}.{secrets.token_hex(4)}")
     staging.mkdir(parents=True)
     try:
-        with tarfile.open(fileobj=io.BytesIO(tarball), mode="r:gz") as tar:
+        with tarfile.open(fileobj=_Reader(tarball), mode="r|gz") as tar:
             if hasattr(tarfile, "data_filter"):  # Pythons before 3.11.4 have no filters
                 tar.extractall(staging, filter="data")
             else:
@@ -64,6 +64,23 @@ def unpack(tarball: bytes | bytearray, target: Path) -> None:
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+class _Reader(io.RawIOBase):
+    """The bundle read in place (``io.BytesIO`` would copy it: wheels may be gigabytes)."""
+
+    def __init__(self, data: bytes | bytearray) -> None:
+        self._view = memoryview(data)
+        self._at = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        n = min(len(buffer), len(self._view) - self._at)
+        buffer[:n] = self._view[self._at : self._at + n]
+        self._at += n
+        return n
 
 
 def _read_exact(stream: BinaryIO, nbytes: int) -> bytearray:

@@ -588,7 +588,7 @@ class SSHProvider(Provider):
         if uv is not None:
             name, tarball = await asyncio.to_thread(uv_tarball, uv)
             uv_folder = f"uv/{name}"
-            bundle = Bundle("uv", uv_folder, lambda: tarball)
+            bundle = Bundle("uv binary", uv_folder, lambda: tarball)
             await pass_bundle(bundle, list(receivers.values()), progress)
 
         async def one(node: Node) -> NodeEnvironment:

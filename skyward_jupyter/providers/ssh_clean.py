@@ -70,10 +70,11 @@ async def _clean(host: Host, connect: Connect, python: str, cache_dir: str) -> s
 
 
 def _said(host: Host, removed: list[list[object]], kept: list[str]) -> str:
-    kinds: dict[str, list[int]] = {"/sync/": [], "/envs/": [], "/wheels/": [], "/uv/": [], "": []}
+    kinds: dict[str, list[int]] = {"sync": [], "envs": [], "wheels": [], "uv": [], "": []}
     for path, size in removed:
-        kind = next(k for k in kinds if k in str(path))
-        kinds[kind].append(int(str(size)))
+        # by the folder it was in (a path's other parts, the user's home, may be any word)
+        kind = posixpath.basename(posixpath.dirname(str(path)))
+        kinds[kind if kind in kinds else ""].append(int(str(size)))
     copies, envs, wheels, uv, packages = kinds.values()
     parts = []
     if copies:
