@@ -7,6 +7,7 @@ import io
 import re
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -87,7 +88,7 @@ def test_lost_ranks_back_in_one_batched_event_are_said_ready_again_on_one_line()
 
 
 def test_hundreds_of_ranks_changing_alike_are_one_line_and_a_real_pool_reads_by_node(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     """256 ranks failing together are one line, not 256; on a real pool of 20 ranks over 10
     nodes, ``%sky panel``'s text puts the failed ranks first (one line for one error), their
@@ -108,20 +109,25 @@ def test_hundreds_of_ranks_changing_alike_are_one_line_and_a_real_pool_reads_by_
     views.attach(session.down_pool)
     spec = PoolSpec(nodes=10, procs_per_node=2, frameworks=("none",))
     try:
-        result = session.run_cell(
-            "if rank in (5, 13):\n    raise ValueError('boom')\n", {}, spec=spec
+        # Ranks 5 and 13 both raise: each ignores the pool's interrupt (which the first
+        # failure sends the others) once both are past a barrier, so neither is stopped first.
+        cell = (
+            "import os, signal, time\n"
+            "if rank in (5, 13):\n"
+            "    signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+            f"    open(os.path.join({str(tmp_path)!r}, str(rank)), 'w').close()\n"
+            f"    while len(os.listdir({str(tmp_path)!r})) < 2:\n"
+            "        time.sleep(0.01)\n"
+            "    raise ValueError('boom')\n"
         )
+        result = session.run_cell(cell, {}, spec=spec)
         told = capsys.readouterr().out.splitlines()
         session.panel()
         summary = capsys.readouterr().out.splitlines()
     finally:
         session.down_all()
-    # The pool stops the other ranks at the first failure: on a loaded machine one of the two
-    # may be stopped before it raised (then only the other failed).
     failed = [r.rank for r in result if r.error is not None and not result.only_stopped(r)]
-    assert failed in ([5, 13], [5], [13]), failed
-    if failed != [5, 13]:
-        pytest.skip(f"only rank {failed[0]} raised before the pool stopped the others")
+    assert failed == [5, 13], failed
     assert told == ["ranks 5,13 (nodes 2,6): failed"], "the ranks only stopped are not told"
     assert summary[0].startswith("pool 'default' (local): 10 nodes x 2 ranks per node (20 ranks)")
     assert summary[1] == "  ranks 5,13 (nodes 2,6): failed, ValueError: boom"
