@@ -301,3 +301,59 @@ def test_sky_stacks_lists_every_rank(kernel: Any) -> None:
     text = kernel.ok("%sky stacks").stdout
     assert "rank 0 (node 0, local pid" in text and "rank 1 (node 0, local pid" in text, text
     assert text.count("(between cells)") == 2, text
+
+
+def test_a_rank_heard_while_its_stacks_probe_waited_is_not_killed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A rank silent past the suspicion mark whose heartbeat comes while the doctor waits for
+    its stacks (a slow start's first beat) is not silent any more: it lives. One that stays
+    silent through the probe is killed.
+    """
+    import asyncio
+    import types
+
+    from skyward_jupyter import doctor
+
+    class FakeRank:
+        """What the doctor reads of a rank; hashed by identity, as a rank is."""
+
+        def __init__(self, index: int) -> None:
+            self.index, self.local_rank, self.alive = index, 0, True
+            self.hello, self.process, self.silenced = object(), object(), None
+            self.last_heard = time.monotonic() - 60  # long silent
+            self.killed = False
+
+        async def kill(self) -> None:
+            self.killed = True
+
+    def rank(index: int) -> FakeRank:
+        return FakeRank(index)
+
+    heard, silent = rank(0), rank(1)
+    ranks: Any = types.SimpleNamespace(
+        all=[heard, silent],
+        settings=types.SimpleNamespace(heartbeat_interval=0.05, heartbeat_timeout=2.0),
+        provider=types.SimpleNamespace(notebook_silence=30.0),
+        beat=b"",
+        send=lambda r, frame: None,
+        set_state=lambda r, state, detail: None,
+    )
+    probed = asyncio.Event()
+
+    async def stacks(ranks: Any, suspects: list[Any]) -> dict[Any, None]:
+        heard.last_heard = time.monotonic()  # its beat arrives while the probe waits
+        probed.set()
+        return dict.fromkeys(suspects)  # neither answered the probe
+
+    monkeypatch.setattr(doctor, "stacks", stacks)
+
+    async def run() -> None:
+        task = asyncio.create_task(doctor.heartbeats(ranks))
+        await asyncio.wait_for(probed.wait(), 10)
+        while not silent.killed:  # the verdict follows the probe in the same tick
+            await asyncio.sleep(0.01)
+        task.cancel()
+
+    asyncio.run(asyncio.wait_for(run(), 20))
+    assert silent.killed and not heard.killed
