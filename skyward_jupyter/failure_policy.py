@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 from . import doctor, wire
@@ -120,8 +121,19 @@ class Cell:
         the pool's thread more with every rank).
         """
         loop = asyncio.get_running_loop()
-        for future in self.futures.values():
-            future.add_done_callback(lambda _: self.wake.set())
+        arrived: list[Rank] = []
+        """Ranks whose answer came since the last round: a round reads only those (scanning
+        every pending rank each round cost the pool's thread the ranks squared a cell)."""
+
+        def on_answer(r: Rank) -> Callable[[asyncio.Future[p.CellDone]], None]:
+            def answered(_: asyncio.Future[p.CellDone]) -> None:
+                arrived.append(r)
+                self.wake.set()
+
+            return answered
+
+        for r, future in self.futures.items():
+            future.add_done_callback(on_answer(r))
         pending = dict(self.futures)
         while pending:
             now = time.monotonic()
@@ -134,10 +146,11 @@ class Cell:
                 timer.cancel()
             self.wake.clear()
             finished: list[Rank] = []
-            for r, future in list(pending.items()):
-                if not future.done():
+            news, arrived[:] = arrived[:], []
+            for r in news:
+                if r not in pending:
                     continue
-                del pending[r]
+                future = pending.pop(r)
                 if self._answered(r, future.exception() or future.result()):
                     finished.append(r)
             self.ranks.set_states(finished, RankState.IDLE)
