@@ -6,14 +6,13 @@ tree, turning higher when a parent cannot serve, and each unpacks its copy whole
 from __future__ import annotations
 
 import asyncio
+import gzip
 import hashlib
-import io
 import json
 import shlex
 import socket
 import subprocess
 import sys
-import tarfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from subprocess import PIPE
@@ -24,17 +23,14 @@ import pytest
 from skyward_jupyter.agent.bundles import unpack
 from skyward_jupyter.relay_keys import RelaySecrets
 
+from .test_workdir import tar_of
+
 KEYS = RelaySecrets.make(encrypted=True)
 
 
 def _tarball(files: dict[str, bytes]) -> bytes:
-    out = io.BytesIO()
-    with tarfile.open(fileobj=out, mode="w:gz") as tar:
-        for name, data in files.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return out.getvalue()
+    """A bundle as the notebook makes one: a gzipped tar."""
+    return gzip.compress(tar_of(files))
 
 
 class Relay:
@@ -113,6 +109,20 @@ def test_a_host_whose_parent_cannot_serve_fetches_from_the_root(
         assert (got / "a.whl").read_bytes() == b"A" * 3_000_000 and (got / "sub/b.txt").exists()
         assert sorted(p.name for p in got.parent.iterdir()) == ["wheels"]  # no staging left
     assert root.close() == 0 and child.close() == 0
+
+
+def test_a_relay_still_fetching_ends_when_the_notebook_closes_its_input(
+    relays: list[Relay], tmp_path: Path
+) -> None:
+    """The notebook gave up (interrupted, or gone): a host's relay waiting on a parent that
+    accepts and never answers ends at once, rather than after its fetch's own limits.
+    """
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        port = silent.getsockname()[1]
+        relays.append(child := Relay(tmp_path / "wheels", b"x", [[0, "127.0.0.1", port]], "0" * 64))
+        assert child.line() == {"fetching": 0}
+        assert child.close() == 0  # within Relay.close's 10 s; the fetch alone would take 30 s
+        assert not (tmp_path / "wheels").exists()
 
 
 def test_bytes_that_do_not_match_the_digest_are_neither_served_nor_unpacked(

@@ -124,15 +124,30 @@ def test_the_built_in_providers_are_this_packages_entry_points() -> None:
     assert declared[GROUP] == BUILT_IN
 
 
+def _installed(site: Path, name: str, entry_points: str) -> None:
+    """A distribution ``skyward-NAME`` in ``site`` whose entry points are ``entry_points``
+    (lines of the providers' group), as an installer leaves one.
+    """
+    info = site / f"skyward_{name}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: skyward-{name}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[{GROUP}]\n{entry_points}")
+
+
+def _output_of(site: Path, code: str) -> str:
+    """What ``code`` prints in a fresh Python that sees ``site`` and this checkout."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO)])}
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout
+
+
 def test_a_provider_that_cannot_load_leaves_the_others_and_says_why(tmp_path: Path) -> None:
     """An installed entry point whose module is gone (a package half uninstalled): the
     magics still load with every other provider, a warning names it, and asking for it is
     one line saying why.
     """
-    info = tmp_path / "skyward_gone-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: skyward-gone\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(f"[{GROUP}]\ngone = skyward_gone:GoneProvider\n")
+    _installed(tmp_path, "gone", "gone = skyward_gone:GoneProvider\n")
     code = (
         "import warnings\n"
         "warnings.simplefilter('always')\n"
@@ -146,10 +161,7 @@ def test_a_provider_that_cannot_load_leaves_the_others_and_says_why(tmp_path: Pa
         "except USER_ERRORS as exc:\n"
         "    print('REFUSED', exc)\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-    ).stdout
+    out = _output_of(tmp_path, code)
     why = (
         "the gone provider cannot be loaded from skyward_gone:GoneProvider (No module named "
         "'skyward_gone'); reinstall its package, or uninstall it"
@@ -189,11 +201,10 @@ def test_a_provider_whose_options_clash_with_the_pools_is_left_out_and_the_rest_
     ``--python`` as a switch (the others' path): the magics load, a warning names each, the help
     and the other providers' pools work, and asking for one is a line saying why.
     """
-    info = tmp_path / "skyward_clash-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: skyward-clash\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(
-        f"[{GROUP}]\nclash = skyward_clash:ClashProvider\nabc = skyward_clash:SwitchProvider\n"
+    _installed(
+        tmp_path,
+        "clash",
+        "clash = skyward_clash:ClashProvider\nabc = skyward_clash:SwitchProvider\n",
     )
     (tmp_path / "skyward_clash.py").write_text(CLASH)
     code = (
@@ -211,10 +222,7 @@ def test_a_provider_whose_options_clash_with_the_pools_is_left_out_and_the_rest_
         "        print('REFUSED', exc)\n"
         "print('WARNED', *[str(w.message) for w in said], sep='\\n')\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-    ).stdout
+    out = _output_of(tmp_path, code)
     why = (
         "the clash provider declares --nodes, which every pool has: a provider's options need "
         "names of their own; it is left out (update or uninstall its package)"

@@ -29,10 +29,12 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import secrets
 import shutil
 import sys
 import tarfile
+import threading
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -101,13 +103,15 @@ def serve(request: dict[str, Any], stdin: BinaryIO) -> int:
     digest, nbytes = request["digest"], request["nbytes"]
     sources = tuple(Source(*source) for source in request["sources"])
     try:
+        if not sources:
+            blob = _read_exact(stdin, nbytes)
+        ended = threading.Thread(target=_end_at_eof, args=(stdin,), name="eof", daemon=True)
+        ended.start()
         if sources:
             _say(fetching=sources[0].node)
             blob = fetch(sources, keys, digest, nbytes)
-        else:
-            blob = _read_exact(stdin, nbytes)
-            if hashlib.sha256(blob).hexdigest() != digest:
-                raise RelayError("the bundle from the notebook does not match its digest")
+        elif hashlib.sha256(blob).hexdigest() != digest:
+            raise RelayError("the bundle from the notebook does not match its digest")
     except (RelayError, OSError) as exc:
         _say(error=str(exc))
         return 1
@@ -128,9 +132,18 @@ def serve(request: dict[str, Any], stdin: BinaryIO) -> int:
         _say(error=f"cannot unpack into {request['target']}: {exc}")
         return 1
     _say(done=True)
-    while stdin.read(1 << 16):  # the notebook closes it once every host has its copy
-        pass
+    ended.join()  # serving until the notebook closes the input: every host has its copy
     return 0
+
+
+def _end_at_eof(stdin: BinaryIO) -> None:
+    """End this relay once the notebook closes its input, whatever it is doing: at the end of
+    the pass, or mid-fetch when the notebook gave up or went away (nothing then waits for it).
+    """
+    while stdin.read(1 << 16):
+        pass
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def _diagnose(line: str) -> None:
@@ -141,7 +154,9 @@ def _diagnose(line: str) -> None:
 def main() -> None:
     stdin = sys.stdin.buffer
     request = json.loads(stdin.readline())
-    sys.exit(serve(request, stdin))
+    code = serve(request, stdin)
+    sys.stdout.flush()
+    os._exit(code)  # the thread still reading stdin would stop an orderly exit
 
 
 if __name__ == "__main__":
