@@ -100,12 +100,17 @@ def _remove(item: Path, removed: list[tuple[str, int]], kept: list[str]) -> None
 
 
 def _running_paths() -> bytes:
-    """The environments and command lines of this user's other processes, joined (a path found
-    in them, even as the start of a longer one, is taken as in use: kept rather than lost).
+    """The environments and command lines of this user's other processes that see this
+    filesystem, joined (a path found in them, even as the start of a longer one, is taken as in
+    use: kept rather than lost). A process in another mount namespace (a container) names
+    other files by the same paths: it holds none of these.
     """
     seen = []
+    ours = _mounts("self")
     for pid in os.listdir("/proc"):
         if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        if ours is not None and _mounts(pid) not in (ours, None):
             continue
         for name in ("environ", "cmdline"):
             try:
@@ -114,6 +119,14 @@ def _running_paths() -> bytes:
             except OSError:
                 continue  # another user's, or gone
     return b"\0".join(seen)
+
+
+def _mounts(pid: str) -> str | None:
+    """The mount namespace of process ``pid`` (None where it cannot be read)."""
+    try:
+        return os.readlink(f"/proc/{pid}/ns/mnt")
+    except OSError:
+        return None
 
 
 def main() -> None:
