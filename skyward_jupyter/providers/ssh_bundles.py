@@ -33,19 +33,15 @@ CLOSE_WITHIN = 10.0
 """Seconds a host's relay has to end once the pass is over, before its channel is closed."""
 
 
+@dataclass(frozen=True, slots=True)
 class Bundle:
-    """A thing to send (the wheels, uv): its name, its folder under a host's cache, and its
-    tarball, made on first need.
+    """A thing to send (the wheels, uv): its name, its folder under a host's cache, and how its
+    tarball is made (only when some host lacks it).
     """
 
-    def __init__(self, what: str, folder: str, make: Callable[[], bytes]) -> None:
-        self.what, self.folder, self._make = what, folder, make
-        self._made: asyncio.Task[bytes] | None = None
-
-    async def tarball(self) -> bytes:
-        if self._made is None:
-            self._made = asyncio.ensure_future(asyncio.to_thread(self._make))
-        return await self._made
+    what: str
+    folder: str
+    make: Callable[[], bytes]
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +79,7 @@ async def pass_bundle(bundle: Bundle, receivers: Sequence[Receiver], progress: P
     lacking = [r for r, status in zip(receivers, missing, strict=True) if status != 0]
     if not lacking:
         return
-    tarball = await bundle.tarball()
+    tarball = await asyncio.to_thread(bundle.make)
     digest = await asyncio.to_thread(lambda: hashlib.sha256(tarball).hexdigest())
     keys = await asyncio.to_thread(RelaySecrets.make, True)
     loop = asyncio.get_running_loop()
