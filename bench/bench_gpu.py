@@ -8,9 +8,12 @@ rank per GPU on this machine, ``--backend nccl``, on both sides.
   GPU, SGD. Its kernels are tiny, so a step's time is the CPU launching them and DDP's hooks:
   the part a pool's agent threads could slow down. It runs under ``torchrun --standalone`` and as
   a notebook user pastes it: one ``%%sky`` cell with its definitions, then a ``%%sky`` cell
-  ``main([...])`` per round (``Session.run_cell``, what the magic calls), on one warm pool. The
+  ``main([...])`` per round (``Session.run_cell``, what the magic calls), on one warm pool. A
+  third side runs torchrun with NCCL's flight recorder on, as the pool sets it on GPU ranks for
+  the hang doctor, so that the recorder's cost is told apart from the rest of the pool's. The
   sides alternate round by round, the order rotating, after one uncounted round; reported are
-  medians, spreads and the ratio of medians with a bootstrap 95% interval.
+  medians, spreads, ratios of medians with a bootstrap 95% interval, and the CPU time per step
+  of the launching thread and of the pool agent's threads.
 * **(b) The first collective from cold.** A fresh pool's start and its first cell (set the
   device, all-reduce a CUDA tensor) against ``torchrun`` of ``bench/scripts/nccl_first.py`` (the
   same body between ``init_process_group`` and ``destroy_process_group``), launch to exit;
@@ -52,6 +55,8 @@ from common import (
     run_torchrun,
     spread_row,
 )
+
+from skyward_jupyter.launch_env import FLIGHT_RECORDER_ENTRIES
 
 SCRIPT = Script("gpu")
 GOAL_STEPS_RATIO = 0.98
@@ -126,25 +131,43 @@ def _report(path: Path, what: str, gpus: int) -> dict[str, Any]:
 
 
 def compare_steps(nb: Notebook, gpus: int, args: Any, out: Path) -> dict[str, Any]:
-    """(a): steps/s of the DDP loop under torchrun and in a cell, interleaved."""
+    """(a): steps/s of the DDP loop under torchrun, under torchrun with the flight recorder the
+    pool turns on for the hang doctor, and in a cell, interleaved.
+    """
     argv = [str(out), "--steps", str(args.steps), "--warmup", str(args.warmup)]
     nb.cell(definitions(DDP_SCRIPT))
+    recorder = {"TORCH_FR_BUFFER_SIZE": FLIGHT_RECORDER_ENTRIES}
     runs: dict[str, Callable[[], object]] = {
         "torchrun": lambda: run_torchrun(DDP_SCRIPT, argv, gpus, args.timeout),
+        "torchrun_recorder": lambda: run_torchrun(DDP_SCRIPT, argv, gpus, args.timeout, recorder),
         "cell": lambda: nb.cell(f"main({argv!r})"),
     }
+    reports: dict[str, list[dict[str, Any]]] = {name: [] for name in runs}
 
     def steps_per_s(name: str) -> float:
         with contextlib.suppress(FileNotFoundError):
             out.unlink()
         runs[name]()
-        return float(_report(out, f"(a) {name}", gpus)["steps_per_s"])
+        report = _report(out, f"(a) {name}", gpus)
+        reports[name].append(report)
+        return float(report["steps_per_s"])
 
     sides = {name: functools.partial(steps_per_s, name) for name in runs}
     samples = interleaved("(a)", sides, args.reps, _rate)
+    counted = {name: kept[-args.reps :] for name, kept in reports.items()}  # warm-up left out
     return {
         "steps_per_s": {n: asdict(Summary.of(v)) for n, v in samples.items()},
         "ratio": ratios(samples["torchrun"], samples["cell"]),
+        "recorder_ratio": ratios(samples["torchrun"], samples["torchrun_recorder"]),
+        "cell_to_recorder_ratio": ratios(samples["torchrun_recorder"], samples["cell"]),
+        "main_cpu_ms_per_step": {
+            n: asdict(Summary.of([r["main_cpu_ms_per_step"] for r in kept]))
+            for n, kept in counted.items()
+        },
+        "agent_cpu_pct": asdict(
+            Summary.of([100.0 * r["pool_agent_cpu_s"] / r["seconds"] for r in counted["cell"]])
+        ),
+        "flight_recorder": {n: kept[-1]["flight_recorder"] for n, kept in counted.items()},
         "samples": samples,
         "argv": argv[1:],
     }
@@ -167,6 +190,11 @@ def compare_first(nb: Notebook, gpus: int, args: Any) -> dict[str, Any]:
         "ratio": ratios(samples["torchrun"], samples["pool"]),
         "samples": samples,
     }
+
+
+def _ratio_text(r: dict[str, Any]) -> str:
+    lo, hi = r["of_medians_bootstrap_95"]
+    return f"{r['of_medians']:.3f} ({lo:.3f} to {hi:.3f})"
 
 
 def _rate(x: float) -> str:
@@ -192,10 +220,38 @@ def render_markdown(report: dict[str, Any]) -> str:
         "| side | median | p10 | p90 | min | max |",
         "|---|---:|---:|---:|---:|---:|",
         spread_row("`torchrun --standalone`", a["steps_per_s"]["torchrun"], _rate),
+        spread_row(
+            f"`torchrun`, `TORCH_FR_BUFFER_SIZE={a['flight_recorder']['torchrun_recorder']}`",
+            a["steps_per_s"]["torchrun_recorder"],
+            _rate,
+        ),
         spread_row("`%%sky` cell `main([...])`", a["steps_per_s"]["cell"], _rate),
         "",
         f"Cell / torchrun, ratio of medians: **{r['of_medians']:.3f}** (bootstrap 95% interval "
         f"{lo:.3f} to {hi:.3f}; per round median {r['per_round']['median']:.3f}).\n",
+        "The pool turns on NCCL's flight recorder on GPU ranks (`TORCH_FR_BUFFER_SIZE="
+        f"{a['flight_recorder']['cell']}`): the hang doctor reads from it which collectives a rank "
+        "still waits for. The middle side is torchrun with the same setting, so the recorder's "
+        f"cost and the rest of the pool's are told apart: torchrun with it / without, "
+        f"{_ratio_text(a['recorder_ratio'])}; the cell / torchrun with it, "
+        f"{_ratio_text(a['cell_to_recorder_ratio'])}.\n",
+        "CPU time of the launching (main) thread per step, and the pool agent's threads' share of "
+        "the timed wall time (`bench/scripts/thread_cpu.py`):\n",
+        "| side | main thread, ms per step (median) | p10 | p90 |",
+        "|---|---:|---:|---:|",
+        *(
+            f"| {label} | {a['main_cpu_ms_per_step'][n]['median']:.3f} "
+            f"| {a['main_cpu_ms_per_step'][n]['p10']:.3f} "
+            f"| {a['main_cpu_ms_per_step'][n]['p90']:.3f} |"
+            for n, label in (
+                ("torchrun", "`torchrun`"),
+                ("torchrun_recorder", "`torchrun` with the recorder"),
+                ("cell", "cell"),
+            )
+        ),
+        "",
+        f"The pool agent's threads in the cell's rank: {a['agent_cpu_pct']['median']:.2f}% of a "
+        "core over the timed steps (median).\n",
         f"**(b) First collective from cold**, {cfg['first_reps']} rounds interleaved after one "
         "warm-up: a fresh pool's start and first cell (all-reduce of a CUDA tensor) against "
         "`torchrun` of `bench/scripts/nccl_first.py`, launch to exit.\n",

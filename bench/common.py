@@ -127,9 +127,11 @@ def ratios(base: list[float], other: list[float]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ machine
 
 
-def child_env() -> dict[str, str]:
-    """The environment for a process the benchmark starts: this checkout first on its path."""
-    env = dict(os.environ)
+def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment for a process the benchmark starts: this checkout first on its path,
+    and ``extra`` over the rest.
+    """
+    env = {**os.environ, **(extra or {})}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     return env
 
@@ -141,8 +143,11 @@ def torchrun_path() -> Path:
     return torchrun
 
 
-def run_to_end(cmd: Sequence[str], timeout: float, cwd: Path) -> tuple[float, str]:
-    """Run ``cmd`` in ``cwd``, in its own session, to completion: its wall time and stdout.
+def run_to_end(
+    cmd: Sequence[str], timeout: float, cwd: Path, env: Mapping[str, str] | None = None
+) -> tuple[float, str]:
+    """Run ``cmd`` in ``cwd`` (``env`` added to its environment), in its own session, to
+    completion: its wall time and stdout.
 
     A run that fails to finish (timeout, Ctrl-C) is killed with its whole process group before
     the error propagates, so no launcher or worker outlives the benchmark.
@@ -154,7 +159,7 @@ def run_to_end(cmd: Sequence[str], timeout: float, cwd: Path) -> tuple[float, st
         stderr=subprocess.PIPE,
         text=True,
         cwd=cwd,
-        env=child_env(),
+        env=child_env(env),
         start_new_session=True,
     )
     try:
@@ -174,12 +179,19 @@ def run_to_end(cmd: Sequence[str], timeout: float, cwd: Path) -> tuple[float, st
     return elapsed, out
 
 
-def run_torchrun(script: Path, argv: Sequence[str], nproc: int, timeout: float) -> float:
+def run_torchrun(
+    script: Path,
+    argv: Sequence[str],
+    nproc: int,
+    timeout: float,
+    env: Mapping[str, str] | None = None,
+) -> float:
     """``torchrun --standalone --nproc-per-node NPROC SCRIPT ARGV`` to completion, in the
-    script's directory (as ``%sky run`` runs a script); its wall time.
+    script's directory (as ``%sky run`` runs a script), ``env`` added to its environment; its
+    wall time.
     """
     cmd = [str(torchrun_path()), "--standalone", "--nproc-per-node", str(nproc), str(script)]
-    return run_to_end([*cmd, *argv], timeout, script.parent)[0]
+    return run_to_end([*cmd, *argv], timeout, script.parent, env)[0]
 
 
 def rank_report(path: Path, what: str) -> dict[str, Any]:

@@ -27,6 +27,10 @@ import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
+FLIGHT_RECORDER_ENTRIES = "2000"
+"""``TORCH_FR_BUFFER_SIZE`` on GPU ranks unless the notebook set it: NCCL's flight recorder keeps
+this many of the rank's last collectives for the hang doctor."""
+
 
 @dataclass(frozen=True, slots=True)
 class RankPlace:
@@ -80,7 +84,9 @@ def launcher_env(
     # ranks without a GPU (gloo): there the doctor reads the cell's stack, and the recorder would
     # capture a Python stack at every collective of the training loop, as torchrun's workers
     # never do.
-    recorder = notebook_env.get("TORCH_FR_BUFFER_SIZE", "2000" if place.has_gpu else None)
+    recorder = notebook_env.get(
+        "TORCH_FR_BUFFER_SIZE", FLIGHT_RECORDER_ENTRIES if place.has_gpu else None
+    )
     if recorder is not None:
         env["TORCH_FR_BUFFER_SIZE"] = recorder
     # torchrun: one OpenMP thread per worker when several share a machine, unless the user chose.

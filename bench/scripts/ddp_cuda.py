@@ -6,7 +6,8 @@ cell, as ``main(argv)``): ``init_process_group("nccl")``, a small MLP in
 model is small on purpose: each step is a handful of tiny kernels, so its time is the CPU's
 launching them (and DDP's hooks), the part a pool's agent could slow down, not the GPU's
 arithmetic. ``W`` untimed steps, then ``K`` steps timed between two synchronised barriers. Rank 0
-writes the steps per second to ``OUT.json``.
+writes the steps per second to ``OUT.json``, with the CPU time its threads used over those steps
+(``thread_cpu.py``, beside this script): the launching thread's per step, and a pool agent's.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 import os
 import time
 
+import thread_cpu
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -60,16 +62,23 @@ def main(argv: list[str] | None = None) -> None:
 
     steps(args.warmup)
     _sync()
+    threads = thread_cpu.per_thread()
     started = time.perf_counter()
     steps(args.steps)
     _sync()
     seconds = time.perf_counter() - started
+    threads_cpu = thread_cpu.spent(threads)
+    main_cpu_ms = 1e3 * threads_cpu.get(thread_cpu.MAIN, 0.0)
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(
                 {
                     "steps_per_s": args.steps / seconds,
                     "seconds": seconds,
+                    "main_cpu_ms_per_step": main_cpu_ms / args.steps,
+                    "pool_agent_cpu_s": thread_cpu.pool_agent(threads_cpu),
+                    "threads_cpu_s": threads_cpu,
+                    "flight_recorder": os.environ.get("TORCH_FR_BUFFER_SIZE"),
                     "world_size": dist.get_world_size(),
                     "backend": dist.get_backend(),
                     "device": torch.cuda.get_device_name(device),
