@@ -105,10 +105,11 @@ class NodeFiles:
         files); reload the modules from them whose files changed since the last cell.
         """
         paths = workdir.paths.get(self.node, ()) if workdir is not None else ()
-        for path in paths:
-            inside = os.path.relpath(path, self.base)
-            if not inside.startswith(".."):
-                self._hold(inside.split(os.sep)[0])
+        if paths != self._entered:  # the copies of directories entered before are held already
+            for path in paths:
+                inside = os.path.relpath(path, self.base)
+                if not inside.startswith(".."):
+                    self._hold(inside.split(os.sep)[0])
         if paths:
             os.chdir(paths[0])
             for old in self._entered:

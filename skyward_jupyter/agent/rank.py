@@ -446,9 +446,10 @@ class Agent:
         """After a cell: its closed or replaced stdout and stderr reach the notebook again, and
         the cell's result says what the cell had done to them.
         """
-        mended = [c.mend() for c in self.captures] + self.streams.mend()
-        rank = os.environ.get("RANK", "0")
-        self._notes.extend(f"rank {rank}: {note}" for note in mended if note)
+        mended = [note for note in [c.mend() for c in self.captures] + self.streams.mend() if note]
+        if mended:
+            rank = os.environ.get("RANK", "0")
+            self._notes.extend(f"rank {rank}: {note}" for note in mended)
 
     def _run_cell(self, command: p.RunCell) -> None:
         self.cell_id = self._last_cell = command.cell_id
