@@ -98,6 +98,7 @@ def test_a_host_whose_parent_cannot_serve_fetches_from_the_root(
     tarball = _tarball({"a.whl": b"A" * 3_000_000, "sub/b.txt": b"b"})
     digest = hashlib.sha256(tarball).hexdigest()
     relays.append(root := Relay(tmp_path / "root" / "wheels", tarball, [], digest))
+    assert root.line()["progress"][0] == "receiving"  # at once: the notebook sees it alive
     port = root.until("serving")["serving"]
     gone = [1, "127.0.0.1", _closed_port()]
     sources = [gone, [0, "127.0.0.1", port]]
@@ -152,6 +153,60 @@ class _Local:
             self._process.kill()
 
 
+class _Notebook:
+    """The notebook's side of a pass, over hosts that are processes here: each host's
+    ``python`` as given, its cache a folder of its own.
+    """
+
+    def __init__(self, tmp_path: Path, pythons: list[list[str]]) -> None:
+        from skyward_jupyter.providers.base import Node
+        from skyward_jupyter.providers.ssh_bundles import Bundle, Receiver
+
+        self.tmp_path = tmp_path
+        self.sent_here: list[str] = []
+        self.said: list[str] = []
+        tarball = _tarball({"a.whl": WHEEL})
+        self.bundle = Bundle("wheels", "wheels/x", lambda: tarball)
+        self.hosts = [
+            Receiver(
+                Node(i, "127.0.0.1"),
+                f"host{i}",
+                self._open,
+                self._run,
+                self._send,
+                python,
+                str(tmp_path / f"host{i}"),
+            )
+            for i, python in enumerate(pythons)
+        ]
+
+    def run(self) -> None:
+        """One pass; every host has the bundle after it."""
+        from skyward_jupyter.providers.ssh_bundles import pass_bundle
+
+        def progress(text: str, node: int | None = None, state: object = None) -> None:
+            self.said.append(text)
+
+        asyncio.run(pass_bundle(self.bundle, self.hosts, progress))
+        for i in range(len(self.hosts)):
+            assert (self.tmp_path / f"host{i}" / "wheels/x" / "a.whl").read_bytes() == WHEEL
+
+    async def _open(self, command: str) -> _Local:
+        argv = shlex.split(command)
+        made = await asyncio.create_subprocess_exec(*argv, stdin=PIPE, stdout=PIPE, stderr=PIPE)
+        return _Local(made)
+
+    async def _run(self, argv: Sequence[str]) -> int:
+        return await asyncio.wait_for((await asyncio.create_subprocess_exec(*argv)).wait(), 30)
+
+    async def _send(self, target: str, data: bytes) -> None:
+        self.sent_here.append(target)
+        unpack(data, Path(target))
+
+
+WHEEL = b"W" * 2_000_000
+
+
 def test_the_notebook_passes_a_bundle_along_the_tree_and_sends_it_itself_where_no_relay_can(
     tmp_path: Path,
 ) -> None:
@@ -159,39 +214,32 @@ def test_the_notebook_passes_a_bundle_along_the_tree_and_sends_it_itself_where_n
     second's relay cannot start (its Python is broken), so the notebook sends it the bundle
     itself; the third fetches it from the first. The notebook sent it twice, not three times.
     """
-    from skyward_jupyter.providers.base import Node
-    from skyward_jupyter.providers.ssh_bundles import Bundle, Receiver, pass_bundle
-
-    tarball = _tarball({"a.whl": b"W" * 2_000_000})
-    sent_here: list[str] = []
-    said: list[str] = []
-
-    async def open_here(command: str) -> _Local:
-        argv = shlex.split(command)
-        made = await asyncio.create_subprocess_exec(*argv, stdin=PIPE, stdout=PIPE, stderr=PIPE)
-        return _Local(made)
-
-    async def run_here(argv: Sequence[str]) -> int:
-        return await asyncio.wait_for((await asyncio.create_subprocess_exec(*argv)).wait(), 30)
-
-    async def send_here(target: str, data: bytes) -> None:
-        sent_here.append(target)
-        unpack(data, Path(target))
-
-    def receiver(i: int, python: list[str]) -> Receiver:
-        return Receiver(Node(i, "127.0.0.1"), f"host{i}", open_here, run_here, send_here,
-                        python, str(tmp_path / f"host{i}"))  # fmt: skip
-
-    good = [sys.executable]
-    hosts = [receiver(0, good), receiver(1, ["false"]), receiver(2, good)]
-    bundle = Bundle("wheels", "wheels/x", lambda: tarball)
-    asyncio.run(pass_bundle(bundle, hosts, lambda text, node=None, state=None: said.append(text)))
-    for i in range(3):
-        assert (tmp_path / f"host{i}" / "wheels/x" / "a.whl").read_bytes() == b"W" * 2_000_000
-    assert sent_here == [str(tmp_path / "host1" / "wheels/x")], said
+    notebook = _Notebook(tmp_path, [[sys.executable], ["false"], [sys.executable]])
+    notebook.run()
+    said = notebook.said
+    assert notebook.sent_here == [str(tmp_path / "host1" / "wheels/x")], said
     assert sum("packages: sending wheels" in line for line in said) == 2, said
     assert any("from node 0" in line for line in said), said
     # a second pass finds every host's copy and sends nothing
     said.clear()
-    asyncio.run(pass_bundle(bundle, hosts, lambda text, node=None, state=None: said.append(text)))
-    assert said == [] and len(sent_here) == 1
+    notebook.run()
+    assert said == [] and len(notebook.sent_here) == 1
+
+
+def test_a_host_whose_relay_stops_moving_gets_the_bundle_from_the_notebook(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second host's relay starts and then says nothing (its disk or Python hangs): the
+    notebook gives up on it after the stall limit and sends it the bundle itself, while the
+    third host fetches from the first as before; the start does not wait on it forever.
+    """
+    from skyward_jupyter.providers import ssh_bundles
+
+    monkeypatch.setattr(ssh_bundles, "STALL_WITHIN", 1.0)
+    silent = [sys.executable, "-c", "import sys; sys.stdin.buffer.read()"]
+    notebook = _Notebook(tmp_path, [[sys.executable], silent, [sys.executable]])
+    notebook.run()
+    said = notebook.said
+    assert notebook.sent_here == [str(tmp_path / "host1" / "wheels/x")], said
+    assert any("made no progress for 1 s" in line for line in said), said
+    assert any("from node 0" in line for line in said), said

@@ -19,7 +19,9 @@ fetch from, parent first, as ``[node, address, port]``; none for the first host,
 reads the ``nbytes`` bytes from stdin; ``root``, the first host's address, which it listens on,
 the others on their route to it). It prints JSON lines: ``{"fetching": NODE}``, ``{"serving":
 PORT}`` once it has the bundle (``null`` where it cannot listen), then ``{"done": true}``; or
-``{"error": WHY}``.
+``{"error": WHY}``. Meanwhile, each second in which it moved on, ``{"progress": [STEP, BYTES]}``
+(``receiving``, ``fetching`` or ``unpacking``, and how far): the notebook gives up on a relay
+that stops moving (a host whose disk or Python hangs) and sends that host the bundle itself.
 
 Standard library only: this runs on the hosts.
 """
@@ -35,26 +37,66 @@ import shutil
 import sys
 import tarfile
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from .network import route_to
 from .relay import BlobStore, RelayError, RelayKeys, RelayServer, Source, fetch
 
+TICK = 1.0
+"""Seconds between two progress lines, at most one each (none when nothing moved)."""
+_said = threading.Lock()
+
 
 def _say(**line: Any) -> None:
-    sys.stdout.write(json.dumps(line) + "\n")
-    sys.stdout.flush()
+    with _said:  # the ticker's thread says its lines too
+        sys.stdout.write(json.dumps(line) + "\n")
+        sys.stdout.flush()
 
 
-def unpack(tarball: bytes | bytearray, target: Path) -> None:
+class _Ticker:
+    """Where this relay is (a step, and the bytes it has come through), said once a tick when
+    it moved on.
+    """
+
+    def __init__(self) -> None:
+        self.step = "receiving"
+        self.count = 0
+
+    def at(self, step: str) -> Callable[[int], None]:
+        """What a step calls with its bytes so far."""
+
+        def moved(count: int) -> None:
+            self.step, self.count = step, count
+
+        return moved
+
+    def start(self) -> None:
+        threading.Thread(target=self._tick, name="ticker", daemon=True).start()
+
+    def _tick(self) -> None:
+        said = None
+        while True:
+            now = (self.step, self.count)
+            if now != said:
+                _say(progress=list(now))
+                said = now
+            time.sleep(TICK)
+
+
+def unpack(
+    tarball: bytes | bytearray, target: Path, progress: Callable[[int], None] | None = None
+) -> None:
     """``tarball`` unpacked into ``target``, through a fresh folder renamed into place; another
-    pool that put it there first wins (what it unpacked is the same bundle).
+    pool that put it there first wins (what it unpacked is the same bundle). ``progress`` is
+    told the tarball's bytes read so far.
     """
     staging = target.with_name(f"{target.name}.{secrets.token_hex(4)}")
     staging.mkdir(parents=True)
     try:
-        with tarfile.open(fileobj=_Reader(tarball), mode="r|gz") as tar:
+        with tarfile.open(fileobj=_Reader(tarball, progress), mode="r|gz") as tar:
             if hasattr(tarfile, "data_filter"):  # Pythons before 3.11.4 have no filters
                 tar.extractall(staging, filter="data")
             else:
@@ -71,9 +113,10 @@ def unpack(tarball: bytes | bytearray, target: Path) -> None:
 class _Reader(io.RawIOBase):
     """The bundle read in place (``io.BytesIO`` would copy it: wheels may be gigabytes)."""
 
-    def __init__(self, data: bytes | bytearray) -> None:
+    def __init__(self, data: bytes | bytearray, progress: Callable[[int], None] | None) -> None:
         self._view = memoryview(data)
         self._at = 0
+        self._progress = progress
 
     def readable(self) -> bool:
         return True
@@ -82,34 +125,44 @@ class _Reader(io.RawIOBase):
         n = min(len(buffer), len(self._view) - self._at)
         buffer[:n] = self._view[self._at : self._at + n]
         self._at += n
+        if self._progress is not None:
+            self._progress(self._at)
         return n
 
 
-def _read_exact(stream: BinaryIO, nbytes: int) -> bytearray:
+def _read_exact(
+    stream: io.BufferedReader, nbytes: int, progress: Callable[[int], None]
+) -> bytearray:
     data = bytearray()
     while len(data) < nbytes:
-        chunk = stream.read(min(1 << 20, nbytes - len(data)))
+        # What has come (read1): a slow uplink still shows its progress, not in whole megabytes
+        chunk = stream.read1(min(1 << 20, nbytes - len(data)))
         if not chunk:
             raise OSError(f"the notebook's input ended after {len(data)} of {nbytes} bytes")
         data += chunk
+        progress(len(data))
     return data
 
 
-def serve(request: dict[str, Any], stdin: BinaryIO) -> int:
+def serve(request: dict[str, Any], stdin: io.BufferedReader) -> int:
     """Receive or fetch the bundle, serve it (where this host can listen), unpack it, and go on
     serving until ``stdin`` closes; the exit status (1 when this host could not get it).
     """
     keys = RelayKeys(request["token"], request["cert"], request["key"])
     digest, nbytes = request["digest"], request["nbytes"]
     sources = tuple(Source(*source) for source in request["sources"])
+    ticker = _Ticker()
     try:
         if not sources:
-            blob = _read_exact(stdin, nbytes)
+            ticker.start()
+            blob = _read_exact(stdin, nbytes, ticker.at("receiving"))
         ended = threading.Thread(target=_end_at_eof, args=(stdin,), name="eof", daemon=True)
         ended.start()
         if sources:
             _say(fetching=sources[0].node)
-            blob = fetch(sources, keys, digest, nbytes)
+            ticker.at("fetching")(0)
+            ticker.start()
+            blob = fetch(sources, keys, digest, nbytes, progress=ticker.at("fetching"))
         elif hashlib.sha256(blob).hexdigest() != digest:
             raise RelayError("the bundle from the notebook does not match its digest")
     except (RelayError, OSError) as exc:
@@ -127,7 +180,7 @@ def serve(request: dict[str, Any], stdin: BinaryIO) -> int:
         port = None
     _say(serving=port)
     try:
-        unpack(blob, Path(request["target"]))
+        unpack(blob, Path(request["target"]), ticker.at("unpacking"))
     except (OSError, tarfile.TarError) as exc:
         _say(error=f"cannot unpack into {request['target']}: {exc}")
         return 1
@@ -136,7 +189,7 @@ def serve(request: dict[str, Any], stdin: BinaryIO) -> int:
     return 0
 
 
-def _end_at_eof(stdin: BinaryIO) -> None:
+def _end_at_eof(stdin: io.BufferedReader) -> None:
     """End this relay once the notebook closes its input, whatever it is doing: at the end of
     the pass, or mid-fetch when the notebook gave up or went away (nothing then waits for it).
     """
@@ -152,11 +205,11 @@ def _diagnose(line: str) -> None:
 
 
 def main() -> None:
-    stdin = sys.stdin.buffer
-    request = json.loads(stdin.readline())
-    code = serve(request, stdin)
-    sys.stdout.flush()
-    os._exit(code)  # the thread still reading stdin would stop an orderly exit
+    with open(0, "rb", closefd=False) as stdin:  # a reader of its own: read1, typed
+        request = json.loads(stdin.readline())
+        code = serve(request, stdin)
+        sys.stdout.flush()
+        os._exit(code)  # the thread still reading stdin would stop an orderly exit
 
 
 if __name__ == "__main__":

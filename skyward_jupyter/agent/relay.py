@@ -429,22 +429,33 @@ def _described(exc: Exception) -> str:
 
 
 def fetch(
-    sources: tuple[Source, ...], keys: RelayKeys, digest: str, nbytes: int, timeout: float = 600.0
+    sources: tuple[Source, ...],
+    keys: RelayKeys,
+    digest: str,
+    nbytes: int,
+    timeout: float = 600.0,
+    progress: Callable[[int], None] | None = None,
 ) -> bytearray:
     """The blob ``digest`` of ``nbytes`` bytes from the first of ``sources`` that serves it
-    whole (the node's parent first, the head last), checked against its digest.
+    whole (the node's parent first, the head last), checked against its digest; ``progress``
+    is told the bytes received so far from the source being read, as they come.
     """
     tried = []
     for source in sources:
         try:
-            return _fetch_from(source, keys, digest, nbytes, timeout)
+            return _fetch_from(source, keys, digest, nbytes, timeout, progress)
         except RelayError as exc:
             tried.append(str(exc))
     raise RelayError("; ".join(tried) or "no relay to fetch from")
 
 
 def _fetch_from(
-    source: Source, keys: RelayKeys, digest: str, nbytes: int, timeout: float
+    source: Source,
+    keys: RelayKeys,
+    digest: str,
+    nbytes: int,
+    timeout: float,
+    progress: Callable[[int], None] | None,
 ) -> bytearray:
     """The blob from one relay. The length the relay announces is taken only if it is
     ``nbytes`` (it is not authenticated: room for whatever it said would be a way to exhaust
@@ -459,7 +470,7 @@ def _fetch_from(
     delay = 0.05
     while True:
         try:
-            blob = _fetch_once(head, keys, digest, nbytes, context, timeout, where)
+            blob = _fetch_once(head, keys, digest, nbytes, context, timeout, where, progress)
             break
         except ssl.SSLCertVerificationError:
             raise RelayError(
@@ -492,6 +503,7 @@ def _fetch_once(
     context: ssl.SSLContext | None,
     timeout: float,
     where: str,
+    progress: Callable[[int], None] | None,
 ) -> bytearray:
     with socket.create_connection(head, timeout=10) as plain:
         # A relay's host gone while this waits for its blob (no reset comes) is found in seconds.
@@ -525,4 +537,6 @@ def _fetch_once(
                 if n == 0:
                     raise _Answered(0, f"closed after {got} of {length} bytes")
                 got += n
+                if progress is not None:
+                    progress(got)
     return blob

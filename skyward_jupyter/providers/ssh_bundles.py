@@ -29,6 +29,9 @@ from .base import Node, Progress, ProviderError
 
 PASSER = ("-m", "skyward_jupyter.agent.bundles")
 """The host side's arguments after the host's Python."""
+STALL_WITHIN = 60.0
+"""Seconds a host's relay may go without a line (it says its progress each second it moves on)
+before the notebook gives up on it and sends that host the bundle itself."""
 CLOSE_WITHIN = 10.0
 """Seconds a host's relay has to end once the pass is over, before its channel is closed."""
 
@@ -138,7 +141,7 @@ async def pass_bundle(bundle: Bundle, receivers: Sequence[Receiver], progress: P
             if not sources:
                 say(k, f"packages: sending {bundle.what} ({size})")
                 process.stdin.write(tarball)
-            async for raw in process.stdout:
+            while raw := await _next_line(process, STALL_WITHIN):
                 try:
                     line = json.loads(raw)
                 except ValueError:
@@ -175,6 +178,16 @@ async def pass_bundle(bundle: Bundle, receivers: Sequence[Receiver], progress: P
     for outcome in outcomes:
         if isinstance(outcome, BaseException):
             raise outcome
+
+
+async def _next_line(process: Any, within: float) -> bytes:
+    """The relay's next line (empty at its end); raises when it said none ``within`` seconds:
+    it says one each second it moves on, so a silent one is stuck.
+    """
+    try:
+        return bytes(await asyncio.wait_for(process.stdout.readline(), within))
+    except asyncio.TimeoutError:
+        raise PackagesError(f"its relay made no progress for {within:.0f} s") from None
 
 
 async def _closed(process: Any) -> None:
