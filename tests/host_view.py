@@ -8,7 +8,8 @@ real machine would not see (tmpfs over each hidden path), brings back the paths 
 every session of that sshd sees this view. CONFIG is JSON:
 
 ``{"hostname", "sshd_files" (a directory with sshd.conf and keys), "user", "hide": [...],
-"keep": [...], "home_size" (tmpfs size of /home, e.g. "2m", or null)}``
+"keep": [...], "home_size" (tmpfs size of /home, e.g. "2m", or null), "shm_size" (of /dev/shm,
+likewise)}``
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ def main(config: dict[str, object]) -> None:
     user = pwd.getpwnam(str(config["user"]))
     size = f",size={config['home_size']}" if config.get("home_size") else ""
     _mount("-t", "tmpfs", "-o", f"mode=755{size}", "sky-home", "/home")
+    if config.get("shm_size"):
+        _mount("-t", "tmpfs", "-o", f"mode=1777,size={config['shm_size']}", "sky-shm", "/dev/shm")
     os.makedirs(user.pw_dir, mode=0o700)
     os.chown(user.pw_dir, user.pw_uid, user.pw_gid)
     os.execv(SSHD, [SSHD, "-D", "-e", "-f", str(STAGE / "sshd" / "sshd.conf")])

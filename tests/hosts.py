@@ -17,7 +17,8 @@ problems when they were friendlier:
   (the project's venv and its base interpreter, read-only paths) stays visible, at the same path;
 - the login is the unprivileged ``skyuser`` (made once on this machine if missing);
 - ``max_sessions`` is each sshd's ``MaxSessions`` (OpenSSH's default 10), per host if a list;
-  ``home_size`` makes the homes small filesystems (e.g. "2m"), to fill up.
+  ``home_size`` makes the homes small filesystems (e.g. "2m"), to fill up; ``shm_size`` makes
+  ``/dev/shm`` one (a container's is 64 MiB unless it is given more).
 
 ``private=False`` gives the old, friendlier hosts: root login, this machine's filesystem, the
 machine's hostname resolving to the host's own address. ``Hosts.inside_argv`` runs a command in a
@@ -471,6 +472,7 @@ def ssh_hosts(
     private: bool = True,
     max_sessions: int | Sequence[int] = 10,
     home_size: str | None = None,
+    shm_size: str | None = None,
 ) -> Iterator[Hosts]:
     """n SSH hosts, each in its own network namespace; torn down (and checked) on exit."""
     sessions = [max_sessions] * n if isinstance(max_sessions, int) else list(max_sessions)
@@ -574,6 +576,7 @@ def ssh_hosts(
                     "hide": _hidden_paths(tmp),
                     "keep": _python_paths(),
                     "home_size": home_size,  # a small one: a disk that fills up
+                    "shm_size": shm_size,
                 }
                 argv = ["unshare", "--uts", sys.executable, str(HOST_VIEW), json.dumps(view)]
             else:

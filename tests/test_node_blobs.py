@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from skyward_jupyter.agent import node_blobs
 from skyward_jupyter.agent.node_blobs import SWEEP_AFTER, NodeBlobs
 from skyward_jupyter.agent.relay import RelayError
 
@@ -24,11 +25,12 @@ DIGEST = hashlib.sha256(BLOB).hexdigest()
 def test_ranks_map_one_copy_each_writing_its_own_pages_and_hear_why_one_will_not_come(
     tmp_path: Path,
 ) -> None:
-    first, other = NodeBlobs("token", 3, tmp_path), NodeBlobs("token", 3, tmp_path)
+    first, other = (NodeBlobs("token", 3, tmp_path, tmp_path / "disk") for _ in range(2))
     first.open()
     other.open()
     first.publish(DIGEST, BLOB)
-    mine, theirs = first.wait(DIGEST, len(BLOB), 5), other.wait(DIGEST, len(BLOB), 5)
+    (mine, spilled), (theirs, _) = (s.wait(DIGEST, len(BLOB), 5) for s in (first, other))
+    assert not spilled  # memory had room
     mine[0] = (BLOB[0] + 1) % 256
     assert theirs.tobytes() == BLOB and (first.dir / DIGEST).read_bytes() == BLOB
     first.drop((DIGEST,))
@@ -43,16 +45,18 @@ def test_ranks_map_one_copy_each_writing_its_own_pages_and_hear_why_one_will_not
 def test_a_folder_another_user_made_is_refused(tmp_path: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root, to make a folder another user owns")
-    planted = NodeBlobs("token", 0, tmp_path)
+    planted = NodeBlobs("token", 0, tmp_path, tmp_path / "disk")
     planted.dir.mkdir(mode=0o700)
     nobody = pwd.getpwnam("nobody")
     os.chown(planted.dir, nobody.pw_uid, nobody.pw_gid)
     with pytest.raises(OSError, match="not a private directory of this user"):
-        NodeBlobs("token", 0, tmp_path).open()
+        NodeBlobs("token", 0, tmp_path, tmp_path / "disk").open()
 
 
 def test_a_sweep_removes_only_old_folders_no_rank_holds(tmp_path: Path) -> None:
-    live, dead, young = (NodeBlobs(t, 0, tmp_path) for t in ("live", "dead", "young"))
+    live, dead, young = (
+        NodeBlobs(t, 0, tmp_path, tmp_path / "disk") for t in ("live", "dead", "young")
+    )
     live.open()
     dead.open()
     young.open()
@@ -62,5 +66,33 @@ def test_a_sweep_removes_only_old_folders_no_rank_holds(tmp_path: Path) -> None:
     old = os.stat(dead.dir).st_mtime - SWEEP_AFTER - 1
     for store in (live, dead):
         os.utime(store.dir, (old, old))
-    assert NodeBlobs("new", 0, tmp_path).sweep() == [dead.dir]
+    assert NodeBlobs("new", 0, tmp_path, tmp_path / "disk").sweep() == [dead.dir]
     assert live.dir.is_dir() and young.dir.is_dir() and not dead.dir.exists()
+
+
+def test_a_value_memory_has_no_room_for_is_kept_on_disk_and_shared_the_same(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The memory filesystem would be left with less than its free share: the value goes to
+    the disk directory, every rank maps it from there, and it is dropped and swept from there.
+    """
+    memory, disk = tmp_path / "shm", tmp_path / "disk"
+    monkeypatch.setattr(node_blobs, "KEEP_FREE", 1.0)  # no room left to give
+    first, other = (NodeBlobs("token", 1, memory, disk) for _ in range(2))
+    first.open()
+    other.open()
+    first.publish(DIGEST, BLOB)
+    assert (first.spill / DIGEST).read_bytes() == BLOB and not (first.dir / DIGEST).exists()
+    view, spilled = other.wait(DIGEST, len(BLOB), 5)
+    assert spilled and view.tobytes() == BLOB
+    first.drop((DIGEST,))
+    assert not (first.spill / DIGEST).exists()
+    # its pool gone (no rank holds its folder in memory) and old: a sweep takes both folders
+    for store in (first, other):
+        assert store._lock is not None
+        os.close(store._lock)
+    old = os.stat(first.dir).st_mtime - SWEEP_AFTER - 1
+    for path in (first.dir, first.spill):
+        os.utime(path, (old, old))
+    assert NodeBlobs("new", 1, memory, disk).sweep() == [first.dir, first.spill]
+    assert not first.spill.exists()

@@ -8,6 +8,7 @@ the notebook sends leaving it once whatever the number of nodes.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import subprocess
 import sys
@@ -164,7 +165,10 @@ def test_bad_directories_are_named_before_any_machine(hosts: Hosts, tmp_path: Pa
 
 
 def test_a_full_disk_on_a_host_is_named_and_the_pool_stays_usable(tmp_path: Path) -> None:
-    with ssh_hosts(1, tmp_path / "hosts", home_size="4m") as small:
+    """A small home and a small ``/dev/shm`` (as in a container): a large global that memory
+    has no room for is kept on disk instead, and the user is told; a full home is named.
+    """
+    with ssh_hosts(1, tmp_path / "hosts", home_size="4m", shm_size="2m") as small:
         root = tmp_path / "project"
         root.mkdir()
         (root / "ok.py").write_text("X = 1\n")
@@ -178,6 +182,12 @@ def test_a_full_disk_on_a_host_is_named_and_the_pool_stays_usable(tmp_path: Path
             assert f"/home/{small.user}" in message
             (root / "huge.bin").unlink()
             assert pool.run("__import__('ok').X").values == [1]  # the copy was not touched
+        # two ranks share a large value through the node's store: /dev/shm has no room for it
+        with Pool(nodes=1, procs_per_node=2, provider=_provider(small, (0,)), sync=()) as pool:
+            large = os.urandom(3 << 20)
+            result = pool.run("__import__('hashlib').sha256(large).hexdigest()", {"large": large})
+            assert result.values == [hashlib.sha256(large).hexdigest()] * 2, result.errors
+            assert any("kept on disk" in n and "--shm-size" in n for n in result.notes), result
 
 
 def test_a_host_that_shares_the_notebooks_files_runs_in_them(tmp_path: Path) -> None:

@@ -36,10 +36,12 @@ class Arrivals:
         head: str,
         keys: RelayKeys | None,
         say: Callable[[str], None],
+        note: Callable[[str], None],
     ) -> None:
         """``first``: this is the node's first rank (it runs the relay and fetches for the
         node); ``head``: the head's address (the head's relay listens there, the others' on
-        the address that routes to it).
+        the address that routes to it); ``say`` writes to the rank's diagnostics, ``note``
+        to the user, with the next cell's result.
         """
         self.blobs = BlobStore()
         self.files = NodeFiles(node)
@@ -47,6 +49,7 @@ class Arrivals:
         self._first = first
         self._keys = keys
         self._say = say
+        self._note = note
         self._dropped: set[str] = set()
         """Digests dropped while they were fetched or written: not kept when they arrive."""
         self._keeping = threading.Lock()
@@ -177,8 +180,19 @@ class Arrivals:
         """The node's copy of a relayed value (waiting for it while it travels)."""
         if self.node_blobs is None:
             raise RuntimeError("a relayed value arrived, but this node cannot keep one")
-        return self.node_blobs.wait(ref.digest, ref.nbytes, WAIT)
+        view, spilled = self.node_blobs.wait(ref.digest, ref.nbytes, WAIT)
+        if spilled and self._first:  # said once for the node
+            self._note(
+                f"node {self._node}: a value of {view.nbytes / 2**20:.1f} MiB did not fit in "
+                f"{self.node_blobs.dir.parent.parent} (a quarter of it is kept free): it is kept "
+                f"on disk in {self.node_blobs.spill} instead, shared all the same; give the "
+                "machine a larger /dev/shm (in a container: docker run --shm-size) to keep "
+                "such values in memory"
+            )
+        return view
 
     def leaving(self) -> list[Path]:
         """As the rank ends: what goes with it (the node's store, with its first rank)."""
-        return [self.node_blobs.dir] if self._first and self.node_blobs is not None else []
+        if not self._first or self.node_blobs is None:
+            return []
+        return [self.node_blobs.dir, self.node_blobs.spill]

@@ -6,6 +6,12 @@ the pages stay shared until a rank writes to its value) instead of fetching its 
 rank waiting for a value that is not here yet polls for its file, or for the reason it will
 not come (``<digest>.failed``, written by the rank that tried).
 
+A value for which the memory filesystem has no room (a container's ``/dev/shm`` is 64 MiB unless
+it is given more) is kept in the same way in a directory of the machine's temporary folder
+instead, and the pool says so: its pages are still shared through the page cache. A value is
+kept in memory only while it leaves a quarter of that filesystem free, which NCCL and
+DataLoader workers use too.
+
 Who may read: the directory is the user's (0700, checked: another user cannot plant one), one
 per pool and node, named by a digest of the pool's relay token (not the token). The files are
 written under a temporary name and renamed whole, so a rank never maps half a value. The
@@ -18,6 +24,7 @@ Standard library only: this runs on the nodes.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import mmap
@@ -39,10 +46,25 @@ _POLL_FIRST, _POLL_MOST = 0.002, 0.05
 """Seconds between two looks for a value's file: short at first, longer while it travels."""
 
 
+KEEP_FREE = 0.25
+"""The share of the memory filesystem a value kept there must leave free."""
+
+
 def _base() -> Path:
     """Where the machine keeps memory-backed files (``/dev/shm``), else its temporary folder."""
-    root = _SHM if _SHM.is_dir() and os.access(_SHM, os.W_OK) else Path(tempfile.gettempdir())
+    root = _SHM if _SHM.is_dir() and os.access(_SHM, os.W_OK) else _spill_base().parent
     return root / f"skyward-{os.getuid()}"
+
+
+def _spill_base() -> Path:
+    """Where values go that the memory filesystem has no room for: the temporary folder."""
+    return Path(tempfile.gettempdir()) / f"skyward-{os.getuid()}"
+
+
+def _room_for(directory: Path, nbytes: int) -> bool:
+    """``nbytes`` fit in ``directory``'s filesystem and leave :data:`KEEP_FREE` of it free."""
+    fs = os.statvfs(directory)
+    return nbytes <= fs.f_bavail * fs.f_frsize - KEEP_FREE * fs.f_blocks * fs.f_frsize
 
 
 def _private_dir(path: Path) -> Path:
@@ -58,10 +80,15 @@ def _private_dir(path: Path) -> Path:
 class NodeBlobs:
     """The values of one pool on this node (its ranks share the directory)."""
 
-    def __init__(self, token: str, node: int, base: Path | None = None) -> None:
+    def __init__(
+        self, token: str, node: int, base: Path | None = None, spill_base: Path | None = None
+    ) -> None:
         pool = hashlib.sha256(f"skyward node blobs {token}".encode()).hexdigest()[:20]
         self._base = base or _base()
         self.dir = self._base / f"{pool}-n{node}"
+        self._spill_base = spill_base or _spill_base()
+        self.spill = self._spill_base / self.dir.name
+        """Where values go that do not fit in :attr:`dir` (made when one first does not)."""
         self._lock: int | None = None
 
     def open(self) -> None:
@@ -73,7 +100,8 @@ class NodeBlobs:
 
     def sweep(self) -> list[Path]:
         """Remove the directories of this user's pools that no rank holds any longer (a
-        directory younger than ``SWEEP_AFTER`` may be one whose ranks are starting).
+        directory younger than ``SWEEP_AFTER`` may be one whose ranks are starting); a spill
+        directory goes with its pool's directory in memory, or alone when that one is gone.
         """
         gone = []
         now = time.time()
@@ -95,20 +123,44 @@ class NodeBlobs:
                 gone.append(other)
             finally:
                 os.close(lock)
+        if self._spill_base != self._base and self._spill_base.is_dir():
+            for other in self._spill_base.iterdir():
+                try:
+                    stale = now - other.stat().st_mtime >= SWEEP_AFTER
+                except OSError:
+                    continue
+                if stale and other != self.spill and not (self._base / other.name).exists():
+                    shutil.rmtree(other, ignore_errors=True)
+                    gone.append(other)
         return gone
 
     def publish(self, digest: str, blob: memoryview | bytes | bytearray) -> memoryview:
-        """Keep ``blob`` as the node's copy of ``digest``; a read-only mapping of it."""
-        fd, temporary = tempfile.mkstemp(dir=self.dir, prefix=f".{digest[:12]}-")
+        """Keep ``blob`` as the node's copy of ``digest`` (in memory, or in the spill directory
+        when memory has no room for it); a read-only mapping of it.
+        """
+        if _room_for(self.dir, memoryview(blob).nbytes):
+            try:
+                self._write(self.dir, digest, blob)
+                return self._map(digest, mmap.ACCESS_READ)[0]
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise  # filled meanwhile (another process): spilled below
+        _private_dir(self._spill_base)
+        _private_dir(self.spill)
+        self._write(self.spill, digest, blob)
+        return self._map(digest, mmap.ACCESS_READ)[0]
+
+    @staticmethod
+    def _write(directory: Path, digest: str, blob: memoryview | bytes | bytearray) -> None:
+        fd, temporary = tempfile.mkstemp(dir=directory, prefix=f".{digest[:12]}-")
         try:
             with os.fdopen(fd, "wb") as file:
                 file.write(blob)
-            os.replace(temporary, self.dir / digest)
+            os.replace(temporary, directory / digest)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(temporary)
             raise
-        return self._map(digest, mmap.ACCESS_READ)
 
     def fail(self, digest: str, why: str) -> None:
         """Tell the node's ranks waiting for ``digest`` that it will not come, and why."""
@@ -117,16 +169,17 @@ class NodeBlobs:
             file.write(why)
         os.replace(temporary, self.dir / (digest + _FAILED))
 
-    def wait(self, digest: str, nbytes: int, timeout: float) -> memoryview:
-        """The node's copy of ``digest``, mapped copy-on-write (a rank may write to its value);
-        waits for it up to ``timeout`` seconds. Raises :class:`RelayError` with the reason the
-        node's first rank gave, or that nothing came.
+    def wait(self, digest: str, nbytes: int, timeout: float) -> tuple[memoryview, bool]:
+        """The node's copy of ``digest``, mapped copy-on-write (a rank may write to its value),
+        and whether it lies in the spill directory; waits for it up to ``timeout`` seconds.
+        Raises :class:`RelayError` with the reason the node's first rank gave, or that nothing
+        came.
         """
         deadline = time.monotonic() + timeout
         pause = _POLL_FIRST
         while True:
             try:
-                view = self._map(digest, mmap.ACCESS_COPY)
+                view, spilled = self._map(digest, mmap.ACCESS_COPY)
                 break
             except FileNotFoundError:
                 pass
@@ -143,18 +196,23 @@ class NodeBlobs:
             raise RelayError(
                 f"the node's copy of {digest[:12]} holds {view.nbytes} bytes, not {nbytes}"
             )
-        return view
+        return view, spilled
 
     def drop(self, digests: tuple[str, ...]) -> None:
         """The node's ranks loaded these: their files go (a mapping keeps its pages)."""
         for digest in digests:
-            for name in (digest, digest + _FAILED):
+            for path in (self.dir / digest, self.dir / (digest + _FAILED), self.spill / digest):
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.dir / name)
+                    os.unlink(path)
 
-    def _map(self, digest: str, access: int) -> memoryview:
-        with open(self.dir / digest, "rb" if access == mmap.ACCESS_READ else "r+b") as file:
+    def _map(self, digest: str, access: int) -> tuple[memoryview, bool]:
+        """The file of ``digest`` mapped, from memory or else from the spill directory (then
+        True).
+        """
+        path = self.dir / digest
+        if not path.exists():
+            path = self.spill / digest  # not there either: FileNotFoundError, as for memory
+        with open(path, "rb" if access == mmap.ACCESS_READ else "r+b") as file:
             size = os.fstat(file.fileno()).st_size
-            if not size:
-                return memoryview(b"")
-            return memoryview(mmap.mmap(file.fileno(), size, access=access))
+            view = memoryview(mmap.mmap(file.fileno(), size, access=access) if size else b"")
+        return view, path.parent == self.spill and self.spill != self.dir

@@ -153,6 +153,7 @@ class Agent:
             if settings.relay_token
             else None,
             self._diagnose,
+            self._notes.append,
         )
         self.watch = Watch(frozenset(_AGENT_THREADS))
         self.console = Console(
@@ -491,6 +492,7 @@ class Agent:
         self._mend_output()
         self._flush_metrics()
         self.arrivals.files.note_modules()  # before the answer: an edit may follow it at once
+        notes = tuple(self._notes)  # a note a fetch thread adds meanwhile goes with the next
         done = cell_done(
             command.cell_id,
             value,
@@ -499,10 +501,10 @@ class Agent:
             after_interrupt,
             bound=bound,
             group_destroyed=self.worlds.destroyed(),
-            notes=tuple(self._notes),
+            notes=notes,
             collectives=self.worlds.collectives(),
         )
-        self._notes.clear()
+        del self._notes[: len(notes)]
         self.channel.send(done)
         self.cell_id = None
         if command.script is not None:
