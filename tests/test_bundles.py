@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from skyward_jupyter.agent.bundles import unpack
+from skyward_jupyter.agent.environments import SENT_LOCK
 from skyward_jupyter.relay_keys import RelaySecrets
 
 from .test_workdir import tar_of
@@ -108,7 +109,7 @@ def test_a_host_whose_parent_cannot_serve_fetches_from_the_root(
     for where in ("root", "child"):
         got = tmp_path / where / "wheels"
         assert (got / "a.whl").read_bytes() == b"A" * 3_000_000 and (got / "sub/b.txt").exists()
-        assert sorted(p.name for p in got.parent.iterdir()) == ["wheels"]  # no staging left
+        assert sorted(p.name for p in got.parent.iterdir()) == [SENT_LOCK, "wheels"]  # no staging
     assert root.close() == 0 and child.close() == 0
 
 
@@ -126,6 +127,29 @@ def test_a_relay_still_fetching_ends_when_the_notebook_closes_its_input(
         assert not (tmp_path / "wheels").exists()
 
 
+def test_sky_clean_leaves_a_folder_alone_while_a_bundle_is_passed_into_it(
+    relays: list[Relay], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``%sky clean`` on a host while another kernel's pool passes it wheels: the folder they
+    go to is kept (with the bundle an earlier pool left there) until the relay has ended.
+    """
+    from skyward_jupyter.agent import environments
+
+    monkeypatch.setenv("SKYWARD_ENVS", str(tmp_path / "envs"))
+    wheels = tmp_path / "wheels"
+    (wheels / "earlier").mkdir(parents=True)
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        port = silent.getsockname()[1]
+        sources = [[0, "127.0.0.1", port]]
+        relays.append(child := Relay(wheels / "new", b"x", sources, "0" * 64))
+        assert child.line() == {"fetching": 0}
+        removed, kept = environments.clean([wheels])
+        assert removed == [] and kept == [str(wheels / "earlier")], (removed, kept)
+        assert child.close() == 0
+    removed, kept = environments.clean([wheels])
+    assert [path for path, _ in removed] == [wheels / "earlier"] and kept == []
+
+
 def test_bytes_that_do_not_match_the_digest_are_neither_served_nor_unpacked(
     relays: list[Relay], tmp_path: Path
 ) -> None:
@@ -135,7 +159,7 @@ def test_bytes_that_do_not_match_the_digest_are_neither_served_nor_unpacked(
     said = root.until("serving")
     assert "does not match its digest" in said["error"], said  # it never served
     assert root.process.wait(10) == 1
-    assert not (tmp_path / "root").exists() or not any((tmp_path / "root").iterdir())
+    assert [p.name for p in (tmp_path / "root").iterdir()] == [SENT_LOCK]
 
 
 class _Local:

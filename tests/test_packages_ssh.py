@@ -221,7 +221,7 @@ def test_clean_removes_the_hosts_environments_that_no_rank_uses(
             hosts,
             i,
             honest_python,
-            "import os; print([os.listdir(f) for f in "
+            "import os; print([[n for n in os.listdir(f) if n != '.lock'] for f in "
             f"({str(tmp_path / 'cache' / 'wheels')!r}, {str(tmp_path / 'cache' / 'uv')!r}) "
             "if os.path.isdir(f)])",
         )

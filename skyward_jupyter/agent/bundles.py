@@ -42,6 +42,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .environments import hold_sent
 from .network import route_to
 from .relay import BlobStore, RelayError, RelayKeys, RelayServer, Source, fetch
 
@@ -151,6 +152,12 @@ def serve(request: dict[str, Any], stdin: io.BufferedReader) -> int:
     keys = RelayKeys(request["token"], request["cert"], request["key"])
     digest, nbytes = request["digest"], request["nbytes"]
     sources = tuple(Source(*source) for source in request["sources"])
+    target = Path(request["target"])
+    try:
+        hold_sent(target.parent)  # %sky clean keeps the folder while this lives
+    except OSError as exc:
+        _say(error=f"cannot make {target.parent}: {exc}")
+        return 1
     ticker = _Ticker()
     try:
         if not sources:
@@ -180,7 +187,7 @@ def serve(request: dict[str, Any], stdin: io.BufferedReader) -> int:
         port = None
     _say(serving=port)
     try:
-        unpack(blob, Path(request["target"]), ticker.at("unpacking"))
+        unpack(blob, target, ticker.at("unpacking"))
     except (OSError, tarfile.TarError) as exc:
         _say(error=f"cannot unpack into {request['target']}: {exc}")
         return 1

@@ -84,6 +84,9 @@ class BuildError(Exception):
     """The installer failed; the message is its reason, in one line."""
 
 
+SENT_LOCK = ".lock"
+"""In a folder the notebook sends bundles into: held shared while one is passed in."""
+
 def root() -> Path:
     """Where this node keeps its environments (``SKYWARD_ENVS`` names another place)."""
     return Path(os.path.expanduser(os.environ.get("SKYWARD_ENVS") or ENVS))
@@ -542,10 +545,21 @@ def use(site_dir: str) -> None:
         _held.append(fd)
 
 
+def hold_sent(folder: Path) -> int:
+    """Hold ``folder`` (of the wheels, of uv) while a bundle is passed into it: ``%sky clean``
+    leaves it alone meanwhile. The descriptor holds it until it is closed, or the process ends.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder / SENT_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
 def clean(sent: Sequence[Path] = ()) -> tuple[list[tuple[Path, int]], list[str]]:
     """Remove the cached environments no rank uses (and builds that were cut off), and the
     folders in ``sent`` (of the wheels, of uv: what the notebook sent for the builds) while no
-    build runs; what is removed (and its bytes), and what is kept as in use.
+    build runs and no bundle is passed into them; what is removed (and its bytes), and what is
+    kept as in use.
     """
     base = root()
     removed: list[tuple[Path, int]] = []
@@ -554,10 +568,11 @@ def clean(sent: Sequence[Path] = ()) -> tuple[list[tuple[Path, int]], list[str]]
     for folder in sent:
         if not folder.is_dir():
             continue
+        passing = _held_by_other(folder / SENT_LOCK)
         for item in sorted(folder.iterdir()):
             if not item.is_dir() or item.is_symlink():
                 continue
-            if building:
+            if building or passing:
                 kept.append(str(item))
                 continue
             size = sum(f.lstat().st_size for f in item.rglob("*"))
