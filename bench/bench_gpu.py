@@ -279,6 +279,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not gpus:
         print("bench_gpu: no CUDA GPU here (torch.cuda.is_available() is False): nothing measured")
         return 0
+    # torchrun's plain side runs as torchrun does by default; the pool sets its own value
+    os.environ.pop("TORCH_FR_BUFFER_SIZE", None)
     load_before = load_avg()
     nb = Notebook(gpus, args.timeout)
     notebook_dir = os.getcwd()

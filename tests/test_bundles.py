@@ -267,3 +267,27 @@ def test_a_host_whose_relay_stops_moving_gets_the_bundle_from_the_notebook(
     assert notebook.sent_here == [str(tmp_path / "host1" / "wheels/x")], said
     assert any("made no progress for 1 s" in line for line in said), said
     assert any("from node 0" in line for line in said), said
+
+
+def test_a_relay_that_keeps_moving_is_not_given_up_on_however_long_it_takes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stall limit counts from the relay's last line, not from its start: one that says
+    its progress for longer than the limit is waited for (here it then ends without the bundle,
+    and the notebook names that).
+    """
+    from skyward_jupyter.providers import ssh_bundles
+
+    monkeypatch.setattr(ssh_bundles, "STALL_WITHIN", 1.0)
+    moving = (
+        "import json, time\n"
+        "for i in range(12):\n"
+        "    print(json.dumps({'progress': ['fetching', i]}), flush=True)\n"
+        "    time.sleep(0.25)\n"
+    )
+    notebook = _Notebook(tmp_path, [[sys.executable], [sys.executable, "-c", moving]])
+    notebook.run()
+    said = notebook.said
+    assert notebook.sent_here == [str(tmp_path / "host1" / "wheels/x")], said
+    assert any("its relay ended before it had them" in line for line in said), said
+    assert not any("made no progress" in line for line in said), said

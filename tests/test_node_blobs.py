@@ -94,5 +94,29 @@ def test_a_value_memory_has_no_room_for_is_kept_on_disk_and_shared_the_same(
     old = os.stat(first.dir).st_mtime - SWEEP_AFTER - 1
     for path in (first.dir, first.spill):
         os.utime(path, (old, old))
+    live = NodeBlobs("live", 1, memory, disk)  # an old spill of a pool still running
+    live.open()
+    live._spill_dir()
+    os.utime(live.spill, (old, old))
     assert NodeBlobs("new", 1, memory, disk).sweep() == [first.dir, first.spill]
-    assert not first.spill.exists()
+    assert not first.spill.exists() and live.spill.is_dir()
+
+
+def test_a_sweep_never_follows_a_spill_folder_another_user_planted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The spill folder is a link someone else put there (to a folder of the user's own): a
+    sweep removes nothing through it, and a value meant for it is refused in one line.
+    """
+    precious = tmp_path / "projects"
+    (precious / "thesis").mkdir(parents=True)
+    old = os.stat(precious).st_mtime - SWEEP_AFTER - 1
+    os.utime(precious / "thesis", (old, old))
+    disk = tmp_path / "disk"
+    disk.symlink_to(precious)
+    store = NodeBlobs("token", 0, tmp_path / "shm", disk)
+    store.open()
+    assert store.sweep() == [] and (precious / "thesis").is_dir()
+    monkeypatch.setattr(node_blobs, "KEEP_FREE", 1.0)
+    with pytest.raises(OSError, match="not a private directory of this user"):
+        store.publish(DIGEST, BLOB)

@@ -187,7 +187,10 @@ def test_a_full_disk_on_a_host_is_named_and_the_pool_stays_usable(tmp_path: Path
             large = os.urandom(3 << 20)
             result = pool.run("__import__('hashlib').sha256(large).hexdigest()", {"large": large})
             assert result.values == [hashlib.sha256(large).hexdigest()] * 2, result.errors
-            assert any("kept on disk" in n and "--shm-size" in n for n in result.notes), result
+            said = [n for n in result.notes if "did not fit in /dev/shm" in n]
+            assert len(said) == 1 and "--shm-size" in said[0], result.notes
+            again = pool.run("len(large)", {"large": large[::-1]})  # another value: no new note
+            assert again.values == [len(large)] * 2 and again.notes == (), again
 
 
 def test_a_host_that_shares_the_notebooks_files_runs_in_them(tmp_path: Path) -> None:

@@ -11,8 +11,19 @@ from __future__ import annotations
 import os
 import threading
 
-POOL_AGENT = ("reader", "watchdog", "capture-stdout", "capture-stderr")
-"""The threads a pool's rank runs beside the user's code (``skyward_jupyter.agent.rank``)."""
+POOL_AGENT = (
+    "reader",
+    "watchdog",
+    "capture-stdout",
+    "capture-stderr",
+    "node-usage",
+    "relay",
+    "relay-fetch",
+    "store",
+    "tunnel",
+)
+"""The threads a pool's rank runs beside the user's code (``skyward_jupyter.agent.rank``'s
+``_AGENT_THREADS``)."""
 MAIN = "main"
 """The name :func:`per_thread` gives the process's first thread, which runs the script."""
 

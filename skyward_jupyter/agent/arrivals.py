@@ -50,6 +50,7 @@ class Arrivals:
         self._keys = keys
         self._say = say
         self._note = note
+        self._spill_said = False
         self._dropped: set[str] = set()
         """Digests dropped while they were fetched or written: not kept when they arrive."""
         self._keeping = threading.Lock()
@@ -135,7 +136,7 @@ class Arrivals:
             self._fail(
                 digest,
                 f"node {self._node} cannot keep a value of {len(memoryview(blob).cast('B'))} "
-                f"bytes in {self.node_blobs.dir}: {exc}",
+                f"bytes: {exc}",
             )
             return
         with self._keeping:
@@ -181,13 +182,14 @@ class Arrivals:
         if self.node_blobs is None:
             raise RuntimeError("a relayed value arrived, but this node cannot keep one")
         view, spilled = self.node_blobs.wait(ref.digest, ref.nbytes, WAIT)
-        if spilled and self._first:  # said once for the node
+        if spilled and self._first and not self._spill_said:  # once for the node and pool
+            self._spill_said = True
             self._note(
                 f"node {self._node}: a value of {view.nbytes / 2**20:.1f} MiB did not fit in "
-                f"{self.node_blobs.dir.parent.parent} (a quarter of it is kept free): it is kept "
-                f"on disk in {self.node_blobs.spill} instead, shared all the same; give the "
-                "machine a larger /dev/shm (in a container: docker run --shm-size) to keep "
-                "such values in memory"
+                f"{self.node_blobs.dir.parent.parent} (a quarter of it is kept free): the node "
+                f"keeps such values in {self.node_blobs.spill} instead, shared all the same; "
+                "give the machine a larger /dev/shm (in a container: docker run --shm-size) to "
+                "keep them in memory"
             )
         return view
 

@@ -20,8 +20,9 @@ reads the ``nbytes`` bytes from stdin; ``root``, the first host's address, which
 the others on their route to it). It prints JSON lines: ``{"fetching": NODE}``, ``{"serving":
 PORT}`` once it has the bundle (``null`` where it cannot listen), then ``{"done": true}``; or
 ``{"error": WHY}``. Meanwhile, each second in which it moved on, ``{"progress": [STEP, BYTES]}``
-(``receiving``, ``fetching`` or ``unpacking``, and how far): the notebook gives up on a relay
-that stops moving (a host whose disk or Python hangs) and sends that host the bundle itself.
+(``receiving``, ``fetching`` or ``unpacking``, and how far), which the notebook takes as signs
+of life: it gives up on a relay that stops moving (a host whose disk or Python hangs) and
+sends that host the bundle itself.
 
 Standard library only: this runs on the hosts.
 """
@@ -63,14 +64,15 @@ class _Ticker:
     """
 
     def __init__(self) -> None:
-        self.step = "receiving"
-        self.count = 0
+        self.now = ("receiving", 0)
+        """The step and its bytes, set together (one tuple: the ticker never pairs a step with
+        another's count)."""
 
     def at(self, step: str) -> Callable[[int], None]:
         """What a step calls with its bytes so far."""
 
         def moved(count: int) -> None:
-            self.step, self.count = step, count
+            self.now = (step, count)
 
         return moved
 
@@ -80,7 +82,7 @@ class _Ticker:
     def _tick(self) -> None:
         said = None
         while True:
-            now = (self.step, self.count)
+            now = self.now
             if now != said:
                 _say(progress=list(now))
                 said = now

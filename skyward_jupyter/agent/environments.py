@@ -87,6 +87,7 @@ class BuildError(Exception):
 SENT_LOCK = ".lock"
 """In a folder the notebook sends bundles into: held shared while one is passed in."""
 
+
 def root() -> Path:
     """Where this node keeps its environments (``SKYWARD_ENVS`` names another place)."""
     return Path(os.path.expanduser(os.environ.get("SKYWARD_ENVS") or ENVS))
@@ -158,9 +159,17 @@ def build(
     final = base / name
     if found := cached(digest):
         return found
-    with _locked(base / f"{name}.lock", fcntl.LOCK_EX):
+    with contextlib.ExitStack() as held:
+        if wheels:  # the wheels it installs from stay while it runs (``%sky clean`` waits)
+            held.callback(os.close, hold_sent(Path(wheels).parent))
+        held.enter_context(_locked(base / f"{name}.lock", fcntl.LOCK_EX))
         if found := cached(digest):  # another kernel built it while this one waited
             return found
+        if wheels and not Path(wheels).is_dir():
+            raise BuildError(
+                f"the wheels sent for these packages are gone from {wheels} (removed by "
+                "%sky clean from another notebook?): run the cell again to send them"
+            )
         staging = base / f"{name}.building-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
         try:
@@ -568,16 +577,18 @@ def clean(sent: Sequence[Path] = ()) -> tuple[list[tuple[Path, int]], list[str]]
     for folder in sent:
         if not folder.is_dir():
             continue
-        passing = _held_by_other(folder / SENT_LOCK)
-        for item in sorted(folder.iterdir()):
-            if not item.is_dir() or item.is_symlink():
-                continue
-            if building or passing:
-                kept.append(str(item))
-                continue
-            size = sum(f.lstat().st_size for f in item.rglob("*"))
-            shutil.rmtree(item)
-            removed.append((item, size))
+        items = [i for i in sorted(folder.iterdir()) if i.is_dir() and not i.is_symlink()]
+        try:
+            # Held for the whole removal: a pass or a build that starts meanwhile waits for it.
+            with _locked(folder / SENT_LOCK, fcntl.LOCK_EX | fcntl.LOCK_NB):
+                for item in items if not building else ():
+                    size = sum(f.lstat().st_size for f in item.rglob("*"))
+                    shutil.rmtree(item)
+                    removed.append((item, size))
+        except BlockingIOError:  # a bundle is passed in, or a build reads from it
+            building = True
+        if building:
+            kept.extend(str(item) for item in items)
     if not base.is_dir():
         return removed, kept
     for item in sorted(base.iterdir()):

@@ -27,6 +27,7 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import itertools
 import mmap
 import os
 import shutil
@@ -62,18 +63,33 @@ def _spill_base() -> Path:
 
 
 def _room_for(directory: Path, nbytes: int) -> bool:
-    """``nbytes`` fit in ``directory``'s filesystem and leave :data:`KEEP_FREE` of it free."""
+    """``nbytes`` fit in ``directory``'s filesystem and leave :data:`KEEP_FREE` of it free (a
+    filesystem that gives no size, a tmpfs without one, is taken at its word: the write says).
+    """
     fs = os.statvfs(directory)
+    if not fs.f_blocks:
+        return True
     return nbytes <= fs.f_bavail * fs.f_frsize - KEEP_FREE * fs.f_blocks * fs.f_frsize
+
+
+def _is_private(path: Path) -> bool:
+    """``path`` is a directory (not a link to one) of this user's alone."""
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o077
 
 
 def _private_dir(path: Path) -> Path:
     """``path``, made 0700 if missing; refused unless it is this user's own and no one else's."""
     with contextlib.suppress(FileExistsError):
         path.mkdir(mode=0o700)
-    info = path.lstat()
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise OSError(f"{path} is not a private directory of this user; not used")
+    if not _is_private(path):
+        raise OSError(
+            f"{path} is not a private directory of this user (another user may have made it); "
+            "not used: remove it to keep large values there"
+        )
     return path
 
 
@@ -123,7 +139,9 @@ class NodeBlobs:
                 gone.append(other)
             finally:
                 os.close(lock)
-        if self._spill_base != self._base and self._spill_base.is_dir():
+        # Only a folder of this user's alone: another user's, or a link they planted, would
+        # have this sweep remove what it holds or points to.
+        if self._spill_base != self._base and _is_private(self._spill_base):
             for other in self._spill_base.iterdir():
                 try:
                     stale = now - other.stat().st_mtime >= SWEEP_AFTER
@@ -145,29 +163,41 @@ class NodeBlobs:
             except OSError as exc:
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise  # filled meanwhile (another process): spilled below
-        _private_dir(self._spill_base)
-        _private_dir(self.spill)
-        self._write(self.spill, digest, blob)
+        self._write(self._spill_dir(), digest, blob)
         return self._map(digest, mmap.ACCESS_READ)[0]
 
+    def _spill_dir(self) -> Path:
+        _private_dir(self._spill_base)
+        return _private_dir(self.spill)
+
     @staticmethod
-    def _write(directory: Path, digest: str, blob: memoryview | bytes | bytearray) -> None:
-        fd, temporary = tempfile.mkstemp(dir=directory, prefix=f".{digest[:12]}-")
+    def _write(directory: Path, name: str, data: memoryview | bytes | bytearray) -> None:
+        """``data`` as ``directory/name``, whole or not at all; an error names the directory."""
+        try:
+            fd, temporary = tempfile.mkstemp(dir=directory, prefix=f".{name[:12]}-")
+        except OSError as exc:
+            raise OSError(exc.errno, f"{directory}: {exc.strerror or exc}") from None
         try:
             with os.fdopen(fd, "wb") as file:
-                file.write(blob)
-            os.replace(temporary, directory / digest)
-        except BaseException:
+                file.write(data)
+            os.replace(temporary, directory / name)
+        except BaseException as exc:
             with contextlib.suppress(OSError):
                 os.unlink(temporary)
+            if isinstance(exc, OSError):
+                raise OSError(exc.errno, f"{directory}: {exc.strerror or exc}") from None
             raise
 
     def fail(self, digest: str, why: str) -> None:
-        """Tell the node's ranks waiting for ``digest`` that it will not come, and why."""
-        fd, temporary = tempfile.mkstemp(dir=self.dir, prefix=f".{digest[:12]}-")
-        with os.fdopen(fd, "w") as file:
-            file.write(why)
-        os.replace(temporary, self.dir / (digest + _FAILED))
+        """Tell the node's ranks waiting for ``digest`` that it will not come, and why (in the
+        spill directory when memory has no room even for that).
+        """
+        try:
+            self._write(self.dir, digest + _FAILED, why.encode())
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            self._write(self._spill_dir(), digest + _FAILED, why.encode())
 
     def wait(self, digest: str, nbytes: int, timeout: float) -> tuple[memoryview, bool]:
         """The node's copy of ``digest``, mapped copy-on-write (a rank may write to its value),
@@ -183,8 +213,9 @@ class NodeBlobs:
                 break
             except FileNotFoundError:
                 pass
-            with contextlib.suppress(FileNotFoundError):
-                raise RelayError((self.dir / (digest + _FAILED)).read_text())
+            for directory in (self.dir, self.spill):
+                with contextlib.suppress(FileNotFoundError):
+                    raise RelayError((directory / (digest + _FAILED)).read_text())
             if time.monotonic() >= deadline:
                 raise RelayError(
                     f"a value ({digest[:12]}) did not reach this node in {timeout:.0f} s: "
@@ -200,10 +231,10 @@ class NodeBlobs:
 
     def drop(self, digests: tuple[str, ...]) -> None:
         """The node's ranks loaded these: their files go (a mapping keeps its pages)."""
-        for digest in digests:
-            for path in (self.dir / digest, self.dir / (digest + _FAILED), self.spill / digest):
+        for digest, directory in itertools.product(digests, (self.dir, self.spill)):
+            for name in (digest, digest + _FAILED):
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
+                    os.unlink(directory / name)
 
     def _map(self, digest: str, access: int) -> tuple[memoryview, bool]:
         """The file of ``digest`` mapped, from memory or else from the spill directory (then

@@ -492,7 +492,7 @@ class Agent:
         self._mend_output()
         self._flush_metrics()
         self.arrivals.files.note_modules()  # before the answer: an edit may follow it at once
-        notes = tuple(self._notes)  # a note a fetch thread adds meanwhile goes with the next
+        notes = tuple(self._notes)  # any thread may add one: a later one goes with the next
         done = cell_done(
             command.cell_id,
             value,

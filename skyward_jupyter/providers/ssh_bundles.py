@@ -157,6 +157,12 @@ async def pass_bundle(bundle: Bundle, receivers: Sequence[Receiver], progress: P
                     return
                 elif "error" in line:
                     raise PackagesError(str(line["error"]))
+        except asyncio.TimeoutError:  # an OSError too, from 3.11: first
+            # Ended here, so that it neither holds the host's folder nor unpacks into it
+            # while the bundle is sent from here.
+            processes.remove(process)
+            process.close()
+            raise PackagesError(f"its relay made no progress for {STALL_WITHIN:.0f} s") from None
         except (asyncssh.Error, OSError) as exc:
             raise PackagesError(f"its relay's channel failed: {exc}") from None
         said = (await process.stderr.read()).decode(errors="replace").strip()
@@ -181,13 +187,10 @@ async def pass_bundle(bundle: Bundle, receivers: Sequence[Receiver], progress: P
 
 
 async def _next_line(process: Any, within: float) -> bytes:
-    """The relay's next line (empty at its end); raises when it said none ``within`` seconds:
-    it says one each second it moves on, so a silent one is stuck.
+    """The relay's next line (empty at its end); ``asyncio.TimeoutError`` when it said none
+    ``within`` seconds: it says one each second it moves on, so a silent one is stuck.
     """
-    try:
-        return bytes(await asyncio.wait_for(process.stdout.readline(), within))
-    except asyncio.TimeoutError:
-        raise PackagesError(f"its relay made no progress for {within:.0f} s") from None
+    return bytes(await asyncio.wait_for(process.stdout.readline(), within))
 
 
 async def _closed(process: Any) -> None:
