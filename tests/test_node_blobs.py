@@ -96,7 +96,7 @@ def test_a_value_memory_has_no_room_for_is_kept_on_disk_and_shared_the_same(
         os.utime(path, (old, old))
     live = NodeBlobs("live", 1, memory, disk)  # an old spill of a pool still running
     live.open()
-    live._spill_dir()
+    live.spill.mkdir(mode=0o700)
     os.utime(live.spill, (old, old))
     assert NodeBlobs("new", 1, memory, disk).sweep() == [first.dir, first.spill]
     assert not first.spill.exists() and live.spill.is_dir()

@@ -2,8 +2,9 @@
 trained (the training thread, torch's and gloo's threads, and on a pool the agent's own).
 
 Read from ``/proc/self/task/*/schedstat`` (nanoseconds on a CPU); a Python thread is named by
-``threading``, any other by the kernel's ``comm``. Standard library only, Linux only: the
-scripts import it from their own directory under torchrun and ``%sky run`` alike.
+``threading``, any other by the kernel's ``comm``. Standard library and the agent's list of its
+threads only, Linux only: the scripts import it from their own directory under torchrun and
+``%sky run`` alike (this checkout on their path).
 """
 
 from __future__ import annotations
@@ -11,19 +12,8 @@ from __future__ import annotations
 import os
 import threading
 
-POOL_AGENT = (
-    "reader",
-    "watchdog",
-    "capture-stdout",
-    "capture-stderr",
-    "node-usage",
-    "relay",
-    "relay-fetch",
-    "store",
-    "tunnel",
-)
-"""The threads a pool's rank runs beside the user's code (``skyward_jupyter.agent.rank``'s
-``_AGENT_THREADS``)."""
+from skyward_jupyter.agent.agent_threads import AGENT_THREADS
+
 MAIN = "main"
 """The name :func:`per_thread` gives the process's first thread, which runs the script."""
 
@@ -60,5 +50,5 @@ def spent(before: dict[int, tuple[str, float]]) -> dict[str, float]:
 
 
 def pool_agent(by_name: dict[str, float]) -> float:
-    """The seconds of :data:`POOL_AGENT`'s threads in ``by_name`` (none under torchrun)."""
-    return sum(by_name.get(name, 0.0) for name in POOL_AGENT)
+    """The seconds of the pool agent's threads in ``by_name`` (none under torchrun)."""
+    return sum(by_name.get(name, 0.0) for name in AGENT_THREADS)

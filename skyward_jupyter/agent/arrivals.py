@@ -186,7 +186,7 @@ class Arrivals:
             self._spill_said = True
             self._note(
                 f"node {self._node}: a value of {view.nbytes / 2**20:.1f} MiB did not fit in "
-                f"{self.node_blobs.dir.parent.parent} (a quarter of it is kept free): the node "
+                f"{self.node_blobs.memory} (a quarter of it is kept free): the node "
                 f"keeps such values in {self.node_blobs.spill} instead, shared all the same; "
                 "give the machine a larger /dev/shm (in a container: docker run --shm-size) to "
                 "keep them in memory"

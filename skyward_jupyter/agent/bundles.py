@@ -63,8 +63,8 @@ class _Ticker:
     it moved on.
     """
 
-    def __init__(self) -> None:
-        self.now = ("receiving", 0)
+    def __init__(self, step: str) -> None:
+        self.now = (step, 0)
         """The step and its bytes, set together (one tuple: the ticker never pairs a step with
         another's count)."""
 
@@ -160,17 +160,16 @@ def serve(request: dict[str, Any], stdin: io.BufferedReader) -> int:
     except OSError as exc:
         _say(error=f"cannot make {target.parent}: {exc}")
         return 1
-    ticker = _Ticker()
+    if sources:
+        _say(fetching=sources[0].node)
+    ticker = _Ticker("fetching" if sources else "receiving")
+    ticker.start()
     try:
         if not sources:
-            ticker.start()
             blob = _read_exact(stdin, nbytes, ticker.at("receiving"))
         ended = threading.Thread(target=_end_at_eof, args=(stdin,), name="eof", daemon=True)
         ended.start()
         if sources:
-            _say(fetching=sources[0].node)
-            ticker.at("fetching")(0)
-            ticker.start()
             blob = fetch(sources, keys, digest, nbytes, progress=ticker.at("fetching"))
         elif hashlib.sha256(blob).hexdigest() != digest:
             raise RelayError("the bundle from the notebook does not match its digest")

@@ -578,16 +578,17 @@ def clean(sent: Sequence[Path] = ()) -> tuple[list[tuple[Path, int]], list[str]]
         if not folder.is_dir():
             continue
         items = [i for i in sorted(folder.iterdir()) if i.is_dir() and not i.is_symlink()]
+        if building:
+            kept.extend(str(item) for item in items)
+            continue
         try:
             # Held for the whole removal: a pass or a build that starts meanwhile waits for it.
             with _locked(folder / SENT_LOCK, fcntl.LOCK_EX | fcntl.LOCK_NB):
-                for item in items if not building else ():
+                for item in items:
                     size = sum(f.lstat().st_size for f in item.rglob("*"))
                     shutil.rmtree(item)
                     removed.append((item, size))
         except BlockingIOError:  # a bundle is passed in, or a build reads from it
-            building = True
-        if building:
             kept.extend(str(item) for item in items)
     if not base.is_dir():
         return removed, kept

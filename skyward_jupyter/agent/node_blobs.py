@@ -53,8 +53,9 @@ KEEP_FREE = 0.25
 
 def _base() -> Path:
     """Where the machine keeps memory-backed files (``/dev/shm``), else its temporary folder."""
-    root = _SHM if _SHM.is_dir() and os.access(_SHM, os.W_OK) else _spill_base().parent
-    return root / f"skyward-{os.getuid()}"
+    if _SHM.is_dir() and os.access(_SHM, os.W_OK):
+        return _SHM / f"skyward-{os.getuid()}"
+    return _spill_base()
 
 
 def _spill_base() -> Path:
@@ -105,6 +106,8 @@ class NodeBlobs:
         self._spill_base = spill_base or _spill_base()
         self.spill = self._spill_base / self.dir.name
         """Where values go that do not fit in :attr:`dir` (made when one first does not)."""
+        self.memory = self._base.parent
+        """The filesystem :attr:`dir` lies in (``/dev/shm``), as the user knows it."""
         self._lock: int | None = None
 
     def open(self) -> None:
@@ -156,19 +159,22 @@ class NodeBlobs:
         """Keep ``blob`` as the node's copy of ``digest`` (in memory, or in the spill directory
         when memory has no room for it); a read-only mapping of it.
         """
-        if _room_for(self.dir, memoryview(blob).nbytes):
-            try:
-                self._write(self.dir, digest, blob)
-                return self._map(digest, mmap.ACCESS_READ)[0]
-            except OSError as exc:
-                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-                    raise  # filled meanwhile (another process): spilled below
-        self._write(self._spill_dir(), digest, blob)
+        self._keep(digest, blob)
         return self._map(digest, mmap.ACCESS_READ)[0]
 
-    def _spill_dir(self) -> Path:
+    def _keep(self, name: str, data: memoryview | bytes | bytearray) -> None:
+        """``data`` as the file ``name``: in memory while it leaves room there, else (or when
+        memory filled meanwhile, another process writing too) in the spill directory.
+        """
+        if _room_for(self.dir, memoryview(data).nbytes):
+            try:
+                self._write(self.dir, name, data)
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
         _private_dir(self._spill_base)
-        return _private_dir(self.spill)
+        self._write(_private_dir(self.spill), name, data)
 
     @staticmethod
     def _write(directory: Path, name: str, data: memoryview | bytes | bytearray) -> None:
@@ -192,12 +198,7 @@ class NodeBlobs:
         """Tell the node's ranks waiting for ``digest`` that it will not come, and why (in the
         spill directory when memory has no room even for that).
         """
-        try:
-            self._write(self.dir, digest + _FAILED, why.encode())
-        except OSError as exc:
-            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise
-            self._write(self._spill_dir(), digest + _FAILED, why.encode())
+        self._keep(digest + _FAILED, why.encode())
 
     def wait(self, digest: str, nbytes: int, timeout: float) -> tuple[memoryview, bool]:
         """The node's copy of ``digest``, mapped copy-on-write (a rank may write to its value),

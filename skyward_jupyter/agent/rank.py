@@ -45,6 +45,7 @@ from .. import protocol as p
 from .. import runtime
 from ..launch_env import error_file, launched
 from ..wire import SyncChannel
+from .agent_threads import AGENT_THREADS
 from .arrivals import Arrivals
 from .cell_result import cell_done
 from .cells import Namespace, run_script
@@ -70,17 +71,6 @@ T = TypeVar("T")
 EXIT_CHANNEL_CLOSED = 0
 EXIT_HEARTBEAT_LOST = 75
 EXIT_AGENT_FAILED = 70
-_AGENT_THREADS = {
-    "reader",
-    "watchdog",
-    "capture-stdout",
-    "capture-stderr",
-    "node-usage",
-    "relay",
-    "relay-fetch",
-    "store",
-    "tunnel",
-}
 HEARTBEAT_FILE_EVERY = 2.0
 """Seconds between touches of ``$SKYWARD_HEARTBEAT_FILE`` (a cloud instance's watchdog reads it)."""
 
@@ -155,7 +145,7 @@ class Agent:
             self._diagnose,
             self._notes.append,
         )
-        self.watch = Watch(frozenset(_AGENT_THREADS))
+        self.watch = Watch(AGENT_THREADS)
         self.console = Console(
             group.rank, self.channel.send, lambda: self.cell_id, self._sync_output
         )
@@ -223,7 +213,7 @@ class Agent:
         """A thread of the agent's own died: the rank cannot be trusted any more, so it exits
         loudly (the pool reports it lost, with this message) rather than limp on unwatched.
         """
-        if args.thread is not None and args.thread.name in _AGENT_THREADS:
+        if args.thread is not None and args.thread.name in AGENT_THREADS:
             self._diagnose(f"agent thread {args.thread.name} failed: {args.exc_value!r}")
             self.leave(EXIT_AGENT_FAILED)
         threading.__excepthook__(args)  # a user thread: report as Python always does
