@@ -43,7 +43,19 @@ SETUP = (
     "from torch.nn.parallel import DistributedDataParallel as DDP\n"
     "from torch.distributed.fsdp import fully_shard\n"
     "from torch.distributed.device_mesh import init_device_mesh\n"
+    "import threading\n"
     "torch.manual_seed(0)\n"
+    # A rank says where it waits only once it has called its next collective (torch counts the
+    # call), so the failure below finds it inside the collective whatever the machine's load.
+    "def once_in_collective(then):\n"
+    "    groups = dist.distributed_c10d._world.pg_map\n"
+    "    calls = lambda: sum(g._get_sequence_number_for_group() for g in groups)\n"
+    "    before = calls()\n"
+    "    def watch():\n"
+    "        while calls() == before:\n"
+    "            time.sleep(0.001)\n"
+    "        then()\n"
+    "    threading.Thread(target=watch, daemon=True).start()\n"
 )
 
 
@@ -88,11 +100,16 @@ KINDS = {
     ),
 }
 
-# Rank 1 fails before its step while rank 0 is in the step's collective, once.
+# Rank 1 fails before its step once rank 0 is in the step's collective, once.
 TRAIN = (
     "%%sky\nfor step in range(3):\n"
-    "    if step == 1 and dist.get_rank() == 1 and FAIL:\n"
-    "        raise ValueError('bad batch on rank 1')\n"
+    "    if step == 1 and FAIL:\n"
+    "        store = dist.distributed_c10d._get_default_store()\n"
+    "        if dist.get_rank() == 0:\n"
+    "            once_in_collective(lambda: store.set('rank 0 waits', '1'))\n"
+    "        else:\n"
+    "            store.wait(['rank 0 waits'])\n"
+    "            raise ValueError('bad batch on rank 1')\n"
     "{use}\n"
     "'trained'"
 )
@@ -176,7 +193,7 @@ def test_after_a_stop_ddp_trains_on_and_a_group_built_before_is_refused(
     # Rank 1 sleeps in Python (an interrupt stops it); rank 0 waits for it in the all-reduce.
     stuck = (
         "%%sky{options}\nif dist.get_rank() == 1:\n    time.sleep(60)\n"
-        "print('waiting', flush=True)\n" + STEP
+        "once_in_collective(lambda: print('waiting', flush=True))\n" + STEP
     )
     if how == "interrupted":
         cell, _ = nb.interrupted(stuck.format(options=""), when="waiting")
