@@ -58,14 +58,14 @@ for step in range({STEPS}):
     time.sleep(0.25)
 """
 RANK_ONE_FAILS = """%%sky
-import time, torch.distributed as dist
+import torch.distributed as dist
 store = dist.distributed_c10d._get_default_store()
 if dist.get_rank() == 1:
-    store.wait(['rank 0 waits'])  # rank 0 is at its barrier
-    time.sleep(0.5)
+    store.wait(['rank 0 waits'])  # rank 0 has called its barrier
     raise ValueError('only rank one fails')
+barrier = dist.barrier(async_op=True)
 store.set('rank 0 waits', '1')
-dist.barrier()
+barrier.wait()
 """
 LATER = "%%sky\nimport time\nprint('a later cell', flush=True)\ntime.sleep(6)"
 

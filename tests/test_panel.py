@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -134,7 +135,7 @@ def test_the_interrupt_button_stops_the_running_cell(pool: Pool) -> None:
         panel.close()
 
 
-def test_a_cells_panel_follows_its_cell_then_keeps_how_it_ended(pool: Pool) -> None:
+def test_a_cells_panel_follows_its_cell_then_keeps_how_it_ended(pool: Pool, tmp_path: Path) -> None:
     """Interrupt only while the cell runs; the head's output only in the cell; at the end a
     failed rank is red and its tab badged, the group's re-forming said, and the view frozen.
     """
@@ -147,26 +148,33 @@ def test_a_cells_panel_follows_its_cell_then_keeps_how_it_ended(pool: Pool) -> N
         assert not panel.shutdown_button.disabled
         seen_running: list[bool] = []
 
+        looked = tmp_path / "looked"  # rank 1 fails once the running panel was looked at
+
         def watch() -> None:
-            wait_for(lambda: "started" in cell_state.snapshot().ranks[1].stdout, 30, "the cell")
-            wait_for(lambda: not panel.interrupt_button.disabled, 5, "Interrupt enabled")
-            panel.show_stacks()  # the Stacks button's click
-            seen_running.append("sky-stacks-title" in panel.stacks_view.value)
+            try:
+                wait_for(lambda: "started" in cell_state.snapshot().ranks[1].stdout, 30, "the cell")
+                wait_for(lambda: not panel.interrupt_button.disabled, 5, "Interrupt enabled")
+                panel.show_stacks()  # the Stacks button's click
+                seen_running.append("sky-stacks-title" in panel.stacks_view.value)
+            finally:
+                looked.touch()
 
         watcher = threading.Thread(target=watch)
         watcher.start()
         result = pool.run(
-            "import time, torch.distributed as dist\n"
+            "import os, time, torch.distributed as dist\n"
             "from skyward_jupyter import log\n"
             "log(step=1, total=4, loss=0.5)\n"
             "print('started', flush=True)\n"
             "store = dist.distributed_c10d._get_default_store()\n"
             "if dist.get_rank() == 1:\n"
-            "    store.wait(['rank 0 waits'])  # rank 0 is at its barrier\n"
-            "    time.sleep(0.5)\n"
+            "    store.wait(['rank 0 waits'])  # rank 0 has called its barrier\n"
+            f"    while not os.path.exists({str(looked)!r}):\n"
+            "        time.sleep(0.01)\n"
             "    raise ValueError('only rank one fails')\n"
+            "barrier = dist.barrier(async_op=True)\n"
             "store.set('rank 0 waits', '1')\n"
-            "dist.barrier()\n"
+            "barrier.wait()\n"
         )
         watcher.join()
         assert seen_running == [True] and not result.ok
