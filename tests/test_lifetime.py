@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import stat
@@ -16,6 +17,7 @@ import pytest
 
 from skyward_jupyter import Pool
 from skyward_jupyter.providers.local import LocalProvider
+from skyward_jupyter.providers.local_template import template
 
 from .conftest import agent_pids, wait_for
 from .lifetime import detach, flat, kill_all, new_tag, running
@@ -159,3 +161,38 @@ def test_private_directories_go_with_a_restart_and_a_killed_ranks_with_the_pool(
         )
         assert pool.run("1").ok and second[0].is_dir()  # nobody could remove it yet
     assert not parent.exists()
+
+
+def test_a_start_cancelled_while_the_template_forks_leaves_no_rank() -> None:
+    """Ctrl-C while twelve ranks start: those still queued at the template are forked with the
+    pipes their start made, not with whatever the notebook opened after the cancel under the
+    same descriptor numbers (a rank reading such a pipe would wait forever), and every rank the
+    cancelled start made is ended.
+    """
+    before = agent_pids()
+    held: list[int] = []
+
+    async def start_then_cancel() -> None:
+        provider = LocalProvider()
+        nodes = await provider.provision(12)
+        starts = [asyncio.ensure_future(provider.start_rank(node, {})) for node in nodes]
+        await asyncio.wait(starts, return_when=asyncio.FIRST_COMPLETED)
+        queue = template()._request_lock  # the other starts queue behind the one forking now
+        queue.acquire()  # held for one fork at most
+        try:
+            for start in starts:
+                start.cancel()
+            await asyncio.sleep(0)  # the starts see their cancel
+            for _ in range(32):  # what the notebook opens next takes the numbers it closed
+                held.extend(os.pipe())
+        finally:
+            queue.release()
+        await asyncio.gather(*starts, return_exceptions=True)
+        await provider.release()
+
+    try:
+        asyncio.run(start_then_cancel())
+        wait_for(lambda: agent_pids() <= before, 10, "every rank of the cancelled start to end")
+    finally:
+        for fd in held:
+            os.close(fd)

@@ -52,6 +52,7 @@ from ..spec import backend_problem
 from ..workdir import human_bytes
 from .base import Node, Progress, Provider, ProviderError, ReapReport, StderrTail, no_progress
 from .local_template import (
+    Template,
     base_env,
     differs_at_import,
     shutdown_template,
@@ -504,7 +505,7 @@ class LocalProvider(Provider):
         try:
             if self._template_can_serve(env):
                 tmpl = await asyncio.to_thread(template)
-                pid = await asyncio.to_thread(tmpl.spawn, full_env, theirs, 60.0)
+                pid = await _forked(tmpl, full_env, theirs, run_id)
                 tmpl.watch(pid, on_exit)
             else:
                 popen = subprocess.Popen(
@@ -547,6 +548,27 @@ class LocalProvider(Provider):
         self._ranks.clear()
         for run_id in self._run_ids:
             shutil.rmtree(pool_dir(run_id), ignore_errors=True)
+
+
+async def _forked(
+    tmpl: Template, env: Mapping[str, str], fds: tuple[int, int, int], run_id: str | None
+) -> int:
+    """The pid of a rank the template forked with ``fds``.
+
+    A cancel (Ctrl-C during a start) does not stop the fork, queued in its thread behind the
+    others: it waits for it, so that ``fds`` stay open until the template has them (closed
+    early, their numbers could be the notebook's next descriptors, handed to a rank that would
+    wait on them forever), then ends the rank it made.
+    """
+    forking = asyncio.ensure_future(asyncio.to_thread(tmpl.spawn, env, fds, 60.0))
+    try:
+        return await asyncio.shield(forking)
+    except asyncio.CancelledError:
+        with contextlib.suppress(ProviderError, OSError):  # no rank was made
+            pid = await forking
+            tmpl.watch(pid, lambda status: None)
+            await asyncio.to_thread(end_rank, pid, run_id)
+        raise
 
 
 async def _build_here(packages: Packages, say: Callable[[str], None]) -> NodeEnvironment:
