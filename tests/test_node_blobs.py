@@ -10,6 +10,7 @@ import hashlib
 import os
 import pwd
 import secrets
+import shutil
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,33 @@ def test_a_sweep_never_follows_a_spill_folder_another_user_planted(
     monkeypatch.setattr(node_blobs, "KEEP_FREE", 1.0)
     with pytest.raises(OSError, match="not a private directory of this user"):
         store.publish(DIGEST, BLOB)
+
+
+def test_a_value_neither_memory_nor_a_temporary_folder_in_memory_has_room_for_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the temporary folder is a tmpfs too, spilling there would take the memory it was
+    to spare: the value is refused, saying where and what to do, and the ranks hear why.
+    """
+    monkeypatch.setattr(node_blobs, "KEEP_FREE", 1.0)  # no room left to give
+    shm = Path("/dev/shm")
+    if not node_blobs._in_memory(shm):
+        pytest.skip("this machine has no /dev/shm in memory")
+    token = secrets.token_hex(8)
+    bases = (shm / f"skyward-test-{token}", shm / f"skyward-test-{token}-tmp")
+    first, other = (NodeBlobs(token, 1, *bases) for _ in "ab")
+    try:
+        first.open()
+        other.open()
+        with pytest.raises(OSError, match=r"fit neither in /dev/shm nor in /dev/shm, which is"):
+            first.publish(DIGEST, BLOB)
+        assert not (first.spill / DIGEST).exists() and not (first.dir / DIGEST).exists()
+        first.fail(DIGEST, "no room on node 1")  # a short note still goes
+        with pytest.raises(RelayError, match="no room on node 1"):
+            other.wait(DIGEST, len(BLOB), 5)
+    finally:
+        for store in (first, other):
+            if store._lock is not None:
+                os.close(store._lock)
+        for base in bases:
+            shutil.rmtree(base, ignore_errors=True)

@@ -30,6 +30,7 @@ import hashlib
 import itertools
 import mmap
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -71,6 +72,31 @@ def _room_for(directory: Path, nbytes: int) -> bool:
     if not fs.f_blocks:
         return True
     return nbytes <= fs.f_bavail * fs.f_frsize - KEEP_FREE * fs.f_blocks * fs.f_frsize
+
+
+_MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
+
+
+def _in_memory(directory: Path) -> bool:
+    """Whether ``directory`` lies on a filesystem kept in memory (where the temporary folder is
+    a tmpfs): a value spilled there would take the memory the spill was to spare.
+    """
+    path = os.path.realpath(directory)
+    point, kind = "", ""
+    try:
+        with open("/proc/self/mounts", encoding="utf-8", errors="surrogateescape") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                # the table writes a space in a mount point as \040
+                mounted = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[1])
+                inside = path == mounted or path.startswith(mounted.rstrip("/") + "/")
+                if inside and len(mounted) >= len(point):  # the deepest, the last mounted
+                    point, kind = mounted, fields[2]
+    except OSError:
+        return False  # no mount table (not Linux): taken for a disk
+    return kind in _MEMORY_FILESYSTEMS
 
 
 def _is_private(path: Path) -> bool:
@@ -162,11 +188,13 @@ class NodeBlobs:
         self._keep(digest, blob)
         return self._map(digest, mmap.ACCESS_READ)[0]
 
-    def _keep(self, name: str, data: memoryview | bytes | bytearray) -> None:
+    def _keep(self, name: str, data: memoryview | bytes | bytearray, reserve: bool = True) -> None:
         """``data`` as the file ``name``: in memory while it leaves room there, else (or when
         memory filled meanwhile, another process writing too) in the spill directory.
+        ``reserve``: a memory filesystem keeps its free share (a short note need not).
         """
-        if _room_for(self.dir, memoryview(data).nbytes):
+        nbytes = memoryview(data).nbytes
+        if not reserve or _room_for(self.dir, nbytes):
             try:
                 self._write(self.dir, name, data)
                 return
@@ -174,7 +202,16 @@ class NodeBlobs:
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
         _private_dir(self._spill_base)
-        self._write(_private_dir(self.spill), name, data)
+        spill = _private_dir(self.spill)
+        if reserve and _in_memory(spill) and not _room_for(spill, nbytes):
+            raise OSError(
+                errno.ENOSPC,
+                f"{nbytes / 2**20:.0f} MiB fit neither in {self.memory} nor in "
+                f"{self._spill_base.parent}, which is kept in memory too, while leaving "
+                f"{KEEP_FREE:.0%} of each free: give the node more memory (a container's "
+                "--shm-size) or point TMPDIR at a disk",
+            )
+        self._write(spill, name, data)
 
     @staticmethod
     def _write(directory: Path, name: str, data: memoryview | bytes | bytearray) -> None:
@@ -198,7 +235,7 @@ class NodeBlobs:
         """Tell the node's ranks waiting for ``digest`` that it will not come, and why (in the
         spill directory when memory has no room even for that).
         """
-        self._keep(digest + _FAILED, why.encode())
+        self._keep(digest + _FAILED, why.encode(), reserve=False)
 
     def wait(self, digest: str, nbytes: int, timeout: float) -> tuple[memoryview, bool]:
         """The node's copy of ``digest``, mapped copy-on-write (a rank may write to its value),
