@@ -9,6 +9,7 @@ import asyncio
 import gzip
 import hashlib
 import json
+import re
 import shlex
 import socket
 import subprocess
@@ -273,12 +274,13 @@ def test_a_relay_that_keeps_moving_is_not_given_up_on_however_long_it_takes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The stall limit counts from the relay's last line, not from its start: one that says
-    its progress for longer than the limit is waited for (here it then ends without the bundle,
-    and the notebook names that).
+    its progress for longer than the limit is waited for, and how far it is shown, paced (here
+    it then ends without the bundle, and the notebook names that).
     """
     from skyward_jupyter.providers import ssh_bundles
 
     monkeypatch.setattr(ssh_bundles, "STALL_WITHIN", 1.0)
+    monkeypatch.setattr(ssh_bundles, "SAY_EVERY", 1.0)
     moving = (
         "import json, time\n"
         "for i in range(12):\n"
@@ -291,3 +293,6 @@ def test_a_relay_that_keeps_moving_is_not_given_up_on_however_long_it_takes(
     assert notebook.sent_here == [str(tmp_path / "host1" / "wheels/x")], said
     assert any("its relay ended before it had them" in line for line in said), said
     assert not any("made no progress" in line for line in said), said
+    shown = [line for line in said if line.startswith("packages: fetching wheels: ")]
+    assert 1 <= len(shown) <= 3, said  # about a line a second over 3 s of moving
+    assert all(re.fullmatch(r"packages: fetching wheels: \d+ B of [\d.]+ KiB", x) for x in shown)

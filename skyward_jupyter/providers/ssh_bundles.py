@@ -32,6 +32,9 @@ PASSER = ("-m", "skyward_jupyter.agent.bundles")
 STALL_WITHIN = 60.0
 """Seconds a host's relay may go without a line (it says its progress each second it moves on)
 before the notebook gives up on it and sends that host the bundle itself."""
+SAY_EVERY = 10.0
+"""Seconds between two of a host's progress lines shown (a large bundle over a slow link takes
+minutes: the panel shows how far it is, the text view is not flooded)."""
 CLOSE_WITHIN = 10.0
 """Seconds a host's relay has to end once the pass is over, before its channel is closed."""
 
@@ -136,6 +139,7 @@ async def pass_bundle(bundle: Bundle, receivers: Sequence[Receiver], progress: P
             "cert": keys.cert,
             "key": keys.key,
         }
+        said_at = loop.time()
         try:
             process.stdin.write(json.dumps(request).encode() + b"\n")
             if not sources:
@@ -153,6 +157,11 @@ async def pass_bundle(bundle: Bundle, receivers: Sequence[Receiver], progress: P
                 elif "fetching" in line:
                     parent = line["fetching"]
                     say(k, f"packages: fetching {bundle.what} ({size}) from node {parent}")
+                elif "progress" in line:
+                    step, moved = _progress(line["progress"])
+                    if step and loop.time() - said_at >= SAY_EVERY:
+                        said_at = loop.time()
+                        say(k, f"packages: {step} {bundle.what}: {human_bytes(moved)} of {size}")
                 elif "done" in line:
                     return
                 elif "error" in line:
@@ -184,6 +193,18 @@ async def pass_bundle(bundle: Bundle, receivers: Sequence[Receiver], progress: P
     for outcome in outcomes:
         if isinstance(outcome, BaseException):
             raise outcome
+
+
+def _progress(said: Any) -> tuple[str | None, int]:
+    """A relay's ``[STEP, BYTES]`` (no step: not that shape)."""
+    if (
+        isinstance(said, list)
+        and len(said) == 2
+        and isinstance(said[0], str)
+        and isinstance(said[1], int)
+    ):
+        return said[0], said[1]
+    return None, 0
 
 
 async def _next_line(process: Any, within: float) -> bytes:
