@@ -1072,8 +1072,11 @@ def test_interrupt_stops_the_cell_and_keeps_the_pool(nb: Kernel) -> None:
     nb.ok("%%sky --out before_interrupt\nkept_across_interrupt = 41\nimport os\nos.getpid()")
     pids = nb.eval("before_interrupt.values")
     cell, took = nb.interrupted(
-        "%%sky\nimport time\nprint('sleeping', flush=True)\ntime.sleep(120)\nprint('woke')",
-        when="sleeping",  # the head's print streams into the cell while it runs
+        # Past the barrier, rank 1 too is a print away from its sleep when the head's print
+        # streams into the cell (the cue to interrupt).
+        "%%sky\nimport time, torch.distributed as dist\ndist.barrier()\n"
+        "print('sleeping', flush=True)\ntime.sleep(120)\nprint('woke')",
+        when="sleeping",
     )
     assert took < 15, f"the cell ended {took:.1f} s after the interrupt"
     assert cell.status == "error", str(cell)
@@ -1082,8 +1085,8 @@ def test_interrupt_stops_the_cell_and_keeps_the_pool(nb: Kernel) -> None:
     number = cell.reply["execution_count"]
     assert cell.errors[0]["traceback"] == [
         "KeyboardInterrupt: cell interrupted on 2 ranks",
-        f"rank 0: stopped at In [{number}] line 3: time.sleep(120)",
-        f"rank 1: stopped at In [{number}] line 3: time.sleep(120)",
+        f"rank 0: stopped at In [{number}] line 4: time.sleep(120)",
+        f"rank 1: stopped at In [{number}] line 4: time.sleep(120)",
     ], str(cell)
     assert "woke" not in cell.stdout
 
@@ -1096,8 +1099,8 @@ def test_interrupt_stops_the_cell_and_keeps_the_pool(nb: Kernel) -> None:
 def test_names_bound_by_an_interrupted_cell_stay_remote(nb: Kernel) -> None:
     nb.ok(POOL2)
     cell, _ = nb.interrupted(
-        "%%sky\ntrained = 'remote model'\nprint('sleeping', flush=True)\n"
-        "import time\ntime.sleep(120)",
+        "%%sky\ntrained = 'remote model'\nimport time, torch.distributed as dist\n"
+        "dist.barrier()\nprint('sleeping', flush=True)\ntime.sleep(120)",
         when="sleeping",
     )
     assert cell.reply.get("ename") == "CellInterrupted", str(cell)

@@ -678,14 +678,18 @@ def test_the_heads_stdout_and_stderr_keep_their_order_in_the_notebook(
 
 
 def test_sky_run_interrupt(kernel: Kernel, tmp_path: Path) -> None:
+    # Past the barrier, rank 1 too is a print away from its sleep when rank 0 says it started.
     script = write(
-        tmp_path, "long.py", "import time\nprint('started', flush=True)\ntime.sleep(60)\n"
+        tmp_path,
+        "long.py",
+        "import time, torch.distributed as dist\ndist.init_process_group('gloo')\n"
+        "dist.barrier()\nprint('started', flush=True)\ntime.sleep(60)\n",
     )
     cell, _ = kernel.interrupted(f"%sky run --nodes 2 {script}", when="started")
     assert cell.reply["ename"] == "CellInterrupted", str(cell)
     assert cell.errors[0]["traceback"][1:] == [
-        "rank 0: stopped at long.py line 3: time.sleep(60)",
-        "rank 1: stopped at long.py line 3: time.sleep(60)",
+        "rank 0: stopped at long.py line 5: time.sleep(60)",
+        "rank 1: stopped at long.py line 5: time.sleep(60)",
     ], str(cell)
     cell = kernel.ok(f"%%sky --all\n{ALL_REDUCE}")
     assert cell.per_rank == {0: "3.0", 1: "3.0"}, str(cell)
