@@ -21,8 +21,9 @@ import time
 
 from . import protocol as p
 from . import wire
-from .events import RankState
+from .events import PoolMessage, RankState
 from .flags import rank_span
+from .providers.base import Watchable
 from .ranks import Rank, Ranks
 
 STACKS_TIMEOUT = 1.0
@@ -129,7 +130,9 @@ async def heartbeats(ranks: Ranks) -> None:
 
     A rank heard of in any way (a heartbeat, any message, part of a large one) is not silent.
     Before the verdict it is asked for its stacks: one whose reader still answers is busy (its
-    heartbeat stuck behind something), not gone, and is left alone.
+    heartbeat stuck behind something), not gone, and is left alone. So is one whose process its
+    provider sees running (a local one): native code holding the GIL for long (a first import
+    of a large library on a loaded machine) silences every thread of a rank that still works.
     """
     interval, timeout = ranks.settings.heartbeat_interval, ranks.settings.heartbeat_timeout
     # Suspected early enough that the probe and this loop's tick still end within the timeout.
@@ -138,6 +141,8 @@ async def heartbeats(ranks: Ranks) -> None:
     # one than the notebook waits for them, four times within that wait, on ticks spread over
     # the ranks: the notebook's idle writes (and the ranks' wake-ups) grow with its nodes.
     every = max(1, int(ranks.provider.notebook_silence / (4 * interval)))
+    told_busy: set[Rank] = set()
+    """Silent ranks the user was told run on (said once per silence)."""
     for tick in itertools.count():
         await asyncio.sleep(interval)
         now = time.monotonic()
@@ -150,14 +155,44 @@ async def heartbeats(ranks: Ranks) -> None:
                 # seconds): the start's own timeout applies.
                 if r.hello is not None and now - r.last_heard > suspect:
                     silent.append(r)
+        told_busy.intersection_update(silent)
         if not silent:
             continue
-        answers = await stacks(ranks, silent)
+        # Where the provider can look at the process itself, one that runs is busy, not lost.
+        watched = _watched(silent)
+        answers, running = await asyncio.gather(
+            stacks(ranks, silent),
+            asyncio.gather(*(process.running(STACKS_TIMEOUT) for _, process in watched)),
+        )
+        busy = {r for (r, _), runs in zip(watched, running, strict=True) if runs}
         for r in silent:
             # Heard of while the probe waited (a slow start's first heartbeat): not silent.
             still = time.monotonic() - r.last_heard > suspect
             if answers[r] is None and still and r.alive and r.process is not None:
-                await _declare_lost(ranks, r)
+                if r not in busy:
+                    await _declare_lost(ranks, r)
+                elif r not in told_busy:
+                    told_busy.add(r)
+                    ranks.emit(PoolMessage(_busy(r)))
+
+
+def _watched(ranks: list[Rank]) -> list[tuple[Rank, Watchable]]:
+    """The ranks whose provider can look at their process, with it."""
+    found = []
+    for r in ranks:
+        process: object = r.process  # a provider's own class, which may also be Watchable
+        if isinstance(process, Watchable):
+            found.append((r, process))
+    return found
+
+
+def _busy(r: Rank) -> str:
+    quiet = time.monotonic() - r.last_heard
+    return (
+        f"rank {r.index} ({r.describe()}) has not answered for {quiet:.0f} s, yet its process "
+        "runs: native code holding the GIL (a long import, a C extension's call) keeps its "
+        "threads from answering; it is left to run (a stopped one would be declared lost)"
+    )
 
 
 async def _declare_lost(ranks: Ranks, r: Rank) -> None:

@@ -38,6 +38,18 @@ def process_start(pid: int) -> str | None:
     return f"proc:{int(fields[19])}"  # field 22, starttime, in clock ticks since boot
 
 
+def activity(pid: int) -> tuple[str, int] | None:
+    """Process ``pid``'s scheduler state (``R`` running, ``D`` in I/O, ``S`` sleeping, ``T``
+    stopped...) and the CPU clock ticks it has used; None when it is gone or this is not Linux.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+    return fields[0].decode(), int(fields[11]) + int(fields[12])  # state; utime + stime
+
+
 def _psutil_start(pid: int) -> str | None:
     try:
         import psutil

@@ -16,7 +16,7 @@ import collections
 import contextlib
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 from ..events import RankState
 from ..flags import Option, ranged
@@ -195,6 +195,19 @@ class RankProcess(Protocol):
 
     def diagnostics(self) -> str:
         """The last lines the agent wrote outside the wire (start-up failures, watchdog exits)."""
+        ...
+
+
+@runtime_checkable
+class Watchable(Protocol):
+    """A rank process its provider can look at without its help (a local process's
+    ``/proc``): when it goes silent, one still running is told apart from a stopped one.
+    """
+
+    async def running(self, within: float) -> bool:
+        """Whether it runs (on a CPU or in I/O, or using CPU) over the next ``within`` seconds:
+        native code holding its GIL keeps its threads from answering, not from running.
+        """
         ...
 
 
