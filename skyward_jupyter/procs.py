@@ -39,15 +39,34 @@ def process_start(pid: int) -> str | None:
 
 
 def activity(pid: int) -> tuple[str, int] | None:
-    """Process ``pid``'s scheduler state (``R`` running, ``D`` in I/O, ``S`` sleeping, ``T``
-    stopped...) and the CPU clock ticks it has used; None when it is gone or this is not Linux.
+    """Process ``pid``'s scheduler state and CPU time (:func:`stat_activity`); None when it is
+    gone or this is not Linux.
     """
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
-            fields = stat.read().rsplit(b")", 1)[1].split()
+            return stat_activity(stat.read())
     except OSError:
         return None
-    return fields[0].decode(), int(fields[11]) + int(fields[12])  # state; utime + stime
+
+
+def stat_activity(line: bytes) -> tuple[str, int] | None:
+    """From a ``/proc/PID/stat`` line (read here or on a host): the scheduler state (``R``
+    running, ``D`` in I/O, ``S`` sleeping, ``T`` stopped...) and the CPU clock ticks used.
+    """
+    fields = line.rsplit(b")", 1)[-1].split()
+    if len(fields) < 13 or not fields[11].isdigit() or not fields[12].isdigit():
+        return None
+    return fields[0].decode(errors="replace"), int(fields[11]) + int(fields[12])
+
+
+def ran(before: tuple[str, int] | None, after: tuple[str, int] | None) -> bool:
+    """Whether a process seen twice ran in between: it used CPU, or was on a CPU or in I/O
+    when seen (native code holding its GIL keeps a rank's threads from answering, not from
+    running; a stopped process, or one gone, did not run).
+    """
+    if before is None or after is None:
+        return False
+    return after[1] > before[1] or bool({before[0], after[0]} & {"R", "D"})
 
 
 def _psutil_start(pid: int) -> str | None:

@@ -183,6 +183,35 @@ def test_a_host_dying_mid_cell_ends_the_cell_and_names_it(hosts: Hosts, tmp_path
     wait_for(lambda: not _remote_agents(hosts), 20, "every agent on the hosts to end")
 
 
+def test_a_rank_holding_its_gil_on_a_host_runs_on_and_is_said_busy(
+    hosts: Hosts, tmp_path: Path
+) -> None:
+    """A rank on a host computes in C without letting its GIL go for twice the heartbeat
+    timeout: the notebook looks at its process on the host (it runs), leaves it to finish and
+    says why it is silent; the cell ends as written.
+    """
+    told: list[str] = []
+    provider = ssh_provider(hosts, 1, tmp_path)
+    with Pool(nodes=1, procs_per_node=2, provider=provider, heartbeat_timeout=3.0) as pool:
+        unsubscribe = pool.subscribe(
+            lambda event: told.append(event.text) if isinstance(event, PoolMessage) else None
+        )
+        per_item = pool.run(
+            "import time\nstarted = time.perf_counter()\nsum(range(5 * 10**7))\n"
+            "(time.perf_counter() - started) / (5 * 10**7)"
+        ).values[1]  # rank 1's pace
+        result = pool.run(
+            "import torch.distributed as dist\n"
+            f"if dist.get_rank() == 1:\n    sum(range({int(8.0 / per_item)}))\n"
+            "dist.barrier()\n'done'"
+        )
+        unsubscribe()
+        assert result.values == ["done", "done"] and not result.lost, result.errors
+        busy = [text for text in told if text.startswith("rank 1 (")]
+        assert len(busy) == 1 and "yet its process runs" in busy[0], told
+        assert hosts[0].address in busy[0], busy
+
+
 def _notebook_script(
     hosts: Hosts, tmp_path: Path, then: str, before: str = "", **pool: object
 ) -> Path:

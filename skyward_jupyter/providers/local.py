@@ -47,7 +47,7 @@ from ..environments import (
 from ..events import RankState
 from ..gpus import NO_GPU, LayoutError, check_gpu_layout, gpu_model, same_gpu
 from ..memory import meminfo
-from ..procs import activity, end, is_agent, process_alive, process_start
+from ..procs import activity, end, is_agent, process_alive, process_start, ran
 from ..spec import backend_problem
 from ..workdir import human_bytes
 from .base import Node, Progress, Provider, ProviderError, ReapReport, StderrTail, no_progress
@@ -284,10 +284,7 @@ class LocalRank:
     async def running(self, within: float) -> bool:
         before = activity(self.pid)
         await asyncio.sleep(within)
-        after = activity(self.pid)
-        if before is None or after is None:
-            return False
-        return after[1] > before[1] or {before[0], after[0]} & {"R", "D"} != set()
+        return ran(before, activity(self.pid))
 
     async def kill(self) -> None:
         """Kill the rank with every process below it (what its cells detached too), and remove

@@ -47,6 +47,7 @@ from ..environments import (
 )
 from ..events import RankState
 from ..gpus import NO_GPU, gpu_model, same_gpu
+from ..procs import ran, stat_activity
 from .base import (
     PYTHON,
     Node,
@@ -183,6 +184,15 @@ def check_host_gpu(host: Host, reported: str | None, asked: str | None) -> None:
         )
 
 
+_TWO_LOOKS = (
+    'read -r a < "/proc/$1/stat" && sleep "$2" && read -r b < "/proc/$1/stat" && '
+    'printf "%s\\n%s\\n" "$a" "$b"'
+)
+"""Rank ``$1``'s ``/proc`` stat line, and again ``$2`` seconds later (see :func:`..procs.ran`)."""
+LOOK_WITHIN = 2.0
+"""Seconds beyond its wait a host has to show how a silent rank runs (else it counts as frozen)."""
+
+
 class SSHRank:
     """One rank on a host: an SSH channel running the agent."""
 
@@ -206,6 +216,15 @@ class SSHRank:
 
     def diagnostics(self) -> str:
         return self._stderr.text()
+
+    async def running(self, within: float) -> bool:
+        argv = ["sh", "-c", _TWO_LOOKS, "sh", str(self.pid), f"{within:g}"]
+        try:
+            said = await asyncio.wait_for(self._sessions.output(argv), within + LOOK_WITHIN)
+        except (asyncssh.Error, OSError, asyncio.TimeoutError, ProviderError):
+            return False  # a host that cannot be asked now: frozen, or cut off
+        looks = [stat_activity(line) for line in said.splitlines()]
+        return len(looks) == 2 and ran(*looks)
 
     async def kill(self) -> None:
         # An unreachable host cannot be asked: closing the channel is then all that is left.
@@ -254,6 +273,14 @@ class Sessions:
                 f"{self.host}: sshd refuses a session even on a new connection ({exc.reason}); "
                 "check its MaxSessions and MaxStartups"
             ) from None
+
+    async def output(self, argv: Sequence[str]) -> bytes:
+        """Run a command (an argument list) to its end; what it wrote to its stdout."""
+        process = await self.process(shlex.join(argv))
+        process.stdin.write_eof()
+        said = await process.stdout.read()
+        await process.wait_closed()
+        return bytes(said)
 
     async def run(self, argv: Sequence[str]) -> int | None:
         """Run a command (an argument list) to its end; its exit status."""
