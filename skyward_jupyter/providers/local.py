@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ..agent import environments as node_environments
@@ -509,29 +510,26 @@ class LocalProvider(Provider):
         theirs = (wire_in_r, wire_out_w, diag_w)
         try:
             if self._template_can_serve(env):
-                tmpl = await asyncio.to_thread(template)
-                pid = await _forked(tmpl, full_env, theirs, run_id)
-                tmpl.watch(pid, on_exit)
+                pid = await _forked(full_env, theirs, run_id, on_exit)
             else:
-                popen = subprocess.Popen(
-                    [sys.executable, "-m", "skyward_jupyter.agent"],
-                    stdin=wire_in_r,
-                    stdout=wire_out_w,
-                    stderr=diag_w,
-                    env=full_env,
-                    start_new_session=True,
-                )
+                try:
+                    popen = subprocess.Popen(
+                        [sys.executable, "-m", "skyward_jupyter.agent"],
+                        stdin=wire_in_r,
+                        stdout=wire_out_w,
+                        stderr=diag_w,
+                        env=full_env,
+                        start_new_session=True,
+                    )
+                finally:
+                    _close(theirs)
                 pid = popen.pid
                 threading.Thread(
                     target=lambda: on_exit(popen.wait()), name=f"wait-{pid}", daemon=True
                 ).start()
         except BaseException:
-            for fd in (wire_in_w, wire_out_r, diag_r):
-                os.close(fd)
+            _close((wire_in_w, wire_out_r, diag_r))
             raise
-        finally:
-            for fd in theirs:
-                os.close(fd)
         rank = LocalRank(
             pid,
             await _pipe_reader(wire_out_r),
@@ -556,24 +554,47 @@ class LocalProvider(Provider):
 
 
 async def _forked(
-    tmpl: Template, env: Mapping[str, str], fds: tuple[int, int, int], run_id: str | None
+    env: Mapping[str, str],
+    fds: tuple[int, int, int],
+    run_id: str | None,
+    on_exit: Callable[[int], None],
 ) -> int:
-    """The pid of a rank the template forked with ``fds``.
+    """The pid of a rank the template forked with ``fds``, which are closed here once the
+    template has them (or will not get them).
 
-    A cancel (Ctrl-C during a start) does not stop the fork, queued in its thread behind the
-    others: it waits for it, so that ``fds`` stay open until the template has them (closed
-    early, their numbers could be the notebook's next descriptors, handed to a rank that would
-    wait on them forever), then ends the rank it made.
+    A cancel (Ctrl-C during a start, however often pressed) does not stop the fork, queued in
+    its thread behind the others: ``fds`` stay open until it is done (closed early, their numbers
+    could be the notebook's next descriptors, handed to a rank that would wait on them forever),
+    and the rank it made is ended then.
     """
-    forking = asyncio.ensure_future(asyncio.to_thread(tmpl.spawn, env, fds, 60.0))
     try:
-        return await asyncio.shield(forking)
-    except asyncio.CancelledError:
-        with contextlib.suppress(ProviderError, OSError):  # no rank was made
-            pid = await forking
-            tmpl.watch(pid, lambda status: None)
-            await asyncio.to_thread(end_rank, pid, run_id)
+        tmpl = await asyncio.to_thread(template)
+    except BaseException:
+        _close(fds)
         raise
+    forking = asyncio.ensure_future(asyncio.to_thread(tmpl.spawn, env, fds, 60.0))
+    forking.add_done_callback(lambda _: _close(fds))
+    try:
+        pid = await asyncio.shield(forking)
+    except asyncio.CancelledError:
+        forking.add_done_callback(partial(_end_late, tmpl, run_id))
+        raise
+    tmpl.watch(pid, on_exit)
+    return pid
+
+
+def _end_late(tmpl: Template, run_id: str | None, forking: asyncio.Future[int]) -> None:
+    """End the rank a cancelled start's fork made after all (off the loop: it waits)."""
+    if forking.cancelled() or forking.exception() is not None:
+        return  # no rank was made
+    pid = forking.result()
+    tmpl.watch(pid, lambda status: None)
+    threading.Thread(target=end_rank, args=(pid, run_id), name=f"end-{pid}", daemon=True).start()
+
+
+def _close(fds: Sequence[int]) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 async def _build_here(packages: Packages, say: Callable[[str], None]) -> NodeEnvironment:
