@@ -129,13 +129,10 @@ async def heartbeats(ranks: Ranks) -> None:
     """Beat the live ranks; declare one silent past the timeout lost, and kill it.
 
     A rank heard of in any way (a heartbeat, any message, part of a large one) is not silent.
-    Before the verdict it is asked for its stacks: one whose reader still answers is busy (its
-    heartbeat stuck behind something), not gone, and is left alone. So is one whose process its
-    provider sees running (a local one): native code holding the GIL for long (a first import
-    of a large library on a loaded machine) silences every thread of a rank that still works.
+    Each silent rank is examined on its own (:func:`_examine`), while the beats go on.
     """
     interval, timeout = ranks.settings.heartbeat_interval, ranks.settings.heartbeat_timeout
-    # Suspected early enough that the probe and this loop's tick still end within the timeout.
+    # Suspected early enough that the probe and this loop's tick end about at the timeout.
     suspect = max(timeout - STACKS_TIMEOUT - interval, 2 * interval)
     # A node's first rank hears a beat every interval; the others, which wait far longer for
     # one than the notebook waits for them, four times within that wait, on ticks spread over
@@ -143,50 +140,69 @@ async def heartbeats(ranks: Ranks) -> None:
     every = max(1, int(ranks.provider.notebook_silence / (4 * interval)))
     told_busy: set[Rank] = set()
     """Silent ranks the user was told run on (said once per silence)."""
-    for tick in itertools.count():
-        await asyncio.sleep(interval)
-        now = time.monotonic()
-        silent = []
-        for r in ranks.all:
-            if r.alive and r.process is not None:
-                if r.local_rank == 0 or (tick + r.index) % every == 0:
-                    ranks.send(r, ranks.beat)
-                # Until its hello, a rank is starting (loading torch can hold the GIL for
-                # seconds): the start's own timeout applies.
-                if r.hello is not None and now - r.last_heard > suspect:
-                    silent.append(r)
-        told_busy.intersection_update(silent)
-        if not silent:
-            continue
-        # Where the provider can look at the process itself, one that runs is busy, not lost.
-        watched = _watched(silent)
-        answers, running = await asyncio.gather(
-            stacks(ranks, silent),
-            asyncio.gather(*(process.running(STACKS_TIMEOUT) for _, process in watched)),
-        )
-        busy = {r for (r, _), runs in zip(watched, running, strict=True) if runs}
-        for r in silent:
-            # Heard of while the probe waited (a slow start's first heartbeat): not silent.
-            still = time.monotonic() - r.last_heard > suspect
-            if answers[r] is None and still and r.alive and r.process is not None:
-                if r not in busy:
-                    await _declare_lost(ranks, r)
-                elif r not in told_busy:
-                    told_busy.add(r)
-                    ranks.emit(PoolMessage(_busy(r)))
+    examining: dict[Rank, asyncio.Task[None]] = {}
+    try:
+        for tick in itertools.count():
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            silent = []
+            for r in ranks.all:
+                if r.alive and r.process is not None:
+                    if r.local_rank == 0 or (tick + r.index) % every == 0:
+                        ranks.send(r, ranks.beat)
+                    # Until its hello, a rank is starting (loading torch can hold the GIL for
+                    # seconds): the start's own timeout applies.
+                    if r.hello is not None and now - r.last_heard > suspect:
+                        silent.append(r)
+            told_busy.intersection_update(silent)
+            for r in [r for r, task in examining.items() if task.done()]:
+                del examining[r]
+            for r in silent:
+                if r not in examining:
+                    examining[r] = asyncio.ensure_future(_examine(ranks, r, suspect, told_busy))
+    finally:
+        for task in list(examining.values()):
+            task.cancel()
 
 
-def _watched(ranks: list[Rank]) -> list[tuple[Rank, Watchable]]:
-    """The ranks whose provider can look at their process, with it."""
-    found = []
-    for r in ranks:
-        process: object = r.process  # a provider's own class, which may also be Watchable
-        if isinstance(process, Watchable):
-            found.append((r, process))
-    return found
+async def _examine(ranks: Ranks, r: Rank, suspect: float, told_busy: set[Rank]) -> None:
+    """A silent rank's verdict. One whose reader still answers for its stacks is busy (its
+    heartbeat stuck behind something), not gone, and is left alone. So is one whose process
+    its provider sees running (a local rank, or one on an SSH host): native code holding the
+    GIL for long (a first import of a large library on a loaded machine, a C extension's call)
+    silences every thread of a rank that still works. Any other is declared lost.
+    """
+    if r in told_busy:  # its stacks were asked for already: only whether it still runs
+        runs = await _runs(r)
+        answered = False
+    else:
+        answers, runs = await asyncio.gather(stacks(ranks, [r]), _runs(r))
+        answered = answers[r] is not None
+    # Heard of while the probe waited (a slow start's first heartbeat): not silent.
+    still = time.monotonic() - r.last_heard > suspect
+    if answered or not still or not r.alive or r.process is None:
+        return
+    if not runs:
+        await _declare_lost(ranks, r)
+    elif r not in told_busy:
+        told_busy.add(r)
+        ranks.emit(PoolMessage(_busy(r)))
+
+
+async def _runs(r: Rank) -> bool:
+    """Whether the rank's provider sees its process run (False where it cannot look)."""
+    process: object = r.process  # a provider's own class, which may also be Watchable
+    if not isinstance(process, Watchable):
+        return False
+    try:
+        return await process.running(STACKS_TIMEOUT)
+    except Exception:  # a provider's look that failed: the rank is judged by its silence
+        log.exception("looking at rank %d's process failed", r.index)
+        return False
 
 
 def _busy(r: Rank) -> str:
+    """Why a silent rank is left to run."""
     quiet = time.monotonic() - r.last_heard
     return (
         f"rank {r.index} ({r.describe()}) has not answered for {quiet:.0f} s, yet its process "
@@ -202,7 +218,8 @@ async def _declare_lost(ranks: Ranks, r: Rank) -> None:
     quiet = time.monotonic() - r.last_heard
     r.silenced = (
         f"stopped answering: no heartbeat for {quiet:.1f} s (a stopped process, a frozen host, "
-        "or native code holding the GIL); the pool killed it"
+        "or native code holding the GIL where the pool could not see the process run); the pool "
+        "killed it"
     )
     ranks.set_state(r, RankState.LOST, f"silent for {quiet:.0f} s")
     try:

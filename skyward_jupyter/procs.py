@@ -38,9 +38,9 @@ def process_start(pid: int) -> str | None:
     return f"proc:{int(fields[19])}"  # field 22, starttime, in clock ticks since boot
 
 
-def activity(pid: int) -> tuple[str, int] | None:
-    """Process ``pid``'s scheduler state and CPU time (:func:`stat_activity`); None when it is
-    gone or this is not Linux.
+def activity(pid: int) -> tuple[str, int, int] | None:
+    """Process ``pid``'s scheduler state, CPU time and start (:func:`stat_activity`); None when
+    it is gone or this is not Linux.
     """
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
@@ -49,24 +49,36 @@ def activity(pid: int) -> tuple[str, int] | None:
         return None
 
 
-def stat_activity(line: bytes) -> tuple[str, int] | None:
+def stat_activity(line: bytes) -> tuple[str, int, int] | None:
     """From a ``/proc/PID/stat`` line (read here or on a host): the scheduler state (``R``
-    running, ``D`` in I/O, ``S`` sleeping, ``T`` stopped...) and the CPU clock ticks used.
+    running, ``D`` in I/O, ``S`` sleeping, ``T`` stopped...), the CPU clock ticks used and when
+    the process started (which tells it from a later one with its pid).
     """
-    fields = line.rsplit(b")", 1)[-1].split()
-    if len(fields) < 13 or not fields[11].isdigit() or not fields[12].isdigit():
+    _, paren, rest = line.rpartition(b")")
+    fields = rest.split()
+    if not paren or len(fields) < 20 or not all(f.isdigit() for f in (*fields[11:13], fields[19])):
         return None
-    return fields[0].decode(errors="replace"), int(fields[11]) + int(fields[12])
+    return fields[0].decode(errors="replace"), int(fields[11]) + int(fields[12]), int(fields[19])
 
 
-def ran(before: tuple[str, int] | None, after: tuple[str, int] | None) -> bool:
-    """Whether a process seen twice ran in between: it used CPU, or was on a CPU or in I/O
-    when seen (native code holding its GIL keeps a rank's threads from answering, not from
-    running; a stopped process, or one gone, did not run).
+RUNNING_SHARE = 0.1
+"""The share of a core a process must use between two looks to count as running."""
+_TICKS = 100
+"""Clock ticks a second in ``/proc`` (USER_HZ: 100 on every Linux)."""
+
+
+def ran(
+    before: tuple[str, int, int] | None, after: tuple[str, int, int] | None, within: float
+) -> bool:
+    """Whether a process seen twice, ``within`` seconds apart, ran in between: it used a share
+    of a core, or was on a CPU or in I/O when seen. Native code holding its GIL keeps a rank's
+    threads from answering, not from running; a stopped process, one gone, or another with its
+    pid, did not run.
     """
-    if before is None or after is None:
+    if before is None or after is None or before[2] != after[2]:
         return False
-    return after[1] > before[1] or bool({before[0], after[0]} & {"R", "D"})
+    used = (after[1] - before[1]) / _TICKS
+    return used >= RUNNING_SHARE * within or bool({before[0], after[0]} & {"R", "D"})
 
 
 def _psutil_start(pid: int) -> str | None:

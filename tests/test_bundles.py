@@ -294,5 +294,5 @@ def test_a_relay_that_keeps_moving_is_not_given_up_on_however_long_it_takes(
     assert any("its relay ended before it had them" in line for line in said), said
     assert not any("made no progress" in line for line in said), said
     shown = [line for line in said if line.startswith("packages: fetching wheels: ")]
-    assert 1 <= len(shown) <= 3, said  # about a line a second over 3 s of moving
+    assert 1 <= len(shown) <= 4, said  # about a line a second over 3 s of moving
     assert all(re.fullmatch(r"packages: fetching wheels: \d+ B of [\d.]+ KiB", x) for x in shown)

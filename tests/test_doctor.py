@@ -2,8 +2,9 @@
 
 A desync is the classic bug of a collective under ``if rank == 0``; without the doctor it waits
 out gloo's timeout and breaks the next cell too. A silent rank is one that stopped (SIGSTOP, as a
-frozen host or a hung C extension looks). Prompts (``input``, ``getpass``, ``breakpoint``) on the
-head rank are answered through a real kernel's stdin requests.
+frozen host looks); one whose native code holds its GIL while it runs is left to run. Prompts
+(``input``, ``getpass``, ``breakpoint``) on the head rank are answered through a real kernel's
+stdin requests.
 """
 
 from __future__ import annotations
@@ -133,13 +134,13 @@ def test_a_rank_holding_its_gil_in_native_code_runs_on_while_a_stopped_one_is_lo
     """
     told: list[str] = []
     with Pool(nodes=1, procs_per_node=2, heartbeat_timeout=3.0) as pool:
-        unsubscribe = pool.subscribe(
-            lambda event: told.append(event.text) if isinstance(event, PoolMessage) else None
-        )
         per_item = pool.run(
             "import time\nstarted = time.perf_counter()\nsum(range(5 * 10**7))\n"
             "(time.perf_counter() - started) / (5 * 10**7)"
         ).values[1]  # rank 1's pace
+        unsubscribe = pool.subscribe(
+            lambda event: told.append(event.text) if isinstance(event, PoolMessage) else None
+        )
         items = int(8.0 / per_item)  # about 8 s in one call, more on a busy machine
         result = pool.run(
             "import torch.distributed as dist\n"

@@ -193,13 +193,13 @@ def test_a_rank_holding_its_gil_on_a_host_runs_on_and_is_said_busy(
     told: list[str] = []
     provider = ssh_provider(hosts, 1, tmp_path)
     with Pool(nodes=1, procs_per_node=2, provider=provider, heartbeat_timeout=3.0) as pool:
-        unsubscribe = pool.subscribe(
-            lambda event: told.append(event.text) if isinstance(event, PoolMessage) else None
-        )
         per_item = pool.run(
             "import time\nstarted = time.perf_counter()\nsum(range(5 * 10**7))\n"
             "(time.perf_counter() - started) / (5 * 10**7)"
         ).values[1]  # rank 1's pace
+        unsubscribe = pool.subscribe(
+            lambda event: told.append(event.text) if isinstance(event, PoolMessage) else None
+        )
         result = pool.run(
             "import torch.distributed as dist\n"
             f"if dist.get_rank() == 1:\n    sum(range({int(8.0 / per_item)}))\n"

@@ -74,7 +74,8 @@ def _room_for(directory: Path, nbytes: int) -> bool:
     return nbytes <= fs.f_bavail * fs.f_frsize - KEEP_FREE * fs.f_blocks * fs.f_frsize
 
 
-_MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
+_MEMORY_FILESYSTEMS = ("tmpfs",)
+"""Filesystems kept in memory that say their size (a ramfs says none: it is taken at its word)."""
 
 
 def _in_memory(directory: Path) -> bool:

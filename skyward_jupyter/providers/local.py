@@ -31,7 +31,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ..agent import environments as node_environments
@@ -283,9 +282,10 @@ class LocalRank:
         return self._stderr.text()
 
     async def running(self, within: float) -> bool:
+        """Two looks at the process's ``/proc`` entry, ``within`` seconds apart."""
         before = activity(self.pid)
         await asyncio.sleep(within)
-        return ran(before, activity(self.pid))
+        return not self._exited.done() and ran(before, activity(self.pid), within)
 
     async def kill(self) -> None:
         """Kill the rank with every process below it (what its cells detached too), and remove
@@ -504,12 +504,13 @@ class LocalProvider(Provider):
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(record_exit, status)
 
+        forked = self._template_can_serve(env)
         wire_in_r, wire_in_w = _pipe()
         wire_out_r, wire_out_w = _pipe()
         diag_r, diag_w = os.pipe()
         theirs = (wire_in_r, wire_out_w, diag_w)
         try:
-            if self._template_can_serve(env):
+            if forked:
                 pid = await _forked(full_env, theirs, run_id, on_exit)
             else:
                 try:
@@ -559,40 +560,68 @@ async def _forked(
     run_id: str | None,
     on_exit: Callable[[int], None],
 ) -> int:
-    """The pid of a rank the template forked with ``fds``, which are closed here once the
-    template has them (or will not get them).
-
-    A cancel (Ctrl-C during a start, however often pressed) does not stop the fork, queued in
-    its thread behind the others: ``fds`` stay open until it is done (closed early, their numbers
-    could be the notebook's next descriptors, handed to a rank that would wait on them forever),
-    and the rank it made is ended then.
+    """The pid of a rank the template forked with ``fds``, which are closed once the template
+    has them (or will not get them).
     """
     try:
         tmpl = await asyncio.to_thread(template)
     except BaseException:
         _close(fds)
         raise
-    forking = asyncio.ensure_future(asyncio.to_thread(tmpl.spawn, env, fds, 60.0))
-    forking.add_done_callback(lambda _: _close(fds))
+    fork = _Fork(tmpl, env, fds, run_id)
     try:
-        pid = await asyncio.shield(forking)
+        # Shielded: the fork's thread runs whatever happens here, and closes the descriptors.
+        pid = await asyncio.shield(asyncio.get_running_loop().run_in_executor(None, fork.run))
     except asyncio.CancelledError:
-        forking.add_done_callback(partial(_end_late, tmpl, run_id))
+        fork.cancel()
         raise
     tmpl.watch(pid, on_exit)
     return pid
 
 
-def _end_late(tmpl: Template, run_id: str | None, forking: asyncio.Future[int]) -> None:
-    """End the rank a cancelled start's fork made after all (off the loop: it waits)."""
-    if forking.cancelled() or forking.exception() is not None:
-        return  # no rank was made
-    pid = forking.result()
-    tmpl.watch(pid, lambda status: None)
-    threading.Thread(target=end_rank, args=(pid, run_id), name=f"end-{pid}", daemon=True).start()
+class _Fork:
+    """One fork queued at the template, in a thread of its own.
+
+    A cancel (Ctrl-C during a start, however often pressed, or the loop's end) does not stop it:
+    the descriptors stay open until the template has them (closed early, their numbers could
+    be the notebook's next descriptors, handed to a rank that would wait on them forever), and
+    the rank it made is ended, by the thread or by the cancel, whichever comes second.
+    """
+
+    def __init__(
+        self, tmpl: Template, env: Mapping[str, str], fds: tuple[int, int, int], run_id: str | None
+    ) -> None:
+        self._tmpl, self._env, self._fds, self._run_id = tmpl, env, fds, run_id
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._pid: int | None = None
+
+    def run(self) -> int:
+        try:
+            pid = self._tmpl.spawn(self._env, self._fds, 60.0)
+        finally:
+            _close(self._fds)
+        with self._lock:
+            self._pid = pid
+            cancelled = self._cancelled
+        if cancelled:
+            self._end(pid)
+        return pid
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            pid = self._pid
+        if pid is not None:  # forked before the cancel came: its thread has handed it over
+            threading.Thread(target=self._end, args=(pid,), name=f"end-{pid}", daemon=True).start()
+
+    def _end(self, pid: int) -> None:
+        self._tmpl.watch(pid, lambda status: None)
+        end_rank(pid, self._run_id)
 
 
 def _close(fds: Sequence[int]) -> None:
+    """Close descriptors this process handed on (the rank's ends of its pipes)."""
     for fd in fds:
         os.close(fd)
 

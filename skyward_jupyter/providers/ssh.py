@@ -184,13 +184,15 @@ def check_host_gpu(host: Host, reported: str | None, asked: str | None) -> None:
         )
 
 
-_TWO_LOOKS = (
-    'read -r a < "/proc/$1/stat" && sleep "$2" && read -r b < "/proc/$1/stat" && '
-    'printf "%s\\n%s\\n" "$a" "$b"'
+_LOOKS = (
+    'w=$1; shift; look() { for p; do cat "/proc/$p/stat" 2>/dev/null; done; }; '
+    'look "$@"; sleep "$w"; look "$@"'
 )
-"""Rank ``$1``'s ``/proc`` stat line, and again ``$2`` seconds later (see :func:`..procs.ran`)."""
+"""The ``/proc`` stat lines of processes ``$2...``, and again ``$1`` seconds later (see
+:func:`..procs.ran`)."""
 LOOK_WITHIN = 2.0
-"""Seconds beyond its wait a host has to show how a silent rank runs (else it counts as frozen)."""
+"""Seconds beyond its wait a host has to show how its silent ranks run (else it counts as
+frozen)."""
 
 
 class SSHRank:
@@ -218,13 +220,8 @@ class SSHRank:
         return self._stderr.text()
 
     async def running(self, within: float) -> bool:
-        argv = ["sh", "-c", _TWO_LOOKS, "sh", str(self.pid), f"{within:g}"]
-        try:
-            said = await asyncio.wait_for(self._sessions.output(argv), within + LOOK_WITHIN)
-        except (asyncssh.Error, OSError, asyncio.TimeoutError, ProviderError):
-            return False  # a host that cannot be asked now: frozen, or cut off
-        looks = [stat_activity(line) for line in said.splitlines()]
-        return len(looks) == 2 and ran(*looks)
+        """Two looks at the process's ``/proc`` entry on its host, ``within`` seconds apart."""
+        return await self._sessions.running(self.pid, within)
 
     async def kill(self) -> None:
         # An unreachable host cannot be asked: closing the channel is then all that is left.
@@ -256,16 +253,27 @@ class Sessions:
         self.host = host
         self.conns = [first]
         self._connect = connect
+        self._connecting = asyncio.Lock()
+        """Held while a new connection is opened: callers that find every connection full wait
+        for it rather than each opening one (sshd's MaxStartups refuses a burst)."""
+        self._asked: dict[int, asyncio.Future[bool]] = {}
+        """Processes to look at in the next look (see :meth:`running`)."""
+        self._looking: set[asyncio.Task[None]] = set()
 
     async def process(self, command: str) -> Any:
         """A new session running ``command`` (bytes in, bytes out)."""
-        for conn in list(self.conns):
+        tried = list(self.conns)
+        for conn in tried:
             try:
                 return await conn.create_process(command, encoding=None)
             except asyncssh.ChannelOpenError:
                 continue  # this connection has all the sessions its sshd allows
-        conn = await self._connect(self.host)
-        self.conns.append(conn)
+        async with self._connecting:
+            for conn in self.conns[len(tried) :]:  # opened by another caller meanwhile
+                with contextlib.suppress(asyncssh.ChannelOpenError):
+                    return await conn.create_process(command, encoding=None)
+            conn = await self._connect(self.host)
+            self.conns.append(conn)
         try:
             return await conn.create_process(command, encoding=None)
         except asyncssh.ChannelOpenError as exc:
@@ -277,10 +285,48 @@ class Sessions:
     async def output(self, argv: Sequence[str]) -> bytes:
         """Run a command (an argument list) to its end; what it wrote to its stdout."""
         process = await self.process(shlex.join(argv))
-        process.stdin.write_eof()
-        said = await process.stdout.read()
-        await process.wait_closed()
+        try:
+            process.stdin.write_eof()
+            said = await process.stdout.read()
+            await process.wait_closed()
+        finally:
+            process.close()  # also when the caller gave up waiting
         return bytes(said)
+
+    async def running(self, pid: int, within: float) -> bool:
+        """Whether process ``pid`` runs over the next ``within`` seconds (:func:`..procs.ran`).
+        The processes asked about together (a host's silent ranks) share one look: one session,
+        however many ranks fell silent at once.
+        """
+        loop = asyncio.get_running_loop()
+        answer = self._asked.get(pid)
+        if answer is None:
+            answer = self._asked[pid] = loop.create_future()
+            if len(self._asked) == 1:  # the first asked: the look starts once the others are in
+                loop.call_soon(self._start_look, within)
+        return await asyncio.shield(answer)
+
+    def _start_look(self, within: float) -> None:
+        task = asyncio.ensure_future(self._look(within))
+        self._looking.add(task)
+        task.add_done_callback(self._looking.discard)
+
+    async def _look(self, within: float) -> None:
+        asked, self._asked = self._asked, {}
+        argv = ["sh", "-c", _LOOKS, "sh", f"{within:g}", *map(str, asked)]
+        try:
+            said = await asyncio.wait_for(self.output(argv), within + LOOK_WITHIN)
+        except (asyncssh.Error, OSError, asyncio.TimeoutError, ProviderError):
+            said = b""  # a host that cannot be asked now: frozen, or cut off
+        looks: dict[int, list[tuple[str, int, int] | None]] = {}
+        for line in said.splitlines():
+            head = line.split(b" ", 1)[0]
+            if head.isdigit():
+                looks.setdefault(int(head), []).append(stat_activity(line))
+        for pid, answer in asked.items():
+            seen = looks.get(pid, [])
+            if not answer.done():
+                answer.set_result(len(seen) == 2 and ran(seen[0], seen[1], within))
 
     async def run(self, argv: Sequence[str]) -> int | None:
         """Run a command (an argument list) to its end; its exit status."""
