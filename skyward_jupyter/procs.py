@@ -28,14 +28,14 @@ def process_start(pid: int) -> str | None:
         return None
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
-            fields = stat.read().rsplit(b")", 1)[1].split()
+            seen = stat_activity(stat.read())
     except FileNotFoundError:
         return None
     except OSError:
         return _psutil_start(pid)
-    if fields[0] in (b"Z", b"X"):
+    if seen is None or seen[0] in ("Z", "X"):
         return None  # ended; only its exit status is left for its parent to read
-    return f"proc:{int(fields[19])}"  # field 22, starttime, in clock ticks since boot
+    return f"proc:{seen[2]}"
 
 
 def activity(pid: int) -> tuple[str, int, int] | None:
@@ -51,8 +51,9 @@ def activity(pid: int) -> tuple[str, int, int] | None:
 
 def stat_activity(line: bytes) -> tuple[str, int, int] | None:
     """From a ``/proc/PID/stat`` line (read here or on a host): the scheduler state (``R``
-    running, ``D`` in I/O, ``S`` sleeping, ``T`` stopped...), the CPU clock ticks used and when
-    the process started (which tells it from a later one with its pid).
+    running, ``D`` in I/O, ``S`` sleeping, ``T`` stopped, ``Z`` ended...), the CPU clock ticks
+    used and when the process started, in clock ticks since boot (which tells it from a later
+    one with its pid).
     """
     _, paren, rest = line.rpartition(b")")
     fields = rest.split()

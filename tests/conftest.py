@@ -119,6 +119,33 @@ def kill_and_await_replacement(pool: Any, index: int) -> None:
     )
 
 
+def hold_rank_ones_gil(pool: Any, seconds: float = 8.0) -> tuple[Any, list[str]]:
+    """Run a cell in which rank 1 computes in C without letting its GIL go (a builtin's loop,
+    as a long import or a C extension's call does) for about ``seconds`` at its own pace (more
+    on a busy machine) while the other ranks wait in a barrier; the cell's result, and the
+    pool's messages about rank 1 meanwhile.
+    """
+    from skyward_jupyter.events import PoolMessage
+
+    per_item = pool.run(
+        "import time\nstarted = time.perf_counter()\nsum(range(5 * 10**7))\n"
+        "(time.perf_counter() - started) / (5 * 10**7)"
+    ).values[1]
+    told: list[str] = []
+    unsubscribe = pool.subscribe(
+        lambda event: told.append(event.text) if isinstance(event, PoolMessage) else None
+    )
+    try:
+        result = pool.run(
+            "import torch.distributed as dist\n"
+            f"if dist.get_rank() == 1:\n    sum(range({int(seconds / per_item)}))\n"
+            "dist.barrier()\n'done'"
+        )
+    finally:
+        unsubscribe()
+    return result, [text for text in told if text.startswith("rank 1 (")]
+
+
 class _Unretrieved(logging.Handler):
     """asyncio's "Task exception was never retrieved" (logged when such a task is collected)."""
 

@@ -23,9 +23,9 @@ import pytest
 
 from skyward_jupyter import Pool
 from skyward_jupyter import protocol as p
-from skyward_jupyter.events import PoolMessage, RankUsage
+from skyward_jupyter.events import RankUsage
 
-from .conftest import outputs_of, reply_of, wait_for
+from .conftest import hold_rank_ones_gil, outputs_of, reply_of, wait_for
 
 DESYNC = (
     "import torch, torch.distributed as dist\n"
@@ -132,26 +132,11 @@ def test_a_rank_holding_its_gil_in_native_code_runs_on_while_a_stopped_one_is_lo
     a C extension's call does) for twice the heartbeat timeout: its threads cannot answer, yet
     its process runs, so it is left to finish, and the user is told why it is silent.
     """
-    told: list[str] = []
     with Pool(nodes=1, procs_per_node=2, heartbeat_timeout=3.0) as pool:
-        per_item = pool.run(
-            "import time\nstarted = time.perf_counter()\nsum(range(5 * 10**7))\n"
-            "(time.perf_counter() - started) / (5 * 10**7)"
-        ).values[1]  # rank 1's pace
-        unsubscribe = pool.subscribe(
-            lambda event: told.append(event.text) if isinstance(event, PoolMessage) else None
-        )
-        items = int(8.0 / per_item)  # about 8 s in one call, more on a busy machine
-        result = pool.run(
-            "import torch.distributed as dist\n"
-            f"if dist.get_rank() == 1:\n    sum(range({items}))\n"
-            "dist.barrier()\n'done'"
-        )
-        unsubscribe()
-        assert result.values == ["done", "done"], result.errors
-        assert not result.lost
-        busy = [text for text in told if text.startswith("rank 1 (")]
-        assert len(busy) == 1 and "yet its process runs" in busy[0], told
+        result, busy = hold_rank_ones_gil(pool)
+    assert result.values == ["done", "done"], result.errors
+    assert not result.lost
+    assert len(busy) == 1 and "yet its process runs" in busy[0], busy
 
 
 def test_usage_comes_once_a_node_and_a_stopped_first_rank_is_found_alone() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import stat
 import subprocess
 import sys
@@ -185,6 +186,12 @@ def test_a_start_cancelled_while_the_template_forks_leaves_no_rank() -> None:
             await asyncio.sleep(0)  # the starts see their cancel
             for _ in range(32):  # what the notebook opens next takes the numbers it closed
                 held.extend(os.pipe())
+            # Each of those numbers made one end of a socket pair the test keeps open, which a
+            # rank can write to and read from: one forked with them would wait on it for good.
+            ours, theirs = socket.socketpair()
+            for fd in held:
+                os.dup2(theirs.fileno(), fd)
+            held.extend((ours.detach(), theirs.detach()))
         finally:
             queue.release()
         await asyncio.gather(*starts, return_exceptions=True)

@@ -23,7 +23,14 @@ from skyward_jupyter.providers.base import ProviderError
 from skyward_jupyter.providers.ssh import Host, SSHOptions, SSHProvider
 from skyward_jupyter.providers.ssh_prepare import package_digest
 
-from .conftest import agents_among, ranks_among, skip_where_nccl_runs, ssh_hosts_fixture, wait_for
+from .conftest import (
+    agents_among,
+    hold_rank_ones_gil,
+    ranks_among,
+    skip_where_nccl_runs,
+    ssh_hosts_fixture,
+    wait_for,
+)
 from .hosts import Hosts, available, ssh_hosts, ssh_provider
 from .lifetime import detach, flat, kill_all, new_tag, running
 
@@ -190,26 +197,12 @@ def test_a_rank_holding_its_gil_on_a_host_runs_on_and_is_said_busy(
     timeout: the notebook looks at its process on the host (it runs), leaves it to finish and
     says why it is silent; the cell ends as written.
     """
-    told: list[str] = []
     provider = ssh_provider(hosts, 1, tmp_path)
     with Pool(nodes=1, procs_per_node=2, provider=provider, heartbeat_timeout=3.0) as pool:
-        per_item = pool.run(
-            "import time\nstarted = time.perf_counter()\nsum(range(5 * 10**7))\n"
-            "(time.perf_counter() - started) / (5 * 10**7)"
-        ).values[1]  # rank 1's pace
-        unsubscribe = pool.subscribe(
-            lambda event: told.append(event.text) if isinstance(event, PoolMessage) else None
-        )
-        result = pool.run(
-            "import torch.distributed as dist\n"
-            f"if dist.get_rank() == 1:\n    sum(range({int(8.0 / per_item)}))\n"
-            "dist.barrier()\n'done'"
-        )
-        unsubscribe()
-        assert result.values == ["done", "done"] and not result.lost, result.errors
-        busy = [text for text in told if text.startswith("rank 1 (")]
-        assert len(busy) == 1 and "yet its process runs" in busy[0], told
-        assert hosts[0].address in busy[0], busy
+        result, busy = hold_rank_ones_gil(pool)
+    assert result.values == ["done", "done"] and not result.lost, result.errors
+    assert len(busy) == 1 and "yet its process runs" in busy[0], busy
+    assert hosts[0].address in busy[0], busy
 
 
 def _notebook_script(

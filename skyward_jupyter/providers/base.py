@@ -200,8 +200,8 @@ class RankProcess(Protocol):
 
 @runtime_checkable
 class Watchable(Protocol):
-    """A rank process its provider can look at without its help (a local process's
-    ``/proc``): when it goes silent, one still running is told apart from a stopped one.
+    """A rank process its provider can look at without its help (a local process's ``/proc``,
+    a host's over SSH): when it goes silent, one still running is told apart from a stopped one.
     """
 
     async def running(self, within: float) -> bool:
