@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 
-from .agent.descendants import end_tree
+from .agent.descendants import ProcStat, end_tree, parse_stat
 
 _AGENT = b"skyward_jupyter.agent"
 
@@ -28,38 +28,14 @@ def process_start(pid: int) -> str | None:
         return None
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
-            seen = stat_activity(stat.read())
+            seen = parse_stat(stat.read())
     except FileNotFoundError:
         return None
     except OSError:
         return _psutil_start(pid)
-    if seen is None or seen[0] in ("Z", "X"):
+    if seen is None or seen.ended:
         return None  # ended; only its exit status is left for its parent to read
-    return f"proc:{seen[2]}"
-
-
-def activity(pid: int) -> tuple[str, int, int] | None:
-    """Process ``pid``'s scheduler state, CPU time and start (:func:`stat_activity`); None when
-    it is gone or this is not Linux.
-    """
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat_activity(stat.read())
-    except OSError:
-        return None
-
-
-def stat_activity(line: bytes) -> tuple[str, int, int] | None:
-    """From a ``/proc/PID/stat`` line (read here or on a host): the scheduler state (``R``
-    running, ``D`` in I/O, ``S`` sleeping, ``T`` stopped, ``Z`` ended...), the CPU clock ticks
-    used and when the process started, in clock ticks since boot (which tells it from a later
-    one with its pid).
-    """
-    _, paren, rest = line.rpartition(b")")
-    fields = rest.split()
-    if not paren or len(fields) < 20 or not all(f.isdigit() for f in (*fields[11:13], fields[19])):
-        return None
-    return fields[0].decode(errors="replace"), int(fields[11]) + int(fields[12]), int(fields[19])
+    return f"proc:{seen.start}"
 
 
 RUNNING_SHARE = 0.1
@@ -68,18 +44,16 @@ _TICKS = 100
 """Clock ticks a second in ``/proc`` (USER_HZ: 100 on every Linux)."""
 
 
-def ran(
-    before: tuple[str, int, int] | None, after: tuple[str, int, int] | None, within: float
-) -> bool:
+def ran(before: ProcStat | None, after: ProcStat | None, within: float) -> bool:
     """Whether a process seen twice, ``within`` seconds apart, ran in between: it used a share
     of a core, or was on a CPU or in I/O when seen. Native code holding its GIL keeps a rank's
     threads from answering, not from running; a stopped process, one gone, or another with its
     pid, did not run.
     """
-    if before is None or after is None or before[2] != after[2]:
+    if before is None or after is None or before.start != after.start:
         return False
-    used = (after[1] - before[1]) / _TICKS
-    return used >= RUNNING_SHARE * within or bool({before[0], after[0]} & {"R", "D"})
+    used = (after.cpu_ticks - before.cpu_ticks) / _TICKS
+    return used >= RUNNING_SHARE * within or bool({before.state, after.state} & {"R", "D"})
 
 
 def _psutil_start(pid: int) -> str | None:

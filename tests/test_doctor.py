@@ -17,13 +17,16 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from skyward_jupyter import Pool
 from skyward_jupyter import protocol as p
+from skyward_jupyter.agent.descendants import parse_stat, read_stat
 from skyward_jupyter.events import RankUsage
+from skyward_jupyter.procs import ran
 
 from .conftest import hold_rank_ones_gil, outputs_of, reply_of, wait_for
 
@@ -137,6 +140,27 @@ def test_a_rank_holding_its_gil_in_native_code_runs_on_while_a_stopped_one_is_lo
     assert result.values == ["done", "done"], result.errors
     assert not result.lost
     assert len(busy) == 1 and "yet its process runs" in busy[0], busy
+
+
+def test_a_stat_line_is_read_after_the_last_parenthesis_and_a_foreign_line_is_refused() -> None:
+    """A process may name itself anything, parentheses and state letters too: the fields are
+    read after the last ``)``. What is not a stat line (a host's shell said something else) is
+    refused, and a process seen once, or another with the pid, did not run.
+    """
+    real = Path("/proc/self/stat").read_bytes()
+    fields = real.rpartition(b")")[2]
+    named = b"%d (x) R 1 (evil) T 1 2)%s" % (os.getpid(), fields)
+    seen = parse_stat(named)
+    assert seen is not None and seen == read_stat(os.getpid())
+    assert seen.state == "R" and seen.parent == os.getppid() and not seen.ended
+    assert parse_stat(fields) is None  # no parenthesis
+    assert parse_stat(b"sh: cat: not found") is None
+    assert parse_stat(b"1 (x) S 1 2 3") is None  # too short
+    later = seen._replace(cpu_ticks=seen.cpu_ticks + 50, state="S")
+    assert ran(seen._replace(state="S"), later, 2.0)  # half a core over 2 s
+    assert not ran(seen._replace(state="S"), seen._replace(state="S"), 2.0)
+    assert not ran(seen, later._replace(start=seen.start + 1), 2.0)  # the pid's next process
+    assert not ran(seen, None, 2.0)
 
 
 def test_usage_comes_once_a_node_and_a_stopped_first_rank_is_found_alone() -> None:

@@ -24,6 +24,9 @@ the pool's run id and the pid. The rank removes it as it ends, :func:`end_rank` 
 directory goes with the pool: removed by the local provider's release, by a host's template as
 it ends, or by whichever rank or kill leaves it empty.
 
+What ``/proc/PID/stat`` says of a process is read here alone (:func:`read_stat`), for the
+notebook's looks at its ranks too (:mod:`..procs`).
+
 Standard library only: it runs on the nodes, as a file too.
 """
 
@@ -39,6 +42,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterable
+from typing import NamedTuple
 
 PR_SET_CHILD_SUBREAPER = 36
 FREEZE_TIMEOUT = 2.0
@@ -57,24 +61,61 @@ def become_subreaper() -> None:
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
-def _processes() -> dict[int, tuple[int, bytes]]:
+class ProcStat(NamedTuple):
+    """What ``/proc/PID/stat`` says of a process: the fields this package reads."""
+
+    state: str
+    """``R`` running, ``D`` in I/O, ``S`` sleeping, ``T`` or ``t`` stopped, ``Z`` ended..."""
+    parent: int
+    cpu_ticks: int
+    """User and system CPU time used so far, in clock ticks."""
+    start: int
+    """When it started, in clock ticks since boot: tells it from a later one with its pid."""
+
+    @property
+    def ended(self) -> bool:
+        """A zombie: it holds nothing, only its exit status is left for its parent to read."""
+        return self.state in ("Z", "X")
+
+
+def parse_stat(line: bytes) -> ProcStat | None:
+    """A ``/proc/PID/stat`` line, read here or on a host; None for one that is not such a line.
+    The command's name, in parentheses, may hold anything: the fields start after the last one.
+    """
+    _, paren, rest = line.rpartition(b")")
+    fields = rest.split()
+    if not paren or len(fields) < 20:
+        return None
+    numbers = (fields[1], fields[11], fields[12], fields[19])
+    if not all(f.isdigit() for f in numbers):
+        return None
+    parent, user, system, start = map(int, numbers)
+    return ProcStat(fields[0].decode(errors="replace"), parent, user + system, start)
+
+
+def read_stat(pid: int | str) -> ProcStat | None:
+    """Process ``pid``'s stat; None when it is gone (or ``/proc`` cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat_file:
+            return parse_stat(stat_file.read())
+    except OSError:
+        return None
+
+
+def _processes() -> dict[int, tuple[int, str]]:
     """Every live (non-zombie) process: pid -> (parent pid, state letter), from ``/proc``."""
-    found: dict[int, tuple[int, bytes]] = {}
+    found: dict[int, tuple[int, str]] = {}
     with contextlib.suppress(OSError):
         for name in os.listdir("/proc"):
             if not name.isdigit():
                 continue
-            try:
-                with open(f"/proc/{name}/stat", "rb") as stat:
-                    fields = stat.read().rsplit(b")", 1)[1].split()
-            except OSError:
-                continue  # ended while we looked
-            if fields[0] not in (b"Z", b"X"):  # a zombie holds nothing; its parent reaps it
-                found[int(name)] = (int(fields[1]), fields[0])
+            seen = read_stat(name)  # None: it ended while we looked
+            if seen is not None and not seen.ended:
+                found[int(name)] = (seen.parent, seen.state)
     return found
 
 
-def _below(pid: int, processes: dict[int, tuple[int, bytes]]) -> set[int]:
+def _below(pid: int, processes: dict[int, tuple[int, str]]) -> set[int]:
     tree: dict[int, list[int]] = {}
     for child, (parent, _) in processes.items():
         tree.setdefault(parent, []).append(child)
@@ -110,21 +151,17 @@ def _children_files(pid: int) -> set[int] | None:
     return found
 
 
-def _state(pid: int) -> bytes | None:
+def _state(pid: int) -> str | None:
     """A process's state letter; None when it is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            letter = stat.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
-    return None if letter in (b"Z", b"X") else letter
+    seen = read_stat(pid)
+    return None if seen is None or seen.ended else seen.state
 
 
-def _tree(pid: int) -> dict[int, tuple[int, bytes]] | None:
+def _tree(pid: int) -> dict[int, tuple[int, str]] | None:
     """The live processes below ``pid``, as :func:`_processes` gives them, read down the tree
     from ``pid``'s children files; None where the kernel has none.
     """
-    found: dict[int, tuple[int, bytes]] = {}
+    found: dict[int, tuple[int, str]] = {}
     todo = [pid]
     while todo:
         parent = todo.pop()
@@ -139,7 +176,7 @@ def _tree(pid: int) -> dict[int, tuple[int, bytes]] | None:
     return found
 
 
-def _around(pid: int) -> dict[int, tuple[int, bytes]]:
+def _around(pid: int) -> dict[int, tuple[int, str]]:
     """The processes :func:`_below` needs to find those below ``pid``: its tree where the
     kernel lists children, else every process.
     """
@@ -186,7 +223,7 @@ def end_descendants(pid: int) -> None:
         processes = _around(pid)
         found = _below(pid, processes)
         new = found - frozen
-        if not new and all(processes[p][1] in (b"T", b"t") for p in found - refused):
+        if not new and all(processes[p][1] in ("T", "t") for p in found - refused):
             break
         refused |= _send(new, signal.SIGSTOP)
         frozen |= new

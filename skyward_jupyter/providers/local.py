@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..agent import environments as node_environments
-from ..agent.descendants import end_rank, pool_dir
+from ..agent.descendants import end_rank, pool_dir, read_stat
 from ..agent.torch_setup import nccl_available
 from ..environments import (
     BUILDER,
@@ -47,7 +47,7 @@ from ..environments import (
 from ..events import RankState
 from ..gpus import NO_GPU, LayoutError, check_gpu_layout, gpu_model, same_gpu
 from ..memory import meminfo
-from ..procs import activity, end, is_agent, process_alive, process_start, ran
+from ..procs import end, is_agent, process_alive, process_start, ran
 from ..spec import backend_problem
 from ..workdir import human_bytes
 from .base import Node, Progress, Provider, ProviderError, ReapReport, StderrTail, no_progress
@@ -248,11 +248,8 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True  # no /proc: signal 0 said it exists
+    seen = read_stat(pid)
+    return seen is None or not seen.ended  # None: no /proc, and signal 0 said it exists
 
 
 class LocalRank:
@@ -283,9 +280,9 @@ class LocalRank:
 
     async def running(self, within: float) -> bool:
         """Two looks at the process's ``/proc`` entry, ``within`` seconds apart."""
-        before = activity(self.pid)
+        before = read_stat(self.pid)
         await asyncio.sleep(within)
-        return not self._exited.done() and ran(before, activity(self.pid), within)
+        return not self._exited.done() and ran(before, read_stat(self.pid), within)
 
     async def kill(self) -> None:
         """Kill the rank with every process below it (what its cells detached too), and remove

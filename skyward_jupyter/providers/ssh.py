@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import asyncssh
 
+from ..agent.descendants import ProcStat, parse_stat
 from ..environments import (
     BUILDER,
     TORCH_WANTED,
@@ -47,7 +48,7 @@ from ..environments import (
 )
 from ..events import RankState
 from ..gpus import NO_GPU, gpu_model, same_gpu
-from ..procs import ran, stat_activity
+from ..procs import ran
 from .base import (
     PYTHON,
     Node,
@@ -318,11 +319,11 @@ class Sessions:
             said = await asyncio.wait_for(self.output(argv), within + LOOK_WITHIN)
         except (asyncssh.Error, OSError, asyncio.TimeoutError, ProviderError):
             said = b""  # a host that cannot be asked now: frozen, or cut off
-        looks: dict[int, list[tuple[str, int, int] | None]] = {}
+        looks: dict[int, list[ProcStat | None]] = {}
         for line in said.splitlines():
             head = line.split(b" ", 1)[0]
             if head.isdigit():
-                looks.setdefault(int(head), []).append(stat_activity(line))
+                looks.setdefault(int(head), []).append(parse_stat(line))
         for pid, answer in asked.items():
             seen = looks.get(pid, [])
             if not answer.done():
