@@ -192,10 +192,10 @@ async def _examine(ranks: Ranks, r: Rank, suspect: float, told_busy: set[Rank]) 
 async def _runs(r: Rank) -> bool:
     """Whether the rank's provider sees its process run (False where it cannot look)."""
     process: object = r.process  # a provider's own class, which may also be Watchable
-    if not isinstance(process, Watchable):
+    if not isinstance(process, Watchable) or r.hello is None:
         return False
     try:
-        return await process.running(STACKS_TIMEOUT)
+        return await process.running(r.hello.pid, STACKS_TIMEOUT)
     except Exception:  # a provider's look that failed: the rank is judged by its silence
         log.exception("looking at rank %d's process failed", r.index)
         return False

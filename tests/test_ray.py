@@ -22,7 +22,7 @@ from skyward_jupyter import Pool
 from skyward_jupyter.providers.base import ProviderError
 from skyward_jupyter.providers.ray import RayProvider
 
-from .conftest import agents_among, wait_for
+from .conftest import agents_among, hold_rank_ones_gil, wait_for
 from .ray_cluster import RayCluster, available, ray_cluster
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
@@ -79,6 +79,19 @@ def test_a_ddp_cell_on_two_ray_nodes_and_everything_released(cluster: RayCluster
         timer.join()
         assert {e.type_name for e in stopped.errors} == {"KeyboardInterrupt"}
         assert pool.run(ALL_REDUCE).ok
+    wait_for(lambda: not _groups(), 20, "the placement group to be removed")
+
+
+def test_a_rank_holding_its_gil_on_a_ray_node_runs_on_and_is_said_busy(
+    cluster: RayCluster,
+) -> None:
+    """Rank 1 computes in C without letting its GIL go for twice the heartbeat timeout: its
+    actor looks at its process on its node, so it is left to finish and the user told why.
+    """
+    with Pool(nodes=2, provider=_provider(cluster), heartbeat_timeout=3.0) as pool:
+        result, busy = hold_rank_ones_gil(pool)
+    assert result.values == ["done", "done"] and not result.lost, result.errors
+    assert len(busy) == 1 and "yet its process runs" in busy[0] and "ray node" in busy[0], busy
     wait_for(lambda: not _groups(), 20, "the placement group to be removed")
 
 

@@ -8,6 +8,7 @@ interrupt), bad input, and a killed kernel leaving nothing in the queue.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -23,7 +24,7 @@ from skyward_jupyter.events import NodeStateChanged, PoolEvent
 from skyward_jupyter.providers.base import ProviderError
 from skyward_jupyter.providers.slurm import SlurmOptions, SlurmProvider
 
-from .conftest import wait_for
+from .conftest import hold_rank_ones_gil, wait_for
 from .slurm_cluster import SlurmCluster, available, slurm_cluster
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
@@ -113,6 +114,29 @@ def test_a_pending_job_is_shown_and_an_interrupt_cancels_it(cluster: SlurmCluste
     wait_for(lambda: _queue(cluster).count("\n") == 0, 20, "the pool's job to be cancelled")
     cluster.run("scancel", blocker)
     wait_for(lambda: not _queue(cluster), 20, "the queue to empty")
+
+
+def test_a_rank_holding_its_gil_on_a_slurm_node_runs_on_and_a_stopped_one_is_lost(
+    cluster: SlurmCluster,
+) -> None:
+    """Rank 1 computes in C without letting its GIL go for twice the heartbeat timeout: the
+    notebook looks at its process on its node (a short step of the pool's job), leaves it to
+    finish and says why it is silent. Stopped (SIGSTOP), the same rank is declared lost.
+    """
+    with Pool(nodes=2, provider=SlurmProvider(), heartbeat_timeout=3.0) as pool:
+        result, busy = hold_rank_ones_gil(pool)
+        assert result.values == ["done", "done"] and not result.lost, result.errors
+        assert len(busy) == 1 and "yet its process runs" in busy[0] and "node1" in busy[0], busy
+        pid = pool.ranks[1].hello.pid  # type: ignore[union-attr]
+        stopper = threading.Timer(1.0, lambda: os.kill(pid, signal.SIGSTOP))
+        stopper.start()
+        stopped = pool.run(
+            "import time, torch.distributed as dist\ntime.sleep(1.5)\ndist.barrier()"
+        )
+        stopper.join()
+        lost = {e.rank: e for e in stopped.errors}[1]
+        assert lost.type_name == "RankLost" and "stopped answering" in lost.message, lost
+    wait_for(lambda: not _queue(cluster), 20, "the job to leave the queue")
 
 
 def test_bad_input_is_one_line(cluster: SlurmCluster) -> None:

@@ -14,13 +14,15 @@ import abc
 import asyncio
 import collections
 import contextlib
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
+from ..agent.descendants import ProcStat, parse_stat
 from ..events import RankState
 from ..flags import Option, ranged
 from ..limits import Range
+from ..procs import ran
 from ..wire import AsyncByteReader, AsyncByteWriter
 
 if TYPE_CHECKING:
@@ -201,14 +203,82 @@ class RankProcess(Protocol):
 @runtime_checkable
 class Watchable(Protocol):
     """A rank process its provider can look at without its help (a local process's ``/proc``,
-    a host's over SSH): when it goes silent, one still running is told apart from a stopped one.
+    a host's over SSH or as a Slurm step, through a Ray rank's actor): when it goes silent, one
+    still running is told apart from a stopped one.
     """
 
-    async def running(self, within: float) -> bool:
-        """Whether it runs (on a CPU or in I/O, or using CPU) over the next ``within`` seconds:
-        native code holding its GIL keeps its threads from answering, not from running.
+    async def running(self, pid: int, within: float) -> bool:
+        """Whether process ``pid`` (the rank's, as its hello said) runs over the next ``within``
+        seconds (:func:`..procs.ran`): native code holding its GIL keeps its threads from
+        answering, not from running.
         """
         ...
+
+
+LOOKS = (
+    'w=$1; shift; look() { for p; do cat "/proc/$p/stat" 2>/dev/null; done; }; '
+    'look "$@"; sleep "$w"; look "$@"'
+)
+"""The ``/proc`` stat lines of processes ``$2...``, and again ``$1`` seconds later."""
+LOOK_WITHIN = 2.0
+"""Seconds beyond its wait a machine has to show how its silent ranks run (else they count as
+frozen): a command started there (an SSH session, a Slurm step) takes a moment."""
+
+
+class Looks:
+    """Looks at processes on another machine, through a command run there: the processes asked
+    about together (a machine's silent ranks) share one command, however many fell silent.
+    """
+
+    def __init__(
+        self,
+        output: Callable[[Sequence[str], float], Awaitable[bytes]],
+        failures: tuple[type[BaseException], ...],
+    ) -> None:
+        self._output = output
+        """Runs an argument list on the machine to its end, within a timeout; its stdout."""
+        self._failures: tuple[type[BaseException], ...] = (
+            OSError,
+            asyncio.TimeoutError,
+            ProviderError,
+            *failures,
+        )
+        """What ``output`` raises when the machine cannot be asked (it then counts as frozen)."""
+        self._asked: dict[int, asyncio.Future[bool]] = {}
+        """Processes to look at in the next look."""
+        self._looking: set[asyncio.Task[None]] = set()
+
+    async def running(self, pid: int, within: float) -> bool:
+        """Whether process ``pid`` runs over the next ``within`` seconds (:func:`..procs.ran`)."""
+        loop = asyncio.get_running_loop()
+        answer = self._asked.get(pid)
+        if answer is None:
+            answer = self._asked[pid] = loop.create_future()
+            if len(self._asked) == 1:  # the first asked: the look starts once the others are in
+                loop.call_soon(self._start, within)
+        return await asyncio.shield(answer)
+
+    def _start(self, within: float) -> None:
+        task = asyncio.ensure_future(self._look(within))
+        self._looking.add(task)
+        task.add_done_callback(self._looking.discard)
+
+    async def _look(self, within: float) -> None:
+        asked, self._asked = self._asked, {}
+        argv = ["sh", "-c", LOOKS, "sh", f"{within:g}", *map(str, asked)]
+        try:
+            said = await self._output(argv, within + LOOK_WITHIN)
+        except self._failures:
+            said = b""  # a machine that cannot be asked now: frozen, or cut off
+        seen: dict[int, list[ProcStat | None]] = {}
+        for line in said.splitlines():
+            head = line.split(b" ", 1)[0]
+            if head.isdigit():
+                seen.setdefault(int(head), []).append(parse_stat(line))
+        for pid, answer in asked.items():
+            looks = seen.get(pid, [])
+            if not answer.done():
+                answer.set_result(len(looks) == 2 and ran(looks[0], looks[1], within))
 
 
 class StderrTail:

@@ -278,11 +278,11 @@ class LocalRank:
     def diagnostics(self) -> str:
         return self._stderr.text()
 
-    async def running(self, within: float) -> bool:
+    async def running(self, pid: int, within: float) -> bool:
         """Two looks at the process's ``/proc`` entry, ``within`` seconds apart."""
-        before = read_stat(self.pid)
+        before = read_stat(pid)
         await asyncio.sleep(within)
-        return not self._exited.done() and ran(before, read_stat(self.pid), within)
+        return not self._exited.done() and ran(before, read_stat(pid), within)
 
     async def kill(self) -> None:
         """Kill the rank with every process below it (what its cells detached too), and remove

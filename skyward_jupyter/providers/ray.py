@@ -24,16 +24,19 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..agent.descendants import end_rank
+from ..agent.descendants import end_rank, parse_stat
 from ..events import RankState
 from ..gpus import check_cpu_or_gpus
+from ..procs import ran
 from .base import (
     GPUS_PER_NODE,
+    LOOK_WITHIN,
     Node,
     Progress,
     Provider,
@@ -97,11 +100,26 @@ class RankHost:
     def wait(self) -> int:
         return self._proc.wait()
 
+    def look(self, pid: int, within: float) -> tuple[bytes, bytes]:
+        """Process ``pid``'s ``/proc`` stat line, and again ``within`` seconds later (empty
+        where it is gone): how a silent rank runs, seen from its node.
+        """
+        before = _stat_line(pid)
+        time.sleep(within)
+        return before, _stat_line(pid)
+
     def kill(self) -> None:
         """The rank, with every process below it (what its cells detached too), and its
         private directory.
         """
         end_rank(self._proc.pid, self._run_id)
+
+
+def _stat_line(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return b""
 
 
 class _Reader:
@@ -166,6 +184,20 @@ class RayRank:
 
     def diagnostics(self) -> str:
         return self._stderr.text()
+
+    async def running(self, pid: int, within: float) -> bool:
+        """Two looks at the process's ``/proc`` entry by its actor, ``within`` seconds apart;
+        an actor that cannot answer in time (its node frozen or gone) says no.
+        """
+        import ray
+
+        try:
+            before, after = await asyncio.wait_for(
+                self._actor.look.remote(pid, within), within + LOOK_WITHIN
+            )
+        except (ray.exceptions.RayError, asyncio.TimeoutError):
+            return False
+        return ran(parse_stat(before), parse_stat(after), within)
 
     async def kill(self) -> None:
         import ray
@@ -335,7 +367,7 @@ class RayProvider(Provider):
         host = host.options(
             num_cpus=1,
             num_gpus=self._gpus / self._per_node if self._gpus else 0,
-            max_concurrency=4,  # read, write and stderr at once
+            max_concurrency=5,  # read, write, stderr and a look at once
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.group, placement_group_bundle_index=node.index
             ),

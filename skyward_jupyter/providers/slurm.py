@@ -30,6 +30,7 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +48,7 @@ from ..wire_lines import MODE, STREAM_LIMIT, LineReader, LineWriter
 from .base import (
     GPUS_PER_NODE,
     PYTHON,
+    Looks,
     Node,
     Progress,
     Provider,
@@ -140,10 +142,13 @@ async def _run(*argv: str, timeout: float = 30) -> str:
 class SlurmRank:
     """A rank as a job step: the ``srun`` process here, whose pipes reach the task."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, job: str, node: str, name: str) -> None:
+    def __init__(
+        self, proc: asyncio.subprocess.Process, job: str, node: str, name: str, looks: Looks
+    ) -> None:
         assert proc.stdout is not None and proc.stdin is not None and proc.stderr is not None
         self._proc = proc
         self._job, self._node, self._name = job, node, name
+        self._looks = looks
         self.reader = LineReader(proc.stdout)  # slurmstepd forwards whole lines only
         self.writer = LineWriter(proc.stdin)
         self._stderr = StderrTail()
@@ -154,6 +159,12 @@ class SlurmRank:
 
     def diagnostics(self) -> str:
         return self._stderr.text()
+
+    async def running(self, pid: int, within: float) -> bool:
+        """Two looks at the process's ``/proc`` entry on its node (a job step of the pool's
+        job), ``within`` seconds apart.
+        """
+        return await self._looks.running(pid, within)
 
     async def kill(self) -> None:
         """Cancel the step in Slurm (its task dies wherever it runs), then end ``srun``."""
@@ -261,6 +272,8 @@ class SlurmProvider(Provider):
         self._token = secrets.token_hex(4)
         self._srun: list[asyncio.subprocess.Process] = []
         self._marked = False
+        self._looks: dict[str, Looks] = {}
+        """Per node: how its silent ranks run."""
 
     # ------------------------------------------------------------------------------ the job
 
@@ -357,7 +370,17 @@ class SlurmProvider(Provider):
         self._srun.append(proc)
         assert proc.stdin is not None
         proc.stdin.write(_env_line({**env, "PYTHONPATH": path, "SKYWARD_WIRE": MODE}))
-        return SlurmRank(proc, self.job, name, step)
+        if name not in self._looks:
+            self._looks[name] = Looks(partial(self._on_node, name), ())
+        return SlurmRank(proc, self.job, name, step, self._looks[name])
+
+    async def _on_node(self, name: str, argv: Sequence[str], timeout: float) -> bytes:
+        """Run ``argv`` on node ``name`` as a short step of the pool's job; its stdout."""
+        if self.job is None:
+            raise ProviderError("the Slurm job is not running")
+        step = ["srun", f"--jobid={self.job}", "--overlap", "--nodes=1", "--ntasks=1"]
+        step += [f"--nodelist={name}", f"--job-name=sky-look-{self._token}", "--quiet"]
+        return (await _run(*step, *argv, timeout=timeout)).encode()
 
     async def build_environments(
         self, nodes: Sequence[Node], packages: Packages, progress: Progress

@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any
 
 import asyncssh
 
-from ..agent.descendants import ProcStat, parse_stat
 from ..environments import (
     BUILDER,
     TORCH_WANTED,
@@ -48,9 +47,9 @@ from ..environments import (
 )
 from ..events import RankState
 from ..gpus import NO_GPU, gpu_model, same_gpu
-from ..procs import ran
 from .base import (
     PYTHON,
+    Looks,
     Node,
     Progress,
     Provider,
@@ -185,17 +184,6 @@ def check_host_gpu(host: Host, reported: str | None, asked: str | None) -> None:
         )
 
 
-_LOOKS = (
-    'w=$1; shift; look() { for p; do cat "/proc/$p/stat" 2>/dev/null; done; }; '
-    'look "$@"; sleep "$w"; look "$@"'
-)
-"""The ``/proc`` stat lines of processes ``$2...``, and again ``$1`` seconds later (see
-:func:`..procs.ran`)."""
-LOOK_WITHIN = 2.0
-"""Seconds beyond its wait a host has to show how its silent ranks run (else it counts as
-frozen)."""
-
-
 class SSHRank:
     """One rank on a host: an SSH channel running the agent."""
 
@@ -220,9 +208,9 @@ class SSHRank:
     def diagnostics(self) -> str:
         return self._stderr.text()
 
-    async def running(self, within: float) -> bool:
+    async def running(self, pid: int, within: float) -> bool:
         """Two looks at the process's ``/proc`` entry on its host, ``within`` seconds apart."""
-        return await self._sessions.running(self.pid, within)
+        return await self._sessions.looks.running(pid, within)
 
     async def kill(self) -> None:
         # An unreachable host cannot be asked: closing the channel is then all that is left.
@@ -257,9 +245,10 @@ class Sessions:
         self._connecting = asyncio.Lock()
         """Held while a new connection is opened: callers that find every connection full wait
         for it rather than each opening one (sshd's MaxStartups refuses a burst)."""
-        self._asked: dict[int, asyncio.Future[bool]] = {}
-        """Processes to look at in the next look (see :meth:`running`)."""
-        self._looking: set[asyncio.Task[None]] = set()
+        self.looks = Looks(
+            lambda argv, within: asyncio.wait_for(self.output(argv), within), (asyncssh.Error,)
+        )
+        """How the host's silent ranks run: one session for those silent at once."""
 
     async def process(self, command: str) -> Any:
         """A new session running ``command`` (bytes in, bytes out)."""
@@ -293,41 +282,6 @@ class Sessions:
         finally:
             process.close()  # also when the caller gave up waiting
         return bytes(said)
-
-    async def running(self, pid: int, within: float) -> bool:
-        """Whether process ``pid`` runs over the next ``within`` seconds (:func:`..procs.ran`).
-        The processes asked about together (a host's silent ranks) share one look: one session,
-        however many ranks fell silent at once.
-        """
-        loop = asyncio.get_running_loop()
-        answer = self._asked.get(pid)
-        if answer is None:
-            answer = self._asked[pid] = loop.create_future()
-            if len(self._asked) == 1:  # the first asked: the look starts once the others are in
-                loop.call_soon(self._start_look, within)
-        return await asyncio.shield(answer)
-
-    def _start_look(self, within: float) -> None:
-        task = asyncio.ensure_future(self._look(within))
-        self._looking.add(task)
-        task.add_done_callback(self._looking.discard)
-
-    async def _look(self, within: float) -> None:
-        asked, self._asked = self._asked, {}
-        argv = ["sh", "-c", _LOOKS, "sh", f"{within:g}", *map(str, asked)]
-        try:
-            said = await asyncio.wait_for(self.output(argv), within + LOOK_WITHIN)
-        except (asyncssh.Error, OSError, asyncio.TimeoutError, ProviderError):
-            said = b""  # a host that cannot be asked now: frozen, or cut off
-        looks: dict[int, list[ProcStat | None]] = {}
-        for line in said.splitlines():
-            head = line.split(b" ", 1)[0]
-            if head.isdigit():
-                looks.setdefault(int(head), []).append(parse_stat(line))
-        for pid, answer in asked.items():
-            seen = looks.get(pid, [])
-            if not answer.done():
-                answer.set_result(len(seen) == 2 and ran(seen[0], seen[1], within))
 
     async def run(self, argv: Sequence[str]) -> int | None:
         """Run a command (an argument list) to its end; its exit status."""
