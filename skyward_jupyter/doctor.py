@@ -28,6 +28,8 @@ from .ranks import Rank, Ranks
 
 STACKS_TIMEOUT = 1.0
 """Seconds a rank has to answer for its stacks (its reader thread needs the GIL for a moment)."""
+BUSY_LOOK_EVERY = 5.0
+"""Seconds between looks at a silent rank found running (one stopped later is then lost)."""
 IDLE_CPU_PERCENT = 20.0
 _BACKWARD = "backward"
 _requests = itertools.count(1)
@@ -168,11 +170,16 @@ async def heartbeats(ranks: Ranks) -> None:
 async def _examine(ranks: Ranks, r: Rank, suspect: float, told_busy: set[Rank]) -> None:
     """A silent rank's verdict. One whose reader still answers for its stacks is busy (its
     heartbeat stuck behind something), not gone, and is left alone. So is one whose process
-    its provider sees running (a local rank, or one on an SSH host): native code holding the
-    GIL for long (a first import of a large library on a loaded machine, a C extension's call)
-    silences every thread of a rank that still works. Any other is declared lost.
+    its provider sees running (on this machine, a host over SSH, a Slurm node, through its Ray
+    actor): native code holding the GIL for long (a first import of a large library on a loaded
+    machine, a C extension's call) silences every thread of a rank that still works. Any other
+    is declared lost.
     """
     if r in told_busy:  # its stacks were asked for already: only whether it still runs
+        # Not at once: a look may be a command on its machine (an SSH session, a Slurm step).
+        await asyncio.sleep(BUSY_LOOK_EVERY)
+        if time.monotonic() - r.last_heard <= suspect:
+            return
         runs = await _runs(r)
         answered = False
     else:

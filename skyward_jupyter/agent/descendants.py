@@ -24,8 +24,8 @@ the pool's run id and the pid. The rank removes it as it ends, :func:`end_rank` 
 directory goes with the pool: removed by the local provider's release, by a host's template as
 it ends, or by whichever rank or kill leaves it empty.
 
-What ``/proc/PID/stat`` says of a process is read here alone (:func:`read_stat`), for the
-notebook's looks at its ranks too (:mod:`..procs`).
+What ``/proc/PID/stat`` says of a process is parsed here alone (:func:`parse_stat`), for the
+notebook's looks at its ranks too (:mod:`..procs`, the providers' looks).
 
 Standard library only: it runs on the nodes, as a file too.
 """

@@ -14,6 +14,7 @@ import abc
 import asyncio
 import collections
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, runtime_checkable
@@ -41,6 +42,9 @@ def notebook_silence(heartbeat_timeout: float) -> float:
     way down delays the notebook's beats behind it).
     """
     return max(heartbeat_timeout, NOTEBOOK_SILENCE)
+
+
+log = logging.getLogger(__name__)
 
 
 class ProviderError(Exception):
@@ -217,9 +221,10 @@ class Watchable(Protocol):
 
 LOOKS = (
     'w=$1; shift; look() { for p; do cat "/proc/$p/stat" 2>/dev/null; done; }; '
-    'look "$@"; sleep "$w"; look "$@"'
+    'look "$@"; sleep "$w"; look "$@"; exit 0'
 )
-"""The ``/proc`` stat lines of processes ``$2...``, and again ``$1`` seconds later."""
+"""The ``/proc`` stat lines of processes ``$2...``, and again ``$1`` seconds later; a process
+gone meanwhile has no line, and the look still succeeds (its others are still told)."""
 LOOK_WITHIN = 2.0
 """Seconds beyond its wait a machine has to show how its silent ranks run (else they count as
 frozen): a command started there (an SSH session, a Slurm step) takes a moment."""
@@ -249,7 +254,9 @@ class Looks:
         self._looking: set[asyncio.Task[None]] = set()
 
     async def running(self, pid: int, within: float) -> bool:
-        """Whether process ``pid`` runs over the next ``within`` seconds (:func:`..procs.ran`)."""
+        """Whether process ``pid`` runs over the next ``within`` seconds (:func:`..procs.ran`).
+        Those asked while a look is being set up share it, and its ``within``: the first's.
+        """
         loop = asyncio.get_running_loop()
         answer = self._asked.get(pid)
         if answer is None:
@@ -266,19 +273,23 @@ class Looks:
     async def _look(self, within: float) -> None:
         asked, self._asked = self._asked, {}
         argv = ["sh", "-c", LOOKS, "sh", f"{within:g}", *map(str, asked)]
+        said = b""  # a machine that cannot be asked now: frozen, or cut off
         try:
             said = await self._output(argv, within + LOOK_WITHIN)
         except self._failures:
-            said = b""  # a machine that cannot be asked now: frozen, or cut off
-        seen: dict[int, list[ProcStat | None]] = {}
-        for line in said.splitlines():
-            head = line.split(b" ", 1)[0]
-            if head.isdigit():
-                seen.setdefault(int(head), []).append(parse_stat(line))
-        for pid, answer in asked.items():
-            looks = seen.get(pid, [])
-            if not answer.done():
-                answer.set_result(len(looks) == 2 and ran(looks[0], looks[1], within))
+            pass
+        except Exception:  # a provider's own failure: logged, its ranks judged by their silence
+            log.exception("looking at processes %s failed", list(asked))
+        finally:
+            seen: dict[int, list[ProcStat | None]] = {}
+            for line in said.splitlines():
+                head = line.split(b" ", 1)[0]
+                if head.isdigit():
+                    seen.setdefault(int(head), []).append(parse_stat(line))
+            for pid, answer in asked.items():
+                looks = seen.get(pid, [])
+                if not answer.done():
+                    answer.set_result(len(looks) == 2 and ran(looks[0], looks[1], within))
 
 
 class StderrTail:

@@ -378,8 +378,10 @@ class SlurmProvider(Provider):
         """Run ``argv`` on node ``name`` as a short step of the pool's job; its stdout."""
         if self.job is None:
             raise ProviderError("the Slurm job is not running")
-        step = ["srun", f"--jobid={self.job}", "--overlap", "--nodes=1", "--ntasks=1"]
-        step += [f"--nodelist={name}", f"--job-name=sky-look-{self._token}", "--quiet"]
+        step = ["srun", f"--jobid={self.job}", "--overlap", "--nodes=1", "--ntasks=1", _EXPORT]
+        # A minute at most: Slurm ends a look left on a frozen node itself.
+        step += [f"--nodelist={name}", f"--job-name=sky-look-{self._token}", "--time=1"]
+        step += ["--quiet"]
         return (await _run(*step, *argv, timeout=timeout)).encode()
 
     async def build_environments(

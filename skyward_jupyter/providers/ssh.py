@@ -246,7 +246,7 @@ class Sessions:
         """Held while a new connection is opened: callers that find every connection full wait
         for it rather than each opening one (sshd's MaxStartups refuses a burst)."""
         self.looks = Looks(
-            lambda argv, within: asyncio.wait_for(self.output(argv), within), (asyncssh.Error,)
+            lambda argv, timeout: asyncio.wait_for(self.output(argv), timeout), (asyncssh.Error,)
         )
         """How the host's silent ranks run: one session for those silent at once."""
 
