@@ -23,6 +23,7 @@ from . import protocol as p
 from . import wire
 from .events import PoolMessage, RankState
 from .flags import rank_span
+from .procs import IN_IO
 from .providers.base import Watchable
 from .ranks import Rank, Ranks
 
@@ -189,32 +190,40 @@ async def _examine(ranks: Ranks, r: Rank, suspect: float, told_busy: set[Rank]) 
     still = time.monotonic() - r.last_heard > suspect
     if answered or not still or not r.alive or r.process is None:
         return
-    if not runs:
+    if runs is None:
         await _declare_lost(ranks, r)
     elif r not in told_busy:
         told_busy.add(r)
-        ranks.emit(PoolMessage(_busy(r)))
+        ranks.emit(PoolMessage(_busy(r, runs)))
 
 
-async def _runs(r: Rank) -> bool:
-    """Whether the rank's provider sees its process run (False where it cannot look)."""
+async def _runs(r: Rank) -> str | None:
+    """How the rank's provider sees its process run (:func:`.procs.how_it_ran`); None where it
+    does not, or cannot look.
+    """
     process: object = r.process  # a provider's own class, which may also be Watchable
     if not isinstance(process, Watchable) or r.hello is None:
-        return False
+        return None
     try:
         return await process.running(r.hello.pid, STACKS_TIMEOUT)
     except Exception:  # a provider's look that failed: the rank is judged by its silence
         log.exception("looking at rank %d's process failed", r.index)
-        return False
+        return None
 
 
-def _busy(r: Rank) -> str:
-    """Why a silent rank is left to run."""
+def _busy(r: Rank, how: str) -> str:
+    """Why a silent rank is left to run, as its process was seen (``how``)."""
     quiet = time.monotonic() - r.last_heard
+    said = f"rank {r.index} ({r.describe()}) has not answered for {quiet:.0f} s, yet its process"
+    if how == IN_IO:
+        return (
+            f"{said} waits in the kernel for I/O (a slow or unresponsive disk or network "
+            "filesystem, or memory paged out) with its GIL held; it is left to wait (a stopped "
+            "one would be declared lost)"
+        )
     return (
-        f"rank {r.index} ({r.describe()}) has not answered for {quiet:.0f} s, yet its process "
-        "runs: native code holding the GIL (a long import, a C extension's call) keeps its "
-        "threads from answering; it is left to run (a stopped one would be declared lost)"
+        f"{said} runs: native code holding the GIL (a long import, a C extension's call) keeps "
+        "its threads from answering; it is left to run (a stopped one would be declared lost)"
     )
 
 

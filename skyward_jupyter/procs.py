@@ -44,16 +44,23 @@ _TICKS = 100
 """Clock ticks a second in ``/proc`` (USER_HZ: 100 on every Linux)."""
 
 
-def ran(before: ProcStat | None, after: ProcStat | None, within: float) -> bool:
-    """Whether a process seen twice, ``within`` seconds apart, ran in between: it used a share
-    of a core, or was on a CPU or in I/O when seen. Native code holding its GIL keeps a rank's
-    threads from answering, not from running; a stopped process, one gone, or another with its
-    pid, did not run.
+COMPUTING = "computing"
+IN_IO = "in I/O"
+
+
+def how_it_ran(before: ProcStat | None, after: ProcStat | None, within: float) -> str | None:
+    """How a process seen twice, ``within`` seconds apart, ran in between: :data:`COMPUTING`
+    (it used a share of a core, or was on a CPU when seen), :data:`IN_IO` (it waited in the
+    kernel: a disk, a network filesystem, memory paged out), or None: it did not run (stopped,
+    gone, or another process with its pid). Native code holding its GIL keeps a rank's threads
+    from answering, not from running.
     """
     if before is None or after is None or before.start != after.start:
-        return False
+        return None
     used = (after.cpu_ticks - before.cpu_ticks) / _TICKS
-    return used >= RUNNING_SHARE * within or bool({before.state, after.state} & {"R", "D"})
+    if used >= RUNNING_SHARE * within or "R" in (before.state, after.state):
+        return COMPUTING
+    return IN_IO if "D" in (before.state, after.state) else None
 
 
 def _psutil_start(pid: int) -> str | None:

@@ -29,7 +29,7 @@ from skyward_jupyter import Pool
 from skyward_jupyter import protocol as p
 from skyward_jupyter.agent.descendants import parse_stat, read_stat
 from skyward_jupyter.events import RankUsage
-from skyward_jupyter.procs import ran
+from skyward_jupyter.procs import COMPUTING, IN_IO, how_it_ran
 
 from .conftest import hold_rank_ones_gil, outputs_of, reply_of, wait_for
 
@@ -162,10 +162,13 @@ def test_a_stat_line_is_read_after_the_last_parenthesis_and_a_foreign_line_is_re
     assert parse_stat(b"sh: cat: not found") is None
     assert parse_stat(b"1 (x) S 1 2 3") is None  # too short
     later = seen._replace(cpu_ticks=seen.cpu_ticks + 50, state="S")
-    assert ran(seen._replace(state="S"), later, 2.0)  # half a core over 2 s
-    assert not ran(seen._replace(state="S"), seen._replace(state="S"), 2.0)
-    assert not ran(seen, later._replace(start=seen.start + 1), 2.0)  # the pid's next process
-    assert not ran(seen, None, 2.0)
+    asleep = seen._replace(state="S")
+    assert how_it_ran(asleep, later, 2.0) == COMPUTING  # half a core over 2 s
+    assert how_it_ran(asleep, asleep._replace(state="D"), 2.0) == IN_IO  # no CPU, in the kernel
+    assert how_it_ran(asleep, asleep, 2.0) is None
+    assert how_it_ran(asleep._replace(state="T"), asleep._replace(state="T"), 2.0) is None
+    assert how_it_ran(seen, later._replace(start=seen.start + 1), 2.0) is None  # the pid's next
+    assert how_it_ran(seen, None, 2.0) is None
 
 
 def test_a_look_at_a_machine_tells_each_silent_rank_apart_whatever_the_others_did() -> None:
@@ -185,7 +188,7 @@ def test_a_look_at_a_machine_tells_each_silent_rank_apart_whatever_the_others_di
     async def broken(argv: list[str], timeout: float) -> bytes:
         raise RuntimeError("a connection in a state nobody expected")
 
-    async def ask(looks: Looks, pids: list[int]) -> list[bool]:
+    async def ask(looks: Looks, pids: list[int]) -> list[str | None]:
         return await asyncio.wait_for(
             asyncio.gather(*(looks.running(pid, 0.5) for pid in pids)), 10
         )
@@ -194,8 +197,8 @@ def test_a_look_at_a_machine_tells_each_silent_rank_apart_whatever_the_others_di
     gone.wait()
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        assert asyncio.run(ask(Looks(checked, ()), [busy.pid, gone.pid])) == [True, False]
-        assert asyncio.run(ask(Looks(broken, ()), [busy.pid, gone.pid])) == [False, False]
+        assert asyncio.run(ask(Looks(checked, ()), [busy.pid, gone.pid])) == [COMPUTING, None]
+        assert asyncio.run(ask(Looks(broken, ()), [busy.pid, gone.pid])) == [None, None]
     finally:
         busy.kill()
         busy.wait()

@@ -23,7 +23,7 @@ from ..agent.descendants import ProcStat, parse_stat
 from ..events import RankState
 from ..flags import Option, ranged
 from ..limits import Range
-from ..procs import ran
+from ..procs import how_it_ran
 from ..wire import AsyncByteReader, AsyncByteWriter
 
 if TYPE_CHECKING:
@@ -211,10 +211,10 @@ class Watchable(Protocol):
     still running is told apart from a stopped one.
     """
 
-    async def running(self, pid: int, within: float) -> bool:
-        """Whether process ``pid`` (the rank's, as its hello said) runs over the next ``within``
-        seconds (:func:`..procs.ran`): native code holding its GIL keeps its threads from
-        answering, not from running.
+    async def running(self, pid: int, within: float) -> str | None:
+        """How process ``pid`` (the rank's, as its hello said) runs over the next ``within``
+        seconds (:func:`..procs.how_it_ran`); None: it does not. Native code holding its GIL
+        keeps its threads from answering, not from running.
         """
         ...
 
@@ -249,12 +249,12 @@ class Looks:
             *failures,
         )
         """What ``output`` raises when the machine cannot be asked (it then counts as frozen)."""
-        self._asked: dict[int, asyncio.Future[bool]] = {}
+        self._asked: dict[int, asyncio.Future[str | None]] = {}
         """Processes to look at in the next look."""
         self._looking: set[asyncio.Task[None]] = set()
 
-    async def running(self, pid: int, within: float) -> bool:
-        """Whether process ``pid`` runs over the next ``within`` seconds (:func:`..procs.ran`).
+    async def running(self, pid: int, within: float) -> str | None:
+        """How process ``pid`` runs over the next ``within`` seconds (:func:`..procs.how_it_ran`).
         Those asked while a look is being set up share it, and its ``within``: the first's.
         """
         loop = asyncio.get_running_loop()
@@ -289,7 +289,9 @@ class Looks:
             for pid, answer in asked.items():
                 looks = seen.get(pid, [])
                 if not answer.done():
-                    answer.set_result(len(looks) == 2 and ran(looks[0], looks[1], within))
+                    answer.set_result(
+                        how_it_ran(looks[0], looks[1], within) if len(looks) == 2 else None
+                    )
 
 
 class StderrTail:

@@ -47,7 +47,7 @@ from ..environments import (
 from ..events import RankState
 from ..gpus import NO_GPU, LayoutError, check_gpu_layout, gpu_model, same_gpu
 from ..memory import meminfo
-from ..procs import end, is_agent, process_alive, process_start, ran
+from ..procs import end, how_it_ran, is_agent, process_alive, process_start
 from ..spec import backend_problem
 from ..workdir import human_bytes
 from .base import Node, Progress, Provider, ProviderError, ReapReport, StderrTail, no_progress
@@ -278,11 +278,11 @@ class LocalRank:
     def diagnostics(self) -> str:
         return self._stderr.text()
 
-    async def running(self, pid: int, within: float) -> bool:
+    async def running(self, pid: int, within: float) -> str | None:
         """Two looks at the process's ``/proc`` entry, ``within`` seconds apart."""
         before = read_stat(pid)
         await asyncio.sleep(within)
-        return not self._exited.done() and ran(before, read_stat(pid), within)
+        return None if self._exited.done() else how_it_ran(before, read_stat(pid), within)
 
     async def kill(self) -> None:
         """Kill the rank with every process below it (what its cells detached too), and remove

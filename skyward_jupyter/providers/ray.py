@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from ..agent.descendants import end_rank, parse_stat
 from ..events import RankState
 from ..gpus import check_cpu_or_gpus
-from ..procs import ran
+from ..procs import how_it_ran
 from .base import (
     GPUS_PER_NODE,
     LOOK_WITHIN,
@@ -185,7 +185,7 @@ class RayRank:
     def diagnostics(self) -> str:
         return self._stderr.text()
 
-    async def running(self, pid: int, within: float) -> bool:
+    async def running(self, pid: int, within: float) -> str | None:
         """Two looks at the process's ``/proc`` entry by its actor, ``within`` seconds apart;
         an actor that cannot answer in time (its node frozen or gone) says no.
         """
@@ -196,8 +196,8 @@ class RayRank:
                 self._actor.look.remote(pid, within), within + LOOK_WITHIN
             )
         except (ray.exceptions.RayError, asyncio.TimeoutError):
-            return False
-        return ran(parse_stat(before), parse_stat(after), within)
+            return None
+        return how_it_ran(parse_stat(before), parse_stat(after), within)
 
     async def kill(self) -> None:
         import ray

@@ -160,7 +160,7 @@ class SlurmRank:
     def diagnostics(self) -> str:
         return self._stderr.text()
 
-    async def running(self, pid: int, within: float) -> bool:
+    async def running(self, pid: int, within: float) -> str | None:
         """Two looks at the process's ``/proc`` entry on its node (a job step of the pool's
         job), ``within`` seconds apart.
         """

@@ -208,7 +208,7 @@ class SSHRank:
     def diagnostics(self) -> str:
         return self._stderr.text()
 
-    async def running(self, pid: int, within: float) -> bool:
+    async def running(self, pid: int, within: float) -> str | None:
         """Two looks at the process's ``/proc`` entry on its host, ``within`` seconds apart."""
         return await self._sessions.looks.running(pid, within)
 
