@@ -11,6 +11,7 @@ import os
 import pwd
 import secrets
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ DIGEST = hashlib.sha256(BLOB).hexdigest()
 def test_ranks_map_one_copy_each_writing_its_own_pages_and_hear_why_one_will_not_come(
     tmp_path: Path,
 ) -> None:
+    (tmp_path / "disk").mkdir()
     first, other = (NodeBlobs("token", 3, tmp_path, tmp_path / "disk") for _ in range(2))
     first.open()
     other.open()
@@ -54,6 +56,35 @@ def test_a_folder_another_user_made_is_refused(tmp_path: Path) -> None:
         NodeBlobs("token", 0, tmp_path, tmp_path / "disk").open()
 
 
+def test_another_user_cannot_take_the_place_of_a_pools_values_before_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another user makes folders where a user's values could go, at every name they can know
+    (the user's id): a pool's own folder, named by its secret, is still made, private, in
+    ``/dev/shm`` and the temporary folder themselves, and nothing of theirs is touched.
+    """
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to make a folder another user owns")
+    nobody = pwd.getpwnam("nobody")
+    shm, disk = tmp_path / "shm", tmp_path / "disk"
+    for base in (shm, disk):
+        base.mkdir(mode=0o1777)
+        for squat in (f"skyward-{os.getuid()}", f"skyward-values-{os.getuid()}-"):
+            (base / squat).mkdir(mode=0o755)
+            os.chown(base / squat, nobody.pw_uid, nobody.pw_gid)
+    monkeypatch.setattr(node_blobs, "_SHM", shm)  # where the machine's are, as a node has them
+    monkeypatch.setattr(tempfile, "tempdir", str(disk))
+    store = NodeBlobs(secrets.token_hex(16), 0)
+    store.open()
+    assert store.dir.parent == shm and oct(store.dir.stat().st_mode & 0o777) == "0o700"
+    store.publish(DIGEST, BLOB)
+    assert store.wait(DIGEST, len(BLOB), 5)[0].tobytes() == BLOB
+    assert store.sweep() == []  # their folders are not this user's to sweep
+    assert sorted(p.name for p in shm.iterdir()) == sorted(
+        [f"skyward-{os.getuid()}", f"skyward-values-{os.getuid()}-", store.dir.name]
+    )
+
+
 def test_a_sweep_removes_only_old_folders_no_rank_holds(tmp_path: Path) -> None:
     live, dead, young = (
         NodeBlobs(t, 0, tmp_path, tmp_path / "disk") for t in ("live", "dead", "young")
@@ -78,6 +109,8 @@ def test_a_value_memory_has_no_room_for_is_kept_on_disk_and_shared_the_same(
     the disk directory, every rank maps it from there, and it is dropped and swept from there.
     """
     memory, disk = tmp_path / "shm", tmp_path / "disk"
+    memory.mkdir()
+    disk.mkdir()
     monkeypatch.setattr(node_blobs, "KEEP_FREE", 1.0)  # no room left to give
     first, other = (NodeBlobs("token", 1, memory, disk) for _ in range(2))
     first.open()
@@ -106,16 +139,22 @@ def test_a_value_memory_has_no_room_for_is_kept_on_disk_and_shared_the_same(
 def test_a_sweep_never_follows_a_spill_folder_another_user_planted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The spill folder is a link someone else put there (to a folder of the user's own): a
-    sweep removes nothing through it, and a value meant for it is refused in one line.
+    """A pool's spill folder is a link someone else put there (to a folder of the user's own),
+    and an old one too: a sweep removes nothing through them, and a value meant for the first
+    is refused in one line.
     """
     precious = tmp_path / "projects"
     (precious / "thesis").mkdir(parents=True)
     old = os.stat(precious).st_mtime - SWEEP_AFTER - 1
     os.utime(precious / "thesis", (old, old))
+    (tmp_path / "shm").mkdir()
     disk = tmp_path / "disk"
-    disk.symlink_to(precious)
+    disk.mkdir()
     store = NodeBlobs("token", 0, tmp_path / "shm", disk)
+    store.spill.symlink_to(precious)
+    stale = NodeBlobs("gone", 0, tmp_path / "shm", disk).spill
+    stale.symlink_to(precious)
+    os.utime(stale, (old, old), follow_symlinks=False)
     store.open()
     assert store.sweep() == [] and (precious / "thesis").is_dir()
     monkeypatch.setattr(node_blobs, "KEEP_FREE", 1.0)
@@ -135,11 +174,15 @@ def test_a_value_neither_memory_nor_a_temporary_folder_in_memory_has_room_for_is
         pytest.skip("this machine has no /dev/shm in memory")
     token = secrets.token_hex(8)
     bases = (shm / f"skyward-test-{token}", shm / f"skyward-test-{token}-tmp")
+    for base in bases:
+        base.mkdir()
     first, other = (NodeBlobs(token, 1, *bases) for _ in "ab")
     try:
         first.open()
         other.open()
-        with pytest.raises(OSError, match=r"fit neither in /dev/shm nor in /dev/shm, which is"):
+        with pytest.raises(
+            OSError, match=rf"fit neither in {bases[0]} nor in {bases[1]}, which is"
+        ):
             first.publish(DIGEST, BLOB)
         assert not (first.spill / DIGEST).exists() and not (first.dir / DIGEST).exists()
         first.fail(DIGEST, "no room on node 1")  # a short note still goes

@@ -12,8 +12,11 @@ instead, and the pool says so: its pages are still shared through the page cache
 kept in memory only while it leaves a quarter of that filesystem free, which NCCL and
 DataLoader workers use too.
 
-Who may read: the directory is the user's (0700, checked: another user cannot plant one), one
-per pool and node, named by a digest of the pool's relay token (not the token). The files are
+Who may read: the directory is the user's (0700, checked), one per pool and node, straight in
+``/dev/shm`` (and the temporary folder), named by the user's id and a digest of the pool's relay
+token (not the token): another user can neither read it nor make it first, since its name cannot
+be known before the pool makes it (a folder shared by the user's pools, at a name anyone knows,
+could be made first by anyone, and the user's nodes would keep no values). The files are
 written under a temporary name and renamed whole, so a rank never maps half a value. The
 node's first rank removes the directory as it ends; a directory whose pool is gone (no rank
 holds its lock: a killed pool) is swept by the next pool's first rank on that machine.
@@ -55,13 +58,18 @@ KEEP_FREE = 0.25
 def _base() -> Path:
     """Where the machine keeps memory-backed files (``/dev/shm``), else its temporary folder."""
     if _SHM.is_dir() and os.access(_SHM, os.W_OK):
-        return _SHM / f"skyward-{os.getuid()}"
+        return _SHM
     return _spill_base()
 
 
 def _spill_base() -> Path:
     """Where values go that the memory filesystem has no room for: the temporary folder."""
-    return Path(tempfile.gettempdir()) / f"skyward-{os.getuid()}"
+    return Path(tempfile.gettempdir())
+
+
+def _prefix() -> str:
+    """What the names of this user's pools' directories start with (and no one else's)."""
+    return f"skyward-values-{os.getuid()}-"
 
 
 def _room_for(directory: Path, nbytes: int) -> bool:
@@ -116,7 +124,7 @@ def _private_dir(path: Path) -> Path:
     if not _is_private(path):
         raise OSError(
             f"{path} is not a private directory of this user (another user may have made it); "
-            "not used: remove it to keep large values there"
+            "not used"
         )
     return path
 
@@ -129,17 +137,16 @@ class NodeBlobs:
     ) -> None:
         pool = hashlib.sha256(f"skyward node blobs {token}".encode()).hexdigest()[:20]
         self._base = base or _base()
-        self.dir = self._base / f"{pool}-n{node}"
+        self.dir = self._base / f"{_prefix()}{pool}-n{node}"
         self._spill_base = spill_base or _spill_base()
         self.spill = self._spill_base / self.dir.name
         """Where values go that do not fit in :attr:`dir` (made when one first does not)."""
-        self.memory = self._base.parent
+        self.memory = self._base
         """The filesystem :attr:`dir` lies in (``/dev/shm``), as the user knows it."""
         self._lock: int | None = None
 
     def open(self) -> None:
         """Make the directory (if missing) and hold it while this rank lives."""
-        _private_dir(self._base)
         _private_dir(self.dir)
         self._lock = os.open(self.dir / _LOCK, os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(self._lock, fcntl.LOCK_SH)
@@ -151,7 +158,7 @@ class NodeBlobs:
         """
         gone = []
         now = time.time()
-        for other in self._base.iterdir() if self._base.is_dir() else ():
+        for other in self._ours(self._base):
             if other == self.dir:
                 continue
             try:
@@ -169,10 +176,8 @@ class NodeBlobs:
                 gone.append(other)
             finally:
                 os.close(lock)
-        # Only a folder of this user's alone: another user's, or a link they planted, would
-        # have this sweep remove what it holds or points to.
-        if self._spill_base != self._base and _is_private(self._spill_base):
-            for other in self._spill_base.iterdir():
+        if self._spill_base != self._base:
+            for other in self._ours(self._spill_base):
                 try:
                     stale = now - other.stat().st_mtime >= SWEEP_AFTER
                 except OSError:
@@ -181,6 +186,18 @@ class NodeBlobs:
                     shutil.rmtree(other, ignore_errors=True)
                     gone.append(other)
         return gone
+
+    @staticmethod
+    def _ours(base: Path) -> list[Path]:
+        """This user's pools' directories in ``base``: by their names, and theirs alone (0700,
+        not a link): another user's, or a link they planted, would have a sweep remove what it
+        holds or points to.
+        """
+        try:
+            names = [name for name in os.listdir(base) if name.startswith(_prefix())]
+        except OSError:
+            return []
+        return [base / name for name in sorted(names) if _is_private(base / name)]
 
     def publish(self, digest: str, blob: memoryview | bytes | bytearray) -> memoryview:
         """Keep ``blob`` as the node's copy of ``digest`` (in memory, or in the spill directory
@@ -202,13 +219,12 @@ class NodeBlobs:
             except OSError as exc:
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
-        _private_dir(self._spill_base)
         spill = _private_dir(self.spill)
         if reserve and _in_memory(spill) and not _room_for(spill, nbytes):
             raise OSError(
                 errno.ENOSPC,
                 f"{nbytes / 2**20:.0f} MiB fit neither in {self.memory} nor in "
-                f"{self._spill_base.parent}, which is kept in memory too, while leaving "
+                f"{self._spill_base}, which is kept in memory too, while leaving "
                 f"{KEEP_FREE:.0%} of each free: give the node more memory (a container's "
                 "--shm-size) or point TMPDIR at a disk",
             )
