@@ -277,6 +277,45 @@ def test_a_tunnel_carries_to_its_own_ranks_gloo_ports_alone(tunnels: list[GlooTu
         tunnel.close()
 
 
+def test_a_tunnel_port_on_loopback_carries_its_own_ranks_gloo_alone(
+    tunnels: list[GlooTunnel],
+) -> None:
+    """Loopback is open to every process of the host: the port a rank's gloo dials a peer on
+    another host through refuses another process's connection (another user's would otherwise
+    reach the peer's gloo with the pool's key), and carries the rank's own.
+    """
+    dialer, peer = tunnels[1], tunnels[0]  # 127.0.0.4 dials 127.0.0.3 (the larger address)
+    with socket.create_server(("127.0.0.1", 0)) as peers_gloo:
+        peers_gloo.settimeout(10)
+        stored = peer.published("pg/0", _record("127.0.0.1", peers_gloo.getsockname()[1]))
+        dialer.published("pg/1", _record("127.0.0.1", 50000))
+        host, port = _address(dialer.fetched("pg/0", stored))
+        assert host == DIAL
+        intruder = subprocess.run(
+            [sys.executable, "-c", INTRUDER, host, str(port)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert intruder.stdout.strip() == "hung up", intruder
+        with socket.create_connection((host, port), timeout=10) as own:
+            own.sendall(b"gloo")
+            accepted, _ = peers_gloo.accept()
+            with accepted:
+                assert accepted.recv(16) == b"gloo"  # the first and only bytes it was sent
+
+
+INTRUDER = """
+import socket, sys
+with socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10) as conn:
+    conn.sendall(b"intruder")
+    try:
+        print("hung up" if conn.recv(16) == b"" else "carried")
+    except ConnectionResetError:
+        print("hung up")
+"""
+
+
 def test_what_is_not_a_gloo_record_is_left_alone(tunnels: list[GlooTunnel]) -> None:
     a = tunnels[0]
     for value in (b"", b"1", b"x" * 200, _record("10.0.0.5", 4000)):

@@ -20,6 +20,10 @@ gloo picks which side of a pair dials by comparing the two addresses it holds (t
 own address is larger dials). The two addresses above are chosen so that both sides agree: the
 side whose host address and gloo port are larger dials, seeing its peer below its own
 ``127.0.0.1``; the other sees its peer above it and waits.
+
+Loopback is open to every process of the host: a dial port carries only a connection whose
+socket is this process's own (gloo's), never another process's (another user's would reach the
+peer's gloo with the pool's key).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import pool_tls
+from .network import from_this_process
 
 MARK = b"skyward-tunnel\x00\x00"
 """Written into the unused tail of a published ``sockaddr_storage``: this record is tunnelled."""
@@ -194,7 +199,7 @@ class GlooTunnel:
         """
         target = (socket.inet_ntoa(peer.host), peer.tunnel_port)
         try:
-            local, _ = listener.accept()
+            local = self._gloos(listener)
         except OSError:
             return  # closed by forget()
         finally:
@@ -213,6 +218,24 @@ class GlooTunnel:
             local.close()
             return
         _join(local, secured)
+
+    def _gloos(self, listener: socket.socket) -> socket.socket:
+        """The first connection to ``listener`` that this rank's gloo made: loopback is open to
+        every user of the host, and another's would be carried into a peer's gloo with the
+        pool's key. The others are closed (the first one said).
+        """
+        refused = 0
+        while True:
+            local, (address, port) = listener.accept()
+            if from_this_process(local):
+                return local
+            local.close()
+            refused += 1
+            if refused == 1:
+                self._note(
+                    f"refused a connection from {address}:{port} to a tunnel's port on "
+                    "loopback: it is not this rank's gloo (another process of this host)"
+                )
 
     def _serve(self) -> None:
         while True:

@@ -7,7 +7,9 @@ one the head can be reached through and reach back on, so each rank names it in
 ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` unless the user chose them.
 
 Also here: a bounded check that the head's rendezvous store answers, so that a rank that cannot
-reach it says so (address, port, what to set) in seconds instead of after the group's timeout.
+reach it says so (address, port, what to set) in seconds instead of after the group's timeout;
+and which sockets are this process's (a loopback connection from another process, another
+user's, is told from gloo's own).
 """
 
 from __future__ import annotations
@@ -169,3 +171,41 @@ def check_peers(
 CONNECT_TIMEOUT = 10.0
 """Seconds to wait for a connection to the head's store or a peer before saying it failed."""
 _KEY = "skyward/reach"
+
+
+def socket_inodes() -> dict[str, int]:
+    """This process's sockets: ``socket:[inode]`` -> descriptor."""
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue  # closed while we looked (the listing's own descriptor among them)
+        if target.startswith("socket:"):
+            found[target] = int(name)
+    return found
+
+
+def _table_address(host: str, port: int) -> str:
+    """``host:port`` (IPv4) as ``/proc/net/tcp`` writes it: the address's 32 bits in this
+    machine's byte order, then the port, in hexadecimal.
+    """
+    (number,) = struct.unpack("=I", socket.inet_aton(host))
+    return f"{number:08X}:{port:04X}"
+
+
+def from_this_process(conn: socket.socket) -> bool:
+    """Whether the other end of ``conn``, a TCP connection over loopback, is a socket of this
+    process: loopback is open to every user of the machine, and a port only this process's
+    own code (gloo) is meant to use must refuse anyone else. False where it cannot be told.
+    """
+    try:
+        (peer_host, peer_port), (host, port) = conn.getpeername()[:2], conn.getsockname()[:2]
+        ends = (_table_address(peer_host, peer_port), _table_address(host, port))
+        with open("/proc/self/net/tcp", encoding="ascii") as table:
+            inode = next(
+                (f[9] for f in (line.split() for line in table) if (f[1], f[2]) == ends), None
+            )
+        return inode is not None and f"socket:[{inode}]" in socket_inodes()
+    except (OSError, ValueError):
+        return False

@@ -20,7 +20,14 @@ from typing import Any
 
 from .gloo_loop import LoopPriority
 from .gloo_tunnel import GlooTunnel
-from .network import CONNECT_TIMEOUT, Route, check_peers, choose_interfaces, reach
+from .network import (
+    CONNECT_TIMEOUT,
+    Route,
+    check_peers,
+    choose_interfaces,
+    reach,
+    socket_inodes,
+)
 from .store_server import StoreServer
 
 
@@ -94,19 +101,6 @@ def rank_device(local_rank: int) -> Any:
     if torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
-
-
-def _socket_inodes() -> dict[str, int]:
-    """This process's sockets: ``socket:[inode]`` -> descriptor."""
-    found = {}
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            continue  # closed while we looked (the listing's own descriptor among them)
-        if target.startswith("socket:"):
-            found[target] = int(name)
-    return found
 
 
 class ProcessGroup:
@@ -257,14 +251,14 @@ class ProcessGroup:
         from torch.distributed import distributed_c10d
 
         s = self.settings
-        before = _socket_inodes() if os.path.isdir("/proc/self/fd") else {}
+        before = socket_inodes() if os.path.isdir("/proc/self/fd") else {}
         # distributed_c10d's own function: the one in torch.distributed is the user's entry
         # point (see user_group).
         distributed_c10d.init_process_group(
             backend, store=store, rank=s.rank, world_size=s.world_size, timeout=timeout, **extra
         )
         if before or os.path.isdir("/proc/self/fd"):
-            after = _socket_inodes()
+            after = socket_inodes()
             self._sockets.update({k: fd for k, fd in after.items() if k not in before})
         self.lower_gloo_loops()
 
@@ -280,11 +274,11 @@ class ProcessGroup:
         def new_process_group_helper(*args: Any, **kwargs: Any) -> Any:
             if not os.path.isdir("/proc/self/fd"):
                 return original(*args, **kwargs)
-            before = _socket_inodes()
+            before = socket_inodes()
             try:
                 return original(*args, **kwargs)
             finally:
-                opened = {k: fd for k, fd in _socket_inodes().items() if k not in before}
+                opened = {k: fd for k, fd in socket_inodes().items() if k not in before}
                 self._sockets.update(opened)
 
         c10d._new_process_group_helper = new_process_group_helper
