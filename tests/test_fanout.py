@@ -9,6 +9,7 @@ of their relays, and the ranks of a node share one copy. Bytes are counted on ea
 from __future__ import annotations
 
 import importlib.metadata as metadata
+import os
 import pwd
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -69,8 +70,11 @@ def started(hosts: Hosts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             made.run("1").raise_for_errors()
             relay = made._ranks.settings.relay
             assert relay is not None
-            base = Path(f"/dev/shm/skyward-{pwd.getpwnam(hosts.user).pw_uid}")
-            stores = [NodeBlobs(relay.token, i, base).dir for i in range(NODES)]
+            # named as the hosts' login names them: by its id, where this process's would be
+            uid, shm = pwd.getpwnam(hosts.user).pw_uid, Path("/dev/shm")
+            mine = [NodeBlobs(relay.token, i, shm).dir.name for i in range(NODES)]
+            ours = f"skyward-values-{os.getuid()}-"
+            stores = [shm / name.replace(ours, f"skyward-values-{uid}-", 1) for name in mine]
             assert all(store.is_dir() for store in stores), stores
             yield Start(made, before, after, uplink, next((tmp / "wheels").iterdir()))
     wait_for(lambda: not any(s.exists() for s in stores), 10, "the nodes' stores to go")
@@ -98,7 +102,7 @@ def _links(hosts: Hosts) -> list[tuple[int, int]]:
 CELL = r"""
 import os, re
 node = os.environ["GROUP_RANK"]
-copy = re.compile(rf"/skyward-\d+/[0-9a-f]{{20}}-n{node}/[0-9a-f]{{64}}( \(deleted\))?$")
+copy = re.compile(rf"/skyward-values-\d+-[0-9a-f]{{20}}-n{node}/[0-9a-f]{{64}}( \(deleted\))?$")
 mapped = any(copy.search(line) for line in open("/proc/self/maps"))
 x[0] = -1.0  # each rank's own value: a copy-on-write page, not its neighbours'
 (int(x[1:].sum()), mapped, bool(x.flags.owndata))
