@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -118,7 +118,7 @@ class Session:
     def _reusable(self, name: str | None, spec: PoolSpec | None) -> tuple[str, PoolEntry | None]:
         name = name or self.current or "default"
         entry = self._pools.get(name)
-        if entry is not None and entry.pool.running and spec in (None, entry.spec):
+        if entry is not None and entry.pool.running and (spec is None or _serves(entry, spec)):
             return name, entry
         return name, None
 
@@ -613,6 +613,24 @@ class Session:
         if target is None or target not in self._pools:
             raise SessionError("no pool is running; run a %%sky cell or %sky up first")
         return self._pools[target]
+
+
+def _serves(entry: PoolEntry, spec: PoolSpec) -> bool:
+    """Whether ``entry``'s running pool is what ``spec`` asks: its own spec, or one that spells
+    out what the pool chose for an option left out (``--backend gloo`` where its group is
+    gloo's, ``--framework torch`` where its ranks set torch up). Replacing it would lose every
+    rank's state for nothing.
+    """
+    chosen = entry.pool.group_backend
+    if spec == entry.spec or chosen is None:
+        return spec == entry.spec
+
+    def as_run(asked: PoolSpec) -> PoolSpec:
+        return replace(
+            asked, backend=asked.backend or chosen, frameworks=asked.frameworks or ("torch",)
+        )
+
+    return as_run(spec) == as_run(entry.spec)
 
 
 def _same_hosts(old: PoolSpec, new: PoolSpec) -> bool:
