@@ -36,7 +36,6 @@ def close_at_exit(owner: Any, wanted: bool = True) -> None:
         _owners.discard(owner)
 
 
-@atexit.register
 def _close_owners() -> None:
     for owner in list(_owners):
         try:
@@ -113,3 +112,11 @@ def wait(
         if isinstance(outcome, RunResult):
             raise CellInterrupted(outcome) from None
         raise
+
+
+# At the interpreter's exit, before the threads are joined and before concurrent.futures shuts
+# its thread pools (its own hook, registered at its import, runs after this later one): closing
+# a pool hands blocking work to threads (asyncio.to_thread), which an atexit hook could no
+# longer do ("cannot schedule new futures after shutdown"). CPython's hook for that, where it
+# has one.
+getattr(threading, "_register_atexit", atexit.register)(_close_owners)

@@ -104,6 +104,33 @@ def test_detached_children_end_when_the_notebook_is_killed(tmp_path: Path, tag: 
     wait_for(lambda: not agent_pids(), 30, "the notebook's ranks to end")
 
 
+def test_a_notebook_that_exits_without_closing_its_pool_ends_it_quietly(
+    tmp_path: Path, tag: str
+) -> None:
+    """The kernel ends without ``%sky down`` (the interpreter's exit): the pool is closed by
+    its exit hook, whose blocking work still gets threads, without a traceback; the ranks and
+    what they detached end with it.
+    """
+    script = tmp_path / "notebook.py"
+    script.write_text(
+        "import json\n"
+        "from skyward_jupyter import Pool\n"
+        "from tests.lifetime import detach\n"
+        "pool = Pool(nodes=2).start()\n"
+        f"print(json.dumps(pool.run(detach({tag!r})).values), flush=True)\n"
+    )
+    ended = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert ended.returncode == 0 and len(flat(json.loads(ended.stdout))) == 6, ended
+    assert "Traceback" not in ended.stderr and "failed" not in ended.stderr, ended.stderr
+    wait_for(lambda: not running(tag), 30, "the detached processes to end with the notebook")
+
+
 RECORD = (
     "import os\n"
     "from torch.distributed.elastic.multiprocessing.errors import record\n"
