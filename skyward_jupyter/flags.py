@@ -9,6 +9,7 @@ value's form only (a whole number in range, KEY=VALUE); what it means is for its
 from __future__ import annotations
 
 import argparse
+import keyword
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -81,7 +82,7 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
 
 
 def identifier(text: str) -> str:
-    if not text.isidentifier():
+    if not text.isidentifier() or keyword.iskeyword(text):
         raise argparse.ArgumentTypeError(f"expected a variable name, got {text!r}")
     return text
 

@@ -140,6 +140,14 @@ def _handles(command: str) -> Callable[[Handler], Handler]:
     return register
 
 
+def _words(magic: str, line: str) -> list[str]:
+    """The options as a shell would split them; a quote left open is the user's one line."""
+    try:
+        return shlex.split(line)
+    except ValueError as exc:
+        raise UsageError(f"{magic}: {exc} in its options: {line.strip()}") from None
+
+
 @magics_class
 class SkyMagics(Magics):
     def __init__(self, shell: Any, session: Session) -> None:
@@ -177,7 +185,7 @@ class SkyMagics(Magics):
         return self.session.spec_from(given)
 
     def _cell(self, line: str, cell: str) -> RunResult | None:
-        args = _cell_parser().parse(shlex.split(line))
+        args = _cell_parser().parse(_words("%%sky", line))
         if args.head and args.ranks is not None:
             raise UsageError("%%sky: --head is --ranks 0; give one of them")
         result = self.session.run_cell(
@@ -197,7 +205,7 @@ class SkyMagics(Magics):
         return result.with_display(every_rank=args.all)
 
     def _line(self, line: str) -> Any:
-        words = shlex.split(line)
+        words = _words("%sky", line)
         parsers = _line_parsers()
         if not words:
             raise UsageError("%sky needs a command: " + ", ".join(parsers))
@@ -233,6 +241,10 @@ class SkyMagics(Magics):
 
     @_handles("down")
     def _down(self, args: argparse.Namespace) -> None:
+        if args.all and args.name is not None:
+            raise UsageError(
+                f"%sky down: {args.name!r} and --all: give a pool's name, or --all for every pool"
+            )
         if args.all:
             self.session.down_all(keep_files=args.keep_files)
         else:

@@ -371,6 +371,8 @@ BAD_OPTIONS = [
     ("--ranks x", "--ranks: expected ranks such as 0, 0,2 or 0,2-3, got 'x'"),
     ("--ranks 0,3-1", "--ranks: 3-1: a range goes up, as in 1-3"),
     ("--ranks 5000", "no pool has rank 5000: a pool has at most 1024 ranks"),
+    ('"unterminated', '%%sky: No closing quotation in its options: "unterminated'),
+    ("--out def", "--out: expected a variable name, got 'def'"),
     ("--rank 0", "unknown option --rank; did you mean --ranks?"),
     ("--head --ranks 1", "--head is --ranks 0; give one of them"),
 ]
@@ -410,6 +412,8 @@ def test_line_commands_check_numbers_before_touching_the_pool(nb: Kernel, tmp_pa
     script.write_text("print('THE SCRIPT RAN')\n")
     for line, fragment in [
         ("%sky up --nodes 100000", "got 100000"),
+        ('%sky up --name "x', "%sky: No closing quotation in its options"),
+        ("%sky down default --all", "give a pool's name, or --all for every pool"),
         ("%sky config --heartbeat-timeout nan", "finite number of seconds, got nan"),
         ("%sky config --sync-cap inf", "finite number of MB, got inf"),
         (f"%sky run --timeout nan {script}", "--timeout: expected a finite number"),
