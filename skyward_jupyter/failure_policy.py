@@ -258,7 +258,10 @@ class Cell:
                 self.ranks.send(r, leave)
 
     async def _kill_stuck(self, pending: dict[Rank, asyncio.Future[p.CellDone]]) -> None:
-        stuck = [r for r in pending if r.process is not None]
+        # Those killed already count out: their ends come in over the next rounds.
+        stuck = [r for r in pending if r.process is not None and r not in self.killed]
+        if not stuck:
+            return
         self.notes.append(
             f"ranks {[r.index for r in stuck]} did not stop within {self.grace:.0f} s "
             "of the interrupt and were killed"

@@ -616,6 +616,22 @@ def test_stuck_rank_is_killed_after_the_grace_period() -> None:
         assert pool.run(ALL_REDUCE).values == [3.0, 3.0]
 
 
+def test_ranks_killed_after_a_timeout_are_named_once() -> None:
+    """Both ranks ignore the interrupt a timeout sends: one note names both as killed (the
+    rounds while their ends come in do not kill, or say it, again).
+    """
+    with Pool(nodes=2, interrupt_grace=1.0) as pool:
+        result = pool.run(
+            "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+            "while True:\n    time.sleep(0.05)",
+            timeout=2,
+        )
+        killed = [note for note in result.notes if "were killed" in note]
+        assert killed == ["ranks [0, 1] did not stop within 1 s of the interrupt and were killed"]
+        assert sorted(result.lost) == [0, 1]
+        assert pool.run("1").values == [1, 1]
+
+
 def test_keyboard_interrupt_in_the_caller_reaches_every_rank() -> None:
     with Pool(nodes=2, interrupt_grace=5.0) as pool:
         pool.run("import time\nkeep = 1")
