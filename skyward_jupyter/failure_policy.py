@@ -258,16 +258,21 @@ class Cell:
                 self.ranks.send(r, leave)
 
     async def _kill_stuck(self, pending: dict[Rank, asyncio.Future[p.CellDone]]) -> None:
-        # Those killed already count out: their ends come in over the next rounds.
-        stuck = [r for r in pending if r.process is not None and r not in self.killed]
-        if not stuck:
-            return
-        self.notes.append(
-            f"ranks {[r.index for r in stuck]} did not stop within {self.grace:.0f} s "
-            "of the interrupt and were killed"
-        )
+        """Kill the ranks still running, and say so once; their ends come in over the next
+        rounds, which wait for them (or another grace: then what is still there is killed again,
+        unsaid).
+        """
+        stuck = [r for r in pending if r.process is not None]
+        named = [r.index for r in stuck if r not in self.killed]
+        if named:
+            self.notes.append(
+                f"ranks {named} did not stop within {self.grace:.0f} s of the interrupt and "
+                "were killed"
+            )
         self.asked_to_stop.update(stuck)
         self.killed.update(stuck)
+        self.kill_now = False
+        self.stop_at = time.monotonic() + self.grace
         await asyncio.gather(*(r.kill() for r in stuck))
 
     def results(self) -> tuple[RankResult, ...]:

@@ -82,6 +82,13 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
 
 
 def identifier(text: str) -> str:
+    if not text.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected a name (letters, digits, _), got {text!r}")
+    return text
+
+
+def variable_name(text: str) -> str:
+    """A name the notebook's code can read: an identifier, not a keyword."""
     if not text.isidentifier() or keyword.iskeyword(text):
         raise argparse.ArgumentTypeError(f"expected a variable name, got {text!r}")
     return text

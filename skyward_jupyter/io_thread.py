@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import concurrent.futures.thread
 import contextlib
 import logging
 import threading
@@ -115,8 +116,8 @@ def wait(
 
 
 # At the interpreter's exit, before the threads are joined and before concurrent.futures shuts
-# its thread pools (its own hook, registered at its import, runs after this later one): closing
-# a pool hands blocking work to threads (asyncio.to_thread), which an atexit hook could no
-# longer do ("cannot schedule new futures after shutdown"). CPython's hook for that, where it
-# has one.
+# its thread pools: closing a pool hands blocking work to threads (asyncio.to_thread), which an
+# atexit hook could no longer do ("cannot schedule new futures after shutdown"). These hooks
+# run newest first, and concurrent.futures registers its own as its thread module is imported,
+# which asyncio does only at its first executor: imported here, so that this one is newer.
 getattr(threading, "_register_atexit", atexit.register)(_close_owners)

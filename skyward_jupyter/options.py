@@ -22,7 +22,7 @@ from typing import Any, Literal
 from . import limits
 from .environments import requirement_lines
 from .flags import Option as Option  # the magics read the rows' type from here
-from .flags import identifier, int_at_least, ranged, rank_set, switch
+from .flags import identifier, int_at_least, ranged, rank_set, switch, variable_name
 from .frameworks import FRAMEWORKS, KERAS_BACKENDS
 from .gpus import parse_gpu
 from .providers import (
@@ -302,7 +302,7 @@ CELL_OPTIONS: tuple[Option, ...] = (
     Option("--head", "run the cell on the head only (--ranks 0)", {"action": "store_true"}),
     STDOUT,
     Option("--all", "display every rank's last value", {"action": "store_true"}),
-    Option("--out", "store the per-rank result in NAME", {"type": identifier}),
+    Option("--out", "store the per-rank result in NAME", {"type": variable_name}),
     TIMEOUT,
 )
 

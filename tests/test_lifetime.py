@@ -131,6 +131,29 @@ def test_a_notebook_that_exits_without_closing_its_pool_ends_it_quietly(
     wait_for(lambda: not running(tag), 30, "the detached processes to end with the notebook")
 
 
+def test_the_exit_hook_closes_pools_while_threads_can_still_be_had(tmp_path: Path) -> None:
+    """The close at exit runs before concurrent.futures shuts its thread pools, however late
+    the notebook first used one (asyncio imports their module at its first executor).
+    """
+    script = tmp_path / "notebook.py"
+    script.write_text(
+        "import asyncio\n"
+        "from skyward_jupyter.io_thread import close_at_exit\n"
+        "class Owner:\n"
+        "    def close(self):\n"
+        "        done = asyncio.run(asyncio.to_thread(lambda: 'ok'))\n"
+        "        print('closed:', done, flush=True)\n"
+        "owner = Owner()\n"
+        "close_at_exit(owner)\n"
+        "asyncio.run(asyncio.to_thread(print, 'first executor'))\n"
+    )
+    ended = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60
+    )
+    assert ended.stdout.splitlines() == ["first executor", "closed: ok"], ended
+    assert "Traceback" not in ended.stderr, ended.stderr
+
+
 RECORD = (
     "import os\n"
     "from torch.distributed.elastic.multiprocessing.errors import record\n"

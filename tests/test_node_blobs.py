@@ -6,6 +6,7 @@ they are told when the node's fetch failed, whose folder it uses, and what a swe
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import pwd
@@ -100,6 +101,30 @@ def test_a_sweep_removes_only_old_folders_no_rank_holds(tmp_path: Path) -> None:
         os.utime(store.dir, (old, old))
     assert NodeBlobs("new", 0, tmp_path, tmp_path / "disk").sweep() == [dead.dir]
     assert live.dir.is_dir() and young.dir.is_dir() and not dead.dir.exists()
+
+
+def test_a_sweep_takes_the_folders_an_earlier_version_left(tmp_path: Path) -> None:
+    """Pools' folders an earlier version kept in ``skyward-<uid>/`` (a killed pool's stays): a
+    sweep removes the old ones no rank holds, keeps a held one, and the folder once empty.
+    """
+    legacy = tmp_path / f"skyward-{os.getuid()}"
+    legacy.mkdir(mode=0o700)
+    dead, held = legacy / "a-n0", legacy / "b-n0"
+    for folder in (dead, held):
+        folder.mkdir(mode=0o700)
+        (folder / ".lock").touch()
+    lock = os.open(held / ".lock", os.O_RDWR)
+    fcntl.flock(lock, fcntl.LOCK_SH)
+    old = os.stat(dead).st_mtime - SWEEP_AFTER - 1
+    for folder in (dead, held):
+        os.utime(folder, (old, old))
+    try:
+        assert NodeBlobs("new", 0, tmp_path, tmp_path).sweep() == [dead]
+        assert held.is_dir()
+    finally:
+        os.close(lock)
+    assert NodeBlobs("new", 0, tmp_path, tmp_path).sweep() == [held]
+    assert not legacy.exists()
 
 
 def test_a_value_memory_has_no_room_for_is_kept_on_disk_and_shared_the_same(

@@ -227,14 +227,20 @@ class GlooTunnel:
         refused = 0
         while True:
             local, (address, port) = listener.accept()
-            if from_this_process(local):
+            ours = from_this_process(local)
+            if ours:
                 return local
             local.close()
             refused += 1
             if refused == 1:
+                why = (
+                    "it is not this rank's gloo (another process of this host)"
+                    if ours is False
+                    else "this host's /proc cannot tell whose it is (/proc/self/net/tcp)"
+                )
                 self._note(
                     f"refused a connection from {address}:{port} to a tunnel's port on "
-                    "loopback: it is not this rank's gloo (another process of this host)"
+                    f"loopback: {why}"
                 )
 
     def _serve(self) -> None:

@@ -194,18 +194,28 @@ def _table_address(host: str, port: int) -> str:
     return f"{number:08X}:{port:04X}"
 
 
-def from_this_process(conn: socket.socket) -> bool:
+def from_this_process(conn: socket.socket) -> bool | None:
     """Whether the other end of ``conn``, a TCP connection over loopback, is a socket of this
     process: loopback is open to every user of the machine, and a port only this process's
-    own code (gloo) is meant to use must refuse anyone else. False where it cannot be told.
+    own code (gloo) is meant to use must refuse anyone else. None where it cannot be told
+    (no ``/proc``).
     """
     try:
         (peer_host, peer_port), (host, port) = conn.getpeername()[:2], conn.getsockname()[:2]
-        ends = (_table_address(peer_host, peer_port), _table_address(host, port))
+    except OSError:
+        return False  # gone already
+    ends = (_table_address(peer_host, peer_port), _table_address(host, port))
+    try:
         with open("/proc/self/net/tcp", encoding="ascii") as table:
-            inode = next(
-                (f[9] for f in (line.split() for line in table) if (f[1], f[2]) == ends), None
-            )
-        return inode is not None and f"socket:[{inode}]" in socket_inodes()
-    except (OSError, ValueError):
-        return False
+            # The connecting socket's line: its own address first, then ours. An old one of
+            # the same addresses (closed, waiting) has inode 0.
+            inodes = {
+                f[9]
+                for line in table
+                if ends[0] in line and (f := line.split())[1:3] == list(ends) and f[9] != "0"
+            }
+        if not inodes:
+            return False
+        return not inodes.isdisjoint(target[len("socket:[") : -1] for target in socket_inodes())
+    except OSError:
+        return None

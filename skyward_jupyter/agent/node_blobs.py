@@ -158,7 +158,10 @@ class NodeBlobs:
         """
         gone = []
         now = time.time()
-        for other in self._ours(self._base):
+        # The per-user folder earlier versions kept the pools' folders in (if this user's).
+        legacy = self._base / f"skyward-{os.getuid()}"
+        earlier = sorted(legacy.iterdir()) if _is_private(legacy) else []
+        for other in self._ours(self._base) + earlier:
             if other == self.dir:
                 continue
             try:
@@ -176,6 +179,9 @@ class NodeBlobs:
                 gone.append(other)
             finally:
                 os.close(lock)
+        if earlier:
+            with contextlib.suppress(OSError):  # still holding a live pool's: kept
+                legacy.rmdir()
         if self._spill_base != self._base:
             for other in self._ours(self._spill_base):
                 try:
