@@ -8,6 +8,10 @@ escapes, ``?`` help) is the notebook's: a cell with any of it does not parse as 
 left alone, as is a cell with nothing to run (comments). A cell that begins with ``%%local``
 runs in the notebook, as written after that line, whether auto is on or not.
 
+The same hook checks a ``%%sky`` cell's body: a syntax error raised here is shown as IPython
+shows one in any cell, at its line, rather than under the frames of the magic that would
+raise it later (the session checks the body again as it runs it).
+
 Only the cell the frontend sent is routed: IPython also transforms code while a cell runs
 (``%%time``'s and ``%timeit``'s statements, ``%%capture``'s body), which stays the notebook's
 as the magic that runs it is; so do the silent requests frontends send on their own (variable
@@ -19,8 +23,12 @@ from __future__ import annotations
 import ast
 from typing import Any
 
+from .checked_source import CheckedSource
+from .protocol import cell_filename
+
 LOCAL = "%%local"
 """The first line of a cell that runs in the notebook whatever auto says."""
+SKY = "%%sky"
 
 
 class AutoCells:
@@ -54,14 +62,19 @@ class AutoCells:
         self._depth = max(0, self._depth - 1)
 
     def __call__(self, lines: list[str]) -> list[str]:
-        """The cell as IPython is to run it: ``%%local``'s body, or a plain cell under ``%%sky``."""
+        """The cell as IPython is to run it: ``%%local``'s body, or a plain cell under ``%%sky``;
+        raises the SyntaxError of a ``%%sky`` cell's body.
+        """
         if lines and lines[0].rstrip() == LOCAL:
             return lines[1:]
+        if lines and lines[0].split(maxsplit=1)[:1] == [SKY] and not self._depth:
+            filename = cell_filename(self._shell.execution_count)
+            CheckedSource.check("".join(lines[1:]), filename)
         if not self.enabled or self._depth or self._silent():
             return lines
         if not _runs_python("".join(lines)):
             return lines
-        return ["%%sky\n", *lines]
+        return [f"{SKY}\n", *lines]
 
     def _silent(self) -> bool:
         """Whether the request being served is a silent one (a frontend's own code)."""

@@ -779,10 +779,15 @@ def test_a_cell_is_compiled_once_on_the_notebook(monkeypatch: pytest.MonkeyPatch
 
 
 def test_a_syntax_error_in_a_cell_starts_no_pool(nb: Kernel) -> None:
+    """Shown as in any cell: at its line, without the frames of the magic's code."""
     cell = nb.fails("%%sky --name never --nodes 1\nprint('fine')\ndef broken(:\n")
     assert cell.reply["ename"] == "SyntaxError", str(cell)
     number = cell.reply["execution_count"]
     assert cell.reply["evalue"] == f"invalid syntax (<In [{number}]>, line 2)", str(cell)
+    assert not any("skyward_jupyter" in line for line in cell.reply["traceback"]), str(cell)
+    indented = nb.fails("%%sky --name never\n  x = 1\ny = 2")
+    assert indented.reply["ename"] == "IndentationError", str(indented)
+    assert not any("skyward_jupyter" in line for line in indented.reply["traceback"])
     assert "never" not in nb.status()
 
 
