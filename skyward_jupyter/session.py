@@ -622,8 +622,8 @@ def _serves(entry: PoolEntry, spec: PoolSpec) -> bool:
     rank's state for nothing.
     """
     chosen = entry.pool.group_backend
-    if spec == entry.spec or chosen is None:
-        return spec == entry.spec
+    if spec == entry.spec or chosen is None or entry.pool.group_problem:
+        return spec == entry.spec  # (a pool whose group broke is what it was, not its choice)
 
     def as_run(asked: PoolSpec) -> PoolSpec:
         return replace(
