@@ -9,6 +9,7 @@ when the extension is unloaded; the listeners (the views among them) hear of eve
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import sys
@@ -617,17 +618,22 @@ class Session:
 
 def _serves(entry: PoolEntry, spec: PoolSpec) -> bool:
     """Whether ``entry``'s running pool is what ``spec`` asks: its own spec, or one that spells
-    out what the pool chose for an option left out (``--backend gloo`` where its group is
-    gloo's, ``--framework torch`` where its ranks set torch up). Replacing it would lose every
-    rank's state for nothing.
+    out what the pool chose for an option left out (``--procs-per-node 1`` where each node
+    has one rank, ``--backend gloo`` where its group is gloo's, ``--framework torch`` where its
+    ranks set torch up). Replacing it would lose every rank's state for nothing.
     """
-    chosen = entry.pool.group_backend
-    if spec == entry.spec or chosen is None or entry.pool.group_problem:
+    if spec == entry.spec or entry.pool.group_problem:
         return spec == entry.spec  # (a pool whose group broke is what it was, not its choice)
+    pool = entry.pool
+    per_node = set(collections.Counter(r.node for r in pool.ranks).values())
+    chosen = pool.group_backend
 
     def as_run(asked: PoolSpec) -> PoolSpec:
         return replace(
-            asked, backend=asked.backend or chosen, frameworks=asked.frameworks or ("torch",)
+            asked,
+            procs_per_node=asked.procs_per_node or (min(per_node) if len(per_node) == 1 else None),
+            backend=asked.backend or chosen,
+            frameworks=asked.frameworks or (("torch",) if chosen else ()),
         )
 
     return as_run(spec) == as_run(entry.spec)

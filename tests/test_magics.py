@@ -1198,14 +1198,18 @@ def test_restart_gives_fresh_ranks_with_an_empty_namespace(nb: Kernel) -> None:
 
 def test_options_that_spell_out_what_the_pool_chose_keep_it_and_its_state(nb: Kernel) -> None:
     """``--backend gloo`` on a pool whose group is gloo's, ``--framework torch`` on one that set
-    torch up, or a cell leaving out what started the pool: the same pool, its ranks' state kept.
-    A real difference still replaces it.
+    torch up, ``--procs-per-node 1`` where each node has one rank, or a cell leaving out what
+    started the pool: the same pool, its ranks' state kept. A real difference still replaces it.
     """
     nb.ok("%%sky --name spelled --nodes 1 --procs-per-node 2 --backend gloo\nkept = rank + 7")
     for options in ("", "--framework torch", "--backend gloo --framework torch,torch"):
         cell = nb.ok(f"%%sky --name spelled --nodes 1 --procs-per-node 2 {options} --out r\nkept")
         assert "replacing" not in cell.stderr, (options, str(cell))
         assert nb.eval("r.values") == [7, 8], options
+    nb.ok("%%sky --name once --nodes 2\nkept = rank + 7")  # a rank per node (a CPU, no GPU)
+    cell = nb.ok("%%sky --name once --nodes 2 --procs-per-node 1 --out r\nkept")
+    assert "replacing" not in cell.stderr and nb.eval("r.values") == [7, 8], str(cell)
+    nb.ok("%sky down once")
     cell = nb.ok("%%sky --name spelled --nodes 1 --procs-per-node 2 --framework none\n1")
     assert "replacing" in cell.stderr and "--frameworks (default) -> none" in cell.stderr, str(cell)
     nb.ok("%sky down spelled")
