@@ -119,6 +119,51 @@ def test_readers_skip_what_is_not_a_record(tmp_path: Path) -> None:
     assert registry.read_records(tmp_path / "none") == []
 
 
+def test_a_file_that_is_no_record_of_this_shape_neither_blocks_nor_breaks_a_listing(
+    tmp_path: Path,
+) -> None:
+    """What a crash, a hand or another version left under a record's name: a pipe (which would
+    block a reader), a directory, a link (to an endless device), a file far too large, JSON
+    nested beyond Python's limit, ``NaN``, and fields of another shape. Each is skipped, the
+    good record is listed, and a shutdown request replaces a link rather than writing through.
+    """
+    directory = registry.ensure_dir(tmp_path / "skyward")
+    good = _record()
+    registry.write_record(directory, good)
+
+    def planted() -> Path:
+        return directory / f"{registry.new_pool_id()}.json"
+
+    os.mkfifo(planted())
+    planted().mkdir()
+    planted().symlink_to("/dev/zero")
+    with open(planted(), "wb") as huge:
+        huge.truncate(1 << 30)  # sparse: a gibibyte to read, nothing on disk
+    planted().write_text("[" * 100_000)
+    owner = registry.Owner.current().as_dict()
+    for changes in (
+        {"created_at": float("nan")},
+        {"owner": {**owner, "pid": "abc"}},
+        {"nodes": 5},
+        {"nodes": ["x"]},
+        {"nodes": [{"ranks": [{"pid": "x"}]}]},
+        {"price_per_hour": "1"},
+        {"name": None},
+    ):
+        bad = _record(**changes)
+        (directory / f"{bad['id']}.json").write_text(json.dumps(bad))
+    started = time.monotonic()
+    assert [r["id"] for r in registry.read_records(directory)] == [good["id"]]
+    assert time.monotonic() - started < 10  # nothing waited on the pipe or read the gigabyte
+    assert served.listing(directory, set()) != []
+    victim = tmp_path / "victim"
+    victim.write_text("the user's own file")
+    registry.down_path(directory, good["id"]).symlink_to(victim)
+    registry.request_shutdown(directory, good["id"])
+    assert victim.read_text() == "the user's own file"
+    assert registry.shutdown_requested(directory, good["id"])
+
+
 def test_process_start_tells_a_process_from_its_reused_pid() -> None:
     me = procs.process_start(os.getpid())
     assert me is not None and procs.process_alive(os.getpid(), me)

@@ -62,7 +62,10 @@ class _Base(APIHandler):
             for s in sessions
             if s.get("kernel") and s.get("type") == "notebook"
         }
-        return pools.listing(self._checked_dir(), self._kernel_ids(), now, notebooks)
+        # In a thread: reading every record is file IO, which the server's loop must not wait on
+        return await asyncio.to_thread(
+            pools.listing, self._checked_dir(), self._kernel_ids(), now, notebooks
+        )
 
     async def _end(self, record: dict[str, Any], wait: float) -> tuple[dict[str, Any], int]:
         """Shut a pool down: its live owner does it (up to ``wait`` seconds), else reap it."""
