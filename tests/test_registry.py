@@ -148,7 +148,7 @@ def test_a_file_that_is_no_record_of_this_shape_neither_blocks_nor_breaks_a_list
         {"nodes": ["x"]},
         {"nodes": [{"ranks": [{"pid": "x"}]}]},
         {"price_per_hour": "1"},
-        {"name": None},
+        {"name": 5},
     ):
         bad = _record(**changes)
         (directory / f"{bad['id']}.json").write_text(json.dumps(bad))

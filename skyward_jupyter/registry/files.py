@@ -169,7 +169,7 @@ def _valid(data: object) -> bool:
     owner, nodes = data.get("owner"), data.get("nodes", [])
     return (
         isinstance(data.get("id"), str)
-        and isinstance(data.get("name"), str)
+        and _text(data.get("name"))
         and isinstance(owner, dict)
         and _whole(owner.get("pid"))
         and all(_text(owner.get(key)) for key in ("host", "kernel_id", "start"))

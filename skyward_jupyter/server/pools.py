@@ -134,4 +134,4 @@ def find(pools: Iterable[dict[str, Any]], key: str) -> list[dict[str, Any]]:
     """The pools whose id is ``key``, else those named ``key`` (names repeat across kernels)."""
     pools = list(pools)
     by_id = [p for p in pools if p["id"] == key]
-    return by_id or [p for p in pools if p["name"] == key]
+    return by_id or [p for p in pools if p.get("name") == key]
