@@ -125,6 +125,8 @@ def test_a_sweep_takes_the_folders_an_earlier_version_left(tmp_path: Path) -> No
         os.close(lock)
     assert NodeBlobs("new", 0, tmp_path, tmp_path).sweep() == [held]
     assert not legacy.exists()
+    legacy.mkdir(mode=0o700)  # left empty
+    assert NodeBlobs("new", 0, tmp_path, tmp_path).sweep() == [] and not legacy.exists()
 
 
 def test_a_value_memory_has_no_room_for_is_kept_on_disk_and_shared_the_same(

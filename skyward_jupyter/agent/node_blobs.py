@@ -160,7 +160,8 @@ class NodeBlobs:
         now = time.time()
         # The per-user folder earlier versions kept the pools' folders in (if this user's).
         legacy = self._base / f"skyward-{os.getuid()}"
-        earlier = sorted(legacy.iterdir()) if _is_private(legacy) else []
+        ours = _is_private(legacy)
+        earlier = sorted(legacy.iterdir()) if ours else []
         for other in self._ours(self._base) + earlier:
             if other == self.dir:
                 continue
@@ -179,7 +180,7 @@ class NodeBlobs:
                 gone.append(other)
             finally:
                 os.close(lock)
-        if earlier:
+        if ours:
             with contextlib.suppress(OSError):  # still holding a live pool's: kept
                 legacy.rmdir()
         if self._spill_base != self._base:
