@@ -209,13 +209,11 @@ def from_this_process(conn: socket.socket) -> bool | None:
         with open("/proc/self/net/tcp", encoding="ascii") as table:
             # The connecting socket's line: its own address first, then ours. An old one of
             # the same addresses (closed, waiting) has inode 0.
-            inodes = {
-                f[9]
+            theirs = {
+                f"socket:[{f[9]}]"
                 for line in table
                 if ends[0] in line and (f := line.split())[1:3] == list(ends) and f[9] != "0"
             }
-        if not inodes:
-            return False
-        return not inodes.isdisjoint(target[len("socket:[") : -1] for target in socket_inodes())
+        return bool(theirs) and not theirs.isdisjoint(socket_inodes())
     except OSError:
         return None

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..agent.descendants import end_rank, parse_stat
+from ..agent.descendants import ProcStat, end_rank, read_stat
 from ..events import RankState
 from ..gpus import check_cpu_or_gpus
 from ..procs import how_it_ran
@@ -100,26 +100,19 @@ class RankHost:
     def wait(self) -> int:
         return self._proc.wait()
 
-    def look(self, pid: int, within: float) -> tuple[bytes, bytes]:
-        """Process ``pid``'s ``/proc`` stat line, and again ``within`` seconds later (empty
-        where it is gone): how a silent rank runs, seen from its node.
+    def look(self, pid: int, within: float) -> tuple[ProcStat | None, ProcStat | None]:
+        """Process ``pid``'s ``/proc`` stat, and again ``within`` seconds later (None where it
+        is gone): how a silent rank runs, seen from its node.
         """
-        before = _stat_line(pid)
+        before = read_stat(pid)
         time.sleep(within)
-        return before, _stat_line(pid)
+        return before, read_stat(pid)
 
     def kill(self) -> None:
         """The rank, with every process below it (what its cells detached too), and its
         private directory.
         """
         end_rank(self._proc.pid, self._run_id)
-
-
-def _stat_line(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return b""
 
 
 class _Reader:
@@ -197,7 +190,7 @@ class RayRank:
             )
         except (ray.exceptions.RayError, asyncio.TimeoutError):
             return None
-        return how_it_ran(parse_stat(before), parse_stat(after), within)
+        return how_it_ran(before, after, within)
 
     async def kill(self) -> None:
         import ray
