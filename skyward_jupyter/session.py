@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -628,13 +628,16 @@ def _serves(entry: PoolEntry, spec: PoolSpec) -> bool:
     per_node = set(collections.Counter(r.node for r in pool.ranks).values())
     chosen = pool.group_backend
 
-    def as_run(asked: PoolSpec) -> PoolSpec:
-        return replace(
-            asked,
+    def as_run(asked: PoolSpec) -> dict[str, Any]:
+        # Fields, not a spec: a spec is checked as it is made, and a choice filled in may
+        # clash with what was asked (nccl, chosen on GPUs, with --gpu none), a difference.
+        run = {f.name: getattr(asked, f.name) for f in fields(asked)}
+        run.update(
             procs_per_node=asked.procs_per_node or (min(per_node) if len(per_node) == 1 else None),
             backend=asked.backend or chosen,
             frameworks=asked.frameworks or (("torch",) if chosen else ()),
         )
+        return run
 
     return as_run(spec) == as_run(entry.spec)
 

@@ -16,6 +16,8 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
 
 import pytest
 
@@ -35,7 +37,7 @@ from skyward_jupyter.providers.base import ProviderError
 from skyward_jupyter.providers.local import LocalProvider, split_gpus, visible_gpus
 from skyward_jupyter.providers.slurm import SlurmOptions, check_gres_gpu
 from skyward_jupyter.providers.ssh import Host, check_host_gpu
-from skyward_jupyter.session import Session
+from skyward_jupyter.session import PoolEntry, Session, _serves
 from skyward_jupyter.spec import PoolSpec
 
 from .conftest import agent_pids, wait_for
@@ -298,6 +300,24 @@ def test_gpu_none_gives_a_cpu_pool_on_a_gpu_machine(one_h200: Path) -> None:
     with Pool(provider=_local(spec), **spec.pool_arguments(str(ROOT), {})) as pool:
         assert pool.run(_SEEN).values == [("", "True", "gloo", 1)]
         assert [n.gpus for n in pool.nodes] == [()]
+
+
+def test_gpu_none_replaces_a_pool_whose_ranks_chose_nccl() -> None:
+    """A cell asking ``--gpu none`` of a warm pool on GPUs (whose ranks chose NCCL) replaces it
+    with CPU ranks; the comparison must not fill NCCL into the new description and refuse it
+    ("--gpu none --backend nccl"), as it once did on a real GPU. A stand-in for the running
+    pool: CPU ranks never choose NCCL.
+    """
+    session = Session()
+    on_gpus = session.spec_from({"gpu": "H200"})
+    chose_nccl = SimpleNamespace(group_problem=None, group_backend="nccl", ranks=[_on_node(0)])
+    entry = PoolEntry("gpus", on_gpus, cast(Pool, chose_nccl))
+    assert not _serves(entry, session.spec_from({"gpu": NO_GPU}))
+    assert _serves(entry, session.spec_from({"gpu": "H200", "backend": "nccl"}))
+
+
+def _on_node(index: int) -> SimpleNamespace:
+    return SimpleNamespace(node=index)
 
 
 def test_two_nodes_on_a_one_gpu_machine_work_and_say_their_layout(one_h200: Path) -> None:
