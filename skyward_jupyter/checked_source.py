@@ -2,11 +2,14 @@
 
 The session checks a cell before any pool starts or changes; the pool sends what was checked
 and checks only a source that comes to it unchecked (its own callers'), so each source is
-compiled here once.
+compiled here once. The shell's input hook checks a ``%%sky`` body too (to show its syntax error as
+IPython shows one), and a cell run again has the same source: a source that compiled is
+remembered (:func:`_compiles`), so neither is compiled again.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 
@@ -23,8 +26,16 @@ class CheckedSource:
         annotations would reject valid code, such as a walrus in an annotation).
         """
         try:
-            compile(text, filename, "exec", dont_inherit=True)
+            _compiles(text)
         except SyntaxError as exc:
             exc.filename = filename
             raise
         return cls(text)
+
+
+@functools.lru_cache(maxsize=16)
+def _compiles(text: str) -> None:
+    """Compile ``text`` (a SyntaxError is raised, and not remembered; its file is named by the
+    caller).
+    """
+    compile(text, "<cell>", "exec", dont_inherit=True)
