@@ -213,7 +213,16 @@ class Shipper:
             self._remote.add(name)
             self._sent.pop(name, None)
 
-    def forget(self) -> None:
-        """Namespaces were lost (ranks restarted): nothing can be assumed to be there any more."""
+    def forget(self, survivors_bound: frozenset[str] | None = None) -> None:
+        """Namespaces were lost (ranks restarted): no value sent can be assumed there any more.
+
+        ``survivors_bound``: only some ranks were lost, and the last cell bound these names on
+        the others. Those, and the names earlier cells bound, stay remote: the notebook's values
+        would silently replace what the surviving ranks hold, while a restarted rank, which
+        lacks them, names them in its NameError.
+        """
         self._sent.clear()
-        self._remote.clear()
+        if survivors_bound is None:
+            self._remote.clear()
+        else:
+            self._remote |= survivors_bound

@@ -347,7 +347,8 @@ class Session:
         where a rank was lost), and what they had to say.
         """
         if result.lost:
-            entry.shipper.forget()
+            every = len(result.lost) >= entry.pool.world_size
+            entry.shipper.forget(None if every else result.bound)
         else:
             entry.shipper.commit(shipment, result.bound)
         for note in result.notes:

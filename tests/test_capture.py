@@ -65,7 +65,11 @@ def test_names_bound_on_the_ranks_stay_remote() -> None:
     assert shipment.globals == {} and shipment.remote == ("model",)
     forced = shipper.prepare("", _ns(model="notebook's"), force=frozenset({"model"}))
     assert set(forced.globals) == {"model"}
-    shipper.forget()
+    shipper.commit(shipper.prepare("data", _ns(data=1)), frozenset())
+    shipper.forget(frozenset({"late"}))  # some ranks were lost: the others keep their names
+    survivors = shipper.prepare("model + late + data", _ns(model=1, late=2, data=1))
+    assert set(survivors.globals) == {"data"} and set(survivors.remote) == {"model", "late"}
+    shipper.forget()  # every rank was lost
     assert set(shipper.prepare("model", _ns(model=1)).globals) == {"model"}
 
 

@@ -701,6 +701,22 @@ def test_a_name_bound_by_a_sky_cell_stays_remote(nb: Kernel) -> None:
     assert nb.eval("where_bound") == "local"
 
 
+def test_names_the_surviving_ranks_bound_stay_theirs_when_one_is_restarted(nb: Kernel) -> None:
+    """Rank 1 dies in a cell and is restarted: what rank 0 bound stays its own, not replaced by
+    the notebook's value of the name, and the restarted rank starts without it.
+    """
+    nb.ok(POOL2)
+    nb.ok("kept_by_survivor = 'notebook'")
+    nb.ok("%%sky\nkept_by_survivor = f'remote {rank}'")
+    died = nb.fails("%%sky\nimport os\nalso_kept = 'bound before'\nif rank == 1:\n    os._exit(3)")
+    assert "were restarted" in str(died), str(died)
+    reads = (
+        "try:\n    seen = (kept_by_survivor, also_kept)\nexcept NameError as e:\n    seen = e.name"
+    )
+    cell = nb.ok(f"%%sky --all\n{reads}\nseen")
+    assert cell.per_rank == {0: "('remote 0', 'bound before')", 1: "'kept_by_survivor'"}, str(cell)
+
+
 def test_an_unpicklable_global_fails_the_cell_before_it_runs_naming_it(nb: Kernel) -> None:
     nb.ok(POOL2)
     pids = nb.pool_pids()
