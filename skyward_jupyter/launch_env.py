@@ -6,7 +6,8 @@ Trainer read ``LOCAL_RANK`` and ``ACCELERATE_USE_CPU``, torch's ``env://`` rende
 master address and ``TORCHELASTIC_USE_AGENT_STORE``. A pool gives every rank the same names with
 the same meanings as ``torchrun --nnodes NODES --nproc-per-node RANKS_PER_NODE`` would, so code
 written for torchrun runs as written. What the user sets with ``--env`` (or had in the notebook's
-environment, for the thread count) wins.
+environment, for the thread count) wins, except for each rank's place and the rendezvous
+(:data:`POOL_SETS`), which only the pool can set.
 
 Three values are set on the rank itself: ``MASTER_PORT`` (the store's port, fresh for each
 formation of the group), ``TORCHELASTIC_RESTART_COUNT`` (how often the group was formed again
@@ -24,7 +25,7 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 FLIGHT_RECORDER_ENTRIES = "2000"
@@ -45,6 +46,28 @@ class RankPlace:
     ranks_on_machine: int
     """Ranks sharing this rank's machine (a local pool simulates nodes on one machine)."""
     has_gpu: bool
+
+
+POOL_SETS = frozenset(
+    {
+        "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+        "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR",
+        "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE",
+    }
+)  # fmt: skip
+"""What only the pool can set: each rank's place and the group's rendezvous. A value given
+with ``--env`` would put every rank in the wrong place, or send them to a store no one runs,
+and the start would wait for a group that never forms."""
+
+
+def check_user_env(names: Iterable[str]) -> None:
+    """Refuse a variable of :data:`POOL_SETS` among ``names`` (``--env``), in one line."""
+    for name in names:
+        if name in POOL_SETS:
+            raise ValueError(
+                f"--env {name}: the pool sets {name} on each rank itself (its place in the "
+                "world and the group's rendezvous, as torchrun does); leave it out"
+            )
 
 
 def launcher_env(

@@ -25,6 +25,7 @@ from .flags import Option as Option  # the magics read the rows' type from here
 from .flags import identifier, int_at_least, ranged, rank_set, switch, variable_name
 from .frameworks import FRAMEWORKS, KERAS_BACKENDS
 from .gpus import parse_gpu
+from .launch_env import check_user_env
 from .providers import (
     BUILT_IN,
     DEFAULT,
@@ -40,6 +41,10 @@ def _env(text: str) -> tuple[str, str]:
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", text, re.S):
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
     key, value = text.split("=", 1)
+    try:
+        check_user_env([key])
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return key, value
 
 

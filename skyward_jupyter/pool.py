@@ -34,6 +34,7 @@ from .fanout import Fanout, Subscriber
 from .flags import rank_span
 from .frameworks import TORCH_ONLY, Frameworks
 from .io_thread import IOThread, close_at_exit, wait
+from .launch_env import check_user_env
 from .prompts import Prompts
 from .providers import DEFAULT, provider_class
 from .providers.base import Node, Provider, ProviderError
@@ -102,6 +103,7 @@ class Pool:
             raise ValueError(
                 "secure=True carries torch's gloo traffic only: use backend='gloo', no JAX"
             )
+        check_user_env(env or {})
         if provider is None:  # the default provider takes no arguments (its options are none)
             provider = provider_class(DEFAULT)()
         self.name = name

@@ -119,7 +119,7 @@ class PoolSpec:
         common = {k: v for k, v in given.items() if v is not None and k not in flags}
         own = {k: v for k, v in given.items() if v is not None and k in flags}
         if "env" in common:
-            common["env"] = tuple(sorted(common["env"]))
+            common["env"] = tuple(sorted(dict(common["env"]).items()))  # the last of a key wins
         if "frameworks" in common:
             common["frameworks"] = tuple(sorted(set(common["frameworks"])))
         common = {k: tuple(v) if isinstance(v, list) else v for k, v in common.items()}

@@ -358,6 +358,8 @@ BAD_OPTIONS = [
     ("--gpu 'H100;x'", "expected a GPU model (H100, NVIDIA H200, RTX 4090, ...) or none"),
     ("--gpu NOPE", "--gpu NOPE: this machine"),
     ("--env FOO", "expected KEY=VALUE"),
+    ("--env RANK=5", "--env RANK: the pool sets RANK on each rank itself"),
+    ("--env A=1 --env MASTER_PORT=1", "--env MASTER_PORT: the pool sets MASTER_PORT"),
     ("--provider ssh", "needs --hosts"),
     ("--hosts alice@gpu1:99999", "bad port"),
     ("--provider aws --ssh-cidr 0.0.0.0/0", "refusing to open SSH to the whole internet"),
@@ -403,6 +405,14 @@ def test_bad_options_are_one_line_usage_errors_that_change_nothing(nb: Kernel) -
     nb.ok(POOL2)
     assert len(nb.pool_pids()) == 2
     _check_bad_options(nb)  # with a pool: it is neither replaced nor restarted
+
+
+def test_the_last_env_value_of_a_variable_wins(nb: Kernel) -> None:
+    cell = nb.ok(
+        "%%sky --name env --nodes 1 --env B=3 --env B=2 --env C=ü\nimport os\nos.environ['B']"
+    )
+    assert cell.shown == ["'2'"], str(cell)
+    nb.ok("%sky down env")
 
 
 def test_line_commands_check_numbers_before_touching_the_pool(nb: Kernel, tmp_path: Path) -> None:

@@ -986,3 +986,8 @@ def test_ranks_run_in_the_notebooks_directory_and_reload_edited_modules(tmp_path
         os.utime(tmp_path / "mymod.py", (later, later))
         assert pool.run("mymod.f()").values == [2, 2]
         assert pool.run("mymod.f()").values == [2, 2]  # reloaded once, not every cell
+
+
+def test_variables_only_the_pool_sets_are_refused_before_anything_starts() -> None:
+    with pytest.raises(ValueError, match="the pool sets WORLD_SIZE on each rank itself"):
+        Pool(env={"WORLD_SIZE": "3"})
