@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import keyword
 import os
 import sys
 import threading
@@ -355,18 +356,30 @@ class Session:
             self._announce(f"pool {entry.name!r}: {note}")
 
     def pull(self, name: str, ranks: str | int = 0) -> Any:
-        """A rank's value of ``name`` (``ranks="all"``: every rank's, as a list)."""
+        """A rank's value of ``name`` (``ranks="all"``: every rank's, as a list), read on that
+        rank alone: the others need not have it. Raises, rather than bind ``None``, where a
+        rank lacks the name or its value does not pickle.
+        """
         entry = self._require()
-        if not name.isidentifier():
+        if not name.isidentifier() or keyword.iskeyword(name):
             raise SessionError(f"{name!r} is not a variable name")
-        result = entry.pool.run(name)
+        size = entry.pool.world_size
+        if ranks != "all" and not 0 <= int(ranks) < size:
+            raise SessionError(f"--rank {ranks}: the pool has ranks 0..{size - 1}")
+        result = entry.pool.run(name, ranks=None if ranks == "all" else [int(ranks)])
+        for r in result:
+            if r.error is not None and r.error.type_name == "NameError":
+                raise SessionError(f"rank {r.rank} has no variable {name!r}")
+            if r.error is None and r.value is None and r.value_repr is not None:
+                raise SessionError(
+                    f"rank {r.rank}'s {name} ({r.value_repr[:80]}) does not pickle, so it "
+                    "cannot come to the notebook; pull a picklable part or copy of it"
+                )
         if not result.ok:
             raise CellError(result.errors)
         if ranks == "all":
             return result.values
-        if not 0 <= int(ranks) < len(result):
-            raise SessionError(f"--rank {ranks}: the pool has ranks 0..{len(result) - 1}")
-        return result.values[int(ranks)]
+        return next(r.value for r in result if r.rank == int(ranks))
 
     def push(self, names: list[str], user_ns: Mapping[str, Any]) -> RunResult:
         """Send notebook variables to every rank now, even ones the ranks already bound."""

@@ -1182,6 +1182,19 @@ def test_pull_and_push(nb: Kernel) -> None:
     assert nb.eval("pulled") == 11
     nb.ok("%sky pull pulled")
     assert nb.eval("pulled") == 1
+    # Read on the rank asked alone; a name it lacks, or a value that does not pickle, is a
+    # one-line error that leaves the notebook's variable as it was.
+    nb.ok("%%sky --ranks 1\nonly_on_one = 'one'")
+    nb.ok("%sky pull only_on_one --rank 1")
+    assert nb.eval("only_on_one") == "one"
+    nb.ok("%%sky\nimport threading\nunpicklable = threading.Lock()")
+    for line, said in [
+        ("%sky pull only_on_one", "rank 0 has no variable 'only_on_one'"),
+        ("%sky pull unpicklable --rank 1", "rank 1's unpicklable (<unlocked _thread.lock"),
+    ]:
+        cell = nb.fails(line)
+        assert cell.reply["ename"] == "UsageError" and said in cell.reply["evalue"], str(cell)
+    assert nb.eval("only_on_one") == "one" and "unpicklable" not in nb.eval("dir()")
 
     nb.ok("%%sky\npushed = 'remote'")
     nb.ok("pushed = 'local'")
