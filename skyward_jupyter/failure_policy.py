@@ -39,7 +39,7 @@ from . import protocol as p
 from .events import PoolMessage, RankState
 from .providers.base import ProviderError
 from .ranks import Rank, Ranks
-from .results import INTERRUPTED, PoolError, RankEnded, RankResult, RemoteError
+from .results import INTERRUPTED, TIMED_OUT, PoolError, RankEnded, RankResult, RemoteError
 
 DESYNC_AFTER = 1.5
 """Seconds a rank may wait in a collective after others finished the cell, before it is stuck."""
@@ -156,7 +156,7 @@ class Cell:
             self.ranks.set_states(finished, RankState.IDLE)
             now = time.monotonic()
             if self.deadline is not None and now >= self.deadline and self.stop_at is None:
-                self.notes.append(f"timed out after {self.timeout} s")
+                self.notes.append(f"{TIMED_OUT} {self.timeout} s")
                 self._stop()
             if pending and self.leave_at is not None and now >= self.leave_at:
                 self._free_peers()

@@ -30,6 +30,8 @@ def _alike(errors: Sequence[RemoteError], say: Callable[[RemoteError], str]) -> 
 
 INTERRUPTED = "interrupted"
 """The note of a cell the user stopped."""
+TIMED_OUT = "timed out after"
+"""How the note of a cell the pool stopped at its ``--timeout`` begins."""
 
 
 class PoolError(Exception):
@@ -114,18 +116,25 @@ class CellInterrupted(KeyboardInterrupt):
         return f"cell interrupted on {len(self.result)} rank{'s' * (len(self.result) != 1)}"
 
     def render(self) -> str:
-        lines = [f"KeyboardInterrupt: {self}"]
-        for r in self.result:
-            if r.error is None:
-                lines.append(f"rank {r.rank}: had finished")
-            elif r.error.type_name == "KeyboardInterrupt":
-                lines.append(f"rank {r.rank}: stopped{_stopped_at(r.error)}")
-            else:
-                lines.append(f"rank {r.rank}: {_what(r.error)}{_stopped_at(r.error)}")
-        return "\n".join(lines)
+        return "\n".join([f"KeyboardInterrupt: {self}", *_where_each_stopped(self.result)])
 
     def _render_traceback_(self) -> list[str]:
         return self.render().splitlines()
+
+
+def _where_each_stopped(result: RunResult) -> list[str]:
+    """A line per rank of a stopped cell: where it stopped, what it raised, or that it had
+    finished.
+    """
+    lines = []
+    for r in result:
+        if r.error is None:
+            lines.append(f"rank {r.rank}: had finished")
+        elif r.error.type_name == "KeyboardInterrupt":
+            lines.append(f"rank {r.rank}: stopped{_stopped_at(r.error)}")
+        else:
+            lines.append(f"rank {r.rank}: {_what(r.error)}{_stopped_at(r.error)}")
+    return lines
 
 
 class CellError(Exception):
@@ -172,6 +181,23 @@ class CellError(Exception):
 
     def _render_traceback_(self) -> list[str]:
         return self.render().splitlines()
+
+
+class CellTimedOut(CellError):
+    """The pool stopped a cell at its ``--timeout``: shown as the timeout and a line per rank,
+    where it stopped, as an interrupt is (each rank's ``KeyboardInterrupt`` traceback would
+    blame a Ctrl-C no one pressed).
+    """
+
+    def __init__(self, result: RunResult) -> None:
+        self.result = result
+        super().__init__(result.errors)
+
+    def summary(self) -> str:
+        return f"cell {self.result.timed_out} (--timeout)"
+
+    def render(self) -> str:
+        return "\n".join([f"CellTimedOut: {self.summary()}", *_where_each_stopped(self.result)])
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,15 +253,26 @@ class RunResult(Sequence[RankResult]):
         """Whether the user stopped it (Ctrl-C, the toolbar's stop, the panel's Interrupt)."""
         return INTERRUPTED in self.notes
 
+    @property
+    def timed_out(self) -> str | None:
+        """``timed out after 2.0 s`` where the pool stopped it at its ``--timeout``, else None."""
+        return next((note for note in self.notes if note.startswith(TIMED_OUT)), None)
+
+    @property
+    def stopped_by(self) -> str | None:
+        """How a cell that was stopped ended (``interrupted``, ``timed out after 2.0 s``)."""
+        return INTERRUPTED if self.interrupted else self.timed_out
+
     def only_stopped(self, r: RankResult) -> bool:
-        """Whether rank ``r`` did not fail but was stopped: by the user's interrupt, or by the
-        pool after another rank's failure (a ``KeyboardInterrupt`` that followed).
+        """Whether rank ``r`` did not fail but was stopped: by the user's interrupt, at the
+        cell's timeout, or by the pool after another rank's failure (a ``KeyboardInterrupt``
+        that followed).
         """
         error = r.error
         return (
             error is not None
             and error.type_name == "KeyboardInterrupt"
-            and (self.interrupted or error.secondary)
+            and (self.stopped_by is not None or error.secondary)
         )
 
     @property
@@ -253,7 +290,7 @@ class RunResult(Sequence[RankResult]):
 
     def raise_for_errors(self) -> RunResult:
         if not self.ok:
-            raise CellError(self.errors)
+            raise CellTimedOut(self) if self.timed_out else CellError(self.errors)
         return self
 
     def __repr__(self) -> str:

@@ -1155,8 +1155,14 @@ def test_timeout_stops_the_cell_and_keeps_the_pool(nb: Kernel) -> None:
     assert time.monotonic() - started < 15
     assert "timed out after 1.0 s" in cell.stderr, str(cell)
     assert "woke" not in cell.stdout
-    assert len(cell.errors) == 1 and "KeyboardInterrupt" in cell.errors[0]["evalue"]
-    assert "time.sleep(60)" in "\n".join(cell.errors[0]["traceback"])
+    # Shown as the timeout and where each rank stopped, not as a Ctrl-C no one pressed.
+    assert cell.reply["ename"] == "CellTimedOut", str(cell)
+    assert cell.reply["evalue"] == "cell timed out after 1.0 s (--timeout)", str(cell)
+    shown = cell.errors[0]["traceback"]
+    assert shown[0] == "CellTimedOut: cell timed out after 1.0 s (--timeout)", shown
+    assert [line.split(": ", 1)[0] for line in shown[1:]] == ["rank 0", "rank 1"], shown
+    assert all("stopped at In [" in line and "time.sleep(60)" in line for line in shown[1:])
+    assert "KeyboardInterrupt" not in "\n".join(shown)
     cell = nb.ok("%%sky --all\nkept_across_timeout + 1")
     assert cell.per_rank == {0: "2", 1: "2"}
     assert nb.pool_pids() == pids

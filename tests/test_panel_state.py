@@ -674,6 +674,19 @@ def test_an_interrupted_cell_marks_no_rank_failed() -> None:
     assert progress is not None and progress.outcome == "interrupted"
 
 
+def test_a_timed_out_cell_says_so_and_marks_no_rank_failed() -> None:
+    state = state_with({0: 0, 1: 1})
+    cell = state.for_cell(4)
+    stopped = tuple(failure(r, r, "KeyboardInterrupt", "") for r in (0, 1))
+    timed_out = RunResult(1, stopped, notes=("timed out after 2.0 s",))
+    for event in (CellStarted(1, 2, 0), CellFinished(1, timed_out)):
+        state.apply(event)
+        cell.apply(event)
+    assert {r.state for r in state.snapshot().ranks} == {S.IDLE}
+    progress = cell.snapshot().progress
+    assert progress is not None and progress.outcome == "timed out after 2.0 s"
+
+
 def test_a_cells_progress_is_its_step_pace_and_with_a_total_a_bar_and_the_time_left() -> None:
     now = [100.0]
     state = state_with({0: 0, 1: 1}, clock=lambda: now[0]).for_cell(7)

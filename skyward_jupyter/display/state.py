@@ -324,8 +324,8 @@ class PanelState:
             rank.ended_detail = first_line(f"{error.type_name}: {error.message}")
         if self._progress is None:
             return
-        if result.interrupted:
-            outcome = "interrupted"
+        if result.stopped_by is not None:
+            outcome = result.stopped_by
         elif failed:
             outcome = f"failed on rank{'s' * (len(failed) > 1)} {', '.join(map(str, failed))}"
         else:

@@ -266,8 +266,8 @@ class TextReport:
         result = event.result
         failed = [r.rank for r in result if r.error is not None]
         how = (
-            "interrupted"
-            if result.interrupted
+            result.stopped_by
+            if result.stopped_by is not None
             else f"failed on rank{'s' * (len(failed) > 1)} {', '.join(map(str, failed))}"
             if failed
             else "done"
