@@ -689,8 +689,14 @@ def _interruptible(work: Coroutine[Any, Any, T]) -> T:
 
 
 def _read_script(path: str) -> tuple[str, CheckedSource]:
-    """The script's absolute path (its name in tracebacks) and its source, checked."""
+    """The script's absolute path (its name in tracebacks) and its source, checked. A
+    directory runs its ``__main__.py``, as ``python DIR`` does.
+    """
     script = Path(path).expanduser()
+    if script.is_dir():
+        if not (script / "__main__.py").is_file():
+            raise SessionError(f"{path} is a directory without a __main__.py: give the script")
+        script = script / "__main__.py"
     if not script.is_file():
         where = "" if script.is_absolute() else f" (looked in {Path.cwd()})"
         raise SessionError(f"no such script: {path}{where}")

@@ -633,14 +633,27 @@ def test_sky_run_in_a_kernel(kernel: Kernel, project: Path) -> None:
     ("line", "says"),
     [
         ("%sky run no_such_script.py", "no such script: no_such_script.py (looked in "),
+        ("%sky run {empty}", "empty is a directory without a __main__.py: give the script"),
         ("%sky run {bad}", "bad.py, line 2: SyntaxError: "),
     ],
 )
 def test_sky_run_bad_input_is_one_line(kernel: Kernel, project: Path, line: str, says: str) -> None:
     (project / "bad.py").write_text("print('fine')\ndef broken(:\n")
-    cell = kernel.fails(line.format(bad=project / "bad.py"))
+    (project / "empty").mkdir(exist_ok=True)
+    cell = kernel.fails(line.format(bad=project / "bad.py", empty=project / "empty"))
     assert cell.reply["ename"] == "UsageError", str(cell)
     assert says in cell.reply["evalue"] and "\n" not in cell.reply["evalue"], str(cell)
+    kernel.register_pool_pids()
+
+
+def test_sky_run_of_a_directory_runs_its_main_as_python_does(
+    kernel: Kernel, tmp_path: Path
+) -> None:
+    app = tmp_path / "app"
+    app.mkdir()
+    write(app, "__main__.py", "import sys\nprint('main of', __file__, sys.argv[1:], sys.path[0])")
+    cell = kernel.ok(f"%sky run {app} --flag")
+    assert f"main of {app / '__main__.py'} ['--flag'] {app}" in cell.stdout, str(cell)
     kernel.register_pool_pids()
 
 
