@@ -92,7 +92,7 @@ def _attacker(hosts: Hosts, script: str, args: dict[str, object]) -> subprocess.
 
 
 FLOOD = r"""
-import json, resource, selectors, socket, ssl, sys, time
+import json, resource, selectors, socket, ssl, struct, sys, time
 args = json.loads(sys.stdin.readline())
 address = (args["host"], args["port"])
 _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -156,6 +156,13 @@ while time.monotonic() < end:
                 closed += 1
                 sel.unregister(s)
                 s.close()
+# Reset what is left rather than close it: a closed socket whose handshake the relay's kernel
+# completed by a SYN cookie but never queued (the queue was full) lingers in FIN-WAIT-1, and each
+# FIN it sends again completes that handshake: connections would reach the relay's listen queue
+# for a minute after the flood, in later tests.
+for key in list(sel.get_map().values()):
+    key.fileobj.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    key.fileobj.close()
 print(json.dumps({"established": established, "closed": closed}), flush=True)
 """
 
@@ -211,6 +218,20 @@ if _head:
 """
 
 
+def _connecting(hosts: Hosts, port: int) -> int:
+    """The attacker's sockets to the relay's port (but those in TIME-WAIT, which send nothing):
+    while any is left (a FIN sent again by a socket the flood closed), more connections can
+    reach the listen queue.
+    """
+    sockets = subprocess.run(
+        hosts.netns_argv(ATTACKER, "ss", "-Htn", "exclude", "time-wait", f"dport = :{port}"),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return len(sockets.splitlines())
+
+
 def _queued(hosts: Hosts, port: int) -> int:
     """Connections waiting in the head's listen queue for the relay to accept them."""
     listening = subprocess.run(
@@ -239,8 +260,14 @@ def test_the_relay_survives_running_out_of_descriptors(hosts: Hosts, pool: Pool)
     """
     host, port = _relay(pool)
     pid = _head_pid(pool)
-    # Connections a flood left in the listen queue would leave no room for this test's client.
-    wait_for(lambda: _queued(hosts, port) == 0, 60, "the relay's listen queue to drain")
+    # Connections a flood left in the listen queue would leave no room for this test's client
+    # (a full queue drops its SYN, and the relay cannot accept until the cell is over): none
+    # queued, and none still to come from the attacker.
+    wait_for(
+        lambda: _connecting(hosts, port) == 0 and _queued(hosts, port) == 0,
+        60,
+        "the flood's connections to be gone and the relay's listen queue to drain",
+    )
     result = pool.run("import threading\n" + EXHAUST)
     tid = result.values[0]
     assert isinstance(tid, int), result.errors
