@@ -37,6 +37,7 @@ from typing import Any
 from . import doctor, wire
 from . import protocol as p
 from .events import PoolMessage, RankState
+from .flags import rank_span
 from .providers.base import ProviderError
 from .ranks import Rank, Ranks
 from .results import INTERRUPTED, TIMED_OUT, PoolError, RankEnded, RankResult, RemoteError
@@ -266,8 +267,9 @@ class Cell:
         named = [r.index for r in stuck if r not in self.killed]
         if named:
             self.notes.append(
-                f"ranks {named} did not stop within {self.grace:.0f} s of the interrupt and "
-                "were killed"
+                f"rank{'s' * (len(named) > 1)} {rank_span(named)} did not stop within "
+                f"{self.grace:.0f} s of the interrupt and {'were' if len(named) > 1 else 'was'} "
+                "killed"
             )
         self.asked_to_stop.update(stuck)
         self.killed.update(stuck)

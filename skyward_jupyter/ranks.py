@@ -31,6 +31,7 @@ from .events import (
     RankStateChanged,
     RankUsage,
 )
+from .flags import rank_span
 from .formation import Rebuilt, check_hellos, form_worlds, nothing_to_form, reformed
 from .frameworks import TORCH_ONLY, Frameworks
 from .gpus import lay_out
@@ -361,7 +362,9 @@ class Ranks:
             await asyncio.gather(*(self.spawn(r) for r in dead))
             await self.await_hellos(dead)
             notes.append(
-                f"ranks {[r.index for r in dead]} were restarted: their namespaces were lost"
+                f"rank{'s' * (len(dead) > 1)} {rank_span(r.index for r in dead)} "
+                f"{'were' if len(dead) > 1 else 'was'} restarted: "
+                f"{'their namespaces were' if len(dead) > 1 else 'its namespace was'} lost"
                 + (" (JAX's world cannot be formed again in running processes)" * jax)
             )
             self.emit(PoolMessage(notes[-1]))

@@ -294,7 +294,7 @@ class RunResult(Sequence[RankResult]):
         return self
 
     def __repr__(self) -> str:
-        state = "ok" if self.ok else f"failed on ranks {[e.rank for e in self.errors]}"
+        state = "ok" if self.ok else f"failed on ranks {rank_span(e.rank for e in self.errors)}"
         extra = f", lost namespaces of ranks {list(self.lost)}" if self.lost else ""
         count = len(self.ranks)
         return (

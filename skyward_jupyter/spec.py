@@ -194,7 +194,7 @@ class PoolSpec:
     def _flags(self) -> dict[str, Any]:
         """``--flag`` -> value, the provider's options included."""
         common = {
-            f"--{name.replace('_', '-')}": getattr(self, name)
+            _FLAG_OF.get(name, f"--{name.replace('_', '-')}"): getattr(self, name)
             for name in self.__dataclass_fields__
             if name != "options"
         }
@@ -210,6 +210,10 @@ class PoolSpec:
     def settled(self) -> PoolSpec:
         """The spec as its provider completes it (one node per named host)."""
         return provider_class(self.provider).settle(self)
+
+
+_FLAG_OF = {"frameworks": "--framework"}
+"""The fields whose option is not named after them (``--framework`` may be given again)."""
 
 
 def _chosen(own: Mapping[str, Any], current: str, flags: Mapping[str, Option]) -> str:

@@ -259,7 +259,7 @@ def test_notes_between_cells_are_written_and_notes_during_a_cell_are_left_to_its
     text, out, _ = report()
     text.on_event(PoolMessage("torch is not installed"))  # while starting: the session says it
     text.on_event(CellStarted(1, 1, 0))
-    text.on_event(PoolMessage("ranks [1] were restarted"))  # the cell's result says it
+    text.on_event(PoolMessage("rank 1 was restarted"))  # the cell's result says it
     text.on_event(CellFinished(1, RunResult(1, ())))
     text.on_event(PoolMessage("rank 1 (node 1, local pid 9) killed by SIGKILL while idle"))
     text.on_event(OutputReceived(0, 1, "stdout", "output is the cell's business\n"))
