@@ -30,6 +30,7 @@ results (:meth:`Cell.results`) and step 3 after them (:meth:`Cell.recover`).
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -380,11 +381,39 @@ def _in_step(done: list[p.CellDone]) -> bool:
 def _desynced(r: Rank, outcome: p.CellDone | BaseException | None, message: str) -> RankResult:
     """The stuck rank's result: the desync is its error, with the traceback of where it was."""
     tb = outcome.error.traceback if isinstance(outcome, p.CellDone) and outcome.error else ""
+    tb = _where_it_waited(tb)
     error = RemoteError(
         r.index, r.describe(), "CollectiveDesync", message, f"{tb}CollectiveDesync: {message}\n"
     )
     seconds = outcome.seconds if isinstance(outcome, p.CellDone) else 0.0
     return RankResult(r.index, r.node.index, None, None, error, seconds)
+
+
+_TRACEBACK = "Traceback (most recent call last):\n"
+_LIBRARY = re.compile(r'  File "[^"]*(/site-packages/|/dist-packages/|/lib/python3\.\d+/)')
+
+
+def _where_it_waited(traceback: str) -> str:
+    """Of a freed rank's traceback, the frames down to the user's code that called the
+    collective: not the error that freeing it caused in torch (gloo's "Connection closed by
+    peer ... a remote worker crashing", then the ``KeyboardInterrupt``), which would blame a
+    crash that never happened.
+    """
+    start = traceback.rfind(_TRACEBACK)
+    if start < 0:
+        return ""
+    lines = traceback[start + len(_TRACEBACK) :].splitlines(keepends=True)
+    frames: list[list[str]] = []
+    for line in lines:
+        if line.startswith("  File "):
+            frames.append([line])
+        elif frames and line.startswith("    "):
+            frames[-1].append(line)
+        else:
+            break  # the exception's own line(s)
+    users = [i for i, frame in enumerate(frames) if not _LIBRARY.match(frame[0])]
+    kept = frames[: users[-1] + 1] if users else frames
+    return _TRACEBACK + "".join(line for frame in kept for line in frame)
 
 
 def _failed(outcome: p.CellDone | BaseException | None) -> bool:

@@ -254,6 +254,12 @@ def test_a_collective_on_some_ranks_fails_in_seconds_saying_only_they_run_the_ce
         "rank 0 in all_reduce at cell line 3: only rank 0 runs this cell (--ranks 0)"
     ), message
     assert "\n" not in message
+    # Where it waited, down to the cell's line: not the error that freeing it caused in torch
+    # (gloo's "Connection closed by peer", the KeyboardInterrupt), which blames a crash.
+    shown = result.errors[0].traceback.splitlines()
+    assert shown[0] == "Traceback (most recent call last):" and len(shown) == 4, shown
+    assert shown[1].startswith('  File "<sky-cell-') and shown[2] == "    dist.all_reduce(t)"
+    assert shown[3] == f"CollectiveDesync: {message}", shown
     # The group works again for every rank, and rank 1 kept its namespace.
     after = pool2.run(ALL_REDUCE + "(t.item(), kept)")
     assert after.values == [(3.0, 0), (3.0, 1)], after.errors
