@@ -127,6 +127,23 @@ def test_tab_while_a_sky_cell_runs_answers_and_never_waits_on_a_stuck_head(
     assert {"model", "model_steps"} <= set(complete(nb, "mod"))  # the head answers again
 
 
+def test_a_slow_property_on_a_path_holds_neither_the_tab_nor_the_next_cell(
+    nb: Kernel, tmp_path: Path
+) -> None:
+    """Tab after ``slow.later.`` runs the user's property on the head; it sleeps, and the
+    completion comes without it, while the next cell runs and ends before it wakes.
+    """
+    woke = tmp_path / "woke"
+    nb.ok(
+        "%%sky\nimport pathlib, time\nclass Slow:\n    @property\n    def later(self):\n"
+        f"        time.sleep(30)\n        pathlib.Path({str(woke)!r}).touch()\n"
+        "        return self\nslow = Slow()"
+    )
+    assert complete(nb, "slow.later.") == []
+    assert nb.ok("%%sky --all\nrank").per_rank == {0: "0", 1: "1"}
+    assert not woke.exists(), "the cell waited for the property"
+
+
 def test_who_lists_each_ranks_names_with_tensor_shape_dtype_and_device(nb: Kernel) -> None:
     head = nb.ok("%sky who").stdout
     rows = {line.split()[0]: line.split()[1:] for line in head.splitlines()[3:]}

@@ -3,12 +3,16 @@ the ranks' names and ``%sky who`` read it.
 
 It is answered on whichever thread reads the wire, also while a cell runs (see :mod:`.inbox`):
 it only reads the namespace (names, types, ``dir()``, a tensor's or an array's shape) and never
-pickles a value, so a large model costs no more to list than an int.
+pickles a value, so a large model costs no more to list than an int. The attributes along a
+dotted path are the user's code (a property, ``__getattr__``): they are read on a thread of
+their own, and one that takes longer than :data:`PATH_WITHIN` is left to finish there, the
+request answered without it, so that a slow property never holds the wire (and the next cell).
 """
 
 from __future__ import annotations
 
 import inspect
+import threading
 from typing import Any
 
 from .. import protocol as p
@@ -19,13 +23,32 @@ def answer(request: p.NamesRequest, namespace: dict[str, Any]) -> p.Names:
     if not request.path:
         bound = dict(namespace)  # one copy: a cell running on main may bind names meanwhile
         return p.Names(request.request, tuple(_name(n, v) for n, v in bound.items()))
-    first, *rest = request.path
+    first = request.path[0]
     if first not in namespace:
         return p.Names(request.request, error=f"{first!r} is not bound on this rank")
-    value = namespace[first]
-    where = first
+    answered: list[p.Names] = []
+    reader = threading.Thread(
+        target=lambda: answered.append(_attributes(request, namespace[first])),
+        name="skyward-names",
+        daemon=True,
+    )
+    reader.start()
+    reader.join(PATH_WITHIN)
+    if not answered:
+        where = ".".join(request.path)
+        return p.Names(request.request, error=f"{where}: reading it took over {PATH_WITHIN} s")
+    return answered[0]
+
+
+PATH_WITHIN = 0.25
+"""Seconds the attributes along a path may take (the notebook waits 0.3 s for the answer)."""
+
+
+def _attributes(request: p.NamesRequest, value: Any) -> p.Names:
+    """The attribute names of ``value`` followed along the rest of the request's path."""
+    where = request.path[0]
     try:
-        for attribute in rest:
+        for attribute in request.path[1:]:
             value = getattr(value, attribute)
             where += f".{attribute}"
         found = dir(value)
