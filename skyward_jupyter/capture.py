@@ -101,6 +101,8 @@ class Shipment:
     nbytes: int
     warnings: tuple[str, ...]
     digests: dict[str, bytes] = field(repr=False)
+    keep: tuple[str, ...] = ()
+    """Of ``globals``, names some ranks bound: they keep theirs (``RunCell.keep``)."""
 
     @classmethod
     def nothing(cls) -> Shipment:
@@ -114,6 +116,9 @@ class Shipper:
     def __init__(self) -> None:
         self._sent: dict[str, bytes] = {}
         self._remote: set[str] = set()
+        """Names a cell bound on every rank: the ranks' now."""
+        self._partly: set[str] = set()
+        """Names ``--ranks`` cells bound on some ranks only: sent to be kept where not bound."""
         self._hashed: dict[str, _Hashed] = {}
 
     def prepare(
@@ -125,7 +130,7 @@ class Shipper:
         wanted = sorted(self._closure(names_read(source) | force, user_ns))
         send: dict[str, Pickled] = {}
         digests: dict[str, bytes] = {}
-        unchanged, remote, warnings = [], [], []
+        unchanged, remote, warnings, keep = [], [], [], []
         for name in wanted:
             if name in self._remote and name not in force:
                 remote.append(name)
@@ -137,6 +142,8 @@ class Shipper:
                 unchanged.append(name)
                 continue
             send[name] = pickled
+            if name in self._partly and name not in force:
+                keep.append(name)
             if pickled.nbytes > LARGE_GLOBAL_BYTES:
                 warnings.append(
                     f"global {name!r} is {pickled.nbytes / 2**20:.0f} MiB and is sent to every "
@@ -149,6 +156,7 @@ class Shipper:
             sum(p.nbytes for p in send.values()),
             tuple(warnings),
             digests,
+            tuple(keep),
         )
 
     def _digest(self, name: str, pickled: Pickled) -> bytes:
@@ -201,16 +209,22 @@ class Shipper:
             todo.extend(n for n in names_used_by(user_ns[name]) if shippable(n))
         return found
 
-    def commit(self, shipment: Shipment, bound: frozenset[str]) -> None:
+    def commit(self, shipment: Shipment, bound: frozenset[str], every_rank: bool = True) -> None:
         """The cell ran: its globals are on the ranks, and the names it bound are theirs now.
 
         ``bound`` comes from the ranks (what the cell actually rebound, also when it failed
-        part-way), not from reading the cell, so ``exec`` or ``globals()[...]`` count too.
+        part-way), not from reading the cell, so ``exec`` or ``globals()[...]`` count too. A
+        cell that ran on some ranks only (``every_rank`` False) bound them there only: the
+        others still take the notebook's values of those names.
         """
         for name in shipment.globals:
             self._sent[name] = shipment.digests[name]
         for name in bound:
-            self._remote.add(name)
+            if every_rank:
+                self._remote.add(name)
+                self._partly.discard(name)
+            elif name not in self._remote:
+                self._partly.add(name)
             self._sent.pop(name, None)
 
     def forget(self, survivors_bound: frozenset[str] | None = None) -> None:
@@ -224,5 +238,6 @@ class Shipper:
         self._sent.clear()
         if survivors_bound is None:
             self._remote.clear()
+            self._partly.clear()
         else:
             self._remote |= survivors_bound

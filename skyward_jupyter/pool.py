@@ -14,7 +14,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -237,13 +237,15 @@ class Pool:
         observer: Subscriber | None = None,
         on_wait: Callable[[], None] | None = None,
         ranks: Sequence[int] | None = None,
+        keep: Collection[str] = (),
     ) -> RunResult:
         """Run ``source`` on every rank with ``globals`` bound first; one result per rank.
 
         ``ranks`` (``%%sky --ranks``): only those run it, and only their results come back
         (with any other rank's failure); the others bind the globals and are idle at once,
         keeping their state. A collective the cell calls then fails within ``desync_after``
-        seconds, saying that only those ranks run the cell.
+        seconds, saying that only those ranks run the cell. ``keep``: globals a rank binds only
+        where none of its cells bound that name.
 
         With ``script``, the source runs as that script would under torchrun (its own
         ``__main__``, argv and directory). A syntax error or an unpicklable global fails here; a
@@ -268,7 +270,15 @@ class Pool:
         run_id = None
         if script is not None:  # a launch of its own, under the run id --env chose, if any
             run_id = self._ranks.settings.env.get("TORCHELASTIC_RUN_ID") or str(uuid.uuid4())
-        command = p.RunCell(cell_id, source.text, filename, dict(shipped), script, run_id=run_id)
+        command = p.RunCell(
+            cell_id,
+            source.text,
+            filename,
+            dict(shipped),
+            script,
+            run_id=run_id,
+            keep=tuple(sorted(set(keep) & set(shipped))),
+        )
         files = self._transfer.scan()
         if observer is not None:
             self._fanout.observers[cell_id] = observer

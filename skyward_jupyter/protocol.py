@@ -282,6 +282,9 @@ class RunCell:
     run_id: str | None = None
     """A script's ``TORCHELASTIC_RUN_ID``: each ``%sky run`` is a launch of its own, as each
     torchrun is, with a new id unless ``--env`` chose one (None: a cell, in the pool's launch)."""
+    keep: tuple[str, ...] = ()
+    """Of ``globals``, the names a rank binds only where none of its cells bound them: names some
+    ranks bound in a ``--ranks`` cell stay theirs, the others get the notebook's value."""
 
 
 def cell_filename(number: int) -> str:

@@ -334,16 +334,19 @@ class Session:
                 observer=view.on_event,
                 on_wait=view.flush,
                 ranks=ranks,
+                keep=shipment.keep,
             )
         except CellInterrupted as interrupted:
-            self._after_cell(entry, shipment, interrupted.result)
+            self._after_cell(entry, shipment, interrupted.result, ranks is None)
             raise
         finally:
             view.finish()
-        self._after_cell(entry, shipment, result)
+        self._after_cell(entry, shipment, result, ranks is None)
         return result
 
-    def _after_cell(self, entry: PoolEntry, shipment: Shipment, result: RunResult) -> None:
+    def _after_cell(
+        self, entry: PoolEntry, shipment: Shipment, result: RunResult, every_rank: bool
+    ) -> None:
         """What the ranks hold once a cell ended (its globals, the names it bound; nothing
         where a rank was lost), and what they had to say.
         """
@@ -351,7 +354,7 @@ class Session:
             every = len(result.lost) >= entry.pool.world_size
             entry.shipper.forget(None if every else result.bound)
         else:
-            entry.shipper.commit(shipment, result.bound)
+            entry.shipper.commit(shipment, result.bound, every_rank)
         for note in result.notes:
             self._announce(f"pool {entry.name!r}: {note}")
 

@@ -73,6 +73,17 @@ def test_names_bound_on_the_ranks_stay_remote() -> None:
     assert set(shipper.prepare("model", _ns(model=1)).globals) == {"model"}
 
 
+def test_names_a_cell_bound_on_some_ranks_are_sent_to_be_kept_where_bound() -> None:
+    shipper = Shipper()
+    shipper.commit(shipper.prepare("x = 1", _ns()), frozenset({"x"}), every_rank=False)
+    some = shipper.prepare("x", _ns(x="notebook's"))
+    assert set(some.globals) == {"x"} and some.keep == ("x",) and some.remote == ()
+    shipper.commit(some, frozenset())
+    assert shipper.prepare("x", _ns(x="notebook's")).unchanged == ("x",)
+    shipper.commit(shipper.prepare("x = 2", _ns()), frozenset({"x"}))  # now on every rank
+    assert shipper.prepare("x", _ns(x="notebook's")).remote == ("x",)
+
+
 def test_functions_take_the_globals_they_use() -> None:
     ns = _ns(LR=0.1, unused=5)
     exec("def step(x):\n    return x * LR\nclass Opt:\n    def rate(self):\n        return LR", ns)

@@ -711,6 +711,23 @@ def test_a_name_bound_by_a_sky_cell_stays_remote(nb: Kernel) -> None:
     assert nb.eval("where_bound") == "local"
 
 
+def test_a_name_bound_by_a_ranks_cell_stays_remote_on_those_ranks_only(nb: Kernel) -> None:
+    """``%%sky --ranks 0`` binds a name on rank 0: the other ranks still get the notebook's
+    value of it, and rank 0 keeps its own, until a cell on every rank binds it everywhere.
+    """
+    nb.ok(POOL2)
+    nb.ok("bound_on_some = 'notebook'")
+    nb.ok("%%sky --ranks 0\nbound_on_some = 'rank 0'")
+    cell = nb.ok("%%sky --all\nbound_on_some")
+    assert cell.per_rank == {0: "'rank 0'", 1: "'notebook'"}, str(cell)
+    nb.ok("bound_on_some = 'notebook, edited'")
+    cell = nb.ok("%%sky --all\nbound_on_some")
+    assert cell.per_rank == {0: "'rank 0'", 1: "'notebook, edited'"}, str(cell)
+    nb.ok("%%sky\nbound_on_some = f'every rank {rank}'")
+    cell = nb.ok("%%sky --all\nbound_on_some")
+    assert cell.per_rank == {0: "'every rank 0'", 1: "'every rank 1'"}, str(cell)
+
+
 def test_names_the_surviving_ranks_bound_stay_theirs_when_one_is_restarted(nb: Kernel) -> None:
     """Rank 1 dies in a cell and is restarted: what rank 0 bound stays its own, not replaced by
     the notebook's value of the name, and the restarted rank starts without it.

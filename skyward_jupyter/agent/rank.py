@@ -120,6 +120,9 @@ class Agent:
         self.channel = SyncChannel(wire_in, wire_out, lines, progress=self._heard)
         self.namespace = Namespace()
         self._notes: list[str] = []
+        self._bound_here: set[str] = set()
+        """Names this rank's cells bound: a global sent to be kept where not bound
+        (``RunCell.keep``) leaves these alone."""
         group = GroupSettings(
             rank=int(os.environ.get("RANK", "0")),
             world_size=int(os.environ.get("WORLD_SIZE", "1")),
@@ -450,7 +453,8 @@ class Agent:
         before: dict[str, Any] = {}
         try:
             for name, value in self.arrivals.prepare(command).items():
-                self.namespace.bind(name, value)
+                if name not in command.keep or name not in self._bound_here:
+                    self.namespace.bind(name, value)
             before = dict(self.namespace.globals)  # holds the values, so ids cannot be reused
             self.worlds.user_calls.reset()
             with self._cell_lock:
@@ -478,6 +482,7 @@ class Agent:
             if before and (name not in before or before[name] is not v)
         )
         before.clear()
+        self._bound_here.update(bound)
         self._sync_output()
         self._mend_output()
         self._flush_metrics()
