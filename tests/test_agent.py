@@ -22,12 +22,21 @@ from .conftest import wait_for
 
 @pytest.fixture
 def agent() -> Iterator[tuple[subprocess.Popen[bytes], SyncChannel]]:
-    env = {
-        **os.environ,
-        "SKYWARD_AGENT": json.dumps({"heartbeat_interval": 0.2, "heartbeat_timeout": 1.5}),
-        "RANK": "0",
-        "WORLD_SIZE": "1",
-    }
+    """An agent whose heartbeat timeout no loaded machine reaches: the tests that use it are
+    not about heartbeats, and a worker starved for a second and a half must not end it.
+    """
+    yield from _agent(heartbeat_timeout=120)
+
+
+@pytest.fixture
+def quick_agent() -> Iterator[tuple[subprocess.Popen[bytes], SyncChannel]]:
+    """An agent that takes the notebook for gone after 1.5 s without a heartbeat."""
+    yield from _agent(heartbeat_timeout=1.5)
+
+
+def _agent(heartbeat_timeout: float) -> Iterator[tuple[subprocess.Popen[bytes], SyncChannel]]:
+    settings = {"heartbeat_interval": 0.2, "heartbeat_timeout": heartbeat_timeout}
+    env = {**os.environ, "SKYWARD_AGENT": json.dumps(settings), "RANK": "0", "WORLD_SIZE": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "skyward_jupyter.agent"],
         stdin=subprocess.PIPE,
@@ -74,9 +83,9 @@ def _block_in_a_cell(channel: SyncChannel) -> None:
 
 
 def test_agent_exits_when_heartbeat_stops_while_cell_blocks(
-    agent: tuple[subprocess.Popen[bytes], SyncChannel],
+    quick_agent: tuple[subprocess.Popen[bytes], SyncChannel],
 ) -> None:
-    proc, channel = agent
+    proc, channel = quick_agent
     _block_in_a_cell(channel)
     # No heartbeats are sent from here on, and the channel stays open.
     wait_for(lambda: proc.poll() is not None, 10, "the agent to exit after its heartbeat timeout")
@@ -194,13 +203,13 @@ def test_a_future_import_holds_for_later_cells_as_in_ipython(
 
 
 def test_beats_the_agent_has_not_read_yet_count_as_heard(
-    agent: tuple[subprocess.Popen[bytes], SyncChannel],
+    quick_agent: tuple[subprocess.Popen[bytes], SyncChannel],
 ) -> None:
     """A rank whose main thread cannot read its wire for longer than the heartbeat timeout
     (importing torch on a loaded node; here, stopped as it starts) while the notebook beats
     must not take the notebook for gone: the beats wait on its wire, unread.
     """
-    proc, channel = agent
+    proc, channel = quick_agent
     # Its watchdog and reader run (five threads with the output pumps); its main thread is
     # importing torch, and nothing reads the wire until it is done.
     wait_for(lambda: len(os.listdir(f"/proc/{proc.pid}/task")) >= 5, 30, "the agent's threads")
