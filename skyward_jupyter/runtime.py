@@ -233,6 +233,8 @@ def log(step: int | None = None, total: int | None = None, **metrics: Any) -> No
             raise TypeError(
                 f"log(): metric {name!r} must be a number, got {type(value).__name__}"
             ) from exc
+        except OverflowError:  # an int beyond any float
+            raise ValueError(f"log(): metric {name!r} is too large for a float") from None
     if step is not None:
         if isinstance(step, bool):
             raise TypeError("log(): step must be an int, got bool")

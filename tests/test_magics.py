@@ -1347,6 +1347,29 @@ def test_a_failed_replacement_leaves_the_local_pool_as_it_was(nb: Kernel, tmp_pa
     assert "world size 2" in nb.ok(f"%sky run {script}").stdout
 
 
+def test_metrics_that_diverge_or_overflow_show_as_they_are(nb: Kernel) -> None:
+    """A diverged loss (inf, -inf), values near the largest float and a NaN on one rank: the
+    cell, its panel and ``%sky metrics`` show them; a NaN is the step's whichever rank sent it.
+    """
+    nb.ok(POOL2)
+    cell = nb.ok(
+        "%%sky\nfrom skyward_jupyter import log\n"
+        "log(step=0, loss=float('inf'), low=-float('inf'), huge=1e308,\n"
+        "    a=float('nan') if rank == 0 else 1.0, b=1.0 if rank == 0 else float('nan'))"
+    )
+    assert "failed to draw" not in cell.stderr and not cell.errors, str(cell)
+    nb.ok("shown = %sky metrics")
+    rows = nb.ok("print(sorted((r['name'], r['mean'], r['min'], r['max']) for r in shown))")
+    nan, inf = "nan", "inf"
+    assert rows.stdout.strip() == (
+        f"[('a', {nan}, {nan}, {nan}), ('b', {nan}, {nan}, {nan}), "
+        f"('huge', 1e+308, 1e+308, 1e+308), ('loss', {inf}, {inf}, {inf}), "
+        f"('low', -{inf}, -{inf}, -{inf})]"
+    ), str(rows)
+    table = nb.ok("print(shown._repr_html_())").stdout
+    assert ">inf<" in table and ">-inf<" in table and ">nan<" in table, table
+
+
 def test_a_description_its_provider_refuses_leaves_the_pool_untouched(nb: Kernel) -> None:
     """A pool elsewhere replaces the local one only after it has started, but what its provider
     can check here comes first: Slurm without its commands on PATH is one line, and the 2-node

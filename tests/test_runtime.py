@@ -450,6 +450,12 @@ def test_log_rejects_non_numbers_naming_the_metric(bad: Any) -> None:
     assert local_metrics() == []
 
 
+def test_log_refuses_an_int_too_large_for_a_float_naming_the_metric() -> None:
+    with pytest.raises(ValueError, match="log\\(\\): metric 'big' is too large for a float"):
+        log(step=1, loss=1.0, big=10**400)
+    assert local_metrics() == []
+
+
 def test_log_rejects_multi_element_numpy_array() -> None:
     with pytest.raises(TypeError, match="'batch'"):
         log(batch=np.array([1.0, 2.0]))

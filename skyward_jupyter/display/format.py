@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -31,6 +32,8 @@ def format_seconds(seconds: float) -> str:
 def format_number(x: float) -> str:
     if x != x:  # NaN
         return "nan"
+    if x in (math.inf, -math.inf):  # a diverged loss: as Python writes it
+        return "inf" if x > 0 else "-inf"
     if x == int(x) and abs(x) < 1e12:
         return str(int(x))
     return f"{x:.4g}"

@@ -9,6 +9,7 @@ metric 0, 1, 2, ... (after the last step the rank logged for it).
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -94,7 +95,14 @@ class MetricRow:
         waiting: bool = False,
     ) -> MetricRow:
         seq = list(values)
-        return cls(step, name, sum(seq) / len(seq), min(seq), max(seq), len(seq), expected, waiting)
+        if any(v != v for v in seq):  # a NaN on any rank is the step's, wherever it came in
+            nan = math.nan
+            return cls(step, name, nan, nan, nan, len(seq), expected, waiting)
+        total = sum(seq)
+        # Near the largest float the sum overflows though each value is finite: a mean of
+        # shares then stays between the least and the greatest, as a mean must.
+        mean = total / len(seq) if math.isfinite(total) else sum(v / len(seq) for v in seq)
+        return cls(step, name, mean, min(seq), max(seq), len(seq), expected, waiting)
 
     @property
     def ranks_text(self) -> str:
