@@ -110,6 +110,30 @@ def test_a_partial_or_redrawn_chunk_is_written_at_once() -> None:
     assert err.getvalue().endswith("[rank 1 stderr] no newline yet and the rest\n")
 
 
+def test_progress_bars_on_several_ranks_keep_one_line_redrawing() -> None:
+    """tqdm on every rank: the first rank's bar redraws the line in view; another rank's
+    redraws wait, and its last state shows as a line once that line ends (or at the cell's end),
+    not a line per redraw.
+    """
+    view, err, _ = make(ranks=2)
+    for step in ("  0%", " 50%"):
+        send(view, 0, f"\r{step}|")
+        send(view, 1, f"\r{step}|")
+        view.flush()
+    assert err.getvalue() == "\r[rank 0 stderr]   0%|\r[rank 0 stderr]  50%|"
+    send(view, 0, "\r100%|\n")
+    view.flush()
+    assert err.getvalue().endswith("\r[rank 0 stderr] 100%|\n\r[rank 1 stderr]  50%|\n")
+    send(view, 1, "\r 75%|")  # no other bar in view now: redrawn at once
+    send(view, 1, "\r100%|\n")
+    view.flush()
+    assert err.getvalue().endswith("|\n\r[rank 1 stderr]  75%|\r[rank 1 stderr] 100%|\n")
+    send(view, 0, "\r 10%|")
+    send(view, 1, "\r 20%|")
+    view.finish()  # the cell ended: the waiting state is not lost
+    assert err.getvalue().endswith("\r[rank 0 stderr]  10%|\n\r[rank 1 stderr]  20%|\n")
+
+
 def test_a_pass_through_chunk_writes_that_ranks_held_lines_first() -> None:
     view, err, _ = make(ranks=2)
     send(view, 0, "first\n")

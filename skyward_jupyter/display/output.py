@@ -106,6 +106,9 @@ class CellOutput:
         self._last_seq: dict[int, int] = {}
         # Ranks whose own stderr line is unfinished: what follows continues it, so passes through.
         self._stderr_open: set[int] = set()
+        self._redraws: dict[int, str] = {}
+        """Per rank, the last redraw (``\\r``) of a progress bar of its own that waits while
+        another rank's bar is the line in view: one stream keeps one line redrawing."""
         self.skipped_chars = 0
 
     def on_event(self, event: PoolEvent) -> None:
@@ -191,6 +194,8 @@ class CellOutput:
             else:
                 key = (event.rank, event.stream)
                 self._append(parts, "stdout", key, event.text, label)
+        if everything:
+            self._show_redraws(parts)
         self._release(parts, now, everything=everything)
         self._write(parts)
 
@@ -213,12 +218,30 @@ class CellOutput:
             if rank not in self._stderr_open and piece.endswith("\n") and "\r" not in piece:
                 self._hold(rank, piece, now)
                 continue
+            in_view = self._open_line["stderr"]
+            if "\r" in piece and in_view is not None and in_view[0] != rank:
+                # Another rank's bar redraws the line in view: ending it for each redraw of
+                # this one would leave a line per redraw. Its last state waits for that line.
+                self._redraws[rank] = piece
+                self._stderr_open.add(rank)
+                continue
             self._release(parts, now, forced={rank})
+            self._show_redraws(parts, rank)
             self._append(parts, "stderr", (rank, "stderr"), piece, stderr_label([rank]))
             if piece.endswith("\n"):
                 self._stderr_open.discard(rank)
+                self._show_redraws(parts)
             else:
                 self._stderr_open.add(rank)
+
+    def _show_redraws(self, parts: _Parts, only: int | None = None) -> None:
+        """Write the waiting redraws (of rank ``only``), each its rank's last state, as a line."""
+        for rank in sorted(self._redraws) if only is None else [only]:
+            piece = self._redraws.pop(rank, None)
+            if piece is not None:
+                line = piece if piece.endswith("\n") else piece + "\n"
+                self._append(parts, "stderr", (rank, "stderr"), line, stderr_label([rank]))
+                self._stderr_open.discard(rank)
 
     def _hold(self, rank: int, line: str, now: float) -> None:
         """Add ``rank`` to the oldest entry for ``line`` newer than its last one, or start one."""
