@@ -413,7 +413,7 @@ class Ranks:
         """
         skipped = nothing_to_form(self, jax)
         if skipped is not None:
-            if skipped:
+            if skipped and skipped != self.worlds_note:  # said once, not again at each re-form
                 self.worlds_note = skipped
                 self.emit(PoolMessage(skipped))
             for r in self.all:

@@ -15,7 +15,14 @@ import pytest
 
 from skyward_jupyter import CellError, Pool, PoolError, RunResult
 from skyward_jupyter import protocol as p
-from skyward_jupyter.events import CellFinished, CellStarted, OutputReceived, PoolEvent
+from skyward_jupyter.events import (
+    CellFinished,
+    CellStarted,
+    OutputReceived,
+    PoolEvent,
+    PoolMessage,
+)
+from skyward_jupyter.frameworks import Frameworks
 from skyward_jupyter.providers.base import Node
 from skyward_jupyter.ranks import Rank
 from skyward_jupyter.transfer import RELAY_MIN_BYTES, Transfer
@@ -671,6 +678,15 @@ def test_timeout_stops_the_cell() -> None:
         assert {e.type_name for e in result.errors} == {"KeyboardInterrupt"}
         assert any("timed out" in n for n in result.notes)
         assert pool.run("1").values == [1, 1]
+
+
+def test_a_pool_without_a_group_says_so_once_not_at_each_restart() -> None:
+    with Pool(nodes=2, frameworks=Frameworks(torch=False)) as pool:
+        said: list[str] = []
+        pool.subscribe(lambda e: said.append(e.text) if isinstance(e, PoolMessage) else None)
+        result = pool.run("import os\nif rank == 1:\n    os._exit(3)")
+        assert result.lost == (1,) and "rank 1 was restarted" in str(result.notes)
+        assert "--framework none: no distributed setup" not in said, said
 
 
 def test_rank_lost_while_idle_is_restarted_and_reported() -> None:
