@@ -51,7 +51,8 @@ def _env(text: str) -> tuple[str, str]:
 def _directory(text: str) -> str:
     path = os.path.abspath(os.path.expanduser(text))
     if not os.path.isdir(path):
-        raise argparse.ArgumentTypeError(f"no such directory: {text} ({path})")
+        where = "" if path == text else f" ({path})"
+        raise argparse.ArgumentTypeError(f"no such directory: {text}{where}")
     return path
 
 

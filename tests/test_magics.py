@@ -350,6 +350,7 @@ BAD_OPTIONS = [
     ("--sync-cap nan", "--sync-cap: expected a finite number of MB, got nan"),
     ("--sync-cap inf", "--sync-cap: expected a finite number of MB, got inf"),
     ("--sync-cap 1e300", "must be more than 0 to 1.04858e+06 MB"),
+    ("--sync /no/such/dir", "--sync: no such directory: /no/such/dir"),
     ("--timeout nan", "--timeout: expected a finite number of seconds, got nan"),
     ("--timeout -5", "--timeout: must be more than 0 to"),
     ("--idle-timeout inf", "--idle-timeout: expected a finite number of minutes"),
