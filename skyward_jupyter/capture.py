@@ -27,6 +27,7 @@ from typing import Any
 import xxhash
 
 from .protocol import Pickled
+from .results import PoolError
 from .transfer import pickle_global
 from .written import WATCH_MIN_BYTES, WRITES, Ranges, Watch, pages
 
@@ -135,7 +136,15 @@ class Shipper:
             if name in self._remote and name not in force:
                 remote.append(name)
                 continue
-            pickled = pickle_global(name, user_ns[name])
+            try:
+                pickled = pickle_global(name, user_ns[name])
+            except PoolError:
+                if name not in self._partly or name in force:
+                    raise
+                # Some ranks hold their own: the others lack the name, and say so by name,
+                # rather than the cell fail for a value the ranks that have one never need.
+                remote.append(name)
+                continue
             digest = self._digest(name, pickled)
             digests[name] = digest
             if self._sent.get(name) == digest and name not in force:
@@ -223,21 +232,28 @@ class Shipper:
             if every_rank:
                 self._remote.add(name)
                 self._partly.discard(name)
+                self._sent.pop(name, None)
             elif name not in self._remote:
+                # What was sent before still holds on the ranks that did not run the cell: an
+                # unchanged notebook value is not sent again over what they made of it.
                 self._partly.add(name)
-            self._sent.pop(name, None)
 
-    def forget(self, survivors_bound: frozenset[str] | None = None) -> None:
+    def forget(
+        self, survivors_bound: frozenset[str] | None = None, every_rank: bool = True
+    ) -> None:
         """Namespaces were lost (ranks restarted): no value sent can be assumed there any more.
 
         ``survivors_bound``: only some ranks were lost, and the last cell bound these names on
         the others. Those, and the names earlier cells bound, stay remote: the notebook's values
         would silently replace what the surviving ranks hold, while a restarted rank, which
-        lacks them, names them in its NameError.
+        lacks them, names them in its NameError. A cell that ran on some ranks only
+        (``every_rank`` False) bound them there only, as :meth:`commit` has it.
         """
         self._sent.clear()
         if survivors_bound is None:
             self._remote.clear()
             self._partly.clear()
-        else:
+        elif every_rank:
             self._remote |= survivors_bound
+        else:
+            self._partly |= survivors_bound - self._remote

@@ -223,6 +223,8 @@ def log(step: int | None = None, total: int | None = None, **metrics: Any) -> No
             count = -1
         if isinstance(total, bool) or count < 0:
             raise TypeError(f"log(): total must be a count of steps, got {total!r}")
+        if count > 2**53:  # a count a float still holds exactly
+            raise ValueError("log(): total is too large a count of steps")
         values[TOTAL_KEY] = float(count)
     for name, value in metrics.items():
         try:

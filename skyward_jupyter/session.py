@@ -324,6 +324,7 @@ class Session:
         for warning in shipment.warnings:
             self._announce(f"warning: {warning}")
         view = self.views.cell(entry, stdout or self.stdout_mode, ranks)
+        every_rank = ranks is None or set(ranks) >= set(range(entry.pool.world_size))
         try:
             result = entry.pool.run(
                 source,
@@ -337,11 +338,11 @@ class Session:
                 keep=shipment.keep,
             )
         except CellInterrupted as interrupted:
-            self._after_cell(entry, shipment, interrupted.result, ranks is None)
+            self._after_cell(entry, shipment, interrupted.result, every_rank)
             raise
         finally:
             view.finish()
-        self._after_cell(entry, shipment, result, ranks is None)
+        self._after_cell(entry, shipment, result, every_rank)
         return result
 
     def _after_cell(
@@ -352,7 +353,7 @@ class Session:
         """
         if result.lost:
             every = len(result.lost) >= entry.pool.world_size
-            entry.shipper.forget(None if every else result.bound)
+            entry.shipper.forget(None if every else result.bound, every_rank)
         else:
             entry.shipper.commit(shipment, result.bound, every_rank)
         for note in result.notes:
@@ -375,8 +376,9 @@ class Session:
                 raise SessionError(f"rank {r.rank} has no variable {name!r}")
             if r.error is None and r.value is None and r.value_repr is not None:
                 raise SessionError(
-                    f"rank {r.rank}'s {name} ({r.value_repr[:80]}) does not pickle, so it "
-                    "cannot come to the notebook; pull a picklable part or copy of it"
+                    f"rank {r.rank}'s {name} ({r.value_repr[:80]}) cannot come to the notebook: "
+                    "it does not pickle there, or does not load here (a class or package the "
+                    "notebook lacks, a GPU tensor); pull a plain part or copy of it"
                 )
         if not result.ok:
             raise CellError(result.errors)
@@ -700,6 +702,7 @@ def _read_script(path: str) -> tuple[str, CheckedSource]:
         if not (script / "__main__.py").is_file():
             raise SessionError(f"{path} is a directory without a __main__.py: give the script")
         script = script / "__main__.py"
+        path = str(Path(path) / "__main__.py")  # what the errors below name
     if not script.is_file():
         where = "" if script.is_absolute() else f" (looked in {Path.cwd()})"
         raise SessionError(f"no such script: {path}{where}")

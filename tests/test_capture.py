@@ -84,6 +84,34 @@ def test_names_a_cell_bound_on_some_ranks_are_sent_to_be_kept_where_bound() -> N
     assert shipper.prepare("x", _ns(x="notebook's")).remote == ("x",)
 
 
+def test_a_ranks_cell_leaves_what_was_sent_to_the_other_ranks_alone() -> None:
+    """Sent before, then rebound by a ``--ranks`` cell: the other ranks keep what they made of
+    the sent value (not sent again while the notebook's is unchanged), and get an edit.
+    """
+    shipper = Shipper()
+    shipper.commit(shipper.prepare("hist", _ns(hist=[])), frozenset())
+    shipper.commit(shipper.prepare("hist = 1", _ns(hist=[])), frozenset({"hist"}), every_rank=False)
+    assert shipper.prepare("hist", _ns(hist=[])).unchanged == ("hist",)
+    edited = shipper.prepare("hist", _ns(hist=[1]))
+    assert set(edited.globals) == {"hist"} and edited.keep == ("hist",)
+
+
+def test_a_name_some_ranks_bound_whose_notebook_value_cannot_travel_stays_theirs() -> None:
+    import threading
+
+    shipper = Shipper()
+    shipper.commit(shipper.prepare("lock = 1", _ns()), frozenset({"lock"}), every_rank=False)
+    shipment = shipper.prepare("lock", _ns(lock=threading.Lock()))
+    assert shipment.globals == {} and shipment.remote == ("lock",)
+
+
+def test_names_a_ranks_cell_bound_stay_partly_theirs_when_a_rank_is_lost() -> None:
+    shipper = Shipper()
+    shipper.forget(frozenset({"x"}), every_rank=False)
+    some = shipper.prepare("x", _ns(x="notebook's"))
+    assert set(some.globals) == {"x"} and some.keep == ("x",)
+
+
 def test_functions_take_the_globals_they_use() -> None:
     ns = _ns(LR=0.1, unused=5)
     exec("def step(x):\n    return x * LR\nclass Opt:\n    def rate(self):\n        return LR", ns)

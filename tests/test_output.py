@@ -134,6 +134,27 @@ def test_progress_bars_on_several_ranks_keep_one_line_redrawing() -> None:
     assert err.getvalue().endswith("\r[rank 0 stderr]  10%|\n\r[rank 1 stderr]  20%|\n")
 
 
+def test_a_waiting_bar_keeps_its_ranks_order_and_its_end_continues_it() -> None:
+    view, err, _ = make(ranks=3)
+    send(view, 0, "\r 10%|")
+    send(view, 1, "a warning first\n")  # held: the other ranks may write it too
+    send(view, 1, "\r 50%|")  # waits: rank 0's bar is the line in view
+    send(view, 2, "\r 20%|")
+    view.flush()
+    send(view, 0, "\r100%|\n")
+    view.flush()
+    assert err.getvalue().endswith(
+        "\r[rank 0 stderr] 100%|\n[rank 1 stderr] a warning first\n"
+        "\r[rank 1 stderr]  50%|\n\r[rank 2 stderr]  20%|\n"
+    ), err.getvalue()
+    send(view, 0, "\r 10%|")
+    send(view, 2, "\r100%|")
+    view.flush()
+    send(view, 2, "\n")  # tqdm's close: ends the bar that waited, with no empty line
+    view.finish()
+    assert err.getvalue().endswith("\r[rank 0 stderr]  10%|\n\r[rank 2 stderr] 100%|\n")
+
+
 def test_a_pass_through_chunk_writes_that_ranks_held_lines_first() -> None:
     view, err, _ = make(ranks=2)
     send(view, 0, "first\n")

@@ -453,6 +453,8 @@ def test_log_rejects_non_numbers_naming_the_metric(bad: Any) -> None:
 def test_log_refuses_an_int_too_large_for_a_float_naming_the_metric() -> None:
     with pytest.raises(ValueError, match="log\\(\\): metric 'big' is too large for a float"):
         log(step=1, loss=1.0, big=10**400)
+    with pytest.raises(ValueError, match="total is too large"):
+        log(step=1, total=10**400, loss=1.0)
     assert local_metrics() == []
 
 

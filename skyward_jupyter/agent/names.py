@@ -24,11 +24,12 @@ def answer(request: p.NamesRequest, namespace: dict[str, Any]) -> p.Names:
         bound = dict(namespace)  # one copy: a cell running on main may bind names meanwhile
         return p.Names(request.request, tuple(_name(n, v) for n, v in bound.items()))
     first = request.path[0]
-    if first not in namespace:
+    value = namespace.get(first, _UNBOUND)  # read here: a cell may delete it meanwhile
+    if value is _UNBOUND:
         return p.Names(request.request, error=f"{first!r} is not bound on this rank")
     answered: list[p.Names] = []
     reader = threading.Thread(
-        target=lambda: answered.append(_attributes(request, namespace[first])),
+        target=lambda: answered.append(_attributes(request, value)),
         name="skyward-names",
         daemon=True,
     )
@@ -40,6 +41,7 @@ def answer(request: p.NamesRequest, namespace: dict[str, Any]) -> p.Names:
     return answered[0]
 
 
+_UNBOUND = object()
 PATH_WITHIN = 0.25
 """Seconds the attributes along a path may take (the notebook waits 0.3 s for the answer)."""
 

@@ -225,8 +225,9 @@ class CellOutput:
                 self._redraws[rank] = piece
                 self._stderr_open.add(rank)
                 continue
+            # What follows a waiting redraw continues its line (tqdm ends a bar on its own).
+            piece = self._redraws.pop(rank, "") + piece
             self._release(parts, now, forced={rank})
-            self._show_redraws(parts, rank)
             self._append(parts, "stderr", (rank, "stderr"), piece, stderr_label([rank]))
             if piece.endswith("\n"):
                 self._stderr_open.discard(rank)
@@ -234,14 +235,16 @@ class CellOutput:
             else:
                 self._stderr_open.add(rank)
 
-    def _show_redraws(self, parts: _Parts, only: int | None = None) -> None:
-        """Write the waiting redraws (of rank ``only``), each its rank's last state, as a line."""
-        for rank in sorted(self._redraws) if only is None else [only]:
-            piece = self._redraws.pop(rank, None)
-            if piece is not None:
-                line = piece if piece.endswith("\n") else piece + "\n"
-                self._append(parts, "stderr", (rank, "stderr"), line, stderr_label([rank]))
-                self._stderr_open.discard(rank)
+    def _show_redraws(self, parts: _Parts) -> None:
+        """Write the waiting redraws, each its rank's last state, as a line, after what that
+        rank wrote before it.
+        """
+        for rank in sorted(self._redraws):
+            piece = self._redraws.pop(rank)
+            self._release(parts, self._clock(), forced={rank})
+            line = piece if piece.endswith("\n") else piece + "\n"
+            self._append(parts, "stderr", (rank, "stderr"), line, stderr_label([rank]))
+            self._stderr_open.discard(rank)
 
     def _hold(self, rank: int, line: str, now: float) -> None:
         """Add ``rank`` to the oldest entry for ``line`` newer than its last one, or start one."""

@@ -266,7 +266,7 @@ class TextReport:
         result = event.result
         failed = [r.rank for r in result if r.error is not None]
         how = (
-            result.stopped_by
+            ("timed out" if result.timed_out else "interrupted")
             if result.stopped_by is not None
             else f"failed on rank{'s' * (len(failed) > 1)} {', '.join(map(str, failed))}"
             if failed
