@@ -20,7 +20,7 @@ from __future__ import annotations
 import ast
 import builtins
 import types
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -237,6 +237,15 @@ class Shipper:
                 # What was sent before still holds on the ranks that did not run the cell: an
                 # unchanged notebook value is not sent again over what they made of it.
                 self._partly.add(name)
+
+    def pushed(self, names: Iterable[str]) -> None:
+        """``%sky push`` gave every rank the notebook's value of ``names``: one that only some
+        ranks had bound is now every rank's, as a pushed name that all of them had bound stays.
+        """
+        for name in names:
+            if name in self._partly:
+                self._partly.discard(name)
+                self._remote.add(name)
 
     def forget(
         self, survivors_bound: frozenset[str] | None = None, every_rank: bool = True

@@ -395,6 +395,7 @@ class Session:
         shipment = entry.shipper.prepare("", user_ns, force=frozenset(names))
         result = entry.pool.run("", shipment.globals).raise_for_errors()
         entry.shipper.commit(shipment, result.bound)
+        entry.shipper.pushed(names)
         return result
 
     def restart(self, name: str | None = None) -> PoolEntry:

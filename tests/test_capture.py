@@ -105,6 +105,16 @@ def test_a_name_some_ranks_bound_whose_notebook_value_cannot_travel_stays_theirs
     assert shipment.globals == {} and shipment.remote == ("lock",)
 
 
+def test_a_pushed_name_some_ranks_bound_is_every_ranks_after() -> None:
+    shipper = Shipper()
+    shipper.commit(shipper.prepare("x = 1", _ns()), frozenset({"x"}), every_rank=False)
+    pushed = shipper.prepare("", _ns(x="notebook's"), force=frozenset({"x"}))
+    assert set(pushed.globals) == {"x"} and pushed.keep == ()
+    shipper.commit(pushed, frozenset())
+    shipper.pushed(["x"])
+    assert shipper.prepare("x", _ns(x="edited")).remote == ("x",)
+
+
 def test_names_a_ranks_cell_bound_stay_partly_theirs_when_a_rank_is_lost() -> None:
     shipper = Shipper()
     shipper.forget(frozenset({"x"}), every_rank=False)
