@@ -228,7 +228,9 @@ def _busy(r: Rank, how: str) -> str:
 
 
 async def _declare_lost(ranks: Ranks, r: Rank) -> None:
-    """Say why, then kill; a kill that fails is logged (the monitor must go on beating)."""
+    """Say why, then end it (:meth:`.Ranks.abandon`: its cell hears at once, however long its
+    machine takes to answer the kill).
+    """
     if r.process is None:
         return
     quiet = time.monotonic() - r.last_heard
@@ -238,7 +240,4 @@ async def _declare_lost(ranks: Ranks, r: Rank) -> None:
         "killed it"
     )
     ranks.set_state(r, RankState.LOST, f"silent for {quiet:.0f} s")
-    try:
-        await r.kill()
-    except Exception:
-        log.exception("killing silent rank %d failed", r.index)
+    await ranks.abandon(r)

@@ -43,6 +43,8 @@ from .results import PoolError, RankEnded, RankInfo
 
 log = logging.getLogger(__name__)
 A = TypeVar("A", bound=p.Answer)
+ABANDON_AFTER = 1.0
+"""Seconds a lost rank's machine has to answer its kill before the rank is ended here."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,9 +70,12 @@ class Rank:
         self.last_heard = 0.0
         self._waiting: dict[tuple[type, int | str | None], asyncio.Future[Any]] = {}
         self.usage: p.Usage | None = None
+        """The rank's last heartbeat: its CPU use, the collective it waits in."""
         self.silenced: str | None = None
         """Why the pool declared it lost (it stopped answering), for the loss's message."""
-        """The rank's last heartbeat: its CPU use, the collective it waits in."""
+        self.abandoned = ""
+        """The process the pool ended here without waiting for its machine (``host pid N``):
+        what the loss names until the rank runs again."""
         self.reader: asyncio.Task[None] | None = None
         self.killed = False
         """The pool killed this process: its SIGKILL is the pool's, not for lack of memory."""
@@ -82,7 +87,7 @@ class Rank:
             await self.process.kill()
 
     def describe(self) -> str:
-        where = self.process.describe() if self.process else "not started"
+        where = self.process.describe() if self.process else self.abandoned or "not started"
         return f"node {self.node.index}, {where}"
 
     def info(self) -> RankInfo:
@@ -195,6 +200,8 @@ class Ranks:
         self.restarts = 0
         """Formations after a failure: the ranks' ``TORCHELASTIC_RESTART_COUNT``."""
         self.beat = wire.encode(p.Beat())
+        self._killing: set[asyncio.Task[None]] = set()
+        """Kills of abandoned ranks' processes still waiting for their machines."""
         self.on_input: Callable[[Rank, p.InputRequest], None] = lambda rank, request: None
         """Where the head's prompts go (the pool answers them on the caller's thread)."""
 
@@ -389,6 +396,8 @@ class Ranks:
             if stuck:
                 await asyncio.gather(*(r.kill() for r in live if r.alive))
                 await asyncio.wait(stuck, timeout=5)
+        if self._killing:  # abandoned ranks' kills: their machines get the same time, no more
+            await asyncio.wait(set(self._killing), timeout=grace)
 
     async def restart_all(self) -> None:
         """Every rank afresh on its node (``%sky restart``): new namespaces, new worlds."""
@@ -439,6 +448,32 @@ class Ranks:
         if rank.alive and rank.process is not None:
             with contextlib.suppress(ConnectionError):  # closed: _read says how it ended
                 wire.write_segments(rank.process.writer, frame)
+
+    async def abandon(self, rank: Rank) -> None:
+        """End a rank declared lost: kill its process and, should its machine not answer within
+        :data:`ABANDON_AFTER` (an unreachable host, whose connection takes far longer to time
+        out), end it here without waiting: its cell fails now, and the kill goes on meanwhile.
+        """
+        process = rank.process
+        if process is None:
+            return
+        rank.killed = True
+        killing = asyncio.ensure_future(process.kill())
+        self._killing.add(killing)
+        killing.add_done_callback(self._killed)
+        await asyncio.wait([killing], timeout=ABANDON_AFTER)
+        if rank.process is not process or not rank.alive:
+            return  # its end was read meanwhile, and said
+        how, rank.silenced = rank.silenced or "lost", None
+        rank.abandoned = process.describe()
+        rank.process, rank.alive = None, False
+        rank.fail_all(RankEnded(how, process.diagnostics()))
+        self.on_ended(rank, how)
+
+    def _killed(self, task: asyncio.Task[None]) -> None:
+        self._killing.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("killing a lost rank's process failed: %r", task.exception())
 
     async def _read(self, rank: Rank, process: RankProcess) -> None:
         try:

@@ -416,6 +416,7 @@ def test_a_rank_heard_while_its_stacks_probe_waited_is_not_killed(
         beat=b"",
         send=lambda r, frame: None,
         set_state=lambda r, state, detail: None,
+        abandon=lambda r: r.kill(),
     )
     probed = asyncio.Event()
 
