@@ -387,6 +387,19 @@ def test_a_failed_replacement_of_an_ssh_pool_is_named_not_replaced_by_the_defaul
         assert "replacing" not in refused.stderr and "THE CELL RAN" not in refused.stdout
         assert kernel.ok(world).per_rank == before, "the refused description touched the pool"
 
+        shared = tmp_path / "shared_key"  # a private key others can read: ssh refuses it
+        shared.write_bytes(hosts.client_key.read_bytes())
+        shared.chmod(0o644)
+        refused = kernel.fails(f"%%sky {options(identity=shared)}\nprint('THE CELL RAN')")
+        assert refused.reply["evalue"] == (
+            f"--identity {shared}: other users can read this private key (mode 0644); make it "
+            f"yours alone: chmod 600 {shared}"
+        ), str(refused)
+        first = targets.split(",")[0]
+        twice = kernel.fails(f"%%sky --hosts {first},{first}\nprint('THE CELL RAN')")
+        assert f"{first} and {first} are the same host" in twice.reply["evalue"], str(twice)
+        assert kernel.ok(world).per_rank == before, "a refused description touched the pool"
+
         failed = kernel.fails(f"%%sky {options(python='/nonexistent/python3')}\nprint(1)")
         assert "no Python at" in failed.reply["evalue"], str(failed)
         assert re.search(

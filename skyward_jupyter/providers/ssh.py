@@ -21,9 +21,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import posixpath
 import shlex
 import socket
+import stat
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
@@ -102,8 +104,17 @@ def _hosts(text: str) -> tuple[str, ...]:
     hosts = tuple(h.strip() for h in text.split(",") if h.strip())
     if not hosts:
         raise ValueError("expected user@host[:port],...")
-    for host in hosts:
-        Host.parse(host)
+    seen: dict[tuple[str, int], str] = {}
+    for text in hosts:
+        host = Host.parse(text)
+        where = (host.host.lower(), host.port)
+        if where in seen:
+            # Two nodes on one machine would each take its first GPU, and its ports.
+            raise ValueError(
+                f"{seen[where]} and {text} are the same host: one node per host "
+                "(--procs-per-node N runs N ranks on each)"
+            )
+        seen[where] = text
     return hosts
 
 
@@ -331,12 +342,19 @@ class SSHProvider(Provider):
             if path is None or (flag == "--known-hosts" and options.accept_new_host_keys):
                 continue  # accepting new keys writes the file, which may not exist yet
             try:
-                Path(path).expanduser().open("rb").close()
+                with Path(path).expanduser().open("rb") as file:
+                    mode = os.fstat(file.fileno()).st_mode
             except OSError as exc:
                 raise ProviderError(
                     f"{flag} {path}: cannot read it ({exc.strerror}); name a file this user "
                     "can read"
                 ) from None
+            if flag == "--identity" and mode & 0o077:
+                # As ssh refuses it ("UNPROTECTED PRIVATE KEY FILE"): others may have read it.
+                raise ProviderError(
+                    f"--identity {path}: other users can read this private key (mode "
+                    f"{stat.S_IMODE(mode):04o}); make it yours alone: chmod 600 {path}"
+                )
 
     @classmethod
     def settle(cls, spec: PoolSpec) -> PoolSpec:
