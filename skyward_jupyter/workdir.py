@@ -55,7 +55,6 @@ SECRETS: tuple[str, ...] = (
     # Jupyter's runtime directory (Linux, macOS): servers' tokens, kernels' HMAC keys, the
     # registry of pools
     "**/jupyter/runtime/",
-    "**/Jupyter/runtime/",
     "**/.config/gcloud/",
     "**/.config/gh/",
     "**/.kube/config",
@@ -76,7 +75,9 @@ SECRETS: tuple[str, ...] = (
     "history.sqlite",
     ".ipython/",
 )
-"""What never travels unless named (gitignore syntax, matched from the synced directory's root)."""
+"""What never travels unless named (gitignore syntax, matched from the synced directory's root,
+whatever the case of its letters: ``ID_RSA`` or ``.ENV`` is the same file where names ignore
+case, macOS's and Windows's disks)."""
 _SECRET_SPEC = GitIgnoreSpec.from_lines(SECRETS)
 _SECRET_DIRS = GitIgnoreSpec.from_lines(p for p in SECRETS if p.endswith("/"))
 RACY_NS = 2_000_000_000
@@ -150,7 +151,7 @@ class Scanner:
         parts = self.root.parts[1:]
         # A --sync of a secret directory itself (--sync ~/.aws) sends what it holds.
         self._secrets_named = chosen and any(
-            _SECRET_DIRS.match_file("/".join(parts[i:]) + "/") for i in range(len(parts))
+            _SECRET_DIRS.match_file("/".join(parts[i:]).lower() + "/") for i in range(len(parts))
         )
         self._left: tuple[list[str], list[str]] = ([], [])
         self.hashed = 0
@@ -264,7 +265,7 @@ class Scanner:
         """Whether ``rel`` is a key or credential the user did not name (a ``.skyignore``
         negation that is the last pattern to match it, or a --sync of a secret directory).
         """
-        if self._secrets_named or not _SECRET_SPEC.match_file(rel):
+        if self._secrets_named or not _SECRET_SPEC.match_file(rel.lower()):
             return False
         return sky is None or sky.check_file(rel).include is not False
 

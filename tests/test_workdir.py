@@ -218,6 +218,11 @@ SECRET_FILES = (
     ".config/gh/hosts.yml",
     ".npmrc",
     ".vault-token",
+    # where names ignore case (macOS's and Windows's disks): the same files
+    "certs/TLS.KEY",
+    "keys/ID_RSA",
+    ".ENV",
+    ".SSH/known_hosts",
 )
 
 
@@ -228,6 +233,7 @@ def test_keys_and_credentials_stay_behind_and_are_listed(tmp_path: Path) -> None
     write(tmp_path, "id_utils.py")  # a module, not a key: the ranks import it
     write(tmp_path, "keys/id_rsa.pub", "a public key")
     write(tmp_path, "keys/id_ed25519.pub", "a public key")
+    write(tmp_path, "keys/ID_RSA.PUB", "a public key")
     write(tmp_path, ".config/other/settings.json")
     write(tmp_path, ".cache/huggingface/hub/model.bin")  # a model: not a token
     write(tmp_path, ".gitignore", ".bash_history\n")  # ignored: not a secret left out, just out
@@ -238,6 +244,7 @@ def test_keys_and_credentials_stay_behind_and_are_listed(tmp_path: Path) -> None
         ".config/other/settings.json",
         ".gitignore",
         "id_utils.py",
+        "keys/ID_RSA.PUB",
         "keys/id_ed25519.pub",
         "keys/id_rsa.pub",
         "train.py",
