@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import os
 import types
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -65,6 +66,16 @@ def names_used_by(value: Any) -> set[str]:
     if isinstance(value, type) and value.__module__ == "__main__":
         return {n for member in vars(value).values() for n in names_used_by(member)}
     return set()
+
+
+def _builtin_here(value: Any, name: str) -> bool:
+    """Whether the notebook's ``name`` is the builtin of that name, or the shell's stand-in for
+    it (IPython's ``open``, which refuses the standard streams): the ranks have their own.
+    """
+    builtin = vars(builtins)[name]
+    code = getattr(value, "__code__", None)
+    shells = code is not None and f"{os.sep}IPython{os.sep}" in code.co_filename
+    return value is builtin or (shells and getattr(value, "__wrapped__", None) is builtin)
 
 
 def _digest(pickled: Pickled) -> bytes:
@@ -205,7 +216,7 @@ class Shipper:
                 name in user_ns
                 and not name.startswith("_")
                 and name not in _NOTEBOOK_INTERNALS
-                and (name not in vars(builtins) or user_ns[name] is not vars(builtins)[name])
+                and not (name in vars(builtins) and _builtin_here(user_ns[name], name))
             )
 
         found: set[str] = set()

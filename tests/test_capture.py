@@ -122,6 +122,15 @@ def test_names_a_ranks_cell_bound_stay_partly_theirs_when_a_rank_is_lost() -> No
     assert set(some.globals) == {"x"} and some.keep == ("x",)
 
 
+def test_the_shells_stand_in_for_a_builtin_stays_in_the_notebook() -> None:
+    from IPython.core.interactiveshell import _modified_open
+
+    assert Shipper().prepare("open('x')", _ns(open=_modified_open)).globals == {}
+    mine = _ns()
+    exec("def open(path):\n    return path", mine)  # the notebook's own: it travels
+    assert set(Shipper().prepare("open('x')", mine).globals) == {"open"}
+
+
 def test_functions_take_the_globals_they_use() -> None:
     ns = _ns(LR=0.1, unused=5)
     exec("def step(x):\n    return x * LR\nclass Opt:\n    def rate(self):\n        return LR", ns)
