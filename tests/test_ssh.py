@@ -478,12 +478,18 @@ def test_a_network_drop_mid_cell_ends_the_cell_in_bounded_time(
         dropper.start()
         try:
             result = pool.run("dist.barrier()\ntime.sleep(60)")
+            assert time.monotonic() - started < 40
+            lost = {e.rank: e for e in result.errors}
+            assert 1 in lost and hosts[2].address in (lost[1].where + lost[1].message)
+            # While the host stays unreachable, a cell says which rank is missing, where, why.
+            with pytest.raises(PoolError) as missing:
+                pool.run("1")
+            said = str(missing.value)
+            assert said.startswith(f"pool 'default' has lost rank 1 on {hosts[2].address}"), said
+            assert "unreachable" in said and "%sky restart once that machine answers" in said
         finally:
             dropper.join()
             hosts.up_link(2)
-        assert time.monotonic() - started < 40
-        lost = {e.rank: e for e in result.errors}
-        assert 1 in lost and hosts[2].address in (lost[1].where + lost[1].message)
     wait_for(lambda: not _remote_agents(hosts), 30, "remote ranks to end")
 
 
