@@ -422,11 +422,11 @@ class Pool:
             live = [r for r in everyone if r.alive]
             if len(live) < len(everyone):
                 dead = [r for r in everyone if not r.alive]
-                hosts = ", ".join(dict.fromkeys(r.node.address for r in dead))
+                machines = ", ".join(dict.fromkeys(r.node.address for r in dead))
                 why = f" ({self._ranks.group_problem})" if self._ranks.group_problem else ""
                 raise PoolError(
                     f"pool {self.name!r} has lost rank{'s' * (len(dead) > 1)} "
-                    f"{rank_span(r.index for r in dead)} on {hosts} and could not start "
+                    f"{rank_span(r.index for r in dead)} on {machines} and could not start "
                     f"{'them' if len(dead) > 1 else 'it'} again{why}; %sky restart once that "
                     "machine answers, or %sky down and start the pool without it"
                 )
