@@ -203,6 +203,9 @@ def test_a_rank_holding_its_gil_on_a_host_runs_on_and_is_said_busy(
     assert result.values == ["done", "done"] and not result.lost, result.errors
     assert len(busy) == 1 and "yet its process runs" in busy[0], busy
     assert hosts[0].address in busy[0], busy
+    # Its ranks end on the host once their channels close, which may come after close()
+    # returns on a loaded machine: the next tests count the ranks on the hosts.
+    wait_for(lambda: not _remote_agents(hosts), 20, "every agent on the hosts to end")
 
 
 def _notebook_script(
@@ -245,6 +248,7 @@ def test_remote_ranks_end_when_the_notebook_is_killed(
     hosts: Hosts, tmp_path: Path, tag: str
 ) -> None:
     """The kernel's death ends the ranks, and what their cells detached on the hosts."""
+    wait_for(lambda: not _remote_agents(hosts), 20, "earlier tests' agents on the hosts to end")
     then = f"print(json.dumps(pool.run(detach({tag!r})).values), flush=True)"
     notebook = _notebook(_notebook_script(hosts, tmp_path, then))
     try:
