@@ -133,6 +133,39 @@ def test_a_stopped_rank_is_declared_lost_within_seconds() -> None:
         assert again.values == [2, 2], again.errors
 
 
+def test_a_lost_rank_whose_machine_does_not_answer_the_kill_fails_its_cell_at_once() -> None:
+    """Rank 1 stops, and its kill hangs (as an SSH kill to an unreachable host waits for its
+    timeout): the cell fails with the loss while that kill still waits, not after it.
+    """
+    with Pool(nodes=1, procs_per_node=2, interrupt_grace=2.0) as pool:
+        rank = pool._ranks.all[1]
+        process, pid = rank.process, rank.hello.pid  # type: ignore[union-attr]
+        assert process is not None
+        killed = threading.Event()
+        kill = process.kill
+
+        async def slow_kill() -> None:
+            await asyncio.sleep(8)  # the machine answers late
+            await kill()
+            killed.set()
+
+        process.kill = slow_kill  # type: ignore[method-assign]
+        stopper = threading.Timer(1.0, lambda: os.kill(pid, signal.SIGSTOP))
+        stopper.start()
+        try:
+            result = pool.run(
+                "import time, torch.distributed as dist\ntime.sleep(1.5)\ndist.barrier()"
+            )
+            assert not killed.is_set(), "the cell waited for the kill"
+        finally:
+            stopper.join()
+        lost = {e.rank: e for e in result.errors}[1]
+        assert lost.type_name == "RankLost" and "stopped answering" in lost.message
+        assert f"pid {pid}" in lost.where, lost.where  # named as it was, though ended here
+        assert pool.run("1").values == [1, 1]
+        wait_for(killed.is_set, 30, "the late kill to end the stopped process")
+
+
 def test_a_rank_holding_its_gil_in_native_code_runs_on_while_a_stopped_one_is_lost() -> None:
     """Rank 1 computes in C without letting its GIL go (a builtin's loop; as a long import or
     a C extension's call does) for twice the heartbeat timeout: its threads cannot answer, yet

@@ -718,15 +718,14 @@ def test_a_name_bound_by_a_ranks_cell_stays_remote_on_those_ranks_only(nb: Kerne
     """
     nb.ok(POOL2)
     nb.ok("bound_on_some = 'notebook'")
-    nb.ok("%%sky --ranks 0\nbound_on_some = 'rank 0'")
-    cell = nb.ok("%%sky --all\nbound_on_some")
-    assert cell.per_rank == {0: "'rank 0'", 1: "'notebook'"}, str(cell)
-    nb.ok("bound_on_some = 'notebook, edited'")
-    cell = nb.ok("%%sky --all\nbound_on_some")
-    assert cell.per_rank == {0: "'rank 0'", 1: "'notebook, edited'"}, str(cell)
-    nb.ok("%%sky\nbound_on_some = f'every rank {rank}'")
-    cell = nb.ok("%%sky --all\nbound_on_some")
-    assert cell.per_rank == {0: "'every rank 0'", 1: "'every rank 1'"}, str(cell)
+    for then, seen in [
+        ("%%sky --ranks 0\nbound_on_some = 'rank 0'", ("'rank 0'", "'notebook'")),
+        ("bound_on_some = 'notebook, edited'", ("'rank 0'", "'notebook, edited'")),
+        ("%%sky\nbound_on_some = f'every rank {rank}'", ("'every rank 0'", "'every rank 1'")),
+    ]:
+        nb.ok(then)
+        cell = nb.ok("%%sky --all\nbound_on_some")
+        assert cell.per_rank == dict(enumerate(seen)), (then, str(cell))
 
 
 def test_names_the_surviving_ranks_bound_stay_theirs_when_one_is_restarted(nb: Kernel) -> None:

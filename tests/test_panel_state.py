@@ -658,33 +658,22 @@ def test_a_rank_the_pool_stopped_after_anothers_failure_is_not_marked_failed() -
     assert progress is not None and progress.outcome == "failed on rank 1"
 
 
-def test_an_interrupted_cell_marks_no_rank_failed() -> None:
+@pytest.mark.parametrize("note", [INTERRUPTED, "timed out after 2.0 s"])
+def test_a_stopped_cell_says_how_and_marks_no_rank_failed(note: str) -> None:
+    """Stopped by the user's interrupt or at its timeout: every rank's KeyboardInterrupt is the
+    stop's, not a failure, and the cell's outcome says which stop it was.
+    """
     state = state_with({0: 0, 1: 1})
     cell = state.for_cell(4)
-    interrupted = RunResult(
-        1,
-        (failure(0, 0, "KeyboardInterrupt", ""), failure(1, 1, "KeyboardInterrupt", "")),
-        notes=(INTERRUPTED,),
+    stopped = RunResult(
+        1, tuple(failure(r, r, "KeyboardInterrupt", "") for r in (0, 1)), notes=(note,)
     )
-    for event in (CellStarted(1, 2, 0), CellFinished(1, interrupted)):
+    for event in (CellStarted(1, 2, 0), CellFinished(1, stopped)):
         state.apply(event)
         cell.apply(event)
     assert {r.state for r in state.snapshot().ranks} == {S.IDLE}
     progress = cell.snapshot().progress
-    assert progress is not None and progress.outcome == "interrupted"
-
-
-def test_a_timed_out_cell_says_so_and_marks_no_rank_failed() -> None:
-    state = state_with({0: 0, 1: 1})
-    cell = state.for_cell(4)
-    stopped = tuple(failure(r, r, "KeyboardInterrupt", "") for r in (0, 1))
-    timed_out = RunResult(1, stopped, notes=("timed out after 2.0 s",))
-    for event in (CellStarted(1, 2, 0), CellFinished(1, timed_out)):
-        state.apply(event)
-        cell.apply(event)
-    assert {r.state for r in state.snapshot().ranks} == {S.IDLE}
-    progress = cell.snapshot().progress
-    assert progress is not None and progress.outcome == "timed out after 2.0 s"
+    assert progress is not None and progress.outcome == note
 
 
 def test_a_cells_progress_is_its_step_pace_and_with_a_total_a_bar_and_the_time_left() -> None:
