@@ -87,9 +87,13 @@ def identifier(text: str) -> str:
     return text
 
 
+def is_variable_name(text: str) -> bool:
+    """Whether the notebook's code can read ``text`` as a name: an identifier, not a keyword."""
+    return text.isidentifier() and not keyword.iskeyword(text)
+
+
 def variable_name(text: str) -> str:
-    """A name the notebook's code can read: an identifier, not a keyword."""
-    if not text.isidentifier() or keyword.iskeyword(text):
+    if not is_variable_name(text):
         raise argparse.ArgumentTypeError(f"expected a variable name, got {text!r}")
     return text
 

@@ -465,13 +465,13 @@ COMMANDS: tuple[Command, ...] = (
             Option("--rank", "the rank to read (0)", {"type": int_at_least(0), "default": 0}),
             Option("--all", "every rank's value, as a list", {"action": "store_true"}),
         ),
-        positionals=(("name", {"type": identifier}),),
+        positionals=(("name", {"type": variable_name}),),
     ),
     Command(
         "push",
         "NAME [NAME ...]",
         "send notebook variables to every rank now",
-        positionals=(("names", {"nargs": "+", "type": identifier}),),
+        positionals=(("names", {"nargs": "+", "type": variable_name}),),
     ),
     Command(
         "config",

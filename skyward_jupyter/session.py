@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import keyword
 import os
 import sys
 import threading
@@ -23,6 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from .capture import Shipment, Shipper
 from .checked_source import CheckedSource
+from .flags import is_variable_name
 from .idle import IdleStop
 from .limits import LimitError
 from .mirror import modules_in, notebook_requirements
@@ -365,7 +365,7 @@ class Session:
         rank lacks the name or its value does not pickle.
         """
         entry = self._require()
-        if not name.isidentifier() or keyword.iskeyword(name):
+        if not is_variable_name(name):
             raise SessionError(f"{name!r} is not a variable name")
         size = entry.pool.world_size
         if ranks != "all" and not 0 <= int(ranks) < size:

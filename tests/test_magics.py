@@ -425,6 +425,7 @@ def test_line_commands_check_numbers_before_touching_the_pool(nb: Kernel, tmp_pa
         ("%sky up --nodes 100000", "got 100000"),
         ('%sky up --name "x', "%sky: No closing quotation in its options"),
         ("%sky down default --all", "give a pool's name, or --all for every pool"),
+        ("%sky pull class", "expected a variable name, got 'class'"),
         ("%sky config --heartbeat-timeout nan", "finite number of seconds, got nan"),
         ("%sky config --sync-cap inf", "finite number of MB, got inf"),
         (f"%sky run --timeout nan {script}", "--timeout: expected a finite number"),
