@@ -221,7 +221,17 @@ def test_a_step_only_some_ranks_log_is_written_after_a_grace_or_at_the_end() -> 
     assert lines(out)[-1] == "step 1 (1.0 steps/s): loss 0.5 [1 of 2 ranks]"
 
 
-def test_steps_say_their_pace_as_tqdm_does_and_the_cell_ends_with_how_it_went() -> None:
+@pytest.mark.parametrize(
+    ("error", "notes", "how"),
+    [
+        ("ValueError", (), "failed on rank 0"),
+        ("KeyboardInterrupt", ("interrupted",), "interrupted"),
+        ("KeyboardInterrupt", ("timed out after 4.0 s",), "timed out"),
+    ],
+)
+def test_steps_say_their_pace_as_tqdm_does_and_the_cell_ends_with_how_it_went(
+    error: str, notes: tuple[str, ...], how: str
+) -> None:
     text, out, clock = report(burst=100)
     text.on_event(CellStarted(1, 1, 0))
     for step in range(11):
@@ -231,10 +241,10 @@ def test_steps_say_their_pace_as_tqdm_does_and_the_cell_ends_with_how_it_went() 
     written = lines(out)
     assert written[0] == "step 0/50 (0%): loss 1", "the total is no metric"
     assert written[-1] == "step 10/50 (20%, 2.0 steps/s, 20 s left): loss 1"
-    failed = RankResult(0, 0, None, None, RemoteError(0, "n", "ValueError", "x", ""), 0.1)
-    text.on_event(CellFinished(1, RunResult(1, (failed,))))
+    ended = RankResult(0, 0, None, None, RemoteError(0, "n", error, "x", ""), 0.1)
+    text.on_event(CellFinished(1, RunResult(1, (ended,), notes=notes)))
     text.flush(final=True)
-    assert lines(out)[-1] == "cell failed on rank 0 after 5 s: step 10/50 (20%, 2.0 steps/s)"
+    assert lines(out)[-1] == f"cell {how} after 5 s: step 10/50 (20%, 2.0 steps/s)"
 
 
 def test_many_steps_do_not_flood_the_terminal() -> None:

@@ -266,8 +266,10 @@ class TextReport:
         result = event.result
         failed = [r.rank for r in result if r.error is not None]
         how = (
-            ("timed out" if result.timed_out else "interrupted")
-            if result.stopped_by is not None
+            "timed out"  # (how long it took follows)
+            if result.timed_out
+            else "interrupted"
+            if result.interrupted
             else f"failed on rank{'s' * (len(failed) > 1)} {', '.join(map(str, failed))}"
             if failed
             else "done"
