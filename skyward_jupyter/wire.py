@@ -36,6 +36,9 @@ _HEADER = struct.Struct("!3sBI")
 _LENGTH = struct.Struct("!Q")
 _START = _HEADER.size + _LENGTH.size
 """A frame's header and its first length, read together: every frame has a body."""
+_SINGLE = struct.Struct("!3sBIQ")
+"""The header and length of a frame of one segment (a message without buffers: a cell, its
+answer, a heartbeat), packed and read in one call on the hottest path."""
 _AS_BYTES = 1 << 63
 """Set in a segment's length: the buffer was ``bytes``, and the agent reads it into one."""
 _SIZE = _AS_BYTES - 1
@@ -52,6 +55,7 @@ _IOV_MAX = 1024
 """Buffers one ``writev`` takes (Linux's ``IOV_MAX``)."""
 
 Segment = bytes | bytearray | memoryview
+_PARTIAL = object()
 
 
 class WireError(Exception):
@@ -78,6 +82,8 @@ def encode(obj: object) -> list[Segment]:
     """
     buffers: list[pickle.PickleBuffer] = []
     body = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    if not buffers and len(body) <= _JOIN_BELOW - _START:
+        return [_SINGLE.pack(MAGIC, VERSION, 1, len(body)) + body]
     segments: list[Segment] = [body, *(b.raw() for b in buffers)]
     lengths = [len(s) if not isinstance(s, memoryview) else s.nbytes for s in segments]
     flags = [_AS_BYTES * (isinstance(s, memoryview) and type(s.obj) is bytes) for s in segments]
@@ -293,22 +299,54 @@ class SyncChannel:
 
     def recv(self) -> Any:
         """Read one message; raises EOFError when the other side has gone."""
+        if not self._lines:
+            if not self._buffered:
+                self._fill()
+            message = self._whole_single()
+            if message is not _PARTIAL:
+                return message
         start = self._read_exact(_START)
         more = _more_lengths(start)
         lengths = _lengths(start, self._read_exact(more) if more else b"")
         return decode([self._read_segment(n) for n in lengths])
 
+    def _whole_single(self) -> Any:
+        """A frame of one segment that the buffer holds whole, decoded (the usual message, read
+        in one piece); ``_PARTIAL`` for any other, which :meth:`recv` reads part by part.
+        """
+        buffered = self._buffered
+        if len(buffered) < _START:
+            return _PARTIAL
+        magic, version, count, length = _SINGLE.unpack_from(buffered)
+        end = _START + length
+        if count != 1 or magic != MAGIC or version != VERSION or len(buffered) < end:
+            return _PARTIAL  # a frame of several segments, the end still to come, or an error
+        body = buffered[_START:end]
+        del buffered[:end]
+        return pickle.loads(body)
+
     def send(self, obj: object) -> None:
         frame = encode(obj)
         if self._lines:
             frame = [encode_line(segment) for segment in frame]
-        views = [memoryview(segment).cast("B") for segment in frame]
-        first = 0
+        if len(frame) == 1:  # a small frame, joined: one write
+            with self._lock:
+                written = os.write(self._write_fd, frame[0])
+                if written < len(frame[0]):  # cut short by a signal
+                    self._write_rest([memoryview(frame[0]).cast("B")[written:]])
+            return
         with self._lock:
-            while first < len(views):  # the whole frame in one system call: the reader wakes once
-                written = os.writev(self._write_fd, views[first : first + _IOV_MAX])
-                while first < len(views) and written >= views[first].nbytes:
-                    written -= views[first].nbytes
-                    first += 1
-                if written:
-                    views[first] = views[first][written:]
+            self._write_rest([memoryview(segment).cast("B") for segment in frame])
+
+    def _write_rest(self, views: list[memoryview]) -> None:
+        """Write ``views`` whole, as few system calls as the pipe allows (the reader wakes once
+        for a frame the pipe takes at once); the caller holds the lock.
+        """
+        first = 0
+        while first < len(views):
+            written = os.writev(self._write_fd, views[first : first + _IOV_MAX])
+            while first < len(views) and written >= views[first].nbytes:
+                written -= views[first].nbytes
+                first += 1
+            if written:
+                views[first] = views[first][written:]

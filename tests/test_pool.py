@@ -845,6 +845,36 @@ def test_notebook_functions_see_the_ranks_namespace(pool2: Pool) -> None:
     assert result.values == [(10, 10), (11, 11)]
 
 
+@pytest.mark.parametrize(("more_than_cpus", "waiting"), [(False, "BATCH"), (True, "OTHER")])
+def test_a_rank_waits_as_a_batch_task_only_where_its_nodes_ranks_fit_the_cpus(
+    more_than_cpus: bool, waiting: str
+) -> None:
+    """With more ranks on a node than CPUs, switching back from batch costs each rank a
+    preemption every cell (more than it saves): those ranks wait as normal tasks.
+    """
+    from skyward_jupyter.agent.inbox import _BatchWhileWaiting
+
+    cpus = len(os.sched_getaffinity(0))
+    seen: list[int] = []
+
+    def wait() -> None:
+        batch = _BatchWhileWaiting(cpus + 1 if more_than_cpus else cpus)
+        batch.begin()
+        seen.append(os.sched_getscheduler(0))
+        batch.end()
+        seen.append(os.sched_getscheduler(0))
+
+    try:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    except (AttributeError, OSError) as exc:
+        pytest.skip(f"this system does not let a thread switch to SCHED_BATCH and back: {exc!r}")
+    thread = threading.Thread(target=wait)  # a thread's own policy: the test's stays as it is
+    thread.start()
+    thread.join()
+    assert seen == [getattr(os, f"SCHED_{waiting}"), os.SCHED_OTHER]
+
+
 def test_a_rank_waits_as_a_batch_task_and_runs_cells_as_a_normal_one(pool2: Pool) -> None:
     """An idle rank waking for a cell must not preempt the notebook while it still writes the
     cell to the other ranks; the user's code and the threads it starts run as normal tasks, and

@@ -122,6 +122,27 @@ def test_a_frame_read_ahead_is_said_to_be_pending() -> None:
         os.close(w)
 
 
+@pytest.mark.parametrize("cut", [5, 16, 30])
+def test_a_frame_read_in_pieces_arrives_whole(cut: int) -> None:
+    """A frame whose first read ends inside its header, at its body, or inside its body (a
+    busy writer, a slow link) is read whole, and the next frame after it too.
+    """
+    (frame,) = encode(p.RunCell(3, "x = 1\n" * 8, "<In [3]>"))
+    (after,) = encode(p.Beat())
+    assert len(frame) > cut
+    r, w = os.pipe()
+    channel = SyncChannel(r, -1)
+    try:
+        os.write(w, frame[:cut])
+        channel._fill()  # the first read takes the piece that has come
+        os.write(w, frame[cut:] + after)
+        assert channel.recv() == p.RunCell(3, "x = 1\n" * 8, "<In [3]>")
+        assert channel.recv() == p.Beat()
+    finally:
+        os.close(r)
+        os.close(w)
+
+
 def test_base64_lines_carry_frames_larger_than_a_pipe() -> None:
     """Slurm's step I/O moves whole lines: a frame travels as base64 lines, one larger than
     the pipe holds arriving over many reads, and what follows it is read after it.

@@ -10,9 +10,11 @@ thread takes the wire and reads until the command ends, queueing any command tha
 meanwhile. A command shorter than a tick never wakes it; one that is longer hears an interrupt a
 tick later at most.
 
-While it waits, the main thread is a batch task (Linux's ``SCHED_BATCH``), and a normal one again
-as soon as a command is in: a waking rank then does not preempt the notebook thread that is still
-writing the same cell to the other ranks, which shortens a trivial cell's round trip (ibid.).
+Where the node's ranks are no more than its CPUs, the waiting main thread is a batch task
+(Linux's ``SCHED_BATCH``), and a normal one again as soon as a command is in: a waking rank then
+does not preempt the notebook thread that is still writing the same cell to the other ranks,
+which shortens a trivial cell's round trip (ibid.). With more ranks than CPUs, the switch back
+costs each rank a preemption every cell, more than it saves, so they stay normal (ibid.).
 The user's code and the threads it starts run as normal tasks; only what the main thread runs
 while it waits (a signal handler, a finaliser) runs as a batch one. A policy other than the
 normal one (set by whoever started the rank, or by a cell) is left as it is.
@@ -35,8 +37,12 @@ class _BatchWhileWaiting:
     normal policy, and only where the system has the call and allows it.
     """
 
-    def __init__(self) -> None:
-        self._usable = hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_BATCH")
+    def __init__(self, ranks_here: int) -> None:
+        self._usable = (
+            hasattr(os, "sched_setscheduler")
+            and hasattr(os, "SCHED_BATCH")
+            and ranks_here <= len(os.sched_getaffinity(0))
+        )
         self._switched = False
 
     def begin(self) -> None:
@@ -59,7 +65,9 @@ class _BatchWhileWaiting:
 
 
 class Inbox:
-    def __init__(self, channel: SyncChannel, route: Callable[[object], bool]) -> None:
+    def __init__(
+        self, channel: SyncChannel, route: Callable[[object], bool], ranks_here: int
+    ) -> None:
         self._channel = channel
         self._route = route
         """Answers a message at once and says True; says False for a command (main's to run)."""
@@ -73,7 +81,7 @@ class Inbox:
         self._take_over = threading.Event()
         self._give_back_r, self._give_back_w = os.pipe()
         """A byte here stops the reader's wait on the channel: the main thread is idle."""
-        self._batch = _BatchWhileWaiting()
+        self._batch = _BatchWhileWaiting(ranks_here)
 
     def next_command(self) -> object:
         """Main thread: the next command, answering whatever comes before it."""

@@ -119,7 +119,7 @@ class NodeFiles:
                 if path not in sys.path:
                     sys.path.insert(0, path)
             self._roots = list(zip(workdir.roots, paths, strict=False))  # type: ignore[union-attr]
-            stamps = tuple(_mtime_ns(path) for path in paths)
+            stamps = tuple(map(_mtime_ns, paths))
             if (paths, stamps) != (self._entered, self._stamps):
                 # New directories, or files added or removed in them: forget what the import
                 # system listed (it walks every cached finder, so not for a cell that changed

@@ -153,7 +153,7 @@ class Agent:
             group.rank, self.channel.send, lambda: self.cell_id, self._sync_output
         )
         self.console.install()
-        self.inbox = Inbox(self.channel, self._route)
+        self.inbox = Inbox(self.channel, self._route, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         self.cell_id: int | None = None
         self._in_cell = False
         self._interrupted = False
