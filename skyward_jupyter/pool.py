@@ -50,6 +50,12 @@ PG_TIMEOUT = 1800.0
 """The collectives' timeout: torch's own default. Death, silence and desync are found directly,
 in seconds, so it only has to let real training's long collectives (and a peer in pdb) be."""
 
+MENDING_WAIT = 5.0
+"""Seconds a failed cell's end waits for the pool to mend itself (lost ranks started again, the
+group formed again): long enough for a local or SSH restart, so its notes come with the cell.
+A machine that does not answer holds a restart for its connection's timeout; the cell ends
+then, and the next cell waits for the rest."""
+
 log = logging.getLogger(__name__)
 
 
@@ -150,6 +156,13 @@ class Pool:
         self._lost_while_idle: list[int] = []
         self._monitor: asyncio.Task[None] | None = None
         self._recovery: asyncio.Task[None] | None = None
+        self._mending: asyncio.Task[None] | None = None
+        """A failed cell's recovery that outlasted :data:`MENDING_WAIT`, holding the pool's
+        operations until it ends."""
+        self._mending_what = ""
+        """What that recovery starts again, in words."""
+        self._late_notes: list[str] = []
+        """What that recovery said after its cell had ended: the next cell's to tell."""
         self._start_task: asyncio.Task[Any] | None = None
         self._said_reformed = False
 
@@ -414,6 +427,10 @@ class Pool:
         ranks: tuple[int, ...] | None,
     ) -> RunResult:
         assert self._op_lock is not None
+        if self._mending is not None and not self._mending.done():
+            self._emit(
+                PoolMessage(f"the cell waits for the pool to start {self._mending_what} again")
+            )
         async with self._op_lock:
             if self._closing:
                 raise PoolError(f"pool {self.name!r} was closed before the cell could run")
@@ -442,7 +459,8 @@ class Pool:
             command = await self._transfer.relay_globals(replace(command, workdir=workdir), live)
             running = live if ranks is None else [r for r in live if r.index in ranks]
             cell = Cell(command.cell_id, self._ranks, live, timeout, self.interrupt_grace, running)
-            cell.notes.extend(said)
+            cell.notes.extend(self._late_notes + said)
+            self._late_notes = []
             self._cell, self._cell_task = cell, asyncio.current_task()
             # Encoded once, the same bytes written to each rank. The others (``--ranks``) bind
             # the globals only: the notebook's record of what the ranks hold stays true for
@@ -465,7 +483,7 @@ class Pool:
                     raise PoolError(f"pool {self.name!r} was closed while the cell ran")
                 results = cell.results()
                 lost = [r.index for r in everyone if not r.alive]
-                if await cell.recover() and not self._said_reformed:
+                if await self._mend_after(cell) and not self._said_reformed:
                     self._said_reformed = True
                     cell.notes.append(
                         "the code destroyed the process group; the pool formed it again "
@@ -498,6 +516,40 @@ class Pool:
 
     # ----------------------------------------------------------------- IO thread: recovery
 
+    async def _mend_after(self, cell: Cell) -> bool:
+        """The cell's recovery (:meth:`Cell.recover`), waited for up to :data:`MENDING_WAIT`;
+        beyond that it goes on, and the pool's next operation waits for it.
+        """
+        mending = asyncio.ensure_future(cell.recover())
+        done, _ = await asyncio.wait([mending], timeout=MENDING_WAIT)
+        if mending in done:
+            return mending.result()
+        dead = [r for r in self._ranks.all if not r.alive]
+        what = (
+            f"rank{'s' * (len(dead) > 1)} {rank_span(r.index for r in dead)} on "
+            f"{', '.join(dict.fromkeys(r.node.address for r in dead))}"
+            if dead
+            else "the process group"
+        )
+        cell.notes.append(
+            f"the pool is still starting {what} again ({MENDING_WAIT:.0f} s so far); "
+            "the next cell waits for it"
+        )
+        self._mending_what = what
+        self._mending = asyncio.get_running_loop().create_task(
+            self._mending_goes_on(mending, cell, len(cell.notes))
+        )
+        return False
+
+    async def _mending_goes_on(self, mending: asyncio.Future[bool], cell: Cell, said: int) -> None:
+        """Hold the pool's operations (queued first: an asyncio lock serves in order) until a
+        cell's recovery ends; what it said since goes to the next cell.
+        """
+        assert self._op_lock is not None
+        async with self._op_lock:
+            await mending  # cancelled with it (the pool going down)
+            self._late_notes.extend(cell.notes[said:])
+
     async def _recover_idle(self, rank: Rank, how: str) -> None:
         assert self._op_lock is not None
         async with self._op_lock:
@@ -515,6 +567,10 @@ class Pool:
         self._closing = True
         if self._monitor is not None:
             self._monitor.cancel()
+        for task in (self._mending, self._recovery):
+            if task is not None and not task.done():
+                task.cancel()  # no rank is started while the pool goes down
+                await asyncio.wait([task], timeout=5)
         cell_task = self._cell_task
         if self._cell is not None:
             self._cell.close()

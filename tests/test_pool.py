@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from skyward_jupyter import CellError, Pool, PoolError, RunResult
+from skyward_jupyter import pool as pool_module
 from skyward_jupyter import protocol as p
 from skyward_jupyter.events import (
     CellFinished,
@@ -566,6 +567,33 @@ def test_rank_killed_mid_cell_is_reported_restarted_and_named() -> None:
         assert victim.pid not in agent_pids()
         after = pool.run(ALL_REDUCE + "(t.item(), 'keep' in globals())")
         assert after.values == [(3.0, True), (3.0, False)]
+
+
+def test_a_slow_recovery_goes_on_after_its_cell_and_the_next_cell_waits_for_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lost rank whose restart outlasts the wait (a machine that does not answer holds it for
+    its connection's timeout) does not hold the failed cell: the cell ends saying so, and the
+    next cell runs on the whole pool once the restart is done, with what it said.
+    """
+    monkeypatch.setattr(pool_module, "MENDING_WAIT", 0.0)  # every recovery outlasts it
+    with Pool(nodes=2, frameworks=Frameworks(torch=False)) as pool:
+        said: list[str] = []
+        pool.subscribe(lambda e: said.append(e.text) if isinstance(e, PoolMessage) else None)
+        failed = pool.run("import os\nif rank == 1:\n    os._exit(3)")
+        assert failed.lost == (1,)
+        assert any(
+            n.startswith("the pool is still starting rank 1 on ") and "next cell waits" in n
+            for n in failed.notes
+        ), failed.notes
+        assert not any("was restarted" in n for n in failed.notes)
+        after = pool.run("rank")
+        assert after.values == [0, 1], after.errors
+        assert "rank 1 was restarted: its namespace was lost" in after.notes
+        # Gone down while a recovery goes on: it stops, and nothing it started is left.
+        before = agent_pids()
+        assert pool.run("import os\nif rank == 0:\n    os._exit(3)").lost == (0,)
+    wait_for(lambda: not (agent_pids() - before), 20, "no rank started while going down")
 
 
 def test_a_failed_rank_leaves_the_group_so_its_peer_is_not_left_waiting() -> None:

@@ -485,6 +485,10 @@ def test_a_network_drop_mid_cell_ends_the_cell_in_bounded_time(
             assert time.monotonic() - started < 40
             lost = {e.rank: e for e in result.errors}
             assert 1 in lost and hosts[2].address in (lost[1].where + lost[1].message)
+            # The restart waits for the host's connection timeout: the cell does not.
+            assert f"the pool is still starting rank 1 on {hosts[2].address} again" in str(
+                result.notes
+            ), result.notes
             # While the host stays unreachable, a cell says which rank is missing, where, why.
             with pytest.raises(PoolError) as missing:
                 pool.run("1")
