@@ -289,7 +289,7 @@ class Cell:
         the interrupt does). Only a stop without a cause (the user's interrupt, a timeout)
         asks each rank whether its error came after the interrupt.
         """
-        cause = self.first_death or self.first_failure
+        cause = self.first_death or self._lowest_alike(self.first_failure)
         out = []
         ahead = {} if self.desync else self._ahead()
         for r in self.ranks.all:
@@ -333,6 +333,22 @@ class Cell:
                 )
                 out.append(RankResult(r.index, r.node.index, None, None, error, 0.0))
         return tuple(out)
+
+    def _lowest_alike(self, first: Rank | None) -> Rank | None:
+        """Of the ranks that failed as the first failure did (the same exception and message:
+        the cell's own error on every rank, not one the stop caused), the lowest: which of them
+        the pool heard first is chance, and the user reads rank 0's as the cell's.
+        """
+        seen = self.outcomes.get(first) if first is not None else None
+        if not isinstance(seen, p.CellDone) or seen.error is None:
+            return first
+        what = (seen.error.type_name, seen.error.message)
+        for r in self.ranks.all:
+            outcome = self.outcomes.get(r)
+            error = outcome.error if isinstance(outcome, p.CellDone) else None
+            if error is not None and (error.type_name, error.message) == what:
+                return r
+        return first
 
     def bound(self) -> frozenset[str]:
         """Global names the cell (re)bound on any rank: they are the ranks' now."""

@@ -596,6 +596,32 @@ def test_a_slow_recovery_goes_on_after_its_cell_and_the_next_cell_waits_for_it(
     wait_for(lambda: not (agent_pids() - before), 20, "no rank started while going down")
 
 
+def test_the_same_error_on_every_rank_is_told_as_rank_0s(pool2: Pool) -> None:
+    """Rank 1's error reaches the pool first; rank 0 then raises the same error on its own (it
+    ignores the pool's interrupt): the cell's error is told as rank 0's, the lowest of those
+    that failed alike, not as whichever the pool heard first.
+    """
+    result = pool2.run(
+        src(
+            """
+            import signal, time
+            if rank == 0:
+                agents = signal.signal(signal.SIGINT, signal.SIG_IGN)
+                try:
+                    time.sleep(0.5)
+                finally:
+                    signal.signal(signal.SIGINT, agents)
+            raise ValueError("the same failure")
+            """
+        )
+    )
+    assert {e.rank: e.type_name for e in result.errors} == {0: "ValueError", 1: "ValueError"}
+    with pytest.raises(CellError) as failed:
+        result.raise_for_errors()
+    assert failed.value.primary.rank == 0
+    assert str(failed.value).startswith("cell failed on rank 0 ("), str(failed.value)
+
+
 def test_a_failed_rank_leaves_the_group_so_its_peer_is_not_left_waiting() -> None:
     """Rank 1 raises while rank 0 waits for it in an all_reduce.
 
