@@ -133,7 +133,10 @@ async def form_worlds(ranks: Ranks, generation: int, jax: bool) -> Formed:
         frame = wire.encode(command)
         for r in others:
             ranks.send(r, frame)
-        results = await asyncio.wait_for(asyncio.gather(*states.values()), FORM_TIMEOUT + 10)
+        gathered = asyncio.gather(*states.values())
+        # A cancelled wait (the pool going down) leaves the gathering's error to nobody.
+        gathered.add_done_callback(lambda f: f.cancelled() or f.exception())
+        results = await asyncio.wait_for(gathered, FORM_TIMEOUT + 10)
     except asyncio.TimeoutError:
         raise PoolError(f"the process group did not form within {FORM_TIMEOUT:.0f} s") from None
     except RankEnded as exc:

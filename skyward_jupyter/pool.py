@@ -10,13 +10,14 @@ bind, :mod:`.rank_names`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
 import uuid
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from . import doctor, limits, rank_names, relay_keys, wire
 from . import protocol as p
@@ -57,6 +58,7 @@ A machine that does not answer holds a restart for its connection's timeout; the
 then, and the next cell waits for the rest."""
 
 log = logging.getLogger(__name__)
+F = TypeVar("F", bound="asyncio.Future[Any]")
 
 
 class Pool:
@@ -155,8 +157,14 @@ class Pool:
         self._closing = False
         self._lost_while_idle: list[int] = []
         self._monitor: asyncio.Task[None] | None = None
-        self._recovery: asyncio.Task[None] | None = None
+        self._recoveries: set[asyncio.Future[Any]] = set()
+        """Every recovery under way (an idle rank's, a failed cell's): the pool's shutdown
+        stops them, so that no rank is started while it goes down."""
+        self._queued: set[asyncio.Task[Any]] = set()
+        """Cells and restarts waiting for the pool's operations lock (held by a recovery)."""
         self._mending: asyncio.Task[None] | None = None
+        self._handed_over = False
+        """The cell ending now hands the operations lock to its recovery (not released)."""
         """A failed cell's recovery that outlasted :data:`MENDING_WAIT`, holding the pool's
         operations until it ends."""
         self._mending_what = ""
@@ -326,11 +334,11 @@ class Pool:
         """
         if self._io is None or self._closing or self._op_lock is None:
             raise PoolError(f"pool {self.name!r} is not running")
-        lock, ranks = self._op_lock, self._ranks
 
         async def restart() -> None:
-            async with lock:
-                await ranks.restart_all()
+            async with self._operation():
+                self._late_notes = []  # what a recovery said is history now
+                await self._ranks.restart_all()
 
         wait(self._io.submit(restart()), self.interrupt)
 
@@ -400,7 +408,7 @@ class Pool:
             return
         self._ranks.set_state(rank, RankState.LOST, how)
         if self._cell is None and self._start_task is not None and self._start_task.done():
-            self._recovery = asyncio.get_running_loop().create_task(self._recover_idle(rank, how))
+            self._track(asyncio.get_running_loop().create_task(self._recover_idle(rank, how)))
 
     # ---------------------------------------------------------------------- IO thread: start
 
@@ -431,7 +439,10 @@ class Pool:
             self._emit(
                 PoolMessage(f"the cell waits for the pool to start {self._mending_what} again")
             )
-        async with self._op_lock:
+        async with self._operation():
+            # What a recovery said after the last cell: this cell's to tell, unless it cannot
+            # run (then its error says how the recovery ended).
+            late, self._late_notes = self._late_notes, []
             if self._closing:
                 raise PoolError(f"pool {self.name!r} was closed before the cell could run")
             lost_before, self._lost_while_idle = self._lost_while_idle, []
@@ -459,8 +470,7 @@ class Pool:
             command = await self._transfer.relay_globals(replace(command, workdir=workdir), live)
             running = live if ranks is None else [r for r in live if r.index in ranks]
             cell = Cell(command.cell_id, self._ranks, live, timeout, self.interrupt_grace, running)
-            cell.notes.extend(self._late_notes + said)
-            self._late_notes = []
+            cell.notes.extend(late + said)
             self._cell, self._cell_task = cell, asyncio.current_task()
             # Encoded once, the same bytes written to each rank. The others (``--ranks``) bind
             # the globals only: the notebook's record of what the ranks hold stays true for
@@ -483,13 +493,8 @@ class Pool:
                     raise PoolError(f"pool {self.name!r} was closed while the cell ran")
                 results = cell.results()
                 lost = [r.index for r in everyone if not r.alive]
-                if await self._mend_after(cell) and not self._said_reformed:
-                    self._said_reformed = True
-                    cell.notes.append(
-                        "the code destroyed the process group; the pool formed it again "
-                        f"({self.group_backend}, port {self.master_port}) and does so after "
-                        "every cell that destroys it"
-                    )
+                if await self._mend_after(cell) and (note := self._reformed()) is not None:
+                    cell.notes.append(note)
             finally:
                 self._cell = self._cell_task = None
                 relayed = [v.digest for v in command.globals.values() if isinstance(v, p.Relayed)]
@@ -508,9 +513,44 @@ class Pool:
             self._emit(CellFinished(command.cell_id, result))
             return result
 
+    def _reformed(self) -> str | None:
+        """The note that the pool formed the group the code destroyed: said once a pool."""
+        if self._said_reformed:
+            return None
+        self._said_reformed = True
+        return (
+            "the code destroyed the process group; the pool formed it again "
+            f"({self.group_backend}, port {self.master_port}) and does so after every cell "
+            "that destroys it"
+        )
+
+    @contextlib.asynccontextmanager
+    async def _operation(self) -> AsyncIterator[None]:
+        """The pool's operations lock, for a cell or a restart; Ctrl-C while it waits (a
+        recovery holds the lock) stops the wait, and the cell does not run.
+        """
+        assert self._op_lock is not None
+        task = asyncio.current_task()
+        assert task is not None
+        self._queued.add(task)
+        try:
+            await self._op_lock.acquire()
+        finally:
+            self._queued.discard(task)
+        try:
+            yield
+        finally:
+            if self._handed_over:
+                self._handed_over = False  # a cell's recovery holds it on, and releases it
+            else:
+                self._op_lock.release()
+
     def _request_stop(self) -> None:
         if self._cell is not None:
             self._cell.interrupt()
+        elif self._queued:
+            for task in self._queued:
+                task.cancel()  # its wait() turns this into the KeyboardInterrupt it asked for
         elif self._start_task is not None and not self._start_task.done():
             self._start_task.cancel()  # Ctrl-C while starting: the provider cleans up
 
@@ -520,8 +560,13 @@ class Pool:
         """The cell's recovery (:meth:`Cell.recover`), waited for up to :data:`MENDING_WAIT`;
         beyond that it goes on, and the pool's next operation waits for it.
         """
-        mending = asyncio.ensure_future(cell.recover())
+        lock = self._op_lock
+        assert lock is not None
+        mending = self._track(asyncio.ensure_future(cell.recover()))
         done, _ = await asyncio.wait([mending], timeout=MENDING_WAIT)
+        if self._closing or mending.cancelled():
+            mending.cancel()  # the pool goes down: nothing to mend
+            return False
         if mending in done:
             return mending.result()
         dead = [r for r in self._ranks.all if not r.alive]
@@ -536,19 +581,38 @@ class Pool:
             "the next cell waits for it"
         )
         self._mending_what = what
-        self._mending = asyncio.get_running_loop().create_task(
-            self._mending_goes_on(mending, cell, len(cell.notes))
+        self._mending = self._track(
+            asyncio.get_running_loop().create_task(
+                self._mending_goes_on(mending, cell, len(cell.notes))
+            )
         )
+        # No other operation runs between the cell and its recovery: the lock passes to it, and
+        # is released as it ends, however it ends (also cancelled before it began).
+        self._handed_over = True
+        self._mending.add_done_callback(lambda _: lock.release())
         return False
 
+    def _track(self, recovery: F) -> F:
+        """A recovery under way, for the pool's shutdown to stop."""
+        self._recoveries.add(recovery)
+        recovery.add_done_callback(self._recoveries.discard)
+        return recovery
+
     async def _mending_goes_on(self, mending: asyncio.Future[bool], cell: Cell, said: int) -> None:
-        """Hold the pool's operations (queued first: an asyncio lock serves in order) until a
-        cell's recovery ends; what it said since goes to the next cell.
+        """Wait, holding the pool's operations lock (handed over by the cell), for the cell's
+        recovery to end (Ctrl-C, for the user's operations, does not stop it); what it said
+        since goes to the next cell.
         """
-        assert self._op_lock is not None
-        async with self._op_lock:
-            await mending  # cancelled with it (the pool going down)
-            self._late_notes.extend(cell.notes[said:])
+        try:
+            reformed = await mending  # cancelled with it (the pool going down)
+        except Exception as exc:  # a fault of the recovery's own: told, not lost
+            log.error("the recovery after cell %d failed", cell.cell_id, exc_info=exc)
+            self._ranks.group_problem = f"its recovery after the last failure failed: {exc!r}"
+            return
+        late = cell.notes[said:]
+        if reformed and (note := self._reformed()) is not None:
+            late.append(note)
+        self._late_notes.extend(late)
 
     async def _recover_idle(self, rank: Rank, how: str) -> None:
         assert self._op_lock is not None
@@ -567,10 +631,11 @@ class Pool:
         self._closing = True
         if self._monitor is not None:
             self._monitor.cancel()
-        for task in (self._mending, self._recovery):
-            if task is not None and not task.done():
-                task.cancel()  # no rank is started while the pool goes down
-                await asyncio.wait([task], timeout=5)
+        recoveries = list(self._recoveries)
+        for recovery in recoveries:
+            recovery.cancel()  # no rank is started while the pool goes down
+        if recoveries:
+            await asyncio.wait(recoveries, timeout=5)
         cell_task = self._cell_task
         if self._cell is not None:
             self._cell.close()

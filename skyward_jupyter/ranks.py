@@ -77,6 +77,9 @@ class Rank:
         """The process the pool ended here without waiting for its machine (``host pid N``):
         what the loss names until the rank runs again."""
         self.reader: asyncio.Task[None] | None = None
+        self.ended: BaseException | None = None
+        """How its process ended (a :class:`RankEnded`), until it is started again: an answer
+        asked for then never comes."""
         self.killed = False
         """The pool killed this process: its SIGKILL is the pool's, not for lack of memory."""
 
@@ -112,7 +115,10 @@ class Rank:
         """
         future: asyncio.Future[A] = asyncio.get_running_loop().create_future()
         future.add_done_callback(lambda f: f.cancelled() or f.exception())
-        self._waiting[answer, request] = future
+        if self.ended is not None:  # it ended before the request (a cell's files were syncing)
+            future.set_exception(self.ended)
+        else:
+            self._waiting[answer, request] = future
         return future
 
     def waiting(
@@ -133,6 +139,8 @@ class Rank:
         self._waiting.pop((answer, request), None)
 
     def fail_all(self, exc: BaseException) -> None:
+        """The process ended: every answer waited for, and every one asked for later, fails."""
+        self.ended = exc
         for future in self._waiting.values():
             if not future.done():
                 future.set_exception(exc)
@@ -278,12 +286,14 @@ class Ranks:
 
     def _rank_env(self, rank: Rank) -> dict[str, str]:
         s = self.settings
+        on_machine = self._layout.per_address[rank.node.address]
         agent = {
             "heartbeat_interval": s.heartbeat_interval,
             "heartbeat_timeout": notebook_silence(s.heartbeat_timeout),
             "backend": self.backend,
             "pg_timeout": s.pg_timeout,
             "secure": s.secure,
+            "ranks_on_machine": on_machine,
             **(s.relay.agent_settings(rank.local_rank == 0, s.secure) if s.relay else {}),
             **s.frameworks.agent_settings(),
         }
@@ -294,7 +304,7 @@ class Ranks:
             local_world_size=rank.local_world,
             node=rank.node.index,
             nodes=len(self.nodes),
-            ranks_on_machine=self._layout.per_address[rank.node.address],
+            ranks_on_machine=on_machine,
             has_gpu=bool(rank.node.gpus),
         )
         env = launcher_env(
@@ -318,6 +328,7 @@ class Ranks:
         self.set_state(rank, RankState.BOOTING)
         process = await self.provider.start_rank(rank.node, self._rank_env(rank))
         rank.process, rank.alive, rank.hello, rank.killed = process, True, None, False
+        rank.ended = None
         rank.usage = None  # the last process's: this one reports its own
         rank.last_heard = time.monotonic()
         rank.expect(p.Hello)
@@ -326,7 +337,10 @@ class Ranks:
     async def await_hellos(self, ranks: list[Rank]) -> None:
         futures = [f for r in ranks if (f := r.waiting(p.Hello)) is not None]
         try:
-            await asyncio.wait_for(asyncio.gather(*futures), self.settings.start_timeout)
+            hellos = asyncio.gather(*futures)
+            # A cancelled wait (the pool going down) leaves the gathering's error to nobody.
+            hellos.add_done_callback(lambda f: f.cancelled() or f.exception())
+            await asyncio.wait_for(hellos, self.settings.start_timeout)
         except RankEnded:
             failed = next(r for r in ranks if not r.alive)
             raise PoolError(self._start_failure(failed)) from None
@@ -422,6 +436,7 @@ class Ranks:
         """
         skipped = nothing_to_form(self, jax)
         if skipped is not None:
+            self.group_problem = None  # no group to form is no problem (a restart mended it)
             if skipped and skipped != self.worlds_note:  # said once, not again at each re-form
                 self.worlds_note = skipped
                 self.emit(PoolMessage(skipped))

@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import signal
 import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,7 +27,7 @@ from skyward_jupyter.events import (
 )
 from skyward_jupyter.frameworks import Frameworks
 from skyward_jupyter.providers.base import Node
-from skyward_jupyter.ranks import Rank
+from skyward_jupyter.ranks import Rank, Ranks
 from skyward_jupyter.transfer import RELAY_MIN_BYTES, Transfer
 
 from .conftest import (
@@ -622,6 +624,91 @@ def test_the_same_error_on_every_rank_is_told_as_rank_0s(pool2: Pool) -> None:
     assert str(failed.value).startswith("cell failed on rank 0 ("), str(failed.value)
 
 
+def _gated_restarts(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Restarts of lost ranks wait until the returned event is set (a host that does not
+    answer yet); the ranks themselves stay real.
+    """
+    gate = threading.Event()
+    restart_dead = Ranks.restart_dead
+
+    async def gated(self: Ranks, after_failure: bool = True) -> list[str]:
+        await asyncio.to_thread(gate.wait, 60)
+        return await restart_dead(self, after_failure)
+
+    monkeypatch.setattr(Ranks, "restart_dead", gated)
+    monkeypatch.setattr(pool_module, "MENDING_WAIT", 0.0)
+    return gate
+
+
+def test_ctrl_c_stops_a_cell_that_waits_for_a_recovery(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The cell after a failed one waits for the pool to start its lost rank again; Ctrl-C
+    then stops that wait at once, and the cell does not run later behind the user's back.
+    """
+    gate = _gated_restarts(monkeypatch)
+    ran = tmp_path / "ran"
+    with Pool(nodes=2, frameworks=Frameworks(torch=False)) as pool:
+        said: list[str] = []
+        pool.subscribe(lambda e: said.append(e.text) if isinstance(e, PoolMessage) else None)
+        assert pool.run("import os\nif rank == 1:\n    os._exit(3)").lost == (1,)
+        outcome: list[BaseException] = []
+
+        def waiting_cell() -> None:
+            try:
+                pool.run(f"open({str(ran)!r}, 'w').close()")
+            except BaseException as exc:  # noqa: BLE001 - what the cell raised is the result
+                outcome.append(exc)
+
+        cell = threading.Thread(target=waiting_cell)
+        cell.start()
+        try:
+            wait_for(lambda: any("the cell waits for the pool" in t for t in said), 20, "the wait")
+            pool.interrupt()
+            cell.join(timeout=20)
+            assert not cell.is_alive(), "Ctrl-C did not stop the cell's wait"
+            assert len(outcome) == 1 and isinstance(outcome[0], KeyboardInterrupt), outcome
+        finally:
+            gate.set()
+            cell.join(timeout=60)
+        after = pool.run("rank")
+        assert after.values == [0, 1] and "rank 1 was restarted" in str(after.notes)
+        assert not ran.exists(), "the stopped cell ran after the recovery"
+
+
+def test_a_rank_lost_while_the_cells_files_sync_fails_the_cell_rather_than_hang(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A rank that ends after the cell took its ranks but before it asked them for answers
+    (its files or globals on their way) is a lost rank of that cell, not an answer awaited
+    for ever.
+    """
+    workdir = Transfer.workdir
+    victims: list[Rank] = []
+
+    async def losing_one(self: Transfer, files: list[Any]) -> Any:
+        if victims:
+            victim = victims.pop()
+            assert victim.hello is not None
+            os.kill(victim.hello.pid, signal.SIGKILL)
+            while victim.alive:  # its end read by the pool before the cell asks
+                await asyncio.sleep(0.01)
+        return await workdir(self, files)
+
+    monkeypatch.setattr(Transfer, "workdir", losing_one)
+    with Pool(nodes=2, frameworks=Frameworks(torch=False)) as pool:
+        pool.run("1")
+        victims.append(pool._ranks.all[1])
+        outcome: list[RunResult] = []
+        cell = threading.Thread(target=lambda: outcome.append(pool.run("rank")))
+        cell.start()
+        cell.join(timeout=60)
+        assert not cell.is_alive(), "the cell waited for an answer from a rank already gone"
+        (result,) = outcome
+        assert result.lost == (1,) and [e.type_name for e in result.errors] == ["RankLost"]
+        assert pool.run("rank").values == [0, 1]
+
+
 def test_a_failed_rank_leaves_the_group_so_its_peer_is_not_left_waiting() -> None:
     """Rank 1 raises while rank 0 waits for it in an all_reduce.
 
@@ -906,9 +993,9 @@ def test_a_rank_waits_as_a_batch_task_only_where_its_nodes_ranks_fit_the_cpus(
     """With more ranks on a node than CPUs, switching back from batch costs each rank a
     preemption every cell (more than it saves): those ranks wait as normal tasks.
     """
-    from skyward_jupyter.agent.inbox import _BatchWhileWaiting
+    from skyward_jupyter.agent.inbox import _BatchWhileWaiting, usable_cpus
 
-    cpus = len(os.sched_getaffinity(0))
+    cpus = max(1, int(usable_cpus()))
     seen: list[int] = []
 
     def wait() -> None:
@@ -927,6 +1014,27 @@ def test_a_rank_waits_as_a_batch_task_only_where_its_nodes_ranks_fit_the_cpus(
     thread.start()
     thread.join()
     assert seen == [getattr(os, f"SCHED_{waiting}"), os.SCHED_OTHER]
+
+
+def test_ranks_of_many_nodes_on_one_machine_more_than_its_cpus_wait_as_normal_tasks() -> None:
+    """The count is of the machine's ranks, every node on it: single-rank nodes on the
+    notebook's machine, one more than its CPUs.
+    """
+    from skyward_jupyter.agent.inbox import usable_cpus
+
+    nodes = int(usable_cpus()) + 1
+    if nodes > 17:
+        pytest.skip(f"{nodes - 1} CPUs: a pool with more ranks than them is too large here")
+
+    def main_thread(pid: int) -> str:
+        with open(f"/proc/{pid}/task/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+
+    with Pool(nodes=nodes, frameworks=Frameworks(torch=False)) as pool:
+        pids = pool.run("import os\nos.getpid()").values
+        for pid in pids:  # back in its read of the wire, where a batch rank would be batch
+            wait_for(lambda pid=pid: main_thread(pid) == "S", 10, f"rank pid {pid} to wait")
+            assert os.sched_getscheduler(pid) == os.SCHED_OTHER
 
 
 def test_a_rank_waits_as_a_batch_task_and_runs_cells_as_a_normal_one(pool2: Pool) -> None:

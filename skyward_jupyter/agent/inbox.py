@@ -10,7 +10,9 @@ thread takes the wire and reads until the command ends, queueing any command tha
 meanwhile. A command shorter than a tick never wakes it; one that is longer hears an interrupt a
 tick later at most.
 
-Where the node's ranks are no more than its CPUs, the waiting main thread is a batch task
+Where the pool's ranks on this machine (every node there) are no more than the CPUs the rank
+may use (its affinity, and its cgroup's quota: a container's ``--cpus``), the waiting main
+thread is a batch task
 (Linux's ``SCHED_BATCH``), and a normal one again as soon as a command is in: a waking rank then
 does not preempt the notebook thread that is still writing the same cell to the other ranks,
 which shortens a trivial cell's round trip (ibid.). With more ranks than CPUs, the switch back
@@ -28,6 +30,7 @@ import queue
 import select
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 from ..wire import SyncChannel
 
@@ -41,7 +44,7 @@ class _BatchWhileWaiting:
         self._usable = (
             hasattr(os, "sched_setscheduler")
             and hasattr(os, "SCHED_BATCH")
-            and ranks_here <= len(os.sched_getaffinity(0))
+            and ranks_here <= usable_cpus()
         )
         self._switched = False
 
@@ -62,6 +65,16 @@ class _BatchWhileWaiting:
             self._switched = False
             with contextlib.suppress(OSError):  # allowed a moment ago; still, never fail a cell
                 os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+
+
+def usable_cpus() -> float:
+    """The CPUs this process may use: its affinity, less where its cgroup (v2) has a quota."""
+    cpus = float(len(os.sched_getaffinity(0)))
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        return cpus if quota == "max" else min(cpus, int(quota) / int(period))
+    except (OSError, ValueError):  # no cgroup v2 here, or a file of another shape
+        return cpus
 
 
 class Inbox:

@@ -94,6 +94,8 @@ class AgentSettings:
     keras_backend: str | None = None
     secure: bool = False
     """gloo on loopback, its traffic between hosts through TLS tunnels (``--secure``)."""
+    ranks_on_machine: int = 1
+    """The pool's ranks on this rank's machine, every node there counted (see :mod:`.inbox`)."""
 
     @classmethod
     def from_env(cls) -> AgentSettings:
@@ -153,7 +155,7 @@ class Agent:
             group.rank, self.channel.send, lambda: self.cell_id, self._sync_output
         )
         self.console.install()
-        self.inbox = Inbox(self.channel, self._route, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        self.inbox = Inbox(self.channel, self._route, settings.ranks_on_machine)
         self.cell_id: int | None = None
         self._in_cell = False
         self._interrupted = False
