@@ -676,6 +676,34 @@ def test_ctrl_c_stops_a_cell_that_waits_for_a_recovery(
         assert not ran.exists(), "the stopped cell ran after the recovery"
 
 
+def test_after_a_recovery_that_failed_a_restart_gives_a_whole_pool_and_no_stale_notes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The lost rank could not be started again (its host did not answer): the next cell says
+    so; ``%sky restart`` then mends the pool (also one without a group to form), and what the
+    failed recovery said is not told again.
+    """
+    restart_dead = Ranks._restart_dead
+    failures = ["the host did not answer"]
+
+    async def failing_once(self: Ranks, after_failure: bool) -> list[str]:
+        if failures:
+            await asyncio.sleep(0.1)  # a host that does not answer: longer than MENDING_WAIT
+            raise PoolError(failures.pop())
+        return await restart_dead(self, after_failure)
+
+    monkeypatch.setattr(Ranks, "_restart_dead", failing_once)
+    monkeypatch.setattr(pool_module, "MENDING_WAIT", 0.0)
+    with Pool(nodes=2, frameworks=Frameworks(torch=False)) as pool:
+        assert pool.run("import os\nif rank == 1:\n    os._exit(3)").lost == (1,)
+        with pytest.raises(PoolError, match=r"could not start it again \(the host did not answer"):
+            pool.run("rank")
+        pool.restart()
+        after = pool.run("rank")
+        assert after.values == [0, 1]
+        assert not any("could not recover" in n for n in after.notes), after.notes
+
+
 def test_a_rank_lost_while_the_cells_files_sync_fails_the_cell_rather_than_hang(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
