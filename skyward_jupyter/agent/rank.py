@@ -337,6 +337,7 @@ class Agent:
         tick = min(0.25, s.heartbeat_interval)
         last_beat = 0.0
         waiting = 0
+        silent_before = False
         while True:
             time.sleep(tick)
             now = time.monotonic()
@@ -349,11 +350,16 @@ class Agent:
             if arrived > waiting:
                 self._last_heard = now
             waiting = arrived
-            if now - self._last_heard > s.heartbeat_timeout:
+            # Silent at two ticks running: a beat the reader had just taken off the wire but not
+            # yet counted, as this thread looked (both woken at once: a stopped process let go,
+            # a loaded machine), is counted by the next tick.
+            silent = now - self._last_heard > s.heartbeat_timeout
+            if silent and silent_before:
                 self._diagnose(
                     f"no heartbeat from the notebook for {s.heartbeat_timeout:.0f} s; exiting"
                 )
                 self.leave(EXIT_HEARTBEAT_LOST)
+            silent_before = silent
             self._flush_metrics()
             self.inbox.tick()
             self.worlds.tick()
