@@ -165,12 +165,12 @@ class Pool:
         self._mending: asyncio.Task[None] | None = None
         self._handed_over = False
         """The cell ending now hands the operations lock to its recovery (not released)."""
+        self._mend_wait: asyncio.Future[None] | None = None
+        """Set to end a failed cell's wait for its recovery (Ctrl-C)."""
         """A failed cell's recovery that outlasted :data:`MENDING_WAIT`, holding the pool's
         operations until it ends."""
         self._mending_what = ""
         """What that recovery starts again, in words."""
-        self._late_notes: list[str] = []
-        """What that recovery said after its cell had ended: the next cell's to tell."""
         self._start_task: asyncio.Task[Any] | None = None
         self._said_reformed = False
 
@@ -337,7 +337,6 @@ class Pool:
 
         async def restart() -> None:
             async with self._operation():
-                self._late_notes = []  # what a recovery said is history now
                 await self._ranks.restart_all()
 
         wait(self._io.submit(restart()), self.interrupt)
@@ -401,13 +400,20 @@ class Pool:
 
     def _rank_ended(self, rank: Rank, how: str) -> None:
         """A rank's process ended: the running cell hears of it; an idle rank is restarted
-        (while starting, the start itself fails, naming the rank).
+        (while starting, the start itself fails, naming the rank; while a failed cell's
+        recovery goes on, that recovery fails, and the next cell says so).
         """
         if self._closing:
             self._ranks.set_state(rank, RankState.TERMINATED, how)
             return
         self._ranks.set_state(rank, RankState.LOST, how)
-        if self._cell is None and self._start_task is not None and self._start_task.done():
+        mending = self._mending is not None and not self._mending.done()
+        if (
+            self._cell is None
+            and not mending
+            and self._start_task is not None
+            and self._start_task.done()
+        ):
             self._track(asyncio.get_running_loop().create_task(self._recover_idle(rank, how)))
 
     # ---------------------------------------------------------------------- IO thread: start
@@ -440,9 +446,6 @@ class Pool:
                 PoolMessage(f"the cell waits for the pool to start {self._mending_what} again")
             )
         async with self._operation():
-            # What a recovery said after the last cell: this cell's to tell, unless it cannot
-            # run (then its error says how the recovery ended).
-            late, self._late_notes = self._late_notes, []
             if self._closing:
                 raise PoolError(f"pool {self.name!r} was closed before the cell could run")
             lost_before, self._lost_while_idle = self._lost_while_idle, []
@@ -470,7 +473,7 @@ class Pool:
             command = await self._transfer.relay_globals(replace(command, workdir=workdir), live)
             running = live if ranks is None else [r for r in live if r.index in ranks]
             cell = Cell(command.cell_id, self._ranks, live, timeout, self.interrupt_grace, running)
-            cell.notes.extend(late + said)
+            cell.notes.extend(said)
             self._cell, self._cell_task = cell, asyncio.current_task()
             # Encoded once, the same bytes written to each rank. The others (``--ranks``) bind
             # the globals only: the notebook's record of what the ranks hold stays true for
@@ -546,7 +549,11 @@ class Pool:
                 self._op_lock.release()
 
     def _request_stop(self) -> None:
-        if self._cell is not None:
+        if self._mend_wait is not None and not self._mend_wait.done():
+            # The cell has ended; Ctrl-C while it waits for the pool to mend itself ends that
+            # wait (the recovery goes on, and the next cell waits for it).
+            self._mend_wait.set_result(None)
+        elif self._cell is not None:
             self._cell.interrupt()
         elif self._queued:
             for task in self._queued:
@@ -563,13 +570,20 @@ class Pool:
         lock = self._op_lock
         assert lock is not None
         mending = self._track(asyncio.ensure_future(cell.recover()))
-        done, _ = await asyncio.wait([mending], timeout=MENDING_WAIT)
+        self._mend_wait = stop = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait(
+                [mending, stop], timeout=MENDING_WAIT, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            self._mend_wait = None
+            stop.cancel()
         if self._closing or mending.cancelled():
             mending.cancel()  # the pool goes down: nothing to mend
             return False
-        if mending in done:
+        if mending.done():
             return mending.result()
-        dead = [r for r in self._ranks.all if not r.alive]
+        dead = [r for r in self._ranks.all if not r.alive or r.hello is None]
         what = (
             f"rank{'s' * (len(dead) > 1)} {rank_span(r.index for r in dead)} on "
             f"{', '.join(dict.fromkeys(r.node.address for r in dead))}"
@@ -582,9 +596,7 @@ class Pool:
         )
         self._mending_what = what
         self._mending = self._track(
-            asyncio.get_running_loop().create_task(
-                self._mending_goes_on(mending, cell, len(cell.notes))
-            )
+            asyncio.get_running_loop().create_task(self._mending_goes_on(mending, cell))
         )
         # No other operation runs between the cell and its recovery: the lock passes to it, and
         # is released as it ends, however it ends (also cancelled before it began).
@@ -598,10 +610,10 @@ class Pool:
         recovery.add_done_callback(self._recoveries.discard)
         return recovery
 
-    async def _mending_goes_on(self, mending: asyncio.Future[bool], cell: Cell, said: int) -> None:
+    async def _mending_goes_on(self, mending: asyncio.Future[bool], cell: Cell) -> None:
         """Wait, holding the pool's operations lock (handed over by the cell), for the cell's
-        recovery to end (Ctrl-C, for the user's operations, does not stop it); what it said
-        since goes to the next cell.
+        recovery to end (Ctrl-C, for the user's operations, does not stop it). What it says
+        meanwhile goes out as the pool's messages, as it happens.
         """
         try:
             reformed = await mending  # cancelled with it (the pool going down)
@@ -609,10 +621,8 @@ class Pool:
             log.error("the recovery after cell %d failed", cell.cell_id, exc_info=exc)
             self._ranks.group_problem = f"its recovery after the last failure failed: {exc!r}"
             return
-        late = cell.notes[said:]
         if reformed and (note := self._reformed()) is not None:
-            late.append(note)
-        self._late_notes.extend(late)
+            self._emit(PoolMessage(note))
 
     async def _recover_idle(self, rank: Rank, how: str) -> None:
         assert self._op_lock is not None

@@ -591,7 +591,9 @@ def test_a_slow_recovery_goes_on_after_its_cell_and_the_next_cell_waits_for_it(
         assert not any("was restarted" in n for n in failed.notes)
         after = pool.run("rank")
         assert after.values == [0, 1], after.errors
-        assert "rank 1 was restarted: its namespace was lost" in after.notes
+        # Told once, as it happened: not again with the next cell.
+        assert "rank 1 was restarted: its namespace was lost" in said
+        assert not any("was restarted" in n for n in after.notes), after.notes
         # Gone down while a recovery goes on: it stops, and nothing it started is left.
         before = agent_pids()
         assert pool.run("import os\nif rank == 0:\n    os._exit(3)").lost == (0,)
@@ -624,20 +626,24 @@ def test_the_same_error_on_every_rank_is_told_as_rank_0s(pool2: Pool) -> None:
     assert str(failed.value).startswith("cell failed on rank 0 ("), str(failed.value)
 
 
-def _gated_restarts(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
-    """Restarts of lost ranks wait until the returned event is set (a host that does not
-    answer yet); the ranks themselves stay real.
+def _gated_restarts(
+    monkeypatch: pytest.MonkeyPatch, wait: float = 0.0
+) -> tuple[threading.Event, threading.Event]:
+    """Restarts of lost ranks wait until the first returned event is set (a host that does not
+    answer yet), the second set as one begins; a failed cell waits ``wait`` seconds for them.
+    The ranks themselves stay real.
     """
-    gate = threading.Event()
+    gate, begun = threading.Event(), threading.Event()
     restart_dead = Ranks.restart_dead
 
     async def gated(self: Ranks, after_failure: bool = True) -> list[str]:
+        begun.set()
         await asyncio.to_thread(gate.wait, 60)
         return await restart_dead(self, after_failure)
 
     monkeypatch.setattr(Ranks, "restart_dead", gated)
-    monkeypatch.setattr(pool_module, "MENDING_WAIT", 0.0)
-    return gate
+    monkeypatch.setattr(pool_module, "MENDING_WAIT", wait)
+    return gate, begun
 
 
 def test_ctrl_c_stops_a_cell_that_waits_for_a_recovery(
@@ -646,7 +652,7 @@ def test_ctrl_c_stops_a_cell_that_waits_for_a_recovery(
     """The cell after a failed one waits for the pool to start its lost rank again; Ctrl-C
     then stops that wait at once, and the cell does not run later behind the user's back.
     """
-    gate = _gated_restarts(monkeypatch)
+    gate, _ = _gated_restarts(monkeypatch)
     ran = tmp_path / "ran"
     with Pool(nodes=2, frameworks=Frameworks(torch=False)) as pool:
         said: list[str] = []
@@ -672,8 +678,65 @@ def test_ctrl_c_stops_a_cell_that_waits_for_a_recovery(
             gate.set()
             cell.join(timeout=60)
         after = pool.run("rank")
-        assert after.values == [0, 1] and "rank 1 was restarted" in str(after.notes)
+        assert after.values == [0, 1] and "rank 1 was restarted: its namespace was lost" in said
         assert not ran.exists(), "the stopped cell ran after the recovery"
+
+
+def test_ctrl_c_while_a_failed_cell_waits_for_its_recovery_ends_the_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The failed cell ends at once with its own failure (not told as interrupted); the
+    recovery goes on, and the next cell has the whole pool.
+    """
+    gate, begun = _gated_restarts(monkeypatch, wait=60.0)
+    with Pool(nodes=2, frameworks=Frameworks(torch=False)) as pool:
+        outcome: list[RunResult] = []
+        cell = threading.Thread(
+            target=lambda: outcome.append(pool.run("import os\nif rank == 1:\n    os._exit(3)"))
+        )
+        cell.start()
+        try:
+            assert begun.wait(30), "the recovery did not begin"
+            pool.interrupt()
+            cell.join(timeout=20)
+            assert not cell.is_alive(), "Ctrl-C did not end the failed cell's wait"
+        finally:
+            gate.set()
+            cell.join(timeout=60)
+        (failed,) = outcome
+        assert failed.lost == (1,) and not failed.interrupted
+        assert [e.type_name for e in failed.errors] == ["RankLost"]
+        assert any("still starting rank 1" in n for n in failed.notes), failed.notes
+        assert pool.run("rank").values == [0, 1]
+
+
+def test_a_rank_lost_again_while_its_recovery_goes_on_is_told_by_the_next_cell(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The restarted rank dies before it says hello: the recovery fails, and no second one
+    starts behind the user's back; the next cell says so, and a restart mends the pool.
+    """
+    spawn = Ranks.spawn
+    doomed: list[int] = []  # the pool's own start is left alone
+
+    async def dying(self: Ranks, rank: Rank) -> None:
+        await spawn(self, rank)
+        if doomed and rank.index == doomed[0] and rank.process is not None:
+            doomed.clear()
+            os.kill(rank.process.pid, signal.SIGKILL)  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(Ranks, "spawn", dying)
+    monkeypatch.setattr(pool_module, "MENDING_WAIT", 0.0)
+    with Pool(nodes=2, frameworks=Frameworks(torch=False)) as pool:
+        said: list[str] = []
+        pool.subscribe(lambda e: said.append(e.text) if isinstance(e, PoolMessage) else None)
+        doomed.append(1)
+        assert pool.run("import os\nif rank == 1:\n    os._exit(3)").lost == (1,)
+        wait_for(lambda: any("could not recover" in t for t in said), 30, "the recovery to fail")
+        with pytest.raises(PoolError, match=r"has lost rank 1 .* could not start it again"):
+            pool.run("rank")
+        pool.restart()
+        assert pool.run("rank").values == [0, 1]
 
 
 def test_after_a_recovery_that_failed_a_restart_gives_a_whole_pool_and_no_stale_notes(
