@@ -42,10 +42,11 @@ def wait_until_all_cells_ran(page: Any, stalled: float = 120.0) -> None:
         time.sleep(0.2)
 
 
-RUN_STARTED = (
+RUN_QUEUED = (
     "() => [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')]"
-    ".some(e => /\\[(\\*|\\d+)\\]/.test(e.textContent))"
+    ".every(e => /\\[(\\*|\\d+)\\]/.test(e.textContent))"
 )
+"""Every code cell is queued or has run: "Run All Cells" reached the kernel whole."""
 
 
 STEPS = 60
@@ -106,11 +107,13 @@ def _open(lab: Lab, page: Any, notebook: str) -> None:
 
 
 def _run_all_cells(page: Any) -> None:
-    """Run > Run All Cells, until the run has visibly started.
+    """Run > Run All Cells, until every cell is visibly queued.
 
     The notebook must be the lab's current widget, or "Run All Cells" runs nothing, and on a
     loaded machine nothing on the page says when the lab has made it current: a click that
-    came too early shows no running prompt, and is made again (3 tries).
+    came too early shows no running prompt, and is made again (3 tries). A run that the lab
+    lost part of (the kernel it had just started replaced as the page opened: the first cell
+    ran, the others never queued) is made again too.
     """
     for _ in range(3):
         page.locator(".jp-Notebook .jp-Cell").first.click()
@@ -119,7 +122,7 @@ def _run_all_cells(page: Any) -> None:
             ".lm-Menu-item:not(.lm-mod-disabled) .lm-Menu-itemLabel", has_text="Run All Cells"
         ).first.click(timeout=60_000)
         try:
-            page.wait_for_function(RUN_STARTED, timeout=20_000)
+            page.wait_for_function(RUN_QUEUED, timeout=20_000)
             return
         except PlaywrightTimeout:
             page.keyboard.press("Escape")  # close the menu if it is still open
