@@ -163,14 +163,12 @@ class Pool:
         self._queued: set[asyncio.Task[Any]] = set()
         """Cells and restarts waiting for the pool's operations lock (held by a recovery)."""
         self._mending: asyncio.Task[None] | None = None
+        """A failed cell's recovery that outlasted :data:`MENDING_WAIT`, holding the pool's
+        operations until it ends."""
         self._handed_over = False
         """The cell ending now hands the operations lock to its recovery (not released)."""
         self._mend_wait: asyncio.Future[None] | None = None
         """Set to end a failed cell's wait for its recovery (Ctrl-C)."""
-        """A failed cell's recovery that outlasted :data:`MENDING_WAIT`, holding the pool's
-        operations until it ends."""
-        self._mending_what = ""
-        """What that recovery starts again, in words."""
         self._start_task: asyncio.Task[Any] | None = None
         self._said_reformed = False
 
@@ -443,7 +441,7 @@ class Pool:
         assert self._op_lock is not None
         if self._mending is not None and not self._mending.done():
             self._emit(
-                PoolMessage(f"the cell waits for the pool to start {self._mending_what} again")
+                PoolMessage(f"the cell waits for the pool to start {self._starting()} again")
             )
         async with self._operation():
             if self._closing:
@@ -453,11 +451,9 @@ class Pool:
             live = [r for r in everyone if r.alive]
             if len(live) < len(everyone):
                 dead = [r for r in everyone if not r.alive]
-                machines = ", ".join(dict.fromkeys(r.node.address for r in dead))
                 why = f" ({self._ranks.group_problem})" if self._ranks.group_problem else ""
                 raise PoolError(
-                    f"pool {self.name!r} has lost rank{'s' * (len(dead) > 1)} "
-                    f"{rank_span(r.index for r in dead)} on {machines} and could not start "
+                    f"pool {self.name!r} has lost {_where(dead)} and could not start "
                     f"{'them' if len(dead) > 1 else 'it'} again{why}; %sky restart once that "
                     "machine answers, or %sky down and start the pool without it"
                 )
@@ -583,18 +579,10 @@ class Pool:
             return False
         if mending.done():
             return mending.result()
-        dead = [r for r in self._ranks.all if not r.alive or r.hello is None]
-        what = (
-            f"rank{'s' * (len(dead) > 1)} {rank_span(r.index for r in dead)} on "
-            f"{', '.join(dict.fromkeys(r.node.address for r in dead))}"
-            if dead
-            else "the process group"
-        )
         cell.notes.append(
-            f"the pool is still starting {what} again ({MENDING_WAIT:.0f} s so far); "
+            f"the pool is still starting {self._starting()} again ({MENDING_WAIT:.0f} s so far); "
             "the next cell waits for it"
         )
-        self._mending_what = what
         self._mending = self._track(
             asyncio.get_running_loop().create_task(self._mending_goes_on(mending, cell))
         )
@@ -603,6 +591,13 @@ class Pool:
         self._handed_over = True
         self._mending.add_done_callback(lambda _: lock.release())
         return False
+
+    def _starting(self) -> str:
+        """What a recovery under way starts again, in words: the ranks not yet up (lost, or
+        started but not yet said hello), else the process group.
+        """
+        starting = [r for r in self._ranks.all if not r.alive or r.hello is None]
+        return _where(starting) if starting else "the process group"
 
     def _track(self, recovery: F) -> F:
         """A recovery under way, for the pool's shutdown to stop."""
@@ -654,3 +649,9 @@ class Pool:
             # The cell's ranks are gone: its run ends now, with the error that says why.
             await asyncio.wait([cell_task], timeout=5)
         await self.provider.release()
+
+
+def _where(ranks: Sequence[Rank]) -> str:
+    """``rank 1 on HOST``, ``ranks 2-3 on HOST, HOST``: which ranks, and their machines."""
+    machines = ", ".join(dict.fromkeys(r.node.address for r in ranks))
+    return f"rank{'s' * (len(ranks) > 1)} {rank_span(r.index for r in ranks)} on {machines}"

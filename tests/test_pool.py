@@ -1078,7 +1078,7 @@ def test_notebook_functions_see_the_ranks_namespace(pool2: Pool) -> None:
 
 
 @pytest.mark.parametrize(("more_than_cpus", "waiting"), [(False, "BATCH"), (True, "OTHER")])
-def test_a_rank_waits_as_a_batch_task_only_where_its_nodes_ranks_fit_the_cpus(
+def test_a_rank_waits_as_a_batch_task_only_where_its_machines_ranks_fit_the_cpus(
     more_than_cpus: bool, waiting: str
 ) -> None:
     """With more ranks on a node than CPUs, switching back from batch costs each rank a

@@ -12,11 +12,11 @@ tick later at most.
 
 Where the pool's ranks on this machine (every node there) are no more than the CPUs the rank
 may use (its affinity, and its cgroup's quota: a container's ``--cpus``), the waiting main
-thread is a batch task
-(Linux's ``SCHED_BATCH``), and a normal one again as soon as a command is in: a waking rank then
-does not preempt the notebook thread that is still writing the same cell to the other ranks,
-which shortens a trivial cell's round trip (ibid.). With more ranks than CPUs, the switch back
-costs each rank a preemption every cell, more than it saves, so they stay normal (ibid.).
+thread is a batch task (Linux's ``SCHED_BATCH``), and a normal one again as soon as a command is
+in: a waking rank then does not preempt the notebook thread that is still writing the same cell
+to the other ranks, which shortens a trivial cell's round trip (ibid.). With more ranks than
+CPUs, the switch back costs each rank a preemption every cell, more than it saves, so they stay
+normal (ibid.).
 The user's code and the threads it starts run as normal tasks; only what the main thread runs
 while it waits (a signal handler, a finaliser) runs as a batch one. A policy other than the
 normal one (set by whoever started the rank, or by a cell) is left as it is.
