@@ -1,8 +1,10 @@
 """A real JupyterLab server and a real headless Chromium, for the browser tests.
 
-The server runs from this virtualenv on a free loopback port with its own token, config,
-runtime and settings directories (so nothing of the developer's Jupyter setup leaks in), and is
-ended with its whole process group: kernels, and through them their rank processes, go with it.
+The server runs from this virtualenv on a loopback port the system gives it, with its own token,
+config, runtime and settings directories (so nothing of the developer's Jupyter setup leaks in),
+and is ended with its whole process group: kernels, and through them their rank processes, go
+with it. Its kernels talk over IPC sockets in the runtime directory: no port of theirs can be
+taken by another test's process between being picked and being bound.
 Chromium is Debian's (``/usr/bin/chromium``, installed by ``.ci/run``); Playwright never
 downloads a browser here.
 """
@@ -15,9 +17,9 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -60,19 +62,10 @@ class Lab:
     url: str
     token: str
     root: Path
-
-    @property
-    def runtime_dir(self) -> Path:
-        return self.root / ".jupyter-home" / "runtime"
+    runtime_dir: Path
 
     def page_url(self, path: str) -> str:
         return f"{self.url}/{path}?token={self.token}"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _ready(url: str) -> bool:
@@ -83,12 +76,21 @@ def _ready(url: str) -> bool:
         return False
 
 
+def _server_info(runtime: Path) -> dict[str, Any]:
+    """The server's own account of itself (port, URL), written once it listens; {} before."""
+    for info in runtime.glob("jpserver-*.json"):
+        with contextlib.suppress(OSError, ValueError):  # not written whole yet
+            return dict(json.loads(info.read_text()))
+    return {}
+
+
 @contextmanager
 def jupyter_lab(root: Path) -> Iterator[Lab]:
     """Run ``jupyter lab`` serving ``root`` until the block ends."""
     token = secrets.token_hex(16)
-    port = _free_port()
     home = root / ".jupyter-home"
+    # Short, so that the kernels' IPC socket paths fit a socket address (108 bytes).
+    runtime = Path(tempfile.mkdtemp(prefix="skyward-lab-"))
     settings = home / "settings" / "@jupyterlab"
     (settings / "apputils-extension").mkdir(parents=True)
     (settings / "apputils-extension" / "notification.jupyterlab-settings").write_text(
@@ -108,7 +110,7 @@ def jupyter_lab(root: Path) -> Iterator[Lab]:
     env = {
         **os.environ,
         "JUPYTER_CONFIG_DIR": str(home / "config"),
-        "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
+        "JUPYTER_RUNTIME_DIR": str(runtime),
     }
     # The side panel of this checkout, ahead of any the environment links to (the first found
     # of a name wins), so that a build here is the one tested.
@@ -123,16 +125,17 @@ def jupyter_lab(root: Path) -> Iterator[Lab]:
     server = subprocess.Popen(
         [
             sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root",
-            f"--port={port}", "--ip=127.0.0.1", f"--ServerApp.token={token}",
+            "--port=0", "--ip=127.0.0.1", f"--ServerApp.token={token}",
             f"--ServerApp.root_dir={root}", f"--LabApp.user_settings_dir={home / 'settings'}",
-            "--ServerApp.open_browser=False",
+            "--ServerApp.open_browser=False", "--KernelManager.transport=ipc",
         ],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
     try:
+        wait_for(lambda: _server_info(runtime), 60, "JupyterLab to say where it serves")
+        url = f"http://127.0.0.1:{_server_info(runtime)['port']}"
         wait_for(lambda: _ready(f"{url}/api/status?token={token}"), 60, "JupyterLab to serve")
-        yield Lab(url, token, root)
+        yield Lab(url, token, root, runtime)
     finally:
         with contextlib.suppress(ProcessLookupError):  # already gone
             os.killpg(server.pid, signal.SIGTERM)
@@ -143,6 +146,7 @@ def jupyter_lab(root: Path) -> Iterator[Lab]:
                 os.killpg(server.pid, signal.SIGKILL)
             server.wait()
         log.close()
+        shutil.rmtree(runtime, ignore_errors=True)
 
 
 @contextmanager

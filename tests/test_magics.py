@@ -15,7 +15,9 @@ import ast
 import contextlib
 import os
 import re
+import shutil
 import signal
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -142,7 +144,12 @@ class Kernel:
     """A real ipykernel started from the venv's python, and a blocking client to it."""
 
     def __init__(self, cwd: Path | None = None) -> None:
-        self.km = KernelManager(kernel_name="python3")
+        # IPC sockets in a private directory: a TCP port the client picked free could be taken
+        # by another test's process before the kernel binds it ("Address already in use").
+        self.sockets = tempfile.mkdtemp(prefix="skyward-kernel-")
+        self.km = KernelManager(
+            kernel_name="python3", transport="ipc", ip=os.path.join(self.sockets, "kernel")
+        )
         self.km.start_kernel(cwd=str(cwd or ROOT))
         self.kc: BlockingKernelClient = self.km.client()
         self.kc.start_channels()
@@ -268,6 +275,7 @@ class Kernel:
         finally:
             _module_pool_pids.difference_update(self.registered)
             self.registered.clear()
+            shutil.rmtree(self.sockets, ignore_errors=True)
 
 
 def normalised(status: str) -> str:
