@@ -19,7 +19,6 @@ import datetime
 import io
 import json
 import secrets
-import socket
 import threading
 import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
@@ -189,15 +188,14 @@ class _Middleware:
 
 
 class Ec2Stand(ThreadedMotoServer):
-    """moto on 127.0.0.1 (a free port) behind the middleware; see the module's docstring."""
+    """moto on 127.0.0.1 (a port the system gives it, read back once bound: a port picked free
+    and bound later could be taken meanwhile) behind the middleware; see the module's docstring.
+    """
 
     def __init__(self) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        super().__init__(ip_address="127.0.0.1", port=port, verbose=False)
+        super().__init__(ip_address="127.0.0.1", port=0, verbose=False)
         self.middleware = _Middleware(DomainDispatcherApplication(create_backend_app))
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = ""
 
     def _server_entry(self) -> None:
         self._server = make_server(
@@ -207,6 +205,7 @@ class Ec2Stand(ThreadedMotoServer):
             True,
             request_handler=MotoRequestHandler,
         )
+        self.url = f"http://127.0.0.1:{self._server.server_port}"
         self._server_ready_event.set()
         self._server.serve_forever()
 

@@ -11,6 +11,7 @@ import base64
 import email
 import http.server
 import json
+import socket
 import stat
 import subprocess
 import sys
@@ -127,20 +128,16 @@ def _resolver(stand: Ec2Stand, hosts: Hosts) -> NamespaceResolver:
     )
 
 
-def _nowhere_port() -> int:
-    import socket
-
-    with socket.socket() as s:  # a port with nothing listening
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _nowhere(instance: aws.Instance, host_key: str) -> Reachable:
     """Never moto's 10.x/54.x addresses: a loopback port that nothing listens on."""
     return Reachable(Host("127.0.0.1", "root", _NOWHERE), host_key, "127.0.0.1")
 
 
-_NOWHERE = _nowhere_port()
+_NOWHERE_SOCKET = socket.socket()
+"""Bound and never listening, for the module's life: its port refuses connections, and nothing
+else can listen there meanwhile (a port picked free and let go could be taken)."""
+_NOWHERE_SOCKET.bind(("127.0.0.1", 0))
+_NOWHERE = int(_NOWHERE_SOCKET.getsockname()[1])
 
 
 def _options(stand: Ec2Stand, address_url: str, **changes: Any) -> AWSOptions:

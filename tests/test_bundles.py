@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from subprocess import PIPE
 from typing import Any
@@ -88,10 +89,14 @@ def relays() -> Iterator[list[Relay]]:
         relay.process.wait()
 
 
-def _closed_port() -> int:
+@contextmanager
+def _closed_port() -> Iterator[int]:
+    """A loopback port that refuses connections: bound and never listening, and held until the
+    block ends, so that nothing else can listen there meanwhile.
+    """
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        yield int(s.getsockname()[1])
 
 
 def test_a_host_whose_parent_cannot_serve_fetches_from_the_root(
@@ -102,11 +107,11 @@ def test_a_host_whose_parent_cannot_serve_fetches_from_the_root(
     relays.append(root := Relay(tmp_path / "root" / "wheels", tarball, [], digest))
     assert root.line()["progress"][0] == "receiving"  # at once: the notebook sees it alive
     port = root.until("serving")["serving"]
-    gone = [1, "127.0.0.1", _closed_port()]
-    sources = [gone, [0, "127.0.0.1", port]]
-    relays.append(child := Relay(tmp_path / "child" / "wheels", tarball, sources, digest))
-    assert root.until("done") == {"done": True}
-    assert child.until("done") == {"done": True}
+    with _closed_port() as closed:
+        sources = [[1, "127.0.0.1", closed], [0, "127.0.0.1", port]]
+        relays.append(child := Relay(tmp_path / "child" / "wheels", tarball, sources, digest))
+        assert root.until("done") == {"done": True}
+        assert child.until("done") == {"done": True}
     for where in ("root", "child"):
         got = tmp_path / where / "wheels"
         assert (got / "a.whl").read_bytes() == b"A" * 3_000_000 and (got / "sub/b.txt").exists()
