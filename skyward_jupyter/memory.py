@@ -17,45 +17,73 @@ LIKELY_SHARE = 0.5
 """Held this share of its memory at its last report: a SIGKILL is most likely the OOM killer's."""
 
 
-def memory_limits() -> tuple[int | None, str | None, int | None]:
+class MemoryLimits:
     """The memory this process may use, and where the kernel counts its cgroup's OOM kills
     (with the count now), so that a SIGKILL can be told from an out-of-memory kill afterwards.
 
     cgroup v1's memory controller (``memory.limit_in_bytes``, ``memory.oom_control``) or v2's
     (``memory.max``, ``memory.events``); the machine's total when lower or no cgroup limit.
+    Every rank reads this each second, so the files to read are worked out again only when the
+    process's cgroup changed (it can be moved to another while it runs).
     """
-    limit = meminfo("MemTotal")
-    record = None
-    try:
-        with open("/proc/self/cgroup") as cgroups:
-            lines = [line.rstrip("\n").split(":", 2) for line in cgroups]
-    except OSError:
-        return limit, None, None
-    for _, controllers, path in lines:
+
+    def __init__(self) -> None:
+        self._total = meminfo("MemTotal")
+        self._cgroups: str | None = None
+        self._files: tuple[str, str] | None = None
+        """(the limit's file, the OOM record) of the cgroup last seen; None: no memory cgroup."""
+
+    def read(self) -> tuple[int | None, str | None, int | None]:
+        """(the limit in bytes, the OOM record's path, its count of OOM kills now)."""
+        limit = self._total
+        try:
+            cgroups = read_small("/proc/self/cgroup")
+        except OSError:
+            return limit, None, None
+        if cgroups != self._cgroups:
+            self._cgroups, self._files = cgroups, _memory_files(cgroups)
+        if self._files is None:
+            return limit, None, None
+        limit_file, record = self._files
+        with contextlib.suppress(OSError, ValueError):
+            text = read_small(limit_file).strip()
+            if text != "max":
+                limit = min(int(text), limit) if limit else int(text)
+        return limit, record, oom_kills(record)
+
+
+def _memory_files(cgroups: str) -> tuple[str, str] | None:
+    """The limit's file and the OOM record of the memory cgroup ``/proc/self/cgroup`` names."""
+    found = None
+    for line in cgroups.splitlines():
+        _, controllers, path = line.split(":", 2)
         if "memory" in controllers.split(","):
             base = f"/sys/fs/cgroup/memory{path}"
-            limit_file, record = f"{base}/memory.limit_in_bytes", f"{base}/memory.oom_control"
-            break
+            return f"{base}/memory.limit_in_bytes", f"{base}/memory.oom_control"
         if controllers == "" and os.path.exists(f"/sys/fs/cgroup{path}/memory.max"):
             base = f"/sys/fs/cgroup{path}"
-            limit_file, record = f"{base}/memory.max", f"{base}/memory.events"
-    if record is None:
-        return limit, None, None
-    with contextlib.suppress(OSError, ValueError):
-        with open(limit_file) as given:
-            text = given.read().strip()
-        if text != "max":
-            limit = min(int(text), limit) if limit else int(text)
-    return limit, record, oom_kills(record)
+            found = f"{base}/memory.max", f"{base}/memory.events"
+    return found
 
 
 def oom_kills(record: str) -> int | None:
     """The ``oom_kill`` count in a cgroup's ``memory.oom_control`` or ``memory.events``."""
     try:
-        with open(record) as counts:
-            return next(int(line.split()[1]) for line in counts if line.startswith("oom_kill "))
+        lines = read_small(record).splitlines()
+        return next(int(line.split()[1]) for line in lines if line.startswith("oom_kill "))
     except (OSError, ValueError, StopIteration, IndexError):
         return None
+
+
+def read_small(path: str) -> str:
+    """A small file of the kernel's (``/proc``, a cgroup's), read with three system calls: a
+    rank reads some each second, and Python's text files cost four times as much to open.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.read(fd, 1 << 16).decode()
+    finally:
+        os.close(fd)
 
 
 def meminfo(field: str) -> int | None:

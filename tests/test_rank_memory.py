@@ -71,7 +71,10 @@ def test_a_rank_the_oom_killer_ends_is_named_out_of_memory() -> None:
         confined = parent / f"skyward-oom-test-{pid}"
         confined.mkdir()
         try:
-            (confined / "memory.limit_in_bytes").write_text(str(rank_rss(pid) + SIZE))
+            with heartbeats(pool) as beats:  # a sample taken in the pool's cgroup first
+                wait_for(lambda: len(beats) >= 1, 10, "a heartbeat from the rank")
+            limit = rank_rss(pid) + SIZE
+            (confined / "memory.limit_in_bytes").write_text(str(limit))
             (confined / "cgroup.procs").write_text(str(pid))
             with heartbeats(pool) as beats:  # the second was sampled in the cgroup
                 wait_for(lambda: len(beats) >= 2, 10, "two heartbeats from the confined rank")
@@ -85,6 +88,8 @@ def test_a_rank_the_oom_killer_ends_is_named_out_of_memory() -> None:
         assert "killed by SIGKILL by the kernel's OOM killer: out of memory (it held " in (
             error.message
         ), error.message
+        # The confined cgroup's limit: the rank looks again where its cgroup is once moved.
+        assert f" of {limit / 2**30:.1f} GiB at its last report" in error.message, error.message
         assert pool.run("'back'").values == ["back"]  # restarted in the pool's own cgroup
 
 

@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import fcntl
 import json
+import operator
 import os
 import socket
 import stat
@@ -38,6 +39,9 @@ from .. import protocol as p
 from .descendants import pool_dir
 
 _MAX_DATAGRAM = 1 << 16
+_USAGE_FIELDS = operator.attrgetter(*(field.name for field in dataclasses.fields(p.Usage)))
+"""A sample's fields in order: ``dataclasses.astuple`` copies each one deeply, which every rank
+but a node's first paid each second for flat values."""
 
 
 def socket_path(run_id: str, node: int) -> str | None:
@@ -147,7 +151,7 @@ class NodeUsage:
                 self._to_first.connect(self._path)
             elif _unread(self._to_first):
                 return False  # the first rank has not read the last one: it is not gathering
-            sample = [self._rank, self._pid, time.monotonic(), dataclasses.astuple(usage)]
+            sample = [self._rank, self._pid, time.monotonic(), _USAGE_FIELDS(usage)]
             self._to_first.send(json.dumps(sample).encode(), socket.MSG_DONTWAIT)
         except OSError:  # no first rank (yet, or any more), or its queue is full
             if self._to_first is not None:

@@ -19,7 +19,7 @@ import termios
 import time
 
 from .. import protocol as p
-from ..memory import memory_limits
+from ..memory import MemoryLimits, read_small
 
 
 class UsageMeter:
@@ -32,14 +32,14 @@ class UsageMeter:
         self._cpu = time.process_time()
         self._wall = time.monotonic()
         self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+        self._memory = MemoryLimits()
 
     def sample(self, torch_ready: bool) -> p.Usage:
         cpu, wall = time.process_time(), time.monotonic()
         percent = 100.0 * (cpu - self._cpu) / max(wall - self._wall, 1e-6)
         self._cpu, self._wall = cpu, wall
         try:
-            with open("/proc/self/statm") as statm:
-                rss = int(statm.read().split()[1]) * self._page
+            rss = int(read_small("/proc/self/statm").split()[1]) * self._page
         except OSError:
             rss = 0
         gpu_memory, gpu_util = None, None
@@ -48,7 +48,7 @@ class UsageMeter:
             gpu_memory = int(torch.cuda.memory_reserved())
             with contextlib.suppress(ImportError, RuntimeError):  # needs NVML, maybe absent
                 gpu_util = float(torch.cuda.utilization())
-        limit, record, kills = memory_limits()
+        limit, record, kills = self._memory.read()
         return p.Usage(
             percent,
             rss,
