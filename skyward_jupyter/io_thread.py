@@ -18,7 +18,7 @@ import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from .results import CellInterrupted, RunResult
+from .results import CellInterrupted, RunResult, WaitInterrupted
 
 T = TypeVar("T")
 
@@ -78,6 +78,13 @@ class IOThread:
                 future.set_exception(orphaned)
 
 
+class StoppedWaiting(Exception):
+    """Raised on the IO thread by work that Ctrl-C stopped before it began (it waited for the
+    pool); the caller's :func:`wait` raises it as a :class:`WaitInterrupted`, with its words. Not
+    a KeyboardInterrupt there: asyncio lets one of those out of the loop, ending the thread.
+    """
+
+
 def wait(
     future: concurrent.futures.Future[T],
     interrupt: Callable[[], None],
@@ -86,7 +93,8 @@ def wait(
     """Wait for the IO thread; Ctrl-C calls ``interrupt`` (a second one calls it again).
 
     After Ctrl-C the wait goes on until the ranks have stopped; a cell then raises
-    :class:`CellInterrupted` (a KeyboardInterrupt) carrying how each rank ended.
+    :class:`CellInterrupted` (a KeyboardInterrupt) carrying how each rank ended, and work that
+    never began :class:`WaitInterrupted`.
     """
 
     def result() -> T:
@@ -101,6 +109,8 @@ def wait(
         return result()
     except concurrent.futures.CancelledError:
         raise KeyboardInterrupt from None  # the start was cancelled by an interrupt elsewhere
+    except StoppedWaiting as stopped:  # by an interrupt elsewhere (Pool.interrupt)
+        raise WaitInterrupted(str(stopped)) from None
     except KeyboardInterrupt:
         interrupt()
         try:
@@ -110,6 +120,8 @@ def wait(
             outcome = result()
         except concurrent.futures.CancelledError:
             raise KeyboardInterrupt from None  # the start was cancelled by this Ctrl-C
+        except StoppedWaiting as stopped:
+            raise WaitInterrupted(str(stopped)) from None
         if isinstance(outcome, RunResult):
             raise CellInterrupted(outcome) from None
         raise

@@ -34,7 +34,7 @@ from .failure_policy import DESYNC_AFTER, Cell
 from .fanout import Fanout, Subscriber
 from .flags import rank_span
 from .frameworks import TORCH_ONLY, Frameworks
-from .io_thread import IOThread, close_at_exit, wait
+from .io_thread import IOThread, StoppedWaiting, close_at_exit, wait
 from .launch_env import check_user_env
 from .prompts import Prompts
 from .providers import DEFAULT, provider_class
@@ -534,6 +534,10 @@ class Pool:
         self._queued.add(task)
         try:
             await self._op_lock.acquire()
+        except asyncio.CancelledError as cancelled:
+            if cancelled.args:  # stopped by Ctrl-C, which says what it waited for
+                raise StoppedWaiting(cancelled.args[0]) from None
+            raise
         finally:
             self._queued.discard(task)
         try:
@@ -552,8 +556,15 @@ class Pool:
         elif self._cell is not None:
             self._cell.interrupt()
         elif self._queued:
+            waited = (
+                f"the pool to start {self._starting()} again (that goes on; the next cell "
+                "waits for it)"
+                if self._mending is not None and not self._mending.done()
+                else "the pool's operation under way to end"
+            )
             for task in self._queued:
-                task.cancel()  # its wait() turns this into the KeyboardInterrupt it asked for
+                # _operation raises the words for wait() to turn into a WaitInterrupted
+                task.cancel(f"stopped before it began, while it waited for {waited}")
         elif self._start_task is not None and not self._start_task.done():
             self._start_task.cancel()  # Ctrl-C while starting: the provider cleans up
 

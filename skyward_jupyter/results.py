@@ -122,6 +122,16 @@ class CellInterrupted(KeyboardInterrupt):
         return self.render().splitlines()
 
 
+class WaitInterrupted(KeyboardInterrupt):
+    """Ctrl-C while a cell (or a restart) waited for the pool to be free, a recovery under way:
+    it never began. One line saying so and what the pool goes on doing; no traceback (it would
+    be the notebook's own frames).
+    """
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"KeyboardInterrupt: {self}"]
+
+
 def _where_each_stopped(result: RunResult) -> list[str]:
     """A line per rank of a stopped cell: where it stopped, what it raised, or that it had
     finished.

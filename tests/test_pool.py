@@ -28,6 +28,7 @@ from skyward_jupyter.events import (
 from skyward_jupyter.frameworks import Frameworks
 from skyward_jupyter.providers.base import Node
 from skyward_jupyter.ranks import Rank, Ranks
+from skyward_jupyter.results import WaitInterrupted
 from skyward_jupyter.transfer import RELAY_MIN_BYTES, Transfer
 
 from .conftest import (
@@ -673,7 +674,12 @@ def test_ctrl_c_stops_a_cell_that_waits_for_a_recovery(
             pool.interrupt()
             cell.join(timeout=20)
             assert not cell.is_alive(), "Ctrl-C did not stop the cell's wait"
-            assert len(outcome) == 1 and isinstance(outcome[0], KeyboardInterrupt), outcome
+            assert len(outcome) == 1 and isinstance(outcome[0], WaitInterrupted), outcome
+            # One line, saying that the cell never began and what it waited for.
+            assert outcome[0]._render_traceback_() == [
+                "KeyboardInterrupt: stopped before it began, while it waited for the pool to "
+                "start rank 1 on 127.0.0.1 again (that goes on; the next cell waits for it)"
+            ]
         finally:
             gate.set()
             cell.join(timeout=60)
