@@ -326,7 +326,11 @@ class Ranks:
 
     async def spawn(self, rank: Rank) -> None:
         self.set_state(rank, RankState.BOOTING)
-        process = await self.provider.start_rank(rank.node, self._rank_env(rank))
+        try:
+            process = await self.provider.start_rank(rank.node, self._rank_env(rank))
+        except (PoolError, ProviderError) as exc:  # its machine refused: lost, not booting
+            self.set_state(rank, RankState.LOST, f"could not be started: {exc}")
+            raise
         rank.process, rank.alive, rank.hello, rank.killed = process, True, None, False
         rank.ended = None
         rank.usage = None  # the last process's: this one reports its own

@@ -24,9 +24,12 @@ from skyward_jupyter.events import (
     OutputReceived,
     PoolEvent,
     PoolMessage,
+    RankState,
+    RankStateChanged,
 )
 from skyward_jupyter.frameworks import Frameworks
-from skyward_jupyter.providers.base import Node
+from skyward_jupyter.providers.base import Node, ProviderError
+from skyward_jupyter.providers.local import LocalProvider
 from skyward_jupyter.ranks import Rank, Ranks
 from skyward_jupyter.results import WaitInterrupted
 from skyward_jupyter.transfer import RELAY_MIN_BYTES, Transfer
@@ -771,6 +774,35 @@ def test_after_a_recovery_that_failed_a_restart_gives_a_whole_pool_and_no_stale_
         after = pool.run("rank")
         assert after.values == [0, 1]
         assert not any("could not recover" in n for n in after.notes), after.notes
+
+
+def test_a_rank_whose_machine_refuses_its_restart_is_shown_lost_not_booting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The recovery cannot start the lost rank again (its machine refuses): the pool's status
+    says the rank is lost and why, where it said "booting" for ever.
+    """
+    start_rank = LocalProvider.start_rank
+    refusals: list[str] = []
+
+    async def refusing(self: LocalProvider, node: Node, env: Any) -> Any:
+        if refusals:
+            raise ProviderError(refusals.pop())
+        return await start_rank(self, node, env)
+
+    monkeypatch.setattr(LocalProvider, "start_rank", refusing)
+    with Pool(nodes=2, frameworks=Frameworks(torch=False)) as pool:
+        changes: list[RankStateChanged] = []
+        pool.subscribe(lambda e: changes.append(e) if isinstance(e, RankStateChanged) else None)
+        refusals.append("no room for another process")
+        failed = pool.run("import os\nif rank == 1:\n    os._exit(3)")
+        assert failed.lost == (1,)
+        assert pool.ranks[1].state is RankState.LOST, pool.ranks[1]
+        last = [c for c in changes if (1, 1) in c.ranks][-1]
+        assert last.state is RankState.LOST
+        assert last.detail == "could not be started: no room for another process", last
+        pool.restart()
+        assert pool.run("rank").values == [0, 1]
 
 
 def test_a_rank_lost_while_the_cells_files_sync_fails_the_cell_rather_than_hang(
