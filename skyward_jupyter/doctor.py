@@ -26,6 +26,7 @@ from .flags import rank_span
 from .procs import IN_IO
 from .providers.base import Watchable
 from .ranks import Rank, Ranks
+from .results import RankEnded
 
 STACKS_TIMEOUT = 1.0
 """Seconds a rank has to answer for its stacks (its reader thread needs the GIL for a moment)."""
@@ -64,6 +65,10 @@ def report(answers: dict[Rank, p.Stacks | None]) -> str:
     for r in sorted(answers, key=lambda r: r.index):
         answer = answers[r]
         title = f"rank {r.index} ({r.describe()})"
+        if answer is None and not r.alive:
+            how = f" ({r.ended.how})" if isinstance(r.ended, RankEnded) else ""
+            parts.append(f"{title}: {r.state.value}{how}, no process to ask\n")
+            continue
         if answer is None:
             parts.append(
                 f"{title}: no answer within {STACKS_TIMEOUT:.0f} s (native code holding the "

@@ -801,6 +801,8 @@ def test_a_rank_whose_machine_refuses_its_restart_is_shown_lost_not_booting(
         last = [c for c in changes if (1, 1) in c.ranks][-1]
         assert last.state is RankState.LOST
         assert last.detail == "could not be started: no room for another process", last
+        stacks = pool.stacks()
+        assert ": lost (exited with status 3), no process to ask" in stacks, stacks
         pool.restart()
         assert pool.run("rank").values == [0, 1]
 
