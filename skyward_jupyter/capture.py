@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ast
 import builtins
-import os
 import types
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -33,7 +32,6 @@ from .transfer import pickle_global
 from .written import WATCH_MIN_BYTES, WRITES, Ranges, Watch, pages
 
 LARGE_GLOBAL_BYTES = 100 * 1024 * 1024
-_NOTEBOOK_INTERNALS = {"In", "Out", "get_ipython", "exit", "quit"}
 
 
 def names_read(source: str) -> set[str]:
@@ -66,16 +64,6 @@ def names_used_by(value: Any) -> set[str]:
     if isinstance(value, type) and value.__module__ == "__main__":
         return {n for member in vars(value).values() for n in names_used_by(member)}
     return set()
-
-
-def _builtin_here(value: Any, name: str) -> bool:
-    """Whether the notebook's ``name`` is the builtin of that name, or the shell's stand-in for
-    it (IPython's ``open``, which refuses the standard streams): the ranks have their own.
-    """
-    builtin = vars(builtins)[name]
-    code = getattr(value, "__code__", None)
-    shells = code is not None and f"{os.sep}IPython{os.sep}" in code.co_filename
-    return value is builtin or (shells and getattr(value, "__wrapped__", None) is builtin)
 
 
 def _digest(pickled: Pickled) -> bytes:
@@ -125,7 +113,12 @@ class Shipment:
 class Shipper:
     """Per pool: the globals already on the ranks (by hash) and the names the ranks own."""
 
-    def __init__(self) -> None:
+    def __init__(self, shells_own: Mapping[str, Any] | None = None) -> None:
+        """``shells_own``: what the shell itself put in the namespace (IPython's
+        ``user_ns_hidden``: ``In``, ``Out``, ``get_ipython``, its ``open``...), which stays in
+        the notebook while the name still holds it.
+        """
+        self._shells_own: Mapping[str, Any] = shells_own or {}
         self._sent: dict[str, bytes] = {}
         self._remote: set[str] = set()
         """Names a cell bound on every rank: the ranks' now."""
@@ -207,16 +200,20 @@ class Shipper:
             self._hashed[name] = _Hashed(stream, where, watch, digest, steady)
         return digest
 
-    @staticmethod
-    def _closure(names: set[str], user_ns: Mapping[str, Any]) -> set[str]:
-        """The notebook globals among ``names``, plus those their functions use, transitively."""
+    def _closure(self, names: set[str], user_ns: Mapping[str, Any]) -> set[str]:
+        """The notebook globals among ``names``, plus those their functions use, transitively;
+        not the shell's own values, nor a builtin bound to its own name (the ranks have theirs).
+        """
+        shells_own = self._shells_own
+        missing = object()
 
         def shippable(name: str) -> bool:
+            value = user_ns.get(name, missing)
             return (
-                name in user_ns
+                value is not missing
                 and not name.startswith("_")
-                and name not in _NOTEBOOK_INTERNALS
-                and not (name in vars(builtins) and _builtin_here(user_ns[name], name))
+                and value is not shells_own.get(name, missing)
+                and value is not vars(builtins).get(name, missing)
             )
 
         found: set[str] = set()

@@ -32,6 +32,7 @@ def load(shell: Any) -> None:
         listeners=[registry],
         namespace=shell.user_ns,
         auto_cells=cells,
+        shells_own=shell.user_ns_hidden,
     )
     cells.install()
     setattr(shell, _CELLS_ATTR, cells)

@@ -28,7 +28,7 @@ from .options import (
     provider_given,
     unknown_option,
 )
-from .session import USER_ERRORS, CellInterrupted, RunResult, Session
+from .session import USER_ERRORS, CellInterrupted, RunResult, Session, WaitInterrupted
 
 
 class _HelpAsked(Exception):
@@ -171,7 +171,7 @@ class SkyMagics(Magics):
             return None
         except USER_ERRORS as exc:
             raise UsageError(str(exc)) from None
-        except CellInterrupted as interrupted:
+        except (CellInterrupted, WaitInterrupted) as interrupted:
             # Shown by its own rendering (a line per rank), without this frame or the cell's.
             raise interrupted.with_traceback(None) from None
 

@@ -33,7 +33,7 @@ from .protocol import Names, Script, cell_filename
 from .providers import UnknownProvider, provider_class, sweep_all
 from .providers.base import ProviderError
 from .rank_names import table
-from .results import CellError, CellInterrupted, PoolError, RunResult
+from .results import CellError, CellInterrupted, PoolError, RunResult, WaitInterrupted
 from .spec import PoolSpec, SpecError
 from .status import status_text
 
@@ -41,7 +41,15 @@ if TYPE_CHECKING:
     from .auto_cells import AutoCells
 
 # What the magics use of the layers below, through the session alone.
-__all__ = ["USER_ERRORS", "CellInterrupted", "PoolSpec", "RunResult", "Session", "SessionError"]
+__all__ = [
+    "USER_ERRORS",
+    "CellInterrupted",
+    "PoolSpec",
+    "RunResult",
+    "Session",
+    "SessionError",
+    "WaitInterrupted",
+]
 Announce = Callable[[str], None]
 T = TypeVar("T")
 WHO_TIMEOUT = 5.0
@@ -82,8 +90,11 @@ class Session:
         listeners: Sequence[PoolListener] = (),
         namespace: Mapping[str, Any] | None = None,
         auto_cells: AutoCells | None = None,
+        shells_own: Mapping[str, Any] | None = None,
     ) -> None:
         self._pools: dict[str, PoolEntry] = {}
+        self._shells_own = shells_own
+        """What the shell itself put in ``namespace`` (see :class:`.capture.Shipper`)."""
         self.namespace: Mapping[str, Any] = {} if namespace is None else namespace
         """The notebook's namespace: what ``--mirror`` reads the cells' modules from."""
         self.views: Views = views or NoViews()
@@ -150,7 +161,7 @@ class Session:
         wanted = spec or (old.spec if old else self.defaults)
         pool = self._prepare(name, wanted)
         keep_old = old is not None and pool.provider.keeps_old_until_ready
-        entry = PoolEntry(name, wanted, pool, shipper or Shipper())
+        entry = PoolEntry(name, wanted, pool, shipper or Shipper(self._shells_own))
         try:  # from here on, a failure or Ctrl-C says which pool is left
             if old is not None:
                 self._announce(
@@ -269,7 +280,7 @@ class Session:
         filename = cell_filename(number) if number is not None else None
         checked = CheckedSource.check(source, filename or "<%%sky cell>")
         _, reusable = self._reusable(name, spec)
-        shipper = reusable.shipper if reusable else Shipper()
+        shipper = reusable.shipper if reusable else Shipper(self._shells_own)
         shipment = shipper.prepare(source, user_ns)
         with self._lock:  # the idle watcher must not stop the pool this cell is about to use
             entry = self.entry(name, spec, shipper)

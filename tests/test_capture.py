@@ -122,13 +122,25 @@ def test_names_a_ranks_cell_bound_stay_partly_theirs_when_a_rank_is_lost() -> No
     assert set(some.globals) == {"x"} and some.keep == ("x",)
 
 
-def test_the_shells_stand_in_for_a_builtin_stays_in_the_notebook() -> None:
-    from IPython.core.interactiveshell import _modified_open
+def test_the_shells_own_names_stay_in_the_notebook_until_the_notebook_binds_them() -> None:
+    """What a real IPython shell put in its namespace (its ``open``, ``In``, ``Out``,
+    ``exit``, ``get_ipython``) stays here; a builtin bound to its own name too; a name the
+    notebook bound itself travels, also one the shell had used.
+    """
+    from IPython.core.interactiveshell import InteractiveShell
 
-    assert Shipper().prepare("open('x')", _ns(open=_modified_open)).globals == {}
-    mine = _ns()
-    exec("def open(path):\n    return path", mine)  # the notebook's own: it travels
-    assert set(Shipper().prepare("open('x')", mine).globals) == {"open"}
+    shell = InteractiveShell.instance()
+    ns, hidden = shell.user_ns, shell.user_ns_hidden
+    cell = "open('x'); In; Out; exit; quit; get_ipython(); print; open"
+    assert {"open", "In", "Out", "exit", "get_ipython"} <= set(hidden)
+    ns["print"] = print
+    try:
+        assert Shipper(hidden).prepare(cell, ns).globals == {}
+        shell.run_cell("def open(path):\n    return path\nexit = 'mine'", store_history=False)
+        assert set(Shipper(hidden).prepare(cell, ns).globals) == {"open", "exit"}
+    finally:
+        ns.update({"open": hidden["open"], "exit": hidden["exit"]})
+        del ns["print"]
 
 
 def test_functions_take_the_globals_they_use() -> None:
