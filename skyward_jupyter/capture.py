@@ -32,6 +32,10 @@ from .transfer import pickle_global
 from .written import WATCH_MIN_BYTES, WRITES, Ranges, Watch, pages
 
 LARGE_GLOBAL_BYTES = 100 * 1024 * 1024
+SHELLS_NAMES = frozenset({"In", "Out", "get_ipython", "exit", "quit", "open"})
+"""What IPython binds in every notebook's namespace (``InteractiveShell.init_user_ns``). Not
+everything the shell lists as its own (``user_ns_hidden``): that also holds what startup files
+and ``%pylab`` imported, which the cells use and the ranks need."""
 
 
 def names_read(source: str) -> set[str]:
@@ -114,9 +118,9 @@ class Shipper:
     """Per pool: the globals already on the ranks (by hash) and the names the ranks own."""
 
     def __init__(self, shells_own: Mapping[str, Any] | None = None) -> None:
-        """``shells_own``: what the shell itself put in the namespace (IPython's
-        ``user_ns_hidden``: ``In``, ``Out``, ``get_ipython``, its ``open``...), which stays in
-        the notebook while the name still holds it.
+        """``shells_own``: the shell's own values by name (IPython's ``user_ns_hidden``); of
+        those, the ones of :data:`SHELLS_NAMES` stay in the notebook while the name still holds
+        them (a name the notebook rebinds travels).
         """
         self._shells_own: Mapping[str, Any] = shells_own or {}
         self._sent: dict[str, bytes] = {}
@@ -212,7 +216,7 @@ class Shipper:
             return (
                 value is not missing
                 and not name.startswith("_")
-                and value is not shells_own.get(name, missing)
+                and not (name in SHELLS_NAMES and value is shells_own.get(name, missing))
                 and value is not vars(builtins).get(name, missing)
             )
 

@@ -66,7 +66,8 @@ def report(answers: dict[Rank, p.Stacks | None]) -> str:
         answer = answers[r]
         title = f"rank {r.index} ({r.describe()})"
         if answer is None and not r.alive:
-            how = f" ({r.ended.how})" if isinstance(r.ended, RankEnded) else ""
+            ended = r.state in (RankState.LOST, RankState.TERMINATED)
+            how = f" ({r.ended.how})" if ended and isinstance(r.ended, RankEnded) else ""
             parts.append(f"{title}: {r.state.value}{how}, no process to ask\n")
             continue
         if answer is None:

@@ -106,25 +106,23 @@ def wait(
                 on_wait()
 
     try:
-        return result()
-    except concurrent.futures.CancelledError:
-        raise KeyboardInterrupt from None  # the start was cancelled by an interrupt elsewhere
-    except StoppedWaiting as stopped:  # by an interrupt elsewhere (Pool.interrupt)
-        raise WaitInterrupted(str(stopped)) from None
-    except KeyboardInterrupt:
-        interrupt()
         try:
-            outcome = result()
+            return result()
         except KeyboardInterrupt:
             interrupt()
-            outcome = result()
-        except concurrent.futures.CancelledError:
-            raise KeyboardInterrupt from None  # the start was cancelled by this Ctrl-C
-        except StoppedWaiting as stopped:
-            raise WaitInterrupted(str(stopped)) from None
-        if isinstance(outcome, RunResult):
-            raise CellInterrupted(outcome) from None
-        raise
+            try:
+                outcome = result()
+            except KeyboardInterrupt:
+                interrupt()
+                outcome = result()
+            if isinstance(outcome, RunResult):
+                raise CellInterrupted(outcome) from None
+            raise
+    # Whichever Ctrl-C (this caller's first or second, or Pool.interrupt elsewhere) stopped it:
+    except concurrent.futures.CancelledError:
+        raise KeyboardInterrupt from None  # a start, cancelled
+    except StoppedWaiting as stopped:
+        raise WaitInterrupted(str(stopped)) from None
 
 
 # At the interpreter's exit, before the threads are joined and before concurrent.futures shuts

@@ -329,7 +329,8 @@ class Ranks:
         try:
             process = await self.provider.start_rank(rank.node, self._rank_env(rank))
         except (PoolError, ProviderError) as exc:  # its machine refused: lost, not booting
-            self.set_state(rank, RankState.LOST, f"could not be started: {exc}")
+            rank.ended = RankEnded(f"could not be started: {exc}", "")
+            self.set_state(rank, RankState.LOST, rank.ended.how)
             raise
         rank.process, rank.alive, rank.hello, rank.killed = process, True, None, False
         rank.ended = None

@@ -94,7 +94,7 @@ class Session:
     ) -> None:
         self._pools: dict[str, PoolEntry] = {}
         self._shells_own = shells_own
-        """What the shell itself put in ``namespace`` (see :class:`.capture.Shipper`)."""
+        """The shell's own values in ``namespace`` (see :class:`.capture.Shipper`)."""
         self.namespace: Mapping[str, Any] = {} if namespace is None else namespace
         """The notebook's namespace: what ``--mirror`` reads the cells' modules from."""
         self.views: Views = views or NoViews()

@@ -90,7 +90,7 @@ def jupyter_lab(root: Path) -> Iterator[Lab]:
     token = secrets.token_hex(16)
     home = root / ".jupyter-home"
     # Short, so that the kernels' IPC socket paths fit a socket address (108 bytes).
-    runtime = Path(tempfile.mkdtemp(prefix="skyward-lab-"))
+    runtime = Path(tempfile.mkdtemp(prefix="skyward-lab-", dir="/tmp"))
     settings = home / "settings" / "@jupyterlab"
     (settings / "apputils-extension").mkdir(parents=True)
     (settings / "apputils-extension" / "notification.jupyterlab-settings").write_text(

@@ -125,22 +125,30 @@ def test_names_a_ranks_cell_bound_stay_partly_theirs_when_a_rank_is_lost() -> No
 def test_the_shells_own_names_stay_in_the_notebook_until_the_notebook_binds_them() -> None:
     """What a real IPython shell put in its namespace (its ``open``, ``In``, ``Out``,
     ``exit``, ``get_ipython``) stays here; a builtin bound to its own name too; a name the
-    notebook bound itself travels, also one the shell had used.
+    notebook bound itself travels, also one the shell had used, and so does what a startup
+    file defined (the shell hides those names too, as it hides its own).
     """
     from IPython.core.interactiveshell import InteractiveShell
 
     shell = InteractiveShell.instance()
     ns, hidden = shell.user_ns, shell.user_ns_hidden
-    cell = "open('x'); In; Out; exit; quit; get_ipython(); print; open"
+    cell = "open('x'); In; Out; exit; quit; get_ipython(); print; open; helper(2)"
     assert {"open", "In", "Out", "exit", "get_ipython"} <= set(hidden)
+    shell.push({"helper": _startup_helper}, interactive=False)  # as a startup file's names are
+    assert hidden["helper"] is _startup_helper
     ns["print"] = print
     try:
-        assert Shipper(hidden).prepare(cell, ns).globals == {}
+        assert set(Shipper(hidden).prepare(cell, ns).globals) == {"helper"}
         shell.run_cell("def open(path):\n    return path\nexit = 'mine'", store_history=False)
-        assert set(Shipper(hidden).prepare(cell, ns).globals) == {"open", "exit"}
+        assert set(Shipper(hidden).prepare(cell, ns).globals) == {"open", "exit", "helper"}
     finally:
         ns.update({"open": hidden["open"], "exit": hidden["exit"]})
+        shell.drop_by_id({"helper": _startup_helper})
         del ns["print"]
+
+
+def _startup_helper(x: int) -> int:
+    return x * 2
 
 
 def test_functions_take_the_globals_they_use() -> None:

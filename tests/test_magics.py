@@ -146,7 +146,7 @@ class Kernel:
     def __init__(self, cwd: Path | None = None) -> None:
         # IPC sockets in a private directory: a TCP port the client picked free could be taken
         # by another test's process before the kernel binds it ("Address already in use").
-        self.sockets = tempfile.mkdtemp(prefix="skyward-kernel-")
+        self.sockets = tempfile.mkdtemp(prefix="skyward-kernel-", dir="/tmp")  # a short path
         self.km = KernelManager(
             kernel_name="python3", transport="ipc", ip=os.path.join(self.sockets, "kernel")
         )

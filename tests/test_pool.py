@@ -802,7 +802,9 @@ def test_a_rank_whose_machine_refuses_its_restart_is_shown_lost_not_booting(
         assert last.state is RankState.LOST
         assert last.detail == "could not be started: no room for another process", last
         stacks = pool.stacks()
-        assert ": lost (exited with status 3), no process to ask" in stacks, stacks
+        assert ": lost (could not be started: no room for another process), no process to ask" in (
+            stacks
+        ), stacks
         pool.restart()
         assert pool.run("rank").values == [0, 1]
 
