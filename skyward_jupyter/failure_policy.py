@@ -41,7 +41,7 @@ from .events import PoolMessage, RankState
 from .flags import rank_span
 from .providers.base import ProviderError
 from .ranks import Rank, Ranks
-from .results import INTERRUPTED, TIMED_OUT, PoolError, RankEnded, RankResult, RemoteError
+from .results import PoolError, RankEnded, RankResult, RemoteError, Stop
 
 DESYNC_AFTER = 1.5
 """Seconds a rank may wait in a collective after others finished the cell, before it is stuck."""
@@ -94,6 +94,8 @@ class Cell:
         """Ranks the pool killed itself: their deaths are its doing, never a cause."""
         self.left_group: set[Rank] = set()
         self.notes: list[str] = []
+        self.stop: Stop | None = None
+        """Why the cell's code was stopped on every rank (the user, or its timeout)."""
         self.desync_after = ranks.settings.desync_after
         self.desync: dict[Rank, str] = {}
         """Ranks found waiting in a collective that finished ranks will never join: the cause."""
@@ -104,8 +106,7 @@ class Cell:
     def interrupt(self) -> None:
         """Ctrl-C (or the panel's button): stop the cell; a second call kills what still runs."""
         if self.stop_at is None:
-            self.notes.append(INTERRUPTED)
-            self._stop()
+            self._stop(Stop())
         else:
             self.kill_now = True
         self.wake.set()
@@ -158,8 +159,7 @@ class Cell:
             self.ranks.set_states(finished, RankState.IDLE)
             now = time.monotonic()
             if self.deadline is not None and now >= self.deadline and self.stop_at is None:
-                self.notes.append(f"{TIMED_OUT} {self.timeout} s")
-                self._stop()
+                self._stop(Stop(self.timeout))
             if pending and self.leave_at is not None and now >= self.leave_at:
                 self._free_peers()
             if pending and (self.kill_now or (self.stop_at is not None and now >= self.stop_at)):
@@ -233,10 +233,14 @@ class Cell:
             self._stop()
         return False
 
-    def _stop(self) -> None:
+    def _stop(self, why: Stop | None = None) -> None:
         """Interrupt the ranks still running; failed ranks leave the group if they do not stop
-        within :data:`LEAVE_AFTER`.
+        within :data:`LEAVE_AFTER`. ``why``: the user or the timeout stopped the cell (said
+        among its notes), not another rank's failure.
         """
+        if why is not None:
+            self.stop = why
+            self.notes.append(str(why))
         now = time.monotonic()
         self.stop_at = now + self.grace
         self.leave_at = now + LEAVE_AFTER

@@ -508,6 +508,7 @@ class Pool:
                 tuple(sorted(set(lost_before + lost))),
                 tuple(cell.notes),
                 bound=cell.bound(),
+                stop=cell.stop,
             )
             self._emit(CellFinished(command.cell_id, result))
             return result

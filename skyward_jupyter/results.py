@@ -28,10 +28,17 @@ def _alike(errors: Sequence[RemoteError], say: Callable[[RemoteError], str]) -> 
     return [f"rank{'s' * (len(who) > 1)} {rank_span(who)}: {what}" for what, who in ranks.items()]
 
 
-INTERRUPTED = "interrupted"
-"""The note of a cell the user stopped."""
-TIMED_OUT = "timed out after"
-"""How the note of a cell the pool stopped at its ``--timeout`` begins."""
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """Why a cell's code was stopped on every rank: the user's interrupt (Ctrl-C, the
+    toolbar's stop, the panel's Interrupt), or the pool at the cell's ``--timeout``.
+    """
+
+    timeout: float | None = None
+    """The cell's ``--timeout`` in seconds, when that stopped it; None: the user did."""
+
+    def __str__(self) -> str:
+        return "interrupted" if self.timeout is None else f"timed out after {self.timeout} s"
 
 
 class PoolError(Exception):
@@ -237,6 +244,8 @@ class RunResult(Sequence[RankResult]):
     """Displayed with every rank's value rather than the head's (``%%sky --all``)."""
     bound: frozenset[str] = frozenset()
     """Global names the cell (re)bound on any rank: they are the ranks' now."""
+    stop: Stop | None = None
+    """Why its code was stopped on every rank, if it was (also told among ``notes``)."""
 
     def with_display(self, every_rank: bool) -> RunResult:
         return replace(self, show_all=every_rank)
@@ -261,17 +270,17 @@ class RunResult(Sequence[RankResult]):
     @property
     def interrupted(self) -> bool:
         """Whether the user stopped it (Ctrl-C, the toolbar's stop, the panel's Interrupt)."""
-        return INTERRUPTED in self.notes
+        return self.stop is not None and self.stop.timeout is None
 
     @property
     def timed_out(self) -> str | None:
         """``timed out after 2.0 s`` where the pool stopped it at its ``--timeout``, else None."""
-        return next((note for note in self.notes if note.startswith(TIMED_OUT)), None)
+        return str(self.stop) if self.stop is not None and self.stop.timeout is not None else None
 
     @property
     def stopped_by(self) -> str | None:
         """How a cell that was stopped ended (``interrupted``, ``timed out after 2.0 s``)."""
-        return INTERRUPTED if self.interrupted else self.timed_out
+        return None if self.stop is None else str(self.stop)
 
     def only_stopped(self, r: RankResult) -> bool:
         """Whether rank ``r`` did not fail but was stopped: by the user's interrupt, at the

@@ -33,7 +33,7 @@ from skyward_jupyter.events import (
     RankUsage,
 )
 from skyward_jupyter.model import aggregate_state
-from skyward_jupyter.results import INTERRUPTED, RankResult, RemoteError, RunResult
+from skyward_jupyter.results import RankResult, RemoteError, RunResult, Stop
 from skyward_jupyter.runtime import TOTAL_KEY
 
 from .conftest import wait_for
@@ -658,15 +658,20 @@ def test_a_rank_the_pool_stopped_after_anothers_failure_is_not_marked_failed() -
     assert progress is not None and progress.outcome == "failed on rank 1"
 
 
-@pytest.mark.parametrize("note", [INTERRUPTED, "timed out after 2.0 s"])
-def test_a_stopped_cell_says_how_and_marks_no_rank_failed(note: str) -> None:
+@pytest.mark.parametrize(
+    ("stop", "note"), [(Stop(), "interrupted"), (Stop(2.0), "timed out after 2.0 s")]
+)
+def test_a_stopped_cell_says_how_and_marks_no_rank_failed(stop: Stop, note: str) -> None:
     """Stopped by the user's interrupt or at its timeout: every rank's KeyboardInterrupt is the
     stop's, not a failure, and the cell's outcome says which stop it was.
     """
     state = state_with({0: 0, 1: 1})
     cell = state.for_cell(4)
     stopped = RunResult(
-        1, tuple(failure(r, r, "KeyboardInterrupt", "") for r in (0, 1)), notes=(note,)
+        1,
+        tuple(failure(r, r, "KeyboardInterrupt", "") for r in (0, 1)),
+        notes=(note,),
+        stop=stop,
     )
     for event in (CellStarted(1, 2, 0), CellFinished(1, stopped)):
         state.apply(event)

@@ -27,7 +27,7 @@ from skyward_jupyter.events import (
 )
 from skyward_jupyter.providers.base import Node, Progress, no_progress
 from skyward_jupyter.providers.local import LocalProvider
-from skyward_jupyter.results import CellError, RankResult, RemoteError, RunResult
+from skyward_jupyter.results import CellError, RankResult, RemoteError, RunResult, Stop
 from skyward_jupyter.runtime import TOTAL_KEY
 from skyward_jupyter.session import PoolSpec, Session
 
@@ -222,15 +222,15 @@ def test_a_step_only_some_ranks_log_is_written_after_a_grace_or_at_the_end() -> 
 
 
 @pytest.mark.parametrize(
-    ("error", "notes", "how"),
+    ("error", "stop", "how"),
     [
-        ("ValueError", (), "failed on rank 0"),
-        ("KeyboardInterrupt", ("interrupted",), "interrupted"),
-        ("KeyboardInterrupt", ("timed out after 4.0 s",), "timed out"),
+        ("ValueError", None, "failed on rank 0"),
+        ("KeyboardInterrupt", Stop(), "interrupted"),
+        ("KeyboardInterrupt", Stop(4.0), "timed out"),
     ],
 )
 def test_steps_say_their_pace_as_tqdm_does_and_the_cell_ends_with_how_it_went(
-    error: str, notes: tuple[str, ...], how: str
+    error: str, stop: Stop | None, how: str
 ) -> None:
     text, out, clock = report(burst=100)
     text.on_event(CellStarted(1, 1, 0))
@@ -242,7 +242,8 @@ def test_steps_say_their_pace_as_tqdm_does_and_the_cell_ends_with_how_it_went(
     assert written[0] == "step 0/50 (0%): loss 1", "the total is no metric"
     assert written[-1] == "step 10/50 (20%, 2.0 steps/s, 20 s left): loss 1"
     ended = RankResult(0, 0, None, None, RemoteError(0, "n", error, "x", ""), 0.1)
-    text.on_event(CellFinished(1, RunResult(1, (ended,), notes=notes)))
+    notes = () if stop is None else (str(stop),)
+    text.on_event(CellFinished(1, RunResult(1, (ended,), notes=notes, stop=stop)))
     text.flush(final=True)
     assert lines(out)[-1] == f"cell {how} after 5 s: step 10/50 (20%, 2.0 steps/s)"
 
