@@ -205,6 +205,9 @@ class Script:
 
     path: str
     argv: tuple[str, ...] = ()
+    directory: bool = False
+    """``path`` is a directory's ``__main__.py``, run as ``python DIR`` runs it: ``sys.argv[0]``
+    is the directory."""
 
 
 @message

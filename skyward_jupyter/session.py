@@ -311,11 +311,12 @@ class Session:
         see the notebook's files; a missing file or a syntax error fails before a pool starts.
         """
         script, source = _read_script(path)
+        directory = Path(path).expanduser().is_dir()
         with self._lock:
             entry = self.entry(name, spec)
             entry.busy += 1
         try:
-            run = Script(script, tuple(argv))  # a script brings its own globals
+            run = Script(script, tuple(argv), directory)  # a script brings its own globals
             return self._run_on(entry, source, Shipment.nothing(), stdout, timeout, run)
         finally:
             entry.busy -= 1

@@ -651,9 +651,9 @@ def test_sky_run_of_a_directory_runs_its_main_as_python_does(
 ) -> None:
     app = tmp_path / "app"
     app.mkdir()
-    write(app, "__main__.py", "import sys\nprint('main of', __file__, sys.argv[1:], sys.path[0])")
+    write(app, "__main__.py", "import sys\nprint('main of', __file__, sys.argv, sys.path[0])")
     cell = kernel.ok(f"%sky run {app} --flag")
-    assert f"main of {app / '__main__.py'} ['--flag'] {app}" in cell.stdout, str(cell)
+    assert f"main of {app / '__main__.py'} ['{app}', '--flag'] {app}" in cell.stdout, str(cell)
     kernel.register_pool_pids()
 
 

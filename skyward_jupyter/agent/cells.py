@@ -172,7 +172,8 @@ class ScriptExit(Exception):
 
 
 def run_script(source: str, path: str, argv: tuple[str, ...], main: types.ModuleType) -> None:
-    """Run ``source`` as ``python PATH ARGV...`` would, in this process.
+    """Run ``source`` as ``python PATH ARGV[1:]...`` would, in this process (``ARGV[0]``: the
+    path as given, a directory for its ``__main__.py``).
 
     The script gets a fresh ``__main__`` (the cells' namespace is untouched), ``sys.argv``, its
     directory first on ``sys.path`` and as the working directory (when this machine has it);
@@ -186,7 +187,7 @@ def run_script(source: str, path: str, argv: tuple[str, ...], main: types.Module
     saved_argv, saved_path, saved_cwd = sys.argv, list(sys.path), os.getcwd()
     loaded = set(sys.modules)
     linecache.cache[path] = (len(source), None, source.splitlines(True), path)
-    sys.argv = [path, *argv]
+    sys.argv = list(argv)
     # First and once, as ``python PATH`` has it: the notebook's own directory may be the same
     # one, and a second entry would be searched again by every import that misses.
     sys.path[:] = [directory, *(entry for entry in sys.path if entry != directory)]

@@ -477,7 +477,9 @@ class Agent:
                     script = command.script
                     path = self.arrivals.files.here(script.path)
                     with launched(command.run_id, self._private_dir):
-                        run_script(command.source, path, script.argv, self.namespace.module)
+                        argv0 = os.path.dirname(path) if script.directory else path
+                        argv = (argv0, *script.argv)
+                        run_script(command.source, path, argv, self.namespace.module)
             finally:
                 self._in_cell = False
         except BaseException as exc:  # noqa: BLE001 - the cell's failure is its result
