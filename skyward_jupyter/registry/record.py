@@ -14,11 +14,14 @@ import re
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..model import EntryFacts, aggregate_state, price_of
 from ..procs import process_start
 from .files import FORMAT
+
+if TYPE_CHECKING:
+    from ..results import RankInfo
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,9 +72,12 @@ def pool_record(
     """
     pool = entry.pool
     ranks = pool.ranks
+    by_node: dict[int, list[RankInfo]] = {}  # once: per node it was ranks times nodes
+    for r in ranks:
+        by_node.setdefault(r.node, []).append(r)
     nodes = []
     for node in pool.nodes:
-        own = [r for r in ranks if r.node == node.index]
+        own = by_node.get(node.index, [])
         nodes.append(
             {
                 "index": node.index,
@@ -94,7 +100,7 @@ def pool_record(
             }
         )
     pids = {
-        node.index: [r.hello.pid for r in ranks if r.node == node.index and r.hello]
+        node.index: [r.hello.pid for r in by_node.get(node.index, []) if r.hello]
         for node in pool.nodes
     }
     teardown = {"provider": pool.provider.name, **pool.provider.record(pids)}
