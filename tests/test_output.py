@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import io
 
-from skyward_jupyter.display.output import STDERR_HOLD_SECONDS, CellOutput
+from skyward_jupyter.display.output import STDERR_HOLD_SECONDS, VIEW_STALE_SECONDS, CellOutput
 from skyward_jupyter.events import OutputReceived
 from skyward_jupyter.flags import rank_span
 
@@ -153,6 +153,24 @@ def test_a_waiting_bar_keeps_its_ranks_order_and_its_end_continues_it() -> None:
     send(view, 2, "\n")  # tqdm's close: ends the bar that waited, with no empty line
     view.finish()
     assert err.getvalue().endswith("\r[rank 0 stderr]  10%|\n\r[rank 2 stderr] 100%|\n")
+
+
+def test_a_partial_line_left_open_hands_the_view_to_other_ranks_bars() -> None:
+    """Rank 0 leaves a partial stderr line open (a prompt, a stalled bar): rank 1's bar waits
+    only until that line has gone unwritten for a while, then shows its last state and goes on
+    redrawing in view, rather than stay hidden until the cell ends.
+    """
+    view, err, clock = make(ranks=2)
+    send(view, 0, "waiting for the data")
+    send(view, 1, "\r 10%|")
+    view.flush()
+    assert err.getvalue() == "[rank 0 stderr] waiting for the data"  # rank 1's bar waits
+    clock.now += VIEW_STALE_SECONDS
+    view.flush()  # nothing new: the waiting bar's last state shows all the same
+    assert err.getvalue().endswith("the data\n\r[rank 1 stderr]  10%|\n"), err.getvalue()
+    send(view, 1, "\r 20%|")
+    view.flush()
+    assert err.getvalue().endswith("10%|\n\r[rank 1 stderr]  20%|"), err.getvalue()
 
 
 def test_a_pass_through_chunk_writes_that_ranks_held_lines_first() -> None:

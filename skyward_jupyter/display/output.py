@@ -40,6 +40,10 @@ MAX_FLUSH_CHARS = 200_000
 # that run in step (their output arrives within a few flushes of each other), short enough that a
 # line only rank 0 writes still reads as live.
 STDERR_HOLD_SECONDS = 0.3
+VIEW_STALE_SECONDS = 3.0
+"""How long the stderr line in view may go unwritten before another rank's progress bar takes
+the line over: a partial line left open (a prompt, a stalled bar) would hide the others' bars
+until the cell ends."""
 _BREAKS = re.compile(r"([\r\n])")
 _LINES = re.compile(r"[^\n]*\n|[^\n]+")
 _Parts = list[tuple[str, str]]
@@ -109,6 +113,8 @@ class CellOutput:
         self._redraws: dict[int, str] = {}
         """Per rank, the last redraw (``\\r``) of a progress bar of its own that waits while
         another rank's bar is the line in view: one stream keeps one line redrawing."""
+        self._stderr_written = 0.0
+        """When the notebook's stderr was last written (its line in view, when one is open)."""
         self.skipped_chars = 0
 
     def on_event(self, event: PoolEvent) -> None:
@@ -178,6 +184,8 @@ class CellOutput:
             self._at_line_start[other] = True
         parts.append((target, self._prefixed(key, text, label)))
         self._open_line[target] = None if text.endswith("\n") else key
+        if target == "stderr":
+            self._stderr_written = self._clock()
 
     def _drain(self, everything: bool) -> None:
         now = self._clock()
@@ -194,7 +202,7 @@ class CellOutput:
             else:
                 key = (event.rank, event.stream)
                 self._append(parts, "stdout", key, event.text, label)
-        if everything:
+        if everything or (self._redraws and self._view_stale(now)):
             self._show_redraws(parts)
         self._release(parts, now, everything=everything)
         self._write(parts)
@@ -219,7 +227,8 @@ class CellOutput:
                 self._hold(rank, piece, now)
                 continue
             in_view = self._open_line["stderr"]
-            if "\r" in piece and in_view is not None and in_view[0] != rank:
+            taken = in_view is not None and in_view[0] != rank and not self._view_stale(now)
+            if "\r" in piece and taken:
                 # Another rank's bar redraws the line in view: ending it for each redraw of
                 # this one would leave a line per redraw. Its last state waits for that line.
                 self._redraws[rank] = piece
@@ -234,6 +243,10 @@ class CellOutput:
                 self._show_redraws(parts)
             else:
                 self._stderr_open.add(rank)
+
+    def _view_stale(self, now: float) -> bool:
+        """Whether the stderr line in view has gone unwritten for :data:`VIEW_STALE_SECONDS`."""
+        return now - self._stderr_written >= VIEW_STALE_SECONDS
 
     def _show_redraws(self, parts: _Parts) -> None:
         """Write the waiting redraws, each its rank's last state, as a line, after what that
