@@ -67,6 +67,20 @@ def test_a_replaced_sys_stdout_gets_the_cells_prints_then_the_notebook_does(pool
     assert [text(events, r) for r in (0, 1)] == ["heard 'kept\\n'\n"] * 2
 
 
+def test_what_a_cells_own_sys_stdout_still_buffers_reaches_that_cell(pool2: Pool) -> None:
+    """A cell's buffered replacement of sys.stdout (on the same descriptor, and kept by the
+    cell) is flushed at the cell's end: its prints come with that cell, not later or never.
+    """
+    with heard(pool2) as events:
+        result = pool2.run(
+            "import sys\nsys.stdout = mine = open(1, 'w', buffering=1 << 16, closefd=False)\n"
+            "print('buffered')"
+        )
+        assert result.ok, result.errors
+        cell = result.cell_id
+    assert [text([e for e in events if e.cell_id == cell], r) for r in (0, 1)] == ["buffered\n"] * 2
+
+
 def test_a_closed_sys_stderr_is_reopened(pool2: Pool) -> None:
     with heard(pool2) as events:
         result = pool2.run("import sys\nsys.stderr.close()")

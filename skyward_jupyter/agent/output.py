@@ -218,11 +218,16 @@ class PythonStreams:
         )
 
     def flush(self) -> None:
-        """Flush the rank's own streams and the cell's replacements, whatever state they are in."""
-        for stream in {*self._own.values(), sys.stdout, sys.stderr}:
-            # a cell may have closed the stream or its descriptor: then nothing buffered is left
-            with contextlib.suppress(OSError, ValueError, AttributeError):
-                stream.flush()
+        """Flush the cell's replacements of the rank's streams, whatever state they are in. The
+        rank's own write through to their descriptors: nothing waits in them, and a trivial
+        cell need not pay for looking.
+        """
+        for name, own in self._own.items():
+            stream = getattr(sys, name)
+            if stream is not own:
+                # a cell may have closed the stream or its descriptor: then nothing is left
+                with contextlib.suppress(OSError, ValueError, AttributeError):
+                    stream.flush()
 
     def mend(self) -> list[str]:
         """Put the rank's own streams back where a cell replaced or closed them; say so."""
