@@ -271,9 +271,13 @@ class Cell:
         stuck = [r for r in pending if r.process is not None]
         named = [r.index for r in stuck if r not in self.killed]
         if named:
+            who = f"rank{'s' * (len(named) > 1)} {rank_span(named)}"
+            were = "were" if len(named) > 1 else "was"
+            early = self.stop_at is not None and time.monotonic() < self.stop_at
             self.notes.append(
-                f"rank{'s' * (len(named) > 1)} {rank_span(named)} did not stop within "
-                f"{self.grace:.0f} s of the interrupt and {'were' if len(named) > 1 else 'was'} "
+                f"{who} {were} killed at the second interrupt, before {self.grace:.0f} s were up"
+                if self.kill_now and early and not self.closing
+                else f"{who} did not stop within {self.grace:.0f} s of the interrupt and {were} "
                 "killed"
             )
         self.asked_to_stop.update(stuck)

@@ -1266,6 +1266,28 @@ def test_restart_gives_fresh_ranks_with_an_empty_namespace(nb: Kernel) -> None:
     assert nb.eval("after_restart.values") == [(new[0], False), (new[1], False)]
 
 
+def test_a_rank_lost_between_cells_is_told_by_the_next_cell(nb: Kernel) -> None:
+    """A rank killed from outside while the pool idles is started again without its namespace:
+    in a notebook with a frontend no panel is showing then, so the next cell on the pool says
+    so first, before its own (failing) output.
+    """
+    nb.ok(POOL2)
+    nb.ok("%%sky --out before_loss\nkept_before_loss = 1\nimport os\nos.getpid()")
+    victim = nb.eval("before_loss.values")[1]
+    os.kill(victim, signal.SIGKILL)
+    wait_for(
+        lambda: victim not in (pids := nb.pool_pids()) and len(pids) == 2,
+        GONE_TIMEOUT,
+        "the pool to start the lost rank again",
+    )
+    cell = nb.fails("%%sky\nkept_before_loss")
+    told = f"pool 'default': rank 1 (node 1, local pid {victim}) killed by SIGKILL while idle"
+    assert told in cell.stderr, str(cell)
+    assert "pool 'default': rank 1 was restarted: its namespace was lost" in cell.stderr, str(cell)
+    assert "NameError" in cell.reply["evalue"] or "NameError" in str(cell), str(cell)
+    assert told not in nb.execute("%%sky\npass").stderr  # told once
+
+
 # ------------------------------------------------------------------------------ 2. replacement
 
 

@@ -919,6 +919,41 @@ def test_ranks_killed_after_a_timeout_are_named_once() -> None:
         assert pool.run("1").values == [1, 1]
 
 
+def test_a_second_interrupt_kills_at_once_and_says_so() -> None:
+    """Ranks that ignore the interrupt: a second one kills them at once, and the note says so,
+    not that they outlasted the grace period.
+    """
+    with Pool(nodes=2, interrupt_grace=60.0, frameworks=Frameworks(torch=False)) as pool:
+        ignoring: set[int] = set()
+        pool.subscribe(
+            lambda e: (
+                ignoring.add(e.rank)
+                if isinstance(e, OutputReceived) and "ignoring" in e.text
+                else None
+            )
+        )
+        outcome: list[RunResult] = []
+        cell = threading.Thread(
+            target=lambda: outcome.append(
+                pool.run(
+                    "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+                    "print('ignoring', flush=True)\nwhile True:\n    time.sleep(0.05)"
+                )
+            )
+        )
+        cell.start()
+        wait_for(lambda: ignoring == {0, 1}, 20, "both ranks to ignore the interrupt")
+        pool.interrupt()
+        pool.interrupt()
+        cell.join(timeout=30)
+        assert not cell.is_alive(), "the second interrupt did not end the cell"
+        (result,) = outcome
+        killed = [note for note in result.notes if "killed" in note]
+        assert killed == ["ranks 0-1 were killed at the second interrupt, before 60 s were up"]
+        assert result.interrupted and sorted(result.lost) == [0, 1]
+        assert pool.run("1").values == [1, 1]
+
+
 def test_keyboard_interrupt_in_the_caller_reaches_every_rank() -> None:
     with Pool(nodes=2, interrupt_grace=5.0) as pool:
         pool.run("import time\nkeep = 1")

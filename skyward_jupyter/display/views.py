@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from ..events import PoolEvent, PoolMessage
 from ..model import EntryFacts, price_of
 from ..options import StdoutMode
 from .format import format_number
@@ -93,6 +94,16 @@ class _View:
     replacing: _View | None = None
     """The view of the pool of the same name that this one's pool replaces (a local pool
     starts before the one it replaces ends): shown again if this one fails to start."""
+    said_between: list[str] = field(default_factory=list)
+    """What the pool said while no cell of its ran (a rank lost while idle, and restarted
+    without its namespace): a notebook with a frontend shows no panel then, so the next cell
+    on the pool tells it first."""
+
+    def between_cells(self, event: PoolEvent) -> None:
+        """IO thread: keep what the pool says while none of its cells' views is fed."""
+        if isinstance(event, PoolMessage) and self.cell_feed is None:
+            with self.lock:
+                self.said_between.append(event.text)
 
 
 class _CellView:
@@ -190,6 +201,7 @@ class PoolViews:
         self._views[entry.name] = view
         if kind == "widgets":
             self._begin_cell(view)  # the start is the first part of this cell's view
+            pool.subscribe(view.between_cells)
             if self._panel(view) is not None:
                 self._show(view)
         elif kind == "text":
@@ -241,6 +253,10 @@ class PoolViews:
         view.in_cell = frozenset({"head": running[:1], "all": running}.get(stdout, ()))
         if self.kind == "widgets" and view.cell_key != self._cell_key():
             self._begin_cell(view)
+        with view.lock:
+            said, view.said_between = view.said_between, []
+        for text in said:
+            self.announce(f"pool {view.name!r}: {text}")
         if view.panel is not None:
             view.panel.in_cell = view.in_cell
         if view.text is not None:
