@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import re
 import types
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -33,6 +34,10 @@ from .written import WATCH_MIN_BYTES, WRITES, Ranges, Watch, pages
 
 LARGE_GLOBAL_BYTES = 100 * 1024 * 1024
 SHELLS_NAMES = frozenset({"In", "Out", "get_ipython", "exit", "quit", "open"})
+_SHELLS_HISTORY = re.compile(r"_+|_i+|_i?\d+|_(dh|ih|oh|sh)|__\w+__")
+"""The names IPython keeps its history under (``_``, ``__``, ``_i``, ``_7``, ``_i7``, ``_oh``)
+and Python's own (``__name__``): never the notebook's data. Any other name that starts with ``_``
+is one the notebook defined (``_scale = 10``) and travels."""
 """What IPython binds in every notebook's namespace (``InteractiveShell.init_user_ns``). Not
 everything the shell lists as its own (``user_ns_hidden``): that also holds what startup files
 and ``%pylab`` imported, which the cells use and the ranks need."""
@@ -215,7 +220,7 @@ class Shipper:
             value = user_ns.get(name, missing)
             return (
                 value is not missing
-                and not name.startswith("_")
+                and not _SHELLS_HISTORY.fullmatch(name)
                 and not (name in SHELLS_NAMES and value is shells_own.get(name, missing))
                 and value is not vars(builtins).get(name, missing)
             )

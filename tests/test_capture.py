@@ -39,10 +39,14 @@ def _ns(**values: Any) -> dict[str, Any]:
 
 
 def test_only_names_the_notebook_defines_travel() -> None:
+    """Its own, also those it starts with ``_``; not IPython's history (``_``, ``_7``,
+    ``_i7``, ``_oh``...) nor Python's dunders.
+    """
     shipper = Shipper()
-    ns = _ns(y=1, z=2, unrelated=3, _private=4)
-    shipment = shipper.prepare("f = lambda: y + z + _private + undefined_here", ns)
-    assert set(shipment.globals) == {"y", "z"}
+    ns = _ns(y=1, z=2, unrelated=3, _private=4, __=5, _7=6, _i7="1", _ii="2", _oh={})
+    cell = "f = lambda: y + z + _private + undefined_here + _ + __ + _7 + _i7 + _ii + _oh"
+    shipment = shipper.prepare(cell + " + __name__", ns)
+    assert set(shipment.globals) == {"y", "z", "_private"}
 
 
 def test_unchanged_values_are_not_sent_again_and_changed_ones_are() -> None:
