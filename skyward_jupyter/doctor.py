@@ -70,6 +70,9 @@ def report(answers: dict[Rank, p.Stacks | None]) -> str:
             how = f" ({r.ended.how})" if ended and isinstance(r.ended, RankEnded) else ""
             parts.append(f"{title}: {r.state.value}{how}, no process to ask\n")
             continue
+        if answer is None and r.hello is None:  # started again, not serving yet
+            parts.append(f"{title}: {r.state.value}, not serving yet: no stacks to show\n")
+            continue
         if answer is None:
             parts.append(
                 f"{title}: no answer within {STACKS_TIMEOUT:.0f} s (native code holding the "

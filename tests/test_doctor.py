@@ -28,8 +28,12 @@ import pytest
 from skyward_jupyter import Pool
 from skyward_jupyter import protocol as p
 from skyward_jupyter.agent.descendants import parse_stat, read_stat
-from skyward_jupyter.events import RankUsage
+from skyward_jupyter.doctor import report
+from skyward_jupyter.events import RankState, RankUsage
 from skyward_jupyter.procs import COMPUTING, IN_IO, how_it_ran
+from skyward_jupyter.providers.base import Node
+from skyward_jupyter.ranks import Rank
+from skyward_jupyter.results import RankEnded
 
 from .conftest import hold_rank_ones_gil, outputs_of, reply_of, wait_for
 
@@ -469,3 +473,21 @@ def test_a_rank_heard_while_its_stacks_probe_waited_is_not_killed(
 
     asyncio.run(asyncio.wait_for(run(), 20))
     assert silent.killed and not heard.killed
+
+
+def test_stacks_say_why_a_rank_without_an_answer_has_none() -> None:
+    """A rank with no process (lost, and how), one started again that does not serve yet, and
+    one that did not answer in time are each told as what they are.
+    """
+    lost, booting, silent = (Rank(i, Node(i, "127.0.0.1"), 0, 1) for i in range(3))
+    lost.state, lost.ended = RankState.LOST, RankEnded("killed by SIGKILL", "")
+    booting.state, booting.alive = RankState.BOOTING, True
+    silent.state, silent.alive = RankState.RUNNING, True
+    silent.hello = p.Hello(1, "host", "3.11", "3", None, 0)
+    lines = report({lost: None, booting: None, silent: None}).splitlines()
+    assert [line for line in lines if line] == [
+        "rank 0 (node 0, not started): lost (killed by SIGKILL), no process to ask",
+        "rank 1 (node 1, not started): booting, not serving yet: no stacks to show",
+        "rank 2 (node 2, not started): no answer within 1 s (native code holding the GIL, a "
+        "stopped process or an unreachable host)",
+    ]

@@ -173,6 +173,21 @@ def test_a_partial_line_left_open_hands_the_view_to_other_ranks_bars() -> None:
     assert err.getvalue().endswith("10%|\n\r[rank 1 stderr]  20%|"), err.getvalue()
 
 
+def test_a_bar_shown_as_a_line_takes_its_own_closing_newline_as_that_lines_end() -> None:
+    """A waiting bar's last state was shown as a line (the line in view ended); the newline its
+    rank writes as the bar closes ends that line, rather than add an empty labelled one.
+    """
+    view, err, _ = make(ranks=3)
+    send(view, 1, "\r 10%|")
+    send(view, 2, "\r 20%|")
+    send(view, 1, "\r100%|\n")
+    send(view, 2, "\n")
+    view.finish()
+    assert err.getvalue() == (
+        "\r[rank 1 stderr]  10%|\r[rank 1 stderr] 100%|\n\r[rank 2 stderr]  20%|\n"
+    ), err.getvalue()
+
+
 def test_a_pass_through_chunk_writes_that_ranks_held_lines_first() -> None:
     view, err, _ = make(ranks=2)
     send(view, 0, "first\n")

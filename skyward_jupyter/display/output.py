@@ -113,6 +113,9 @@ class CellOutput:
         self._redraws: dict[int, str] = {}
         """Per rank, the last redraw (``\\r``) of a progress bar of its own that waits while
         another rank's bar is the line in view: one stream keeps one line redrawing."""
+        self._ended_for: set[int] = set()
+        """Ranks whose waiting redraw was shown as a line, ended here: the newline the rank
+        itself writes next (tqdm's, as the bar closes) is that line's end, not an empty line."""
         self._stderr_written = 0.0
         """When the notebook's stderr was last written (its line in view, when one is open)."""
         self.skipped_chars = 0
@@ -223,6 +226,10 @@ class CellOutput:
         """
         rank = event.rank
         for piece in _LINES.findall(event.text):
+            if rank in self._ended_for:
+                self._ended_for.discard(rank)
+                if piece == "\n":
+                    continue
             if rank not in self._stderr_open and piece.endswith("\n") and "\r" not in piece:
                 self._hold(rank, piece, now)
                 continue
@@ -255,8 +262,10 @@ class CellOutput:
         for rank in sorted(self._redraws):
             piece = self._redraws.pop(rank)
             self._release(parts, self._clock(), forced={rank})
-            line = piece if piece.endswith("\n") else piece + "\n"
-            self._append(parts, "stderr", (rank, "stderr"), line, stderr_label([rank]))
+            if not piece.endswith("\n"):
+                piece += "\n"
+                self._ended_for.add(rank)
+            self._append(parts, "stderr", (rank, "stderr"), piece, stderr_label([rank]))
             self._stderr_open.discard(rank)
 
     def _hold(self, rank: int, line: str, now: float) -> None:
