@@ -1275,11 +1275,12 @@ def test_a_rank_lost_between_cells_is_told_by_the_next_cell(nb: Kernel) -> None:
     nb.ok("%%sky --out before_loss\nkept_before_loss = 1\nimport os\nos.getpid()")
     victim = nb.eval("before_loss.values")[1]
     os.kill(victim, signal.SIGKILL)
-    wait_for(
-        lambda: victim not in (pids := nb.pool_pids()) and len(pids) == 2,
-        GONE_TIMEOUT,
-        "the pool to start the lost rank again",
-    )
+
+    def started_again() -> bool:  # ready: the recovery has said all it says
+        line = next(x for x in nb.status().splitlines() if x.strip().startswith("rank 1 "))
+        return f"local pid {victim})" not in line and line.endswith(": ready")
+
+    wait_for(started_again, GONE_TIMEOUT, "the pool to start the lost rank again")
     cell = nb.fails("%%sky\nkept_before_loss")
     told = f"pool 'default': rank 1 (node 1, local pid {victim}) killed by SIGKILL while idle"
     assert told in cell.stderr, str(cell)
