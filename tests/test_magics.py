@@ -19,6 +19,7 @@ import shutil
 import signal
 import tempfile
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,6 +148,8 @@ class Kernel:
         # IPC sockets in a private directory: a TCP port the client picked free could be taken
         # by another test's process before the kernel binds it ("Address already in use").
         self.sockets = tempfile.mkdtemp(prefix="skyward-kernel-", dir="/tmp")  # a short path
+        # Gone with this object, or at exit, also for a kernel a test ends without close().
+        self._remove_sockets = weakref.finalize(self, shutil.rmtree, self.sockets, True)
         self.km = KernelManager(
             kernel_name="python3", transport="ipc", ip=os.path.join(self.sockets, "kernel")
         )
@@ -275,7 +278,7 @@ class Kernel:
         finally:
             _module_pool_pids.difference_update(self.registered)
             self.registered.clear()
-            shutil.rmtree(self.sockets, ignore_errors=True)
+            self._remove_sockets()
 
 
 def normalised(status: str) -> str:
