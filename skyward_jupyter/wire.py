@@ -36,7 +36,7 @@ _HEADER = struct.Struct("!3sBI")
 _LENGTH = struct.Struct("!Q")
 _START = _HEADER.size + _LENGTH.size
 """A frame's header and its first length, read together: every frame has a body."""
-_SINGLE = struct.Struct("!3sBIQ")
+_SINGLE = struct.Struct(_HEADER.format + _LENGTH.format[1:])
 """The header and length of a frame of one segment (a message without buffers: a cell, its
 answer, a heartbeat), packed and read in one call on the hottest path."""
 _AS_BYTES = 1 << 63
