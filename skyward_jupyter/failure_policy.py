@@ -87,6 +87,8 @@ class Cell:
         self.leave_at: float | None = None
         """From then on, failed ranks leave the group while others still run."""
         self.kill_now = False
+        self.interrupts = 0
+        """How often the user interrupted the cell (the first stops it, a later one kills)."""
         self.closing = False
         """The pool is closing: deaths are its doing, and what still runs is killed now."""
         self.asked_to_stop: set[Rank] = set()
@@ -104,7 +106,10 @@ class Cell:
     # ------------------------------------------------------------ commands from the pool
 
     def interrupt(self) -> None:
-        """Ctrl-C (or the panel's button): stop the cell; a second call kills what still runs."""
+        """Ctrl-C (or the panel's button): stop the cell; a second call kills what still runs
+        (as does the first, where the cell was stopped already: its timeout, a failed rank).
+        """
+        self.interrupts += 1
         if self.stop_at is None:
             self._stop(Stop())
         else:
@@ -274,9 +279,10 @@ class Cell:
             who = f"rank{'s' * (len(named) > 1)} {rank_span(named)}"
             were = "were" if len(named) > 1 else "was"
             early = self.stop_at is not None and time.monotonic() < self.stop_at
+            which = "second interrupt" if self.interrupts > 1 else "interrupt"
             self.notes.append(
-                f"{who} {were} killed at the second interrupt, before {self.grace:.0f} s were up"
-                if self.kill_now and early and not self.closing
+                f"{who} {were} killed at the {which}, before {self.grace:.0f} s were up"
+                if self.kill_now and early and self.interrupts and not self.closing
                 else f"{who} did not stop within {self.grace:.0f} s of the interrupt and {were} "
                 "killed"
             )

@@ -173,6 +173,21 @@ def test_a_partial_line_left_open_hands_the_view_to_other_ranks_bars() -> None:
     assert err.getvalue().endswith("10%|\n\r[rank 1 stderr]  20%|"), err.getvalue()
 
 
+def test_a_slow_bar_in_view_keeps_it_however_long_between_its_redraws() -> None:
+    """Bars with long steps on every rank: the bar in view keeps redrawing the line, the
+    others wait, rather than each redraw of each rank taking the line over as a line of its own.
+    """
+    view, err, clock = make(ranks=2)
+    for step in range(1, 4):
+        send(view, 0, f"\r{step}0%|")
+        view.flush()
+        clock.now += VIEW_STALE_SECONDS + 1
+        send(view, 1, f"\r{step}0%|")
+        view.flush()
+        clock.now += VIEW_STALE_SECONDS + 1
+    assert err.getvalue() == "".join(f"\r[rank 0 stderr] {step}0%|" for step in range(1, 4))
+
+
 def test_a_bar_shown_as_a_line_takes_its_own_closing_newline_as_that_lines_end() -> None:
     """A waiting bar's last state was shown as a line (the line in view ended); the newline its
     rank writes as the bar closes ends that line, rather than add an empty labelled one.

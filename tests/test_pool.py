@@ -954,6 +954,37 @@ def test_a_second_interrupt_kills_at_once_and_says_so() -> None:
         assert pool.run("1").values == [1, 1]
 
 
+def test_an_interrupt_after_the_timeout_stopped_the_cell_kills_and_says_so() -> None:
+    """The cell's timeout already asked the ranks to stop (they go on): the user's one
+    interrupt kills them at once, said as that interrupt, not as a second one.
+    """
+    with Pool(nodes=2, interrupt_grace=60.0, frameworks=Frameworks(torch=False)) as pool:
+        asked: set[int] = set()
+        pool.subscribe(
+            lambda e: (
+                asked.add(e.rank)
+                if isinstance(e, OutputReceived) and "asked to stop" in e.text
+                else None
+            )
+        )
+        outcome: list[RunResult] = []
+        code = (
+            "import signal, time\n"
+            "signal.signal(signal.SIGINT, lambda *_: print('asked to stop', flush=True))\n"
+            "while True:\n    time.sleep(0.05)"
+        )
+        cell = threading.Thread(target=lambda: outcome.append(pool.run(code, timeout=1)))
+        cell.start()
+        wait_for(lambda: asked == {0, 1}, 30, "the timeout to ask both ranks to stop")
+        pool.interrupt()
+        cell.join(timeout=30)
+        assert not cell.is_alive(), "the interrupt did not end the cell"
+        (result,) = outcome
+        killed = [note for note in result.notes if "killed" in note]
+        assert killed == ["ranks 0-1 were killed at the interrupt, before 60 s were up"]
+        assert result.timed_out == "timed out after 1 s"
+
+
 def test_keyboard_interrupt_in_the_caller_reaches_every_rank() -> None:
     with Pool(nodes=2, interrupt_grace=5.0) as pool:
         pool.run("import time\nkeep = 1")

@@ -41,9 +41,10 @@ MAX_FLUSH_CHARS = 200_000
 # line only rank 0 writes still reads as live.
 STDERR_HOLD_SECONDS = 0.3
 VIEW_STALE_SECONDS = 3.0
-"""How long the stderr line in view may go unwritten before another rank's progress bar takes
-the line over: a partial line left open (a prompt, a stalled bar) would hide the others' bars
-until the cell ends."""
+"""How long a partial stderr line in view that is not a progress bar (a prompt, ``end=""``) may
+go unwritten before another rank's bar takes the line over: it would hide the others' bars until
+the cell ends. A bar in view keeps it, however slowly it redraws (bars with minutes between
+steps would otherwise leave a line per step and rank)."""
 _BREAKS = re.compile(r"([\r\n])")
 _LINES = re.compile(r"[^\n]*\n|[^\n]+")
 _Parts = list[tuple[str, str]]
@@ -118,6 +119,8 @@ class CellOutput:
         itself writes next (tqdm's, as the bar closes) is that line's end, not an empty line."""
         self._stderr_written = 0.0
         """When the notebook's stderr was last written (its line in view, when one is open)."""
+        self._bar_in_view = False
+        """The open stderr line was last written by a redraw (``\\r``): a progress bar."""
         self.skipped_chars = 0
 
     def on_event(self, event: PoolEvent) -> None:
@@ -189,6 +192,7 @@ class CellOutput:
         self._open_line[target] = None if text.endswith("\n") else key
         if target == "stderr":
             self._stderr_written = self._clock()
+            self._bar_in_view = "\r" in text
 
     def _drain(self, everything: bool) -> None:
         now = self._clock()
@@ -252,8 +256,10 @@ class CellOutput:
                 self._stderr_open.add(rank)
 
     def _view_stale(self, now: float) -> bool:
-        """Whether the stderr line in view has gone unwritten for :data:`VIEW_STALE_SECONDS`."""
-        return now - self._stderr_written >= VIEW_STALE_SECONDS
+        """Whether the stderr line in view is a partial line, not a bar, that has gone
+        unwritten for :data:`VIEW_STALE_SECONDS`.
+        """
+        return not self._bar_in_view and now - self._stderr_written >= VIEW_STALE_SECONDS
 
     def _show_redraws(self, parts: _Parts) -> None:
         """Write the waiting redraws, each its rank's last state, as a line, after what that

@@ -101,9 +101,10 @@ class _View:
 
     def between_cells(self, event: PoolEvent) -> None:
         """IO thread: keep what the pool says while none of its cells' views is fed."""
-        if isinstance(event, PoolMessage) and self.cell_feed is None:
-            with self.lock:
-                self.said_between.append(event.text)
+        if isinstance(event, PoolMessage):
+            with self.lock:  # the kernel's thread begins and ends cells under it
+                if self.cell_feed is None:
+                    self.said_between.append(event.text)
 
 
 class _CellView:
@@ -294,13 +295,16 @@ class PoolViews:
         """A state of this cell's own, fed from now on; its panel is made when first shown."""
         self._end_cell(view)
         view.cell_state = view.state.for_cell(self.cell_number())
-        view.cell_feed = view.pool.subscribe(view.cell_state.apply)
+        feed = view.pool.subscribe(view.cell_state.apply)
+        with view.lock:
+            view.cell_feed = feed
         view.cell_key = self._cell_key()
         view.panel = None
 
     def _end_cell(self, view: _View) -> None:
         """The cell's view stops where the cell ended: nothing later changes it."""
-        feed, view.cell_feed = view.cell_feed, None
+        with view.lock:
+            feed, view.cell_feed = view.cell_feed, None
         if feed is not None:
             feed()
         if view.cell_state is not None:
