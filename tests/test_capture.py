@@ -44,9 +44,10 @@ def test_only_names_the_notebook_defines_travel() -> None:
     """
     shipper = Shipper()
     ns = _ns(y=1, z=2, unrelated=3, _private=4, __=5, _7=6, _i7="1", _ii="2", _oh={})
+    ns["__version__"] = "1.0"
     cell = "f = lambda: y + z + _private + undefined_here + _ + __ + _7 + _i7 + _ii + _oh"
-    shipment = shipper.prepare(cell + " + __name__", ns)
-    assert set(shipment.globals) == {"y", "z", "_private"}
+    shipment = shipper.prepare(cell + " + __name__ + __version__", ns)
+    assert set(shipment.globals) == {"y", "z", "_private", "__version__"}
 
 
 def test_unchanged_values_are_not_sent_again_and_changed_ones_are() -> None:
