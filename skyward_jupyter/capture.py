@@ -34,6 +34,9 @@ from .written import WATCH_MIN_BYTES, WRITES, Ranges, Watch, pages
 
 LARGE_GLOBAL_BYTES = 100 * 1024 * 1024
 SHELLS_NAMES = frozenset({"In", "Out", "get_ipython", "exit", "quit", "open"})
+"""What IPython binds in every notebook's namespace (``InteractiveShell.init_user_ns``). Not
+everything the shell lists as its own (``user_ns_hidden``): that also holds what startup files
+and ``%pylab`` imported, which the cells use and the ranks need."""
 _SHELLS_HISTORY = re.compile(
     r"_+|_i+|_i?\d+|_(dh|ih|oh|sh)"
     r"|__(name|doc|package|loader|spec|file|cached|annotations|builtin|builtins)__"
@@ -42,9 +45,6 @@ _SHELLS_HISTORY = re.compile(
 and a module's own (``__name__``; each rank has its own): never the notebook's data. Any other
 name that starts with ``_`` is one the notebook defined (``_scale = 10``, ``__version__``) and
 travels."""
-"""What IPython binds in every notebook's namespace (``InteractiveShell.init_user_ns``). Not
-everything the shell lists as its own (``user_ns_hidden``): that also holds what startup files
-and ``%pylab`` imported, which the cells use and the ranks need."""
 
 
 def names_read(source: str) -> set[str]:

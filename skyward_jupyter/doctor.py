@@ -26,7 +26,6 @@ from .flags import rank_span
 from .procs import IN_IO
 from .providers.base import Watchable
 from .ranks import Rank, Ranks
-from .results import RankEnded
 
 STACKS_TIMEOUT = 1.0
 """Seconds a rank has to answer for its stacks (its reader thread needs the GIL for a moment)."""
@@ -66,8 +65,9 @@ def report(answers: dict[Rank, p.Stacks | None]) -> str:
         answer = answers[r]
         title = f"rank {r.index} ({r.describe()})"
         if answer is None and not r.alive:
-            ended = r.state in (RankState.LOST, RankState.TERMINATED)
-            how = f" ({r.ended.how})" if ended and isinstance(r.ended, RankEnded) else ""
+            how = ""
+            if r.ended is not None and r.state in (RankState.LOST, RankState.TERMINATED):
+                how = f" ({r.ended.how})"
             parts.append(f"{title}: {r.state.value}{how}, no process to ask\n")
             continue
         if answer is None and r.hello is None:  # started again, not serving yet

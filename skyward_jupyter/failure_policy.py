@@ -282,7 +282,7 @@ class Cell:
             which = "second interrupt" if self.interrupts > 1 else "interrupt"
             self.notes.append(
                 f"{who} {were} killed at the {which}, before {self.grace:.0f} s were up"
-                if self.kill_now and early and self.interrupts and not self.closing
+                if self.kill_now and early and not self.closing  # the user's interrupt
                 else f"{who} did not stop within {self.grace:.0f} s of the interrupt and {were} "
                 "killed"
             )

@@ -405,10 +405,9 @@ class Pool:
             self._ranks.set_state(rank, RankState.TERMINATED, how)
             return
         self._ranks.set_state(rank, RankState.LOST, how)
-        mending = self._mending is not None and not self._mending.done()
         if (
             self._cell is None
-            and not mending
+            and not self._still_mending()
             and self._start_task is not None
             and self._start_task.done()
         ):
@@ -439,7 +438,7 @@ class Pool:
         ranks: tuple[int, ...] | None,
     ) -> RunResult:
         assert self._op_lock is not None
-        if self._mending is not None and not self._mending.done():
+        if self._still_mending():
             self._emit(
                 PoolMessage(f"the cell waits for the pool to start {self._starting()} again")
             )
@@ -560,7 +559,7 @@ class Pool:
             waited = (
                 f"the pool to start {self._starting()} again (that goes on; the next cell "
                 "waits for it)"
-                if self._mending is not None and not self._mending.done()
+                if self._still_mending()
                 else "the pool's operation under way to end"
             )
             for task in self._queued:
@@ -603,6 +602,10 @@ class Pool:
         self._handed_over = True
         self._mending.add_done_callback(lambda _: lock.release())
         return False
+
+    def _still_mending(self) -> bool:
+        """Whether a failed cell's recovery goes on after its cell (:data:`MENDING_WAIT`)."""
+        return self._mending is not None and not self._mending.done()
 
     def _starting(self) -> str:
         """What a recovery under way starts again, in words: the ranks not yet up (lost, or

@@ -77,9 +77,9 @@ class Rank:
         """The process the pool ended here without waiting for its machine (``host pid N``):
         what the loss names until the rank runs again."""
         self.reader: asyncio.Task[None] | None = None
-        self.ended: BaseException | None = None
-        """How its process ended (a :class:`RankEnded`), until it is started again: an answer
-        asked for then never comes."""
+        self.ended: RankEnded | None = None
+        """How its process ended (or why it could not start), until it is started again: an
+        answer asked for then never comes."""
         self.killed = False
         """The pool killed this process: its SIGKILL is the pool's, not for lack of memory."""
 
@@ -138,8 +138,10 @@ class Rank:
         """No longer wait for that answer (one that comes later is dropped)."""
         self._waiting.pop((answer, request), None)
 
-    def fail_all(self, exc: BaseException) -> None:
-        """The process ended: every answer waited for, and every one asked for later, fails."""
+    def fail_all(self, exc: RankEnded) -> None:
+        """The process ended (or could not start): every answer waited for, and every one
+        asked for later, fails.
+        """
         self.ended = exc
         for future in self._waiting.values():
             if not future.done():
@@ -329,8 +331,8 @@ class Ranks:
         try:
             process = await self.provider.start_rank(rank.node, self._rank_env(rank))
         except (PoolError, ProviderError) as exc:  # its machine refused: lost, not booting
-            rank.ended = RankEnded(f"could not be started: {exc}", "")
-            self.set_state(rank, RankState.LOST, rank.ended.how)
+            rank.fail_all(RankEnded(f"could not be started: {exc}", ""))
+            self.set_state(rank, RankState.LOST, f"could not be started: {exc}")
             raise
         rank.process, rank.alive, rank.hello, rank.killed = process, True, None, False
         rank.ended = None

@@ -173,6 +173,21 @@ def test_a_partial_line_left_open_hands_the_view_to_other_ranks_bars() -> None:
     assert err.getvalue().endswith("10%|\n\r[rank 1 stderr]  20%|"), err.getvalue()
 
 
+def test_a_line_another_rank_ended_takes_its_own_closing_newline_as_its_end() -> None:
+    """Rank 1's partial line ended rank 0's in view; rank 0's own newline, when it comes, is
+    that line's end (already written), not an empty labelled line.
+    """
+    view, err, _ = make(ranks=2)
+    send(view, 0, "loading")
+    send(view, 1, "warming up")
+    send(view, 0, "\n")
+    send(view, 1, " done\n")
+    view.finish()
+    assert err.getvalue() == ("[rank 0 stderr] loading\n[rank 1 stderr] warming up done\n"), (
+        err.getvalue()
+    )
+
+
 def test_a_slow_bar_in_view_keeps_it_however_long_between_its_redraws() -> None:
     """Bars with long steps on every rank: the bar in view keeps redrawing the line, the
     others wait, rather than each redraw of each rank taking the line over as a line of its own.

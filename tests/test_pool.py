@@ -9,6 +9,8 @@ import signal
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -919,34 +921,41 @@ def test_ranks_killed_after_a_timeout_are_named_once() -> None:
         assert pool.run("1").values == [1, 1]
 
 
+@contextmanager
+def _running_until(
+    pool: Pool, code: str, said: str, timeout: float | None = None
+) -> Iterator[list[RunResult]]:
+    """``code`` run on a thread of its own; the block begins once every rank printed ``said``,
+    and ends once the cell did (what the block does must end it): its result in the list.
+    """
+    heard: set[int] = set()
+    unsubscribe = pool.subscribe(
+        lambda e: heard.add(e.rank) if isinstance(e, OutputReceived) and said in e.text else None
+    )
+    outcome: list[RunResult] = []
+    cell = threading.Thread(target=lambda: outcome.append(pool.run(code, timeout=timeout)))
+    cell.start()
+    try:
+        wait_for(lambda: heard == set(range(pool.world_size)), 30, f"every rank to say {said!r}")
+        yield outcome
+    finally:
+        unsubscribe()
+        cell.join(timeout=30)
+    assert not cell.is_alive(), "the cell did not end"
+
+
 def test_a_second_interrupt_kills_at_once_and_says_so() -> None:
     """Ranks that ignore the interrupt: a second one kills them at once, and the note says so,
     not that they outlasted the grace period.
     """
     with Pool(nodes=2, interrupt_grace=60.0, frameworks=Frameworks(torch=False)) as pool:
-        ignoring: set[int] = set()
-        pool.subscribe(
-            lambda e: (
-                ignoring.add(e.rank)
-                if isinstance(e, OutputReceived) and "ignoring" in e.text
-                else None
-            )
+        code = (
+            "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+            "print('ignoring', flush=True)\nwhile True:\n    time.sleep(0.05)"
         )
-        outcome: list[RunResult] = []
-        cell = threading.Thread(
-            target=lambda: outcome.append(
-                pool.run(
-                    "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
-                    "print('ignoring', flush=True)\nwhile True:\n    time.sleep(0.05)"
-                )
-            )
-        )
-        cell.start()
-        wait_for(lambda: ignoring == {0, 1}, 20, "both ranks to ignore the interrupt")
-        pool.interrupt()
-        pool.interrupt()
-        cell.join(timeout=30)
-        assert not cell.is_alive(), "the second interrupt did not end the cell"
+        with _running_until(pool, code, "ignoring") as outcome:
+            pool.interrupt()
+            pool.interrupt()
         (result,) = outcome
         killed = [note for note in result.notes if "killed" in note]
         assert killed == ["ranks 0-1 were killed at the second interrupt, before 60 s were up"]
@@ -959,26 +968,13 @@ def test_an_interrupt_after_the_timeout_stopped_the_cell_kills_and_says_so() -> 
     interrupt kills them at once, said as that interrupt, not as a second one.
     """
     with Pool(nodes=2, interrupt_grace=60.0, frameworks=Frameworks(torch=False)) as pool:
-        asked: set[int] = set()
-        pool.subscribe(
-            lambda e: (
-                asked.add(e.rank)
-                if isinstance(e, OutputReceived) and "asked to stop" in e.text
-                else None
-            )
-        )
-        outcome: list[RunResult] = []
         code = (
             "import signal, time\n"
             "signal.signal(signal.SIGINT, lambda *_: print('asked to stop', flush=True))\n"
             "while True:\n    time.sleep(0.05)"
         )
-        cell = threading.Thread(target=lambda: outcome.append(pool.run(code, timeout=1)))
-        cell.start()
-        wait_for(lambda: asked == {0, 1}, 30, "the timeout to ask both ranks to stop")
-        pool.interrupt()
-        cell.join(timeout=30)
-        assert not cell.is_alive(), "the interrupt did not end the cell"
+        with _running_until(pool, code, "asked to stop", timeout=1) as outcome:
+            pool.interrupt()
         (result,) = outcome
         killed = [note for note in result.notes if "killed" in note]
         assert killed == ["ranks 0-1 were killed at the interrupt, before 60 s were up"]

@@ -115,8 +115,9 @@ class CellOutput:
         """Per rank, the last redraw (``\\r``) of a progress bar of its own that waits while
         another rank's bar is the line in view: one stream keeps one line redrawing."""
         self._ended_for: set[int] = set()
-        """Ranks whose waiting redraw was shown as a line, ended here: the newline the rank
-        itself writes next (tqdm's, as the bar closes) is that line's end, not an empty line."""
+        """Ranks whose unfinished stderr line was ended here (another rank wrote, or their
+        waiting redraw was shown as a line): the newline the rank itself writes next (tqdm's,
+        as the bar closes) is that line's end, not an empty line."""
         self._stderr_written = 0.0
         """When the notebook's stderr was last written (its line in view, when one is open)."""
         self._bar_in_view = False
@@ -188,6 +189,8 @@ class CellOutput:
             # Another rank's line is unfinished: end it here rather than glue onto it.
             parts.append((target, "\n"))
             self._at_line_start[other] = True
+            if target == "stderr":
+                self._ended_for.add(other[0])
         parts.append((target, self._prefixed(key, text, label)))
         self._open_line[target] = None if text.endswith("\n") else key
         if target == "stderr":
