@@ -27,6 +27,10 @@ _PLAIN = frozenset({type(None), bool, int, float, complex, str, bytes})
 """Types whose pickle cannot refer to the notebook's ``__main__``."""
 BYTES_APART = 1 << 16
 """A ``bytes`` value from this size travels out of the pickle, so a rank holds it once."""
+INLINE_BELOW = 1 << 12
+"""A pickled value smaller than this travels inside its message's pickle: the frame is then one
+segment, which both sides read and write whole (a cell's value, a small global), where a
+segment of its own costs a frame's length table and a read per part."""
 
 
 class _Bytes:
@@ -155,7 +159,9 @@ class Pickled:
         return memoryview(self.data).nbytes + sum(memoryview(b).nbytes for b in self.buffers)
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
-        # Hand the payload to the outer pickler as PickleBuffers so the frame carries it
+        if not self.buffers and memoryview(self.data).nbytes < INLINE_BELOW:
+            return (_restore, (bytes(self.data),))
+        # A larger payload goes to the outer pickler as PickleBuffers, so the frame carries it
         # out-of-band instead of copying it into the outer pickle stream.
         return (
             _restore,

@@ -24,6 +24,26 @@ def _through_asyncio(frame: list[bytes | bytearray | memoryview]) -> object:
     return asyncio.run(go())
 
 
+def test_a_small_pickled_value_travels_inside_its_message() -> None:
+    """A cell's value, a small global: the frame is one segment of one part, which the rank's
+    channel reads whole (one table entry: the pickle, no buffer beside it).
+    """
+    message = p.CellDone(3, p.Pickled.dump(42), "42", None, 0.001)
+    (frame,) = encode(message)
+    assert frame[4:8] == (1).to_bytes(4, "big")  # segments in the frame: the pickle alone
+    decoded = _through_asyncio([frame])
+    assert isinstance(decoded, p.CellDone) and decoded.value is not None
+    assert decoded.value.load() == 42
+    reader, writer = os.pipe()
+    try:
+        channel = SyncChannel(reader, writer)
+        channel.send(p.RunCell(4, "x", "<sky-cell-4>", {"x": p.Pickled.dump("small")}))
+        assert channel.recv().globals["x"].load() == "small"
+    finally:
+        os.close(reader)
+        os.close(writer)
+
+
 def test_large_array_travels_out_of_band() -> None:
     array = np.arange(1_000_000, dtype=np.float32)
     frame = encode({"a": array})
