@@ -54,6 +54,11 @@ class Views(PoolListener, Protocol):
         """
         ...
 
+    def operation_ended(self, entry: EntryFacts) -> None:
+        """``%sky pull``, ``push`` or ``restart`` ran on the pool without a cell's view: what
+        the pool said meanwhile is told now.
+        """
+
     def cell_number(self) -> int | None:
         """The running notebook cell's number (``In [7]``: 7), where the notebook numbers it."""
 
@@ -101,6 +106,9 @@ class NoViews:
         self, entry: EntryFacts, stdout: StdoutMode, ranks: Sequence[int] | None = None
     ) -> CellView:
         return _NoCellView()
+
+    def operation_ended(self, entry: EntryFacts) -> None:
+        pass
 
     def cell_number(self) -> int | None:
         return None

@@ -382,7 +382,10 @@ class Session:
         size = entry.pool.world_size
         if ranks != "all" and not 0 <= int(ranks) < size:
             raise SessionError(f"--rank {ranks}: the pool has ranks 0..{size - 1}")
-        result = entry.pool.run(name, ranks=None if ranks == "all" else [int(ranks)])
+        try:
+            result = entry.pool.run(name, ranks=None if ranks == "all" else [int(ranks)])
+        finally:
+            self.views.operation_ended(entry)
         for r in result:
             if r.error is not None and r.error.type_name == "NameError":
                 raise SessionError(f"rank {r.rank} has no variable {name!r}")
@@ -405,7 +408,10 @@ class Session:
         if missing:
             raise SessionError(f"not defined in the notebook: {', '.join(missing)}")
         shipment = entry.shipper.prepare("", user_ns, force=frozenset(names))
-        result = entry.pool.run("", shipment.globals).raise_for_errors()
+        try:
+            result = entry.pool.run("", shipment.globals).raise_for_errors()
+        finally:
+            self.views.operation_ended(entry)
         entry.shipper.commit(shipment, result.bound)
         entry.shipper.pushed(names)
         return result
@@ -418,9 +424,11 @@ class Session:
         try:
             entry.pool.restart()
         except (PoolError, ProviderError) as exc:
+            self.views.operation_ended(entry)
             self._announce(f"pool {entry.name!r}: {exc}; starting it afresh")
             self.down(entry.name, quiet=True, keep_files=_same_hosts(entry.spec, entry.spec))
             return self.entry(entry.name, entry.spec)
+        self.views.operation_ended(entry)
         entry.shipper.forget()
         took = time.perf_counter() - started
         size = entry.pool.world_size

@@ -1292,6 +1292,28 @@ def test_a_rank_lost_between_cells_is_told_by_the_next_cell(nb: Kernel) -> None:
     assert told not in nb.execute("%%sky\npass").stderr  # told once
 
 
+def test_a_rank_lost_between_cells_is_told_by_a_pull_before_its_error(nb: Kernel) -> None:
+    """``%sky pull`` runs without a cell's view: what the pool said since its last cell (a rank
+    lost while idle, restarted without its namespace) is told with the pull, before the error
+    it explains, and not again by the next cell.
+    """
+    nb.ok(POOL2)
+    nb.ok("%%sky --out before_pull\nkept_before_pull = 1\nimport os\nos.getpid()")
+    victim = nb.eval("before_pull.values")[1]
+    os.kill(victim, signal.SIGKILL)
+
+    def started_again() -> bool:
+        line = next(x for x in nb.status().splitlines() if x.strip().startswith("rank 1 "))
+        return f"local pid {victim})" not in line and line.endswith(": ready")
+
+    wait_for(started_again, GONE_TIMEOUT, "the pool to start the lost rank again")
+    pull = nb.fails("%sky pull kept_before_pull --rank 1")
+    told = f"pool 'default': rank 1 (node 1, local pid {victim}) killed by SIGKILL while idle"
+    assert told in pull.stderr, str(pull)
+    assert pull.stderr.index(told) < pull.stderr.index("has no variable"), str(pull)
+    assert told not in nb.ok("%%sky\npass").stderr  # told once
+
+
 # ------------------------------------------------------------------------------ 2. replacement
 
 

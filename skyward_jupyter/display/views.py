@@ -254,15 +254,31 @@ class PoolViews:
         view.in_cell = frozenset({"head": running[:1], "all": running}.get(stdout, ()))
         if self.kind == "widgets" and view.cell_key != self._cell_key():
             self._begin_cell(view)
-        with view.lock:
-            said, view.said_between = view.said_between, []
-        for text in said:
-            self.announce(f"pool {view.name!r}: {text}")
+        self._tell_said(view)
         if view.panel is not None:
             view.panel.in_cell = view.in_cell
         if view.text is not None:
             view.text.flush()
         return _CellView(self, view, output)
+
+    def operation_ended(self, entry: EntryFacts) -> None:
+        """``%sky pull``, ``push`` or ``restart`` ended (kernel thread): what the pool said
+        meanwhile, or since its last cell (a rank lost while idle), is told now, before the
+        operation's own outcome or error; it runs without a cell's view, and the next cell
+        would otherwise tell it late.
+        """
+        view = self._views.get(entry.name)
+        if view is None or view.pool is not entry.pool:
+            return
+        self._tell_said(view)
+        if view.text is not None:
+            view.text.flush()
+
+    def _tell_said(self, view: _View) -> None:
+        with view.lock:
+            said, view.said_between = view.said_between, []
+        for text in said:
+            self.announce(f"pool {view.name!r}: {text}")
 
     def _cell_finished(self, view: _View) -> None:
         with view.lock:
