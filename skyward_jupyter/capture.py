@@ -239,13 +239,20 @@ class Shipper:
             todo.extend(n for n in names_used_by(user_ns[name]) if shippable(n))
         return found
 
-    def commit(self, shipment: Shipment, bound: frozenset[str], every_rank: bool = True) -> None:
+    def commit(
+        self,
+        shipment: Shipment,
+        bound: frozenset[str],
+        every_rank: bool = True,
+        deleted: frozenset[str] = frozenset(),
+    ) -> None:
         """The cell ran: its globals are on the ranks, and the names it bound are theirs now.
 
         ``bound`` comes from the ranks (what the cell actually rebound, also when it failed
         part-way), not from reading the cell, so ``exec`` or ``globals()[...]`` count too. A
         cell that ran on some ranks only (``every_rank`` False) bound them there only: the
-        others still take the notebook's values of those names.
+        others still take the notebook's values of those names. A name ``deleted`` on some
+        rank is sent again when a cell reads it, kept by the ranks whose own it still is.
         """
         for name in shipment.globals:
             self._sent[name] = shipment.digests[name]
@@ -257,6 +264,11 @@ class Shipper:
             elif name not in self._remote:
                 # What was sent before still holds on the ranks that did not run the cell: an
                 # unchanged notebook value is not sent again over what they made of it.
+                self._partly.add(name)
+        for name in deleted:
+            self._sent.pop(name, None)
+            if name in self._remote:
+                self._remote.discard(name)
                 self._partly.add(name)
 
     def pushed(self, names: Iterable[str]) -> None:

@@ -369,6 +369,11 @@ class Cell:
         done = (o for o in self.outcomes.values() if isinstance(o, p.CellDone))
         return frozenset(name for o in done for name in o.bound)
 
+    def deleted(self) -> frozenset[str]:
+        """Global names the cell deleted on any rank: no longer theirs."""
+        done = (o for o in self.outcomes.values() if isinstance(o, p.CellDone))
+        return frozenset(name for o in done for name in o.deleted)
+
     async def recover(self) -> bool:
         """Restart dead ranks and re-form the group when the cell left it out of step.
 

@@ -507,6 +507,7 @@ class Pool:
                 tuple(sorted(set(lost_before + lost))),
                 tuple(cell.notes),
                 bound=cell.bound(),
+                deleted=cell.deleted(),
                 stop=cell.stop,
             )
             self._emit(CellFinished(command.cell_id, result))

@@ -548,6 +548,8 @@ class CellDone:
     """Each process group's name and how many collectives this rank has called in it (torch's
     sequence number); None: unknown. Ranks that agree on every group can keep it after a
     stop."""
+    deleted: tuple[str, ...] = ()
+    """Global names the cell deleted on this rank (``del x``): no longer the rank's own."""
 
 
 Answer = Hello | CellDone | GroupPort | GroupState | Synced | Stacks | Names

@@ -244,6 +244,9 @@ class RunResult(Sequence[RankResult]):
     """Displayed with every rank's value rather than the head's (``%%sky --all``)."""
     bound: frozenset[str] = frozenset()
     """Global names the cell (re)bound on any rank: they are the ranks' now."""
+    deleted: frozenset[str] = frozenset()
+    """Global names the cell deleted on any rank (``del x``): the notebook's value travels
+    again to a cell that reads the name."""
     stop: Stop | None = None
     """Why its code was stopped on every rank, if it was (also told among ``notes``)."""
 

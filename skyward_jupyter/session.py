@@ -367,7 +367,7 @@ class Session:
             every = len(result.lost) >= entry.pool.world_size
             entry.shipper.forget(None if every else result.bound, every_rank)
         else:
-            entry.shipper.commit(shipment, result.bound, every_rank)
+            entry.shipper.commit(shipment, result.bound, every_rank, result.deleted)
         for note in result.notes:
             self._announce(f"pool {entry.name!r}: {note}")
 

@@ -78,6 +78,22 @@ def test_names_bound_on_the_ranks_stay_remote() -> None:
     assert set(shipper.prepare("model", _ns(model=1)).globals) == {"model"}
 
 
+def test_a_name_the_ranks_deleted_is_sent_again_and_kept_where_still_their_own() -> None:
+    """``del x`` on the ranks: a sent name goes again, unchanged or not, to a cell that reads
+    it; one the ranks had bound goes with ``keep`` (a rank that deleted it binds it, one that
+    still holds its own keeps that).
+    """
+    shipper = Shipper()
+    shipper.commit(shipper.prepare("x", _ns(x=5)), frozenset())
+    shipper.commit(shipper.prepare("del x", _ns(x=5)), frozenset(), deleted=frozenset({"x"}))
+    again = shipper.prepare("x", _ns(x=5))
+    assert set(again.globals) == {"x"} and again.keep == ()
+    shipper.commit(shipper.prepare("y = 1", _ns()), frozenset({"y"}))
+    shipper.commit(shipper.prepare("del y", _ns()), frozenset(), deleted=frozenset({"y"}))
+    kept = shipper.prepare("y", _ns(y="notebook's"))
+    assert set(kept.globals) == {"y"} and kept.keep == ("y",) and kept.remote == ()
+
+
 def test_names_a_cell_bound_on_some_ranks_are_sent_to_be_kept_where_bound() -> None:
     shipper = Shipper()
     shipper.commit(shipper.prepare("x = 1", _ns()), frozenset({"x"}), every_rank=False)

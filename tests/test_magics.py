@@ -1269,6 +1269,26 @@ def test_restart_gives_fresh_ranks_with_an_empty_namespace(nb: Kernel) -> None:
     assert nb.eval("after_restart.values") == [(new[0], False), (new[1], False)]
 
 
+def test_a_name_a_cell_deleted_on_the_ranks_travels_again_from_the_notebook(nb: Kernel) -> None:
+    """``del x`` in a ``%%sky`` cell removes the ranks' ``x``; the notebook still has its own,
+    which a later cell that reads ``x`` gets (not a NameError because it was sent once).
+    """
+    nb.ok(POOL2)
+    nb.ok("deleted_there = 5")
+    nb.ok("%%sky\ndeleted_there + 1")
+    nb.ok("%%sky\ndel deleted_there")
+    nb.ok("%%sky --out after_del\ndeleted_there + 2")
+    assert nb.eval("after_del.values") == [7, 7]
+    nb.ok("%%sky --ranks 1\ndel deleted_there")  # on one rank: the other keeps its value
+    nb.ok("%%sky --out after_some\ndeleted_there + 3")
+    assert nb.eval("after_some.values") == [8, 8]
+    nb.ok("%%sky\nowned_there = rank")  # the ranks' own now
+    nb.ok("owned_there = 'notebook'")
+    nb.ok("%%sky --ranks 1\ndel owned_there")
+    nb.ok("%%sky --out owned\nowned_there")  # rank 0 keeps its own; rank 1 takes the notebook's
+    assert nb.eval("owned.values") == [0, "notebook"]
+
+
 def test_a_rank_lost_between_cells_is_told_by_the_next_cell(nb: Kernel) -> None:
     """A rank killed from outside while the pool idles is started again without its namespace:
     in a notebook with a frontend no panel is showing then, so the next cell on the pool says

@@ -29,6 +29,7 @@ def cell_done(
     group_destroyed: bool = False,
     notes: tuple[str, ...] = (),
     collectives: tuple[tuple[str, int], ...] | None = (),
+    deleted: tuple[str, ...] = (),
 ) -> p.CellDone:
     """The :class:`~skyward_jupyter.protocol.CellDone` for a cell that ended this way."""
     pickled: p.Pickled | None = None
@@ -43,7 +44,7 @@ def cell_done(
             pickled = None
         shown = _safe_repr(value)
     return p.CellDone(
-        cell_id, pickled, shown, info, seconds, bound, group_destroyed, notes, collectives
+        cell_id, pickled, shown, info, seconds, bound, group_destroyed, notes, collectives, deleted
     )
 
 

@@ -486,13 +486,22 @@ class Agent:
             error = exc
         after_interrupt = self._interrupted
         seconds = time.perf_counter() - started
+        after = self.namespace.globals
         bound = tuple(
             name
-            for name, v in self.namespace.globals.items()
+            for name, v in after.items()
             if before and (name not in before or before[name] is not v)
+        )
+        added = sum(name not in before for name in bound)
+        # Counted first: a cell that deleted nothing (most) pays no walk over its namespace.
+        deleted = (
+            tuple(name for name in before if name not in after)
+            if len(after) - added < len(before)
+            else ()
         )
         before.clear()
         self._bound_here.update(bound)
+        self._bound_here.difference_update(deleted)
         self._sync_output()
         self._mend_output()
         self._flush_metrics()
@@ -508,6 +517,7 @@ class Agent:
             group_destroyed=self.worlds.destroyed(),
             notes=notes,
             collectives=self.worlds.collectives(),
+            deleted=deleted,
         )
         del self._notes[: len(notes)]
         self.channel.send(done)
