@@ -138,6 +138,8 @@ class Shipper:
         self._partly: set[str] = set()
         """Names ``--ranks`` cells bound on some ranks only: sent to be kept where not bound."""
         self._hashed: dict[str, _Hashed] = {}
+        self._ranks_started: int | None = None
+        """How many rank processes the pool had started when last told (None: not yet)."""
 
     def prepare(
         self, source: str, user_ns: Mapping[str, Any], force: frozenset[str] = frozenset()
@@ -270,6 +272,17 @@ class Shipper:
             if name in self._remote:
                 self._remote.discard(name)
                 self._partly.add(name)
+
+    def ranks_started(self, count: int) -> None:
+        """The pool has started ``count`` rank processes so far: a change since it was last
+        told means a rank began again with an empty namespace (lost while idle, and started
+        again), so no value sent can be assumed there; the names the other ranks bound stay
+        theirs, as :meth:`forget` has it for a loss during a cell.
+        """
+        if count != self._ranks_started:
+            if self._ranks_started is not None:
+                self.forget(frozenset())
+            self._ranks_started = count
 
     def pushed(self, names: Iterable[str]) -> None:
         """``%sky push`` gave every rank the notebook's value of ``names``: one that only some

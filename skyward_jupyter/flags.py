@@ -9,6 +9,7 @@ value's form only (a whole number in range, KEY=VALUE); what it means is for its
 from __future__ import annotations
 
 import argparse
+import builtins
 import keyword
 import re
 from collections.abc import Callable, Iterable
@@ -96,6 +97,19 @@ def variable_name(text: str) -> str:
     if not is_variable_name(text):
         raise argparse.ArgumentTypeError(f"expected a variable name, got {text!r}")
     return text
+
+
+def result_name(text: str) -> str:
+    """``--out``'s name: one the notebook can read, and not a builtin's, which the result would
+    hide in the notebook (``--out print``: every later ``print`` fails, until ``del print``).
+    """
+    name = variable_name(text)
+    if hasattr(builtins, name):
+        raise argparse.ArgumentTypeError(
+            f"{name!r} is Python's builtin {name}, which the result would hide in the notebook; "
+            "choose another name"
+        )
+    return name
 
 
 def switch(**kwargs: Any) -> dict[str, Any]:

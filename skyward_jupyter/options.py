@@ -22,7 +22,15 @@ from typing import Any, Literal
 from . import limits
 from .environments import requirement_lines
 from .flags import Option as Option  # the magics read the rows' type from here
-from .flags import identifier, int_at_least, ranged, rank_set, switch, variable_name
+from .flags import (
+    identifier,
+    int_at_least,
+    ranged,
+    rank_set,
+    result_name,
+    switch,
+    variable_name,
+)
 from .frameworks import FRAMEWORKS, KERAS_BACKENDS
 from .gpus import parse_gpu
 from .launch_env import check_user_env
@@ -308,7 +316,7 @@ CELL_OPTIONS: tuple[Option, ...] = (
     Option("--head", "run the cell on the head only (--ranks 0)", {"action": "store_true"}),
     STDOUT,
     Option("--all", "display every rank's last value", {"action": "store_true"}),
-    Option("--out", "store the per-rank result in NAME", {"type": variable_name}),
+    Option("--out", "store the per-rank result in NAME", {"type": result_name}),
     TIMEOUT,
 )
 
@@ -328,6 +336,11 @@ TORCHRUN: dict[str, str] = {
 is needed."""
 
 
+_CELLS_OWN = {o.flag: f"%%sky {o.flag} ..." for o in CELL_OPTIONS}
+"""A cell's options, named as such where another command is given one (``%sky config
+--timeout`` is no default: a cell's timeout is its own)."""
+
+
 def unknown_option(given: str, known: Collection[str]) -> str:
     """Why ``given`` is refused among the ``known`` options, in one line: torchrun's spelling
     with ours, or the options it is near (none is ever taken for it: no abbreviation expands).
@@ -339,6 +352,8 @@ def unknown_option(given: str, known: Collection[str]) -> str:
             return f"unknown option {flag}: that is torchrun's spelling; here it is {ours}"
         if not ours.startswith("--"):
             return f"unknown option {flag}: that is torchrun's; {ours}"
+    if flag in _CELLS_OWN and flag not in known:
+        return f"unknown option {flag}: it is a %%sky cell's own option ({_CELLS_OWN[flag]})"
     near = difflib.get_close_matches(flag, known, n=2, cutoff=0.8)
     near += [k for k in sorted(known) if len(flag) > 2 and k.startswith(flag) and k not in near]
     hint = f"; did you mean {' or '.join(near[:3])}?" if near else ""

@@ -219,6 +219,13 @@ class Pool:
     def running(self) -> bool:
         return self._io is not None and not self._closing
 
+    @property
+    def ranks_started(self) -> int:
+        """Rank processes started so far: more than when last asked means some rank began
+        again with an empty namespace (also one restarted while the pool was idle).
+        """
+        return self._ranks.started
+
     def subscribe(self, callback: Subscriber) -> Callable[[], None]:
         """Call ``callback`` with every event, on the pool's IO thread; returns an unsubscribe."""
         return self._fanout.subscribe(callback)

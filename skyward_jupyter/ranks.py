@@ -209,6 +209,8 @@ class Ranks:
         """Formations of the worlds so far; answers from older ones are ignored."""
         self.restarts = 0
         """Formations after a failure: the ranks' ``TORCHELASTIC_RESTART_COUNT``."""
+        self.started = 0
+        """Rank processes started so far: each one began with an empty namespace."""
         self.beat = wire.encode(p.Beat())
         self._killing: set[asyncio.Task[None]] = set()
         """Kills of abandoned ranks' processes still waiting for their machines."""
@@ -335,6 +337,7 @@ class Ranks:
             self.set_state(rank, RankState.LOST, f"could not be started: {exc}")
             raise
         rank.process, rank.alive, rank.hello, rank.killed = process, True, None, False
+        self.started += 1
         rank.ended = None
         rank.usage = None  # the last process's: this one reports its own
         rank.last_heard = time.monotonic()

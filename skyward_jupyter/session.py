@@ -281,6 +281,8 @@ class Session:
         checked = CheckedSource.check(source, filename or "<%%sky cell>")
         _, reusable = self._reusable(name, spec)
         shipper = reusable.shipper if reusable else Shipper(self._shells_own)
+        if reusable:
+            shipper.ranks_started(reusable.pool.ranks_started)
         shipment = shipper.prepare(source, user_ns)
         with self._lock:  # the idle watcher must not stop the pool this cell is about to use
             entry = self.entry(name, spec, shipper)
@@ -368,6 +370,7 @@ class Session:
             entry.shipper.forget(None if every else result.bound, every_rank)
         else:
             entry.shipper.commit(shipment, result.bound, every_rank, result.deleted)
+        entry.shipper.ranks_started(entry.pool.ranks_started)
         for note in result.notes:
             self._announce(f"pool {entry.name!r}: {note}")
 
@@ -407,6 +410,7 @@ class Session:
         missing = [n for n in names if n not in user_ns]
         if missing:
             raise SessionError(f"not defined in the notebook: {', '.join(missing)}")
+        entry.shipper.ranks_started(entry.pool.ranks_started)
         shipment = entry.shipper.prepare("", user_ns, force=frozenset(names))
         try:
             result = entry.pool.run("", shipment.globals).raise_for_errors()
@@ -651,6 +655,11 @@ class Session:
         target = name or self.current
         if target is not None and target not in self._pools and target in self._failed:
             raise SessionError(self._failed_line(target))
+        if target is not None and name is not None and target not in self._pools:
+            running = ", ".join(repr(n) for n in self._pools)
+            raise SessionError(
+                f"no pool named {name!r}" + (f" (running: {running})" if running else "")
+            )
         if target is None or target not in self._pools:
             raise SessionError("no pool is running; run a %%sky cell or %sky up first")
         return self._pools[target]

@@ -387,6 +387,7 @@ BAD_OPTIONS = [
     ("--ranks 5000", "no pool has rank 5000: a pool has at most 1024 ranks"),
     ('"unterminated', '%%sky: No closing quotation in its options: "unterminated'),
     ("--out def", "--out: expected a variable name, got 'def'"),
+    ("--out print", "--out: 'print' is Python's builtin print, which the result would hide"),
     ("--rank 0", "unknown option --rank; did you mean --ranks?"),
     ("--head --ranks 1", "--head is --ranks 0; give one of them"),
 ]
@@ -439,6 +440,7 @@ def test_line_commands_check_numbers_before_touching_the_pool(nb: Kernel, tmp_pa
         ("%sky pull class", "expected a variable name, got 'class'"),
         ("%sky config --heartbeat-timeout nan", "finite number of seconds, got nan"),
         ("%sky config --sync-cap inf", "finite number of MB, got inf"),
+        ("%sky config --timeout 5", "--timeout: it is a %%sky cell's own option"),
         (f"%sky run --timeout nan {script}", "--timeout: expected a finite number"),
         (f"%sky run --nodes 2 --procs-per-node 1000 {script}", "2000 ranks"),
     ]:
@@ -1310,6 +1312,32 @@ def test_a_rank_lost_between_cells_is_told_by_the_next_cell(nb: Kernel) -> None:
     assert "pool 'default': rank 1 was restarted: its namespace was lost" in cell.stderr, str(cell)
     assert "NameError" in cell.reply["evalue"] or "NameError" in str(cell), str(cell)
     assert told not in nb.execute("%%sky\npass").stderr  # told once
+
+
+def test_a_rank_restarted_while_idle_gets_the_notebooks_globals_again(nb: Kernel) -> None:
+    """A notebook global sent once, then a rank lost while idle and started again: the next
+    cell sends the global again (that rank's namespace is new), not a NameError on it.
+    """
+    nb.ok(POOL2)
+    nb.ok("sent_before_idle_loss = 42")
+    nb.ok("%%sky --out before_idle_loss\nimport os\n(sent_before_idle_loss, os.getpid())")
+    victim = nb.eval("before_idle_loss.values")[1][1]
+    os.kill(victim, signal.SIGKILL)
+
+    def started_again() -> bool:
+        line = next(x for x in nb.status().splitlines() if x.strip().startswith("rank 1 "))
+        return f"local pid {victim})" not in line and line.endswith(": ready")
+
+    wait_for(started_again, GONE_TIMEOUT, "the pool to start the lost rank again")
+    nb.ok("%%sky --out after_idle_loss\nsent_before_idle_loss + 1")
+    assert nb.eval("after_idle_loss.values") == [43, 43]
+
+
+def test_a_mistyped_pool_name_is_named_with_the_pools_that_run(nb: Kernel) -> None:
+    nb.ok(POOL2)
+    for line in ("%sky stacks typo", "%sky restart typo", "%sky who typo"):
+        cell = nb.fails(line)
+        assert "no pool named 'typo' (running: 'default')" in str(cell), (line, str(cell))
 
 
 def test_a_rank_lost_between_cells_is_told_by_a_pull_before_its_error(nb: Kernel) -> None:
