@@ -27,7 +27,7 @@ from typing import Any
 
 import xxhash
 
-from .protocol import Pickled
+from .protocol import Pickled, Together
 from .results import PoolError
 from .transfer import pickle_global
 from .written import WATCH_MIN_BYTES, WRITES, Ranges, Watch, pages
@@ -123,6 +123,21 @@ class Shipment:
         return cls({}, (), (), 0, (), {})
 
 
+def _sharing(held: Mapping[str, list[Any]]) -> list[set[str]]:
+    """The globals that share an object with another (by identity), in groups of two or more."""
+    owner: dict[int, str] = {}
+    group: dict[str, set[str]] = {name: {name} for name in held}
+    for name, objects in held.items():
+        for obj in objects:
+            other = owner.setdefault(id(obj), name)
+            if group[other] is not group[name]:
+                merged = group[other] | group[name]
+                for member in merged:
+                    group[member] = merged
+    unique = {id(g): g for g in group.values() if len(g) > 1}
+    return list(unique.values())
+
+
 class Shipper:
     """Per pool: the globals already on the ranks (by hash) and the names the ranks own."""
 
@@ -151,12 +166,16 @@ class Shipper:
         send: dict[str, Pickled] = {}
         digests: dict[str, bytes] = {}
         unchanged, remote, warnings, keep = [], [], [], []
+        held: dict[str, list[Any]] = {}
+        """Per global pickled: the objects in it another global could share."""
         for name in wanted:
             if name in self._remote and name not in force:
                 remote.append(name)
                 continue
+            value = user_ns[name]
+            held[name] = []
             try:
-                pickled = pickle_global(name, user_ns[name])
+                pickled = pickle_global(name, value, held[name])
             except PoolError:
                 if name not in self._partly or name in force:
                     raise
@@ -177,11 +196,31 @@ class Shipper:
                     f"global {name!r} is {pickled.nbytes / 2**20:.0f} MiB and is sent to every "
                     "rank; loading it on the ranks inside the cell avoids the transfer"
                 )
+        for group in _sharing(held):
+            apart = sorted(group - send.keys())
+            if len(apart) == len(group):
+                continue  # on the ranks already, sharing what they share
+            if apart:
+                sent = ", ".join(repr(n) for n in sorted(group & send.keys()))
+                held_there = ", ".join(repr(n) for n in apart)
+                warnings.append(
+                    f"{sent} shares objects with {held_there}, which the ranks hold from an "
+                    f"earlier cell: sent alone, it arrives with copies of them; %sky push "
+                    f"{' '.join(sorted(group))} sends them together (the notebook's values "
+                    "then replace the ranks')"
+                )
+                continue
+            names = sorted(group)
+            label = " and ".join(repr(n) for n in names)
+            together = pickle_global(label, Together({n: user_ns[n] for n in names}))
+            for name in names:
+                send[name] = together
+        distinct = {id(p): p for p in send.values()}.values()  # a value sent together: once
         return Shipment(
             send,
             tuple(unchanged),
             tuple(remote),
-            sum(p.nbytes for p in send.values()),
+            sum(p.nbytes for p in distinct),
             tuple(warnings),
             digests,
             tuple(keep),

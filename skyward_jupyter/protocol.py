@@ -15,6 +15,7 @@ import io
 import operator
 import pickle
 import sys
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar, cast, dataclass_transform
@@ -51,6 +52,47 @@ class _Bytes:
 def _bytes_of(buffer: Any) -> bytes:
     """The value of a :class:`_Bytes`: the received buffer itself when it already is ``bytes``."""
     return buffer if type(buffer) is bytes else bytes(buffer)
+
+
+_NO_IDENTITY = (
+    type,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    types.ModuleType,
+    types.CodeType,
+)
+"""What a pickle refers to, or rebuilds, without it being a value two globals can share: a
+class, a function, a module."""
+
+
+def _has_identity(obj: Any) -> bool:
+    """Whether two globals holding ``obj`` share state that separate pickles would split (a
+    parameter held by a model and by its optimizer): a mutable container, an instance with
+    attributes, an array; not an atom, a class, a function or a module.
+    """
+    if isinstance(obj, _NO_IDENTITY):
+        return False
+    return (
+        isinstance(obj, (dict, list, set, bytearray))
+        or getattr(obj, "__dict__", None) is not None
+        or hasattr(obj, "__array_interface__")
+    )
+
+
+class Together:
+    """Globals that share objects (a model, and the optimizer over its parameters), pickled as
+    one value so that on the ranks they share them too: pickled apart, each would bring its own
+    copy (the optimizer would step parameters the model does not hold).
+    """
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self.values = values
+
+    def __reduce__(self) -> tuple[type, tuple[dict[str, Any]]]:
+        return (Together, (self.values,))
 
 
 class _Pickler(cloudpickle.CloudPickler):  # type: ignore[misc]  # cloudpickle has no stubs
@@ -140,7 +182,10 @@ class Pickled:
     buffers: tuple[Any, ...] = ()
 
     @classmethod
-    def dump(cls, obj: object) -> Pickled:
+    def dump(cls, obj: object, noting: list[Any] | None = None) -> Pickled:
+        """``obj`` pickled; ``noting`` gets the objects in it that another value could share
+        (none in a plain value: it has none).
+        """
         buffers: list[pickle.PickleBuffer] = []
         if type(obj) is bytes and len(obj) >= BYTES_APART:
             data = pickle.dumps(_Bytes(obj), protocol=5, buffer_callback=buffers.append)
@@ -148,7 +193,10 @@ class Pickled:
         if type(obj) in _PLAIN:  # most cells' value: the C pickler, not cloudpickle's set-up
             return cls(pickle.dumps(obj, protocol=5))
         with io.BytesIO() as file:
-            _Pickler(file, protocol=5, buffer_callback=buffers.append).dump(obj)
+            pickler = _Pickler(file, protocol=5, buffer_callback=buffers.append)
+            pickler.dump(obj)
+            if noting is not None:  # every object met, from the memo: held, so no id is reused
+                noting.extend(o for _, o in pickler.memo.copy().values() if _has_identity(o))
             return cls(file.getvalue(), tuple(buffers))
 
     def load(self) -> Any:

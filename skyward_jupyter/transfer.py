@@ -234,10 +234,15 @@ class Transfer:
         if self._relay() is None or len(live) < 2:  # no relay on a pool of the notebook's machine
             return command
         shipped: dict[str, p.Pickled | p.Relayed] = {}
+        stashed: dict[int, p.Relayed] = {}
+        """By the value's identity: globals that travel together (:class:`.protocol.Together`)
+        share one value, stashed once, and the ranks load it once."""
         for name, value in command.globals.items():
             if isinstance(value, p.Pickled) and value.nbytes >= RELAY_MIN_BYTES:
-                blob = await asyncio.to_thread(wire.encode_blob, value)
-                shipped[name] = await self.stash(blob, live)
+                if id(value) not in stashed:
+                    blob = await asyncio.to_thread(wire.encode_blob, value)
+                    stashed[id(value)] = await self.stash(blob, live)
+                shipped[name] = stashed[id(value)]
             else:
                 shipped[name] = value
         return dataclasses.replace(command, globals=shipped)
@@ -294,14 +299,15 @@ def _some(names: Sequence[str]) -> str:
     return shown + (f" and {len(names) - NAMED} more" if len(names) > NAMED else "")
 
 
-def pickle_global(name: str, value: Any) -> p.Pickled:
+def pickle_global(name: str, value: Any, noting: list[Any] | None = None) -> p.Pickled:
     """The one gate a notebook global passes to travel: pickled once for every rank (a value
     already pickled passes as it is), or a :class:`PoolError` that names it and says what to do.
+    ``noting`` gets the objects in it another global could share (:meth:`.Pickled.dump`).
     """
     if isinstance(value, p.Pickled):
         return value
     try:
-        return p.Pickled.dump(value)
+        return p.Pickled.dump(value, noting)
     except Exception as exc:
         raise PoolError(
             f"global {name!r} ({type(value).__name__}) cannot be sent to the ranks: "

@@ -1271,6 +1271,30 @@ def test_restart_gives_fresh_ranks_with_an_empty_namespace(nb: Kernel) -> None:
     assert nb.eval("after_restart.values") == [(new[0], False), (new[1], False)]
 
 
+def test_a_model_and_its_optimizer_from_the_notebook_train_together_on_the_ranks(
+    nb: Kernel,
+) -> None:
+    """Built in the notebook, the optimizer holds the model's parameters: on the ranks it still
+    does, so its steps train the model (sent apart, it stepped copies and the model never
+    moved).
+    """
+    nb.ok(POOL2)
+    nb.ok(
+        "import torch\nshared_model = torch.nn.Linear(4, 1)\n"
+        "shared_opt = torch.optim.SGD(shared_model.parameters(), lr=0.1)"
+    )
+    nb.ok(
+        "%%sky --out trained\nbefore = shared_model.weight.detach().clone()\n"
+        "for _ in range(3):\n"
+        "    shared_opt.zero_grad()\n"
+        "    shared_model(torch.ones(2, 4)).sum().backward()\n"
+        "    shared_opt.step()\n"
+        "(not torch.equal(before, shared_model.weight),"
+        " shared_opt.param_groups[0]['params'][0] is shared_model.weight)"
+    )
+    assert nb.eval("trained.values") == [(True, True), (True, True)]
+
+
 def test_a_name_a_cell_deleted_on_the_ranks_travels_again_from_the_notebook(nb: Kernel) -> None:
     """``del x`` in a ``%%sky`` cell removes the ranks' ``x``; the notebook still has its own,
     which a later cell that reads ``x`` gets (not a NameError because it was sent once).

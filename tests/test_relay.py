@@ -23,6 +23,7 @@ import pytest
 
 from skyward_jupyter import Pool
 from skyward_jupyter.agent.relay import REQUEST_WITHIN
+from skyward_jupyter.protocol import Pickled, Together
 from skyward_jupyter.providers.ssh import Host, SSHOptions, SSHProvider
 
 from .conftest import ssh_hosts_fixture, wait_for
@@ -71,6 +72,16 @@ def test_a_large_torch_tensor_reaches_the_other_node_whole_and_writable(pool: Po
     result = pool.run(cell, {"x": value}, timeout=60)
     expected = (float(value[1:].double().sum()), "torch.bfloat16", (1 << 20,))
     assert result.values == [expected] * 2, result.errors
+
+
+def test_globals_sent_together_share_their_objects_on_the_other_node(pool: Pool) -> None:
+    """Two globals sharing a large array travel as one value (what the notebook sends for a
+    model and its optimizer): relayed once, loaded once on each rank, still sharing it.
+    """
+    array = np.random.default_rng().random(1 << 19)  # 4 MiB: relayed
+    together = Pickled.dump(Together({"a": array, "b": [array]}))
+    result = pool.run("(b[0] is a, float(a.sum()))", {"a": together, "b": together}, timeout=60)
+    assert result.values == [(True, float(array.sum()))] * 2, result.errors
 
 
 def _head_pid(pool: Pool) -> int:

@@ -163,18 +163,24 @@ class Arrivals:
         """
         self.files.enter(command.workdir)
         values = {}
+        loaded: dict[int, Any] = {}
+        """By the shipped value's identity: globals that travel together (one
+        :class:`~skyward_jupyter.protocol.Together`) are loaded once, so they share objects."""
         for name, shipped in command.globals.items():
             try:
-                pickled = (
-                    wire.decode_blob(self._blob(shipped))
-                    if isinstance(shipped, p.Relayed)
-                    else shipped
-                )
-                values[name] = pickled.load()
+                if id(shipped) not in loaded:
+                    pickled = (
+                        wire.decode_blob(self._blob(shipped))
+                        if isinstance(shipped, p.Relayed)
+                        else shipped
+                    )
+                    loaded[id(shipped)] = pickled.load()
             except Exception as exc:
                 raise RuntimeError(
                     f"global {name!r} could not be unpickled on this rank: {exc}"
                 ) from exc
+            value = loaded[id(shipped)]
+            values[name] = value.values[name] if isinstance(value, p.Together) else value
         return values
 
     def _blob(self, ref: p.Relayed) -> memoryview:
