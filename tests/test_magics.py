@@ -1295,6 +1295,29 @@ def test_a_model_and_its_optimizer_from_the_notebook_train_together_on_the_ranks
     assert nb.eval("trained.values") == [(True, True), (True, True)]
 
 
+def test_what_the_ranks_write_between_cells_is_written_by_the_next_cell(
+    nb: Kernel, tmp_path: Path
+) -> None:
+    """A thread a cell left running prints after the cell ended: the next cell writes it first,
+    said to be from between cells, by the cell's own rules (the head's stdout); not lost.
+    """
+    nb.ok(POOL2)
+    done = tmp_path / "ticked"
+    nb.ok(
+        "%%sky\nimport threading, time, pathlib\n"
+        "def tick_between():\n"
+        "    time.sleep(0.2)\n"
+        "    print('tick from rank', rank, flush=True)\n"
+        f"    pathlib.Path('{done}-' + str(rank)).touch()\n"
+        "threading.Thread(target=tick_between).start()"
+    )
+    wait_for(lambda: all(Path(f"{done}-{r}").exists() for r in (0, 1)), CELL_TIMEOUT, "the ticks")
+    cell = nb.ok("%%sky\nprint('the next cell')")
+    assert cell.stdout == "tick from rank 0\nthe next cell\n", str(cell)
+    assert "pool 'default': the ranks wrote this between cells:" in cell.stderr, str(cell)
+    assert "tick from rank" not in nb.ok("%%sky\npass").stdout  # written once
+
+
 def test_a_name_a_cell_deleted_on_the_ranks_travels_again_from_the_notebook(nb: Kernel) -> None:
     """``del x`` in a ``%%sky`` cell removes the ranks' ``x``; the notebook still has its own,
     which a later cell that reads ``x`` gets (not a NameError because it was sent once).

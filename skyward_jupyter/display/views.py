@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from ..events import PoolEvent, PoolMessage
+from ..events import OutputReceived, PoolEvent, PoolMessage
 from ..model import EntryFacts, price_of
 from ..options import StdoutMode
 from .format import format_number
@@ -55,6 +55,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 Mode = Literal["auto", "widgets", "text", "off"]
 
+WROTE_BETWEEN_CHARS = 1 << 16
+"""What the ranks wrote between cells that the next cell writes, at most (the rest is counted:
+a thread printing in a loop all night must not flood one cell)."""
 QUICK_CELL_S = 0.25
 """A cell done within this many seconds, with no output, is not given the panel."""
 
@@ -99,12 +102,28 @@ class _View:
     without its namespace): a notebook with a frontend shows no panel then, so the next cell
     on the pool tells it first."""
 
+    wrote_between: list[OutputReceived] = field(default_factory=list)
+    """What the ranks wrote while none of their cells ran (a thread a cell left running, an
+    import's warning as a rank started): the next cell writes it first, by its own rules."""
+    wrote_chars: int = 0
+    left_out_chars: int = 0
+
     def between_cells(self, event: PoolEvent) -> None:
         """IO thread: keep what the pool says while none of its cells' views is fed."""
         if isinstance(event, PoolMessage):
             with self.lock:  # the kernel's thread begins and ends cells under it
                 if self.cell_feed is None:
                     self.said_between.append(event.text)
+
+    def wrote_between_cells(self, event: PoolEvent) -> None:
+        """IO thread: keep what a rank wrote outside any cell (its cell id is None)."""
+        if isinstance(event, OutputReceived) and event.cell_id is None:
+            with self.lock:
+                if self.wrote_chars < WROTE_BETWEEN_CHARS:
+                    self.wrote_between.append(event)
+                    self.wrote_chars += len(event.text)
+                else:
+                    self.left_out_chars += len(event.text)
 
 
 class _CellView:
@@ -200,6 +219,7 @@ class PoolViews:
         view = _View(entry.name, pool, state, replacing=self._views.get(entry.name))
         kind = self.kind
         self._views[entry.name] = view
+        pool.subscribe(view.wrote_between_cells)
         if kind == "widgets":
             self._begin_cell(view)  # the start is the first part of this cell's view
             pool.subscribe(view.between_cells)
@@ -255,6 +275,14 @@ class PoolViews:
         if self.kind == "widgets" and view.cell_key != self._cell_key():
             self._begin_cell(view)
         self._tell_said(view)
+        with view.lock:
+            wrote, view.wrote_between, view.wrote_chars = view.wrote_between, [], 0
+            left_out, view.left_out_chars = view.left_out_chars, 0
+        if wrote:
+            more = f" ({left_out} more characters left out)" if left_out else ""
+            self.announce(f"pool {view.name!r}: the ranks wrote this between cells{more}:")
+            for event in wrote:
+                output.on_event(event)
         if view.panel is not None:
             view.panel.in_cell = view.in_cell
         if view.text is not None:
