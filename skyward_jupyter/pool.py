@@ -304,6 +304,7 @@ class Pool:
             script,
             run_id=run_id,
             keep=tuple(sorted(set(keep) & set(shipped))),
+            head=ranks[0] if ranks else 0,
         )
         files = self._transfer.scan()
         if observer is not None:

@@ -342,6 +342,9 @@ class RunCell:
     keep: tuple[str, ...] = ()
     """Of ``globals``, the names a rank binds only where none of its cells bound them: names some
     ranks bound in a ``--ranks`` cell stay theirs, the others get the notebook's value."""
+    head: int = 0
+    """The cell's head: the first rank that runs it (``--ranks 1``: rank 1), whose ``input()``
+    the notebook answers."""
 
 
 def cell_filename(number: int) -> str:

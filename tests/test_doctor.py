@@ -383,7 +383,15 @@ def test_breakpoint_on_the_head_is_a_debugger_in_the_notebook(kernel: Any) -> No
 def test_input_on_another_rank_says_what_to_do(kernel: Any) -> None:
     cell, prompts = _answering(kernel, "%%sky\nif dist.get_rank() == 1:\n    input('x? ')", [])
     assert prompts == []
-    assert cell.status == "error" and "only the head rank (rank 0)" in str(cell), cell
+    assert cell.status == "error" and "only the cell's head rank (rank 0)" in str(cell), cell
+
+
+def test_input_in_a_ranks_cell_is_asked_by_its_head(kernel: Any) -> None:
+    """``--ranks 1``: rank 1 is the cell's head, so its ``input()`` is the notebook's prompt."""
+    cell, prompts = _answering(kernel, "%%sky --ranks 1 --out got\ninput('x? ')", ["typed"])
+    assert cell.status == "ok", cell
+    assert prompts == [("x? ", False)], prompts
+    assert kernel.eval("got.values") == ["typed"]
 
 
 def test_nccl_pending_collectives_are_read_from_the_flight_recorder() -> None:

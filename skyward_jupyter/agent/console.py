@@ -4,8 +4,9 @@ A rank's stdin is not a terminal (nobody could type there), so on the head rank 
 an :class:`~skyward_jupyter.protocol.InputRequest` up the wire and waits for the notebook's
 :class:`~skyward_jupyter.protocol.InputReply`; the notebook asks the user through the kernel's
 own stdin request. pdb reads its commands with ``input`` (its default when it owns no stdin), so
-``breakpoint()`` works the same, its output streaming with the head's stdout. Other ranks have no
-prompt in the notebook to show: their ``input`` is an error saying so, rather than a hang.
+``breakpoint()`` works the same, its output streaming with the head's stdout. The head is the
+cell's: the first rank that runs it (``--ranks 1``: rank 1). Other ranks have no prompt in the
+notebook to show: their ``input`` is an error saying so, rather than a hang.
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ class Console:
         self,
         rank: int,
         send: Callable[[object], None],
-        cell_id: Callable[[], int | None],
+        cell: Callable[[], tuple[int | None, int]],
         flush: Callable[[], None],
     ) -> None:
+        """``cell``: the running cell's id and its head rank."""
         self.rank = rank
         self._send = send
-        self._cell_id = cell_id
+        self._cell = cell
         self._flush = flush
         self._replies: queue.Queue[p.InputReply] = queue.Queue()
 
@@ -48,15 +50,17 @@ class Console:
         self._replies.put(reply)
 
     def _ask(self, prompt: str, password: bool) -> str:
-        if self.rank != 0:
+        cell_id, head = self._cell()
+        if self.rank != head:
             raise EOFError(
-                f"input on rank {self.rank}: only the head rank (rank 0) can ask the notebook; "
-                "read input on rank 0 and broadcast it (e.g. dist.broadcast_object_list)"
+                f"input on rank {self.rank}: only the cell's head rank (rank {head}) can ask the "
+                f"notebook; read input on rank {head} and share it with the others (e.g. "
+                "dist.broadcast_object_list, where every rank runs the cell)"
             )
         self._flush()  # what the cell printed before the prompt shows first
         while not self._replies.empty():  # a reply to a prompt an interrupt abandoned
             self._replies.get_nowait()
-        self._send(p.InputRequest(self._cell_id(), prompt, password))
+        self._send(p.InputRequest(cell_id, prompt, password))
         reply = self._replies.get()
         if reply.error is not None:
             raise EOFError(reply.error)

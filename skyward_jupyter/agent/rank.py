@@ -152,11 +152,14 @@ class Agent:
         )
         self.watch = Watch(AGENT_THREADS)
         self.console = Console(
-            group.rank, self.channel.send, lambda: self.cell_id, self._sync_output
+            group.rank, self.channel.send, lambda: (self.cell_id, self.cell_head), self._sync_output
         )
         self.console.install()
         self.inbox = Inbox(self.channel, self._route, settings.ranks_on_machine)
         self.cell_id: int | None = None
+        self.cell_head = 0
+        """The running cell's head rank (``RunCell.head``): the one whose prompts the notebook
+        answers."""
         self._in_cell = False
         self._interrupted = False
         """An interrupt arrived during the current cell (its error is then a consequence)."""
@@ -455,6 +458,7 @@ class Agent:
 
     def _run_cell(self, command: p.RunCell) -> None:
         self.cell_id = self._last_cell = command.cell_id
+        self.cell_head = command.head
         started = time.perf_counter()
         value: Any = None
         error: BaseException | None = None
