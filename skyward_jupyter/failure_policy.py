@@ -171,6 +171,11 @@ class Cell:
                 await self._kill_stuck(pending)
             if pending and self.stop_at is None and self.check_at and now >= self.check_at:
                 await self._check_desync(list(pending))
+        if self.stop is not None and not any(map(_stopped, self.outcomes.values())):
+            # The stop came while the last answers were on their way: every rank finished the
+            # cell, and nothing was stopped (a timeout of a microsecond, a late Ctrl-C).
+            self.notes.remove(str(self.stop))
+            self.stop = None
 
     async def _check_desync(self, pending: list[Rank]) -> None:
         """Some ranks finished: are the others waiting for them in a collective?"""
@@ -455,6 +460,13 @@ def _failed(outcome: p.CellDone | BaseException | None) -> bool:
     return isinstance(outcome, BaseException) or (
         isinstance(outcome, p.CellDone) and outcome.error is not None
     )
+
+
+def _stopped(outcome: p.CellDone | BaseException | None) -> bool:
+    """Whether the cell did not simply run to its end there: it failed, or the interrupt
+    reached its code (caught or not).
+    """
+    return _failed(outcome) or (isinstance(outcome, p.CellDone) and outcome.stopped)
 
 
 def _consequence(outcome: p.CellDone | BaseException | None) -> bool:

@@ -601,6 +601,8 @@ class CellDone:
     stop."""
     deleted: tuple[str, ...] = ()
     """Global names the cell deleted on this rank (``del x``): no longer the rank's own."""
+    stopped: bool = False
+    """The pool's interrupt reached the cell's code here (also when the code caught it)."""
 
 
 Answer = Hello | CellDone | GroupPort | GroupState | Synced | Stacks | Names

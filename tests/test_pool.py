@@ -1016,6 +1016,24 @@ def test_timeout_stops_the_cell() -> None:
         assert pool.run("1").values == [1, 1]
 
 
+def test_a_stop_that_finds_every_rank_finished_leaves_the_cell_a_success(pool2: Pool) -> None:
+    """A timeout that passes while the answers are on their way (a microsecond's): every rank
+    finished the cell, so it is neither timed out nor interrupted, and its value is kept.
+    """
+    result = pool2.run("1", timeout=1e-9)
+    assert result.ok and result.values == [1, 1], result.errors
+    assert result.stop is None and not any("timed out" in n for n in result.notes), result.notes
+
+
+def test_a_cell_that_catches_its_timeouts_interrupt_is_still_said_to_have_timed_out(
+    pool2: Pool,
+) -> None:
+    cell = "import time\ntry:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    pass\n2"
+    result = pool2.run(cell, timeout=1.0)
+    assert result.values == [2, 2], result.errors
+    assert result.stop is not None and any("timed out" in n for n in result.notes), result.notes
+
+
 def test_a_pool_without_a_group_says_so_once_not_at_each_restart() -> None:
     with Pool(nodes=2, frameworks=Frameworks(torch=False)) as pool:
         said: list[str] = []

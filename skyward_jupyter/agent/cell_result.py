@@ -44,7 +44,17 @@ def cell_done(
             pickled = None
         shown = _safe_repr(value)
     return p.CellDone(
-        cell_id, pickled, shown, info, seconds, bound, group_destroyed, notes, collectives, deleted
+        cell_id,
+        pickled,
+        shown,
+        info,
+        seconds,
+        bound,
+        group_destroyed,
+        notes,
+        collectives,
+        deleted,
+        after_interrupt,
     )
 
 
