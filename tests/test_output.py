@@ -367,3 +367,21 @@ def test_each_ranks_streams_keep_their_order_with_every_rank_shown() -> None:
     clock.now += STDERR_HOLD_SECONDS
     view.flush()
     assert log[1:] == [("stderr", "[rank 1 stderr] warn\n"), ("stdout", "[rank 1] one\n")]
+
+
+def test_output_over_the_flush_limit_is_skipped_from_the_oldest_in_whole_lines() -> None:
+    """A flood of output keeps its newest part: the first line kept is whole (not the tail of
+    a line cut in two), and the cell says how many characters were skipped.
+    """
+    out, err, clock = io.StringIO(), io.StringIO(), Clock()
+    view = CellOutput("head", out, err, ranks=1, clock=clock)
+    lines = [f"line {i:06d}\n" for i in range(30_000)]  # 360,000 characters
+    for line in lines:
+        send(view, 0, line, "stdout")
+    view.finish()
+    marker, first, *rest = out.getvalue().split("\n")
+    assert marker.startswith("[skyward_jupyter: ") and "skipped" in marker
+    assert first.startswith("line ") and len(first) == len("line 000000"), first
+    skipped = int(marker.split()[1])
+    assert skipped == sum(map(len, lines)) - len(out.getvalue()) + len(marker) + 1
+    assert rest[-2] == "line 029999"

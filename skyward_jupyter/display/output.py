@@ -352,11 +352,15 @@ class CellOutput:
         """
         skipped = sum(len(text) for _, text in parts) - MAX_FLUSH_CHARS
         if skipped > 0:
-            self.skipped_chars += skipped
             cut = skipped
             while len(parts[0][1]) <= cut:
                 cut -= len(parts.pop(0)[1])
             stream, text = parts[0]
+            if cut and text[cut - 1] != "\n":  # the kept output begins with a whole line
+                end = text.find("\n", cut)
+                whole = len(text) if end < 0 else end + 1
+                skipped, cut = skipped + whole - cut, whole
+            self.skipped_chars += skipped
             parts[0] = (
                 stream,
                 f"[skyward_jupyter: {skipped} characters of rank output skipped to keep the "
