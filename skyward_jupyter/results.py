@@ -130,9 +130,9 @@ class CellInterrupted(KeyboardInterrupt):
 
 
 class WaitInterrupted(KeyboardInterrupt):
-    """Ctrl-C while a cell (or a restart) waited for the pool to be free, a recovery under way:
-    it never began. One line saying so and what the pool goes on doing; no traceback (it would
-    be the notebook's own frames).
+    """Ctrl-C while a cell (or a restart) waited for the pool to be free, a recovery under way,
+    or while a pool started: what was waited for never began. One line saying so and what the
+    pool goes on doing; no traceback (it would be the notebook's own frames).
     """
 
     def _render_traceback_(self) -> list[str]:

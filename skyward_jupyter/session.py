@@ -175,9 +175,14 @@ class Session:
             started = time.perf_counter()
             self._tell(lambda listener: listener.pool_created(entry))
             pool.start(on_wait=lambda: self._tell(lambda listener: listener.pool_starting(entry)))
-        except BaseException:
+        except BaseException as exc:
             self._ended(entry)
             self._start_failed(name, wanted, old if keep_old else None)
+            if type(exc) is KeyboardInterrupt:  # the user's, wherever it landed: one line
+                raise WaitInterrupted(
+                    f"pool {name!r} was not started: stopped at the interrupt, and nothing of "
+                    "it is left running"
+                ) from None
             raise
         if keep_old:
             self.down(name, quiet=True)  # the replaced pool goes once its replacement is ready

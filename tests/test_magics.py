@@ -461,7 +461,11 @@ def test_a_starting_pool_stops_at_once_on_interrupt(nb: Kernel) -> None:
     nb.ok("%sky down --all")
     before = agent_pids()
     cell, _ = nb.interrupted("%%sky --nodes 12 --name many\npass", when="starting")
-    assert cell.reply.get("ename") == "KeyboardInterrupt", str(cell)
+    assert cell.reply.get("ename") == "WaitInterrupted", str(cell)
+    said = "KeyboardInterrupt: pool 'many' was not started: stopped at the interrupt"
+    assert [line for line in cell.reply["traceback"] if line.strip()] == [
+        said + ", and nothing of it is left running"
+    ], str(cell)  # one line, not the notebook's frames
     status = nb.status()
     assert re.fullmatch(r"\* many: 12 nodes x .*, did not start \(.*\)\n", status), status
     nb.ok("%sky down many")
