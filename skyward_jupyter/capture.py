@@ -123,12 +123,12 @@ class Shipment:
         return cls({}, (), (), 0, (), {})
 
 
-def _sharing(held: Mapping[str, list[Any]]) -> list[set[str]]:
+def _sharing(held: Mapping[str, list[Any] | None]) -> list[set[str]]:
     """The globals that share an object with another (by identity), in groups of two or more."""
     owner: dict[int, str] = {}
     group: dict[str, set[str]] = {name: {name} for name in held}
     for name, objects in held.items():
-        for obj in objects:
+        for obj in objects or ():
             other = owner.setdefault(id(obj), name)
             if group[other] is not group[name]:
                 merged = group[other] | group[name]
@@ -166,14 +166,17 @@ class Shipper:
         send: dict[str, Pickled] = {}
         digests: dict[str, bytes] = {}
         unchanged, remote, warnings, keep = [], [], [], []
-        held: dict[str, list[Any]] = {}
-        """Per global pickled: the objects in it another global could share."""
+        held: dict[str, list[Any] | None] = {}
+        """Per global pickled: the tensors and arrays in it, which another could share (None:
+        not looked at)."""
         for name in wanted:
             if name in self._remote and name not in force:
                 remote.append(name)
                 continue
             value = user_ns[name]
-            held[name] = []
+            # A function's copy of the globals it reads is not its own on the ranks (rebound
+            # there): what it refers to is not shared with them.
+            held[name] = None if isinstance(value, type | types.FunctionType) else []
             try:
                 pickled = pickle_global(name, value, held[name])
             except PoolError:
@@ -196,25 +199,21 @@ class Shipper:
                     f"global {name!r} is {pickled.nbytes / 2**20:.0f} MiB and is sent to every "
                     "rank; loading it on the ranks inside the cell avoids the transfer"
                 )
-        for group in _sharing(held):
-            apart = sorted(group - send.keys())
-            if len(apart) == len(group):
-                continue  # on the ranks already, sharing what they share
-            if apart:
-                sent = ", ".join(repr(n) for n in sorted(group & send.keys()))
-                held_there = ", ".join(repr(n) for n in apart)
+        for group in _sharing(held) if send else ():
+            fresh, there = sorted(group & send.keys()), sorted(group - send.keys())
+            if there and fresh:
+                sent = " and ".join(repr(n) for n in fresh)
                 warnings.append(
-                    f"{sent} shares objects with {held_there}, which the ranks hold from an "
-                    f"earlier cell: sent alone, it arrives with copies of them; %sky push "
-                    f"{' '.join(sorted(group))} sends them together (the notebook's values "
+                    f"{sent} share{'s' * (len(fresh) == 1)} tensors with "
+                    f"{' and '.join(repr(n) for n in there)}, which the ranks hold from an "
+                    "earlier cell: they arrive with copies of those; %sky push "
+                    f"{' '.join(sorted(group))} sends them all together (the notebook's values "
                     "then replace the ranks')"
                 )
-                continue
-            names = sorted(group)
-            label = " and ".join(repr(n) for n in names)
-            together = pickle_global(label, Together({n: user_ns[n] for n in names}))
-            for name in names:
-                send[name] = together
+            if len(fresh) > 1:  # those sent now travel together
+                together = pickle_global(fresh[0], Together({n: user_ns[n] for n in fresh}))
+                for name in fresh:
+                    send[name] = together
         distinct = {id(p): p for p in send.values()}.values()  # a value sent together: once
         return Shipment(
             send,

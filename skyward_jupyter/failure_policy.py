@@ -173,7 +173,8 @@ class Cell:
                 await self._check_desync(list(pending))
         if self.stop is not None and not any(map(_stopped, self.outcomes.values())):
             # The stop came while the last answers were on their way: every rank finished the
-            # cell, and nothing was stopped (a timeout of a microsecond, a late Ctrl-C).
+            # cell, and nothing was stopped (a timeout of a microsecond, a late click on the
+            # panel's Interrupt; a Ctrl-C still raises in the kernel, so a Run All stops).
             self.notes.remove(str(self.stop))
             self.stop = None
 

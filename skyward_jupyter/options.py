@@ -352,11 +352,11 @@ def unknown_option(given: str, known: Collection[str]) -> str:
             return f"unknown option {flag}: that is torchrun's spelling; here it is {ours}"
         if not ours.startswith("--"):
             return f"unknown option {flag}: that is torchrun's; {ours}"
-    if flag in _CELLS_OWN and flag not in known:
-        return f"unknown option {flag}: it is a %%sky cell's own option ({_CELLS_OWN[flag]})"
     near = difflib.get_close_matches(flag, known, n=2, cutoff=0.8)
     near += [k for k in sorted(known) if len(flag) > 2 and k.startswith(flag) and k not in near]
     hint = f"; did you mean {' or '.join(near[:3])}?" if near else ""
+    if flag in _CELLS_OWN and flag not in known:  # (with what is near: --ranks is near --rank)
+        return f"unknown option {flag}: it is a %%sky cell's own option ({_CELLS_OWN[flag]}){hint}"
     return f"unknown option {flag}{hint}"
 
 

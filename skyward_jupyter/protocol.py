@@ -15,7 +15,6 @@ import io
 import operator
 import pickle
 import sys
-import types
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar, cast, dataclass_transform
@@ -54,36 +53,20 @@ def _bytes_of(buffer: Any) -> bytes:
     return buffer if type(buffer) is bytes else bytes(buffer)
 
 
-_NO_IDENTITY = (
-    type,
-    types.FunctionType,
-    types.BuiltinFunctionType,
-    types.MethodType,
-    types.ModuleType,
-    types.CodeType,
-)
-"""What a pickle refers to, or rebuilds, without it being a value two globals can share: a
-class, a function, a module."""
-
-
-def _has_identity(obj: Any) -> bool:
-    """Whether two globals holding ``obj`` share state that separate pickles would split (a
-    parameter held by a model and by its optimizer): a mutable container, an instance with
-    attributes, an array; not an atom, a class, a function or a module.
+def _is_array(obj: Any) -> bool:
+    """A tensor (a parameter too) or a numpy array: what two globals share that separate pickles
+    would split into copies (the parameters of a model and of its optimizer).
     """
-    if isinstance(obj, _NO_IDENTITY):
-        return False
-    return (
-        isinstance(obj, (dict, list, set, bytearray))
-        or getattr(obj, "__dict__", None) is not None
-        or hasattr(obj, "__array_interface__")
+    torch = sys.modules.get("torch")
+    return (torch is not None and isinstance(obj, torch.Tensor)) or (
+        type(obj).__name__ == "ndarray" and type(obj).__module__ == "numpy"
     )
 
 
 class Together:
-    """Globals that share objects (a model, and the optimizer over its parameters), pickled as
-    one value so that on the ranks they share them too: pickled apart, each would bring its own
-    copy (the optimizer would step parameters the model does not hold).
+    """Globals that share tensors or arrays (a model, and the optimizer over its parameters),
+    pickled as one value so that on the ranks they share them too: pickled apart, each would
+    bring its own copy (the optimizer would step parameters the model does not hold).
     """
 
     __slots__ = ("values",)
@@ -98,10 +81,15 @@ class Together:
 class _Pickler(cloudpickle.CloudPickler):  # type: ignore[misc]  # cloudpickle has no stubs
     """cloudpickle, with a large CPU tensor's data out of the pickle as numpy's is: pickled
     without a copy, and hashed or watched for writes where it lies (:mod:`.capture`); torch's
-    own pickling copies it through ``torch.save``, unchanged or not.
+    own pickling copies it through ``torch.save``, unchanged or not. With ``noting``, the
+    tensors and arrays it meets are noted (held, so that no temporary's id is reused).
     """
 
+    noting: list[Any] | None = None
+
     def reducer_override(self, obj: Any) -> Any:
+        if self.noting is not None and _is_array(obj):
+            self.noting.append(obj)
         torch = sys.modules.get("torch")
         if torch is not None and type(obj) is torch.Tensor:
             apart = _tensor_apart(torch, obj)
@@ -183,8 +171,8 @@ class Pickled:
 
     @classmethod
     def dump(cls, obj: object, noting: list[Any] | None = None) -> Pickled:
-        """``obj`` pickled; ``noting`` gets the objects in it that another value could share
-        (none in a plain value: it has none).
+        """``obj`` pickled; ``noting`` gets the tensors and arrays in it, which another value
+        could share (a plain value has none).
         """
         buffers: list[pickle.PickleBuffer] = []
         if type(obj) is bytes and len(obj) >= BYTES_APART:
@@ -194,9 +182,8 @@ class Pickled:
             return cls(pickle.dumps(obj, protocol=5))
         with io.BytesIO() as file:
             pickler = _Pickler(file, protocol=5, buffer_callback=buffers.append)
+            pickler.noting = noting
             pickler.dump(obj)
-            if noting is not None:  # every object met, from the memo: held, so no id is reused
-                noting.extend(o for _, o in pickler.memo.copy().values() if _has_identity(o))
             return cls(file.getvalue(), tuple(buffers))
 
     def load(self) -> Any:

@@ -106,32 +106,40 @@ def test_a_rank_started_again_makes_sent_values_go_again_and_bound_names_stay() 
     assert set(again.globals) == {"x"} and again.remote == ("y",)
 
 
-def test_globals_that_share_objects_travel_together_and_share_them_on_arrival() -> None:
-    """A model and the optimizer over its parameters, a list holding a dict: pickled apart,
-    each would arrive with its own copy (the optimizer stepping parameters the model does not
-    hold). Sent in one cell, they travel as one value; unrelated globals stay apart.
+def test_globals_that_share_tensors_travel_together_and_share_them_on_arrival() -> None:
+    """A model and the optimizer over its parameters: pickled apart, each would arrive with its
+    own copy (the optimizer stepping parameters the model does not hold). Sent in one cell,
+    they travel as one value; a function that reads the model, and unrelated globals, stay
+    apart (a function's globals are the rank's own there).
     """
     import torch
 
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    cfg = {"lr": 1}
+
+    def step() -> object:
+        return model.weight
+
     shipper = Shipper()
-    ns = _ns(model=model, opt=opt, cfg=cfg, holder=[cfg], other=np.arange(3), n=5, m=5)
-    shipment = shipper.prepare("model, opt, cfg, holder, other, n, m", ns)
+    ns = _ns(model=model, opt=opt, step=step, other=np.arange(3), n=5, m=5)
+    shipment = shipper.prepare("model, opt, step, other, n, m", ns)
     sent = shipment.globals
-    assert sent["model"] is sent["opt"] and sent["cfg"] is sent["holder"]
-    assert len({id(v) for v in sent.values()}) == 5  # n and m: equal ints share nothing
+    assert sent["model"] is sent["opt"]
+    assert len({id(v) for v in sent.values()}) == 5  # step, other, n and m: apart
     arrived = sent["model"].load().values
     assert arrived["opt"].param_groups[0]["params"][0] is arrived["model"].weight
-    both = sent["cfg"].load().values
-    assert both["holder"][0] is both["cfg"]
+    assert shipment.warnings == ()
     shipper.commit(shipment, frozenset())
     assert shipper.prepare("model, opt", ns).globals == {}  # unchanged: not sent again
+    ns["step"] = lambda: model.bias  # an edited function: no word of the model
+    assert shipper.prepare("model, step", ns).warnings == ()
     ns["opt"] = torch.optim.SGD(model.parameters(), lr=0.01)  # a new optimizer, the same model
-    alone = shipper.prepare("model, opt", ns)
-    assert set(alone.globals) == {"opt"}
-    assert any("'opt' shares objects with 'model'" in w for w in alone.warnings), alone.warnings
+    ns["sched"] = torch.optim.lr_scheduler.StepLR(ns["opt"], 1)
+    partly = shipper.prepare("model, opt, sched", ns)
+    assert (
+        set(partly.globals) == {"opt", "sched"} and partly.globals["opt"] is partly.globals["sched"]
+    )
+    assert any("'opt' and 'sched' share tensors with 'model'" in w for w in partly.warnings)
 
 
 def test_names_a_cell_bound_on_some_ranks_are_sent_to_be_kept_where_bound() -> None:

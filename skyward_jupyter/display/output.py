@@ -143,6 +143,10 @@ class CellOutput:
         """
         self._drain(everything=True)
 
+    def shows(self, event: OutputReceived) -> bool:
+        """Whether this cell's rules write ``event`` (whose stdout it shows)."""
+        return self._label(event) is not None
+
     @property
     def pending(self) -> bool:
         """Whether output arrived that is not written yet (held stderr lines included)."""

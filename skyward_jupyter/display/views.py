@@ -106,7 +106,9 @@ class _View:
     """What the ranks wrote while none of their cells ran (a thread a cell left running, an
     import's warning as a rank started): the next cell writes it first, by its own rules."""
     wrote_chars: int = 0
+    """The characters kept in ``wrote_between`` (at most about :data:`WROTE_BETWEEN_CHARS`)."""
     left_out_chars: int = 0
+    """The characters written between cells past that, counted only."""
 
     def between_cells(self, event: PoolEvent) -> None:
         """IO thread: keep what the pool says while none of its cells' views is fed."""
@@ -278,6 +280,7 @@ class PoolViews:
         with view.lock:
             wrote, view.wrote_between, view.wrote_chars = view.wrote_between, [], 0
             left_out, view.left_out_chars = view.left_out_chars, 0
+        wrote = [event for event in wrote if output.shows(event)]
         if wrote:
             more = f" ({left_out} more characters left out)" if left_out else ""
             self.announce(f"pool {view.name!r}: the ranks wrote this between cells{more}:")
