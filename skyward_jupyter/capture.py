@@ -27,7 +27,7 @@ from typing import Any
 
 import xxhash
 
-from .protocol import Pickled, Together
+from .protocol import Pickled, Together, each_once
 from .results import PoolError
 from .transfer import pickle_global
 from .written import WATCH_MIN_BYTES, WRITES, Ranges, Watch, pages
@@ -214,12 +214,11 @@ class Shipper:
                 together = pickle_global(fresh[0], Together({n: user_ns[n] for n in fresh}))
                 for name in fresh:
                     send[name] = together
-        distinct = {id(p): p for p in send.values()}.values()  # a value sent together: once
         return Shipment(
             send,
             tuple(unchanged),
             tuple(remote),
-            sum(p.nbytes for p in distinct),
+            sum(p.nbytes for p in each_once(send.values())),
             tuple(warnings),
             digests,
             tuple(keep),
@@ -311,7 +310,7 @@ class Shipper:
                 self._remote.discard(name)
                 self._partly.add(name)
 
-    def ranks_started(self, count: int) -> None:
+    def note_ranks_started(self, count: int) -> None:
         """The pool has started ``count`` rank processes so far: a change since it was last
         told means a rank began again with an empty namespace (lost while idle, and started
         again), so no value sent can be assumed there; the names the other ranks bound stay

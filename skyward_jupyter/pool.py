@@ -491,8 +491,7 @@ class Pool:
             self._ranks.set_states(running, RankState.RUNNING)
             for r in live:
                 self._ranks.send(r, frame if r in chosen else idle)
-            # Globals that travel together share one value: counted once.
-            shipped = sum(v.nbytes for v in {id(v): v for v in command.globals.values()}.values())
+            shipped = sum(v.nbytes for v in p.each_once(command.globals.values()))
             self._emit(CellStarted(command.cell_id, len(running), shipped))
             try:
                 await cell.drive()
@@ -504,11 +503,8 @@ class Pool:
                     cell.notes.append(note)
             finally:
                 self._cell = self._cell_task = None
-                relayed = list(
-                    dict.fromkeys(
-                        v.digest for v in command.globals.values() if isinstance(v, p.Relayed)
-                    )
-                )
+                shipped_once = p.each_once(command.globals.values())
+                relayed = [v.digest for v in shipped_once if isinstance(v, p.Relayed)]
                 self._transfer.drop(relayed)
             self._ranks.set_states(
                 [r for r in everyone if r.state is RankState.RUNNING], RankState.IDLE

@@ -15,13 +15,14 @@ import io
 import operator
 import pickle
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar, cast, dataclass_transform
 
 import cloudpickle
 
 M = TypeVar("M", bound=type)
+V = TypeVar("V")
 
 _PLAIN = frozenset({type(None), bool, int, float, complex, str, bytes})
 """Types whose pickle cannot refer to the notebook's ``__main__``."""
@@ -76,6 +77,13 @@ class Together:
 
     def __reduce__(self) -> tuple[type, tuple[dict[str, Any]]]:
         return (Together, (self.values,))
+
+
+def each_once(values: Iterable[V]) -> list[V]:
+    """``values``, each object once (by identity): globals that travel together share one
+    value, to be counted, stashed or dropped once.
+    """
+    return list({id(v): v for v in values}.values())
 
 
 class _Pickler(cloudpickle.CloudPickler):  # type: ignore[misc]  # cloudpickle has no stubs

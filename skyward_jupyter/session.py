@@ -287,7 +287,7 @@ class Session:
         _, reusable = self._reusable(name, spec)
         shipper = reusable.shipper if reusable else Shipper(self._shells_own)
         if reusable:
-            shipper.ranks_started(reusable.pool.ranks_started)
+            shipper.note_ranks_started(reusable.pool.ranks_started)
         shipment = shipper.prepare(source, user_ns)
         with self._lock:  # the idle watcher must not stop the pool this cell is about to use
             entry = self.entry(name, spec, shipper)
@@ -375,7 +375,7 @@ class Session:
             entry.shipper.forget(None if every else result.bound, every_rank)
         else:
             entry.shipper.commit(shipment, result.bound, every_rank, result.deleted)
-        entry.shipper.ranks_started(entry.pool.ranks_started)
+        entry.shipper.note_ranks_started(entry.pool.ranks_started)
         for note in result.notes:
             self._announce(f"pool {entry.name!r}: {note}")
 
@@ -415,7 +415,7 @@ class Session:
         missing = [n for n in names if n not in user_ns]
         if missing:
             raise SessionError(f"not defined in the notebook: {', '.join(missing)}")
-        entry.shipper.ranks_started(entry.pool.ranks_started)
+        entry.shipper.note_ranks_started(entry.pool.ranks_started)
         shipment = entry.shipper.prepare("", user_ns, force=frozenset(names))
         try:
             result = entry.pool.run("", shipment.globals).raise_for_errors()

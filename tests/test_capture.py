@@ -96,12 +96,12 @@ def test_a_name_the_ranks_deleted_is_sent_again_and_kept_where_still_their_own()
 
 def test_a_rank_started_again_makes_sent_values_go_again_and_bound_names_stay() -> None:
     shipper = Shipper()
-    shipper.ranks_started(2)  # the pool as the shipper first hears of it: nothing to forget
+    shipper.note_ranks_started(2)  # the pool as the shipper first hears of it: nothing to forget
     shipper.commit(shipper.prepare("x", _ns(x=5)), frozenset())
     shipper.commit(shipper.prepare("y = 1", _ns()), frozenset({"y"}))
-    shipper.ranks_started(2)
+    shipper.note_ranks_started(2)
     assert shipper.prepare("x", _ns(x=5)).unchanged == ("x",)
-    shipper.ranks_started(3)  # a rank lost while idle, started again
+    shipper.note_ranks_started(3)  # a rank lost while idle, started again
     again = shipper.prepare("x + y", _ns(x=5, y=0))
     assert set(again.globals) == {"x"} and again.remote == ("y",)
 

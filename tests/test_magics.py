@@ -1342,6 +1342,19 @@ def test_a_name_a_cell_deleted_on_the_ranks_travels_again_from_the_notebook(nb: 
     assert nb.eval("owned.values") == [0, "notebook"]
 
 
+def _lose_rank_1_while_idle(nb: Kernel, victim: int) -> None:
+    """Kill rank 1 (pid ``victim``) from outside while the pool idles, and wait until the pool
+    has started it again (ready: the recovery has said all it says).
+    """
+    os.kill(victim, signal.SIGKILL)
+
+    def started_again() -> bool:
+        line = next(x for x in nb.status().splitlines() if x.strip().startswith("rank 1 "))
+        return f"local pid {victim})" not in line and line.endswith(": ready")
+
+    wait_for(started_again, GONE_TIMEOUT, "the pool to start the lost rank again")
+
+
 def test_a_rank_lost_between_cells_is_told_by_the_next_cell(nb: Kernel) -> None:
     """A rank killed from outside while the pool idles is started again without its namespace:
     in a notebook with a frontend no panel is showing then, so the next cell on the pool says
@@ -1350,13 +1363,7 @@ def test_a_rank_lost_between_cells_is_told_by_the_next_cell(nb: Kernel) -> None:
     nb.ok(POOL2)
     nb.ok("%%sky --out before_loss\nkept_before_loss = 1\nimport os\nos.getpid()")
     victim = nb.eval("before_loss.values")[1]
-    os.kill(victim, signal.SIGKILL)
-
-    def started_again() -> bool:  # ready: the recovery has said all it says
-        line = next(x for x in nb.status().splitlines() if x.strip().startswith("rank 1 "))
-        return f"local pid {victim})" not in line and line.endswith(": ready")
-
-    wait_for(started_again, GONE_TIMEOUT, "the pool to start the lost rank again")
+    _lose_rank_1_while_idle(nb, victim)
     cell = nb.fails("%%sky\nkept_before_loss")
     told = f"pool 'default': rank 1 (node 1, local pid {victim}) killed by SIGKILL while idle"
     assert told in cell.stderr, str(cell)
@@ -1373,13 +1380,7 @@ def test_a_rank_restarted_while_idle_gets_the_notebooks_globals_again(nb: Kernel
     nb.ok("sent_before_idle_loss = 42")
     nb.ok("%%sky --out before_idle_loss\nimport os\n(sent_before_idle_loss, os.getpid())")
     victim = nb.eval("before_idle_loss.values")[1][1]
-    os.kill(victim, signal.SIGKILL)
-
-    def started_again() -> bool:
-        line = next(x for x in nb.status().splitlines() if x.strip().startswith("rank 1 "))
-        return f"local pid {victim})" not in line and line.endswith(": ready")
-
-    wait_for(started_again, GONE_TIMEOUT, "the pool to start the lost rank again")
+    _lose_rank_1_while_idle(nb, victim)
     nb.ok("%%sky --out after_idle_loss\nsent_before_idle_loss + 1")
     assert nb.eval("after_idle_loss.values") == [43, 43]
 
@@ -1399,13 +1400,7 @@ def test_a_rank_lost_between_cells_is_told_by_a_pull_before_its_error(nb: Kernel
     nb.ok(POOL2)
     nb.ok("%%sky --out before_pull\nkept_before_pull = 1\nimport os\nos.getpid()")
     victim = nb.eval("before_pull.values")[1]
-    os.kill(victim, signal.SIGKILL)
-
-    def started_again() -> bool:
-        line = next(x for x in nb.status().splitlines() if x.strip().startswith("rank 1 "))
-        return f"local pid {victim})" not in line and line.endswith(": ready")
-
-    wait_for(started_again, GONE_TIMEOUT, "the pool to start the lost rank again")
+    _lose_rank_1_while_idle(nb, victim)
     pull = nb.fails("%sky pull kept_before_pull --rank 1")
     told = f"pool 'default': rank 1 (node 1, local pid {victim}) killed by SIGKILL while idle"
     assert told in pull.stderr, str(pull)
