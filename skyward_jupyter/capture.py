@@ -116,6 +116,8 @@ class Shipment:
     digests: dict[str, bytes] = field(repr=False)
     keep: tuple[str, ...] = ()
     """Of ``globals``, names some ranks bound: they keep theirs (``RunCell.keep``)."""
+    fill: tuple[str, ...] = ()
+    """Of ``globals``, names some ranks deleted: only those bind them (``RunCell.fill``)."""
 
     @classmethod
     def nothing(cls) -> Shipment:
@@ -152,6 +154,8 @@ class Shipper:
         """Names a cell bound on every rank: the ranks' now."""
         self._partly: set[str] = set()
         """Names ``--ranks`` cells bound on some ranks only: sent to be kept where not bound."""
+        self._deleted: set[str] = set()
+        """Names sent unchanged that a cell deleted on some ranks: sent again, to those only."""
         self._hashed: dict[str, _Hashed] = {}
         self._ranks_started: int | None = None
         """How many rank processes the pool had started when last told (None: not yet)."""
@@ -165,7 +169,7 @@ class Shipper:
         wanted = sorted(self._closure(names_read(source) | force, user_ns))
         send: dict[str, Pickled] = {}
         digests: dict[str, bytes] = {}
-        unchanged, remote, warnings, keep = [], [], [], []
+        unchanged, remote, warnings, keep, fill = [], [], [], [], []
         held: dict[str, list[Any] | None] = {}
         """Per global pickled: the tensors and arrays in it, which another could share (None:
         not looked at)."""
@@ -189,8 +193,10 @@ class Shipper:
             digest = self._digest(name, pickled)
             digests[name] = digest
             if self._sent.get(name) == digest and name not in force:
-                unchanged.append(name)
-                continue
+                if name not in self._deleted:
+                    unchanged.append(name)
+                    continue
+                fill.append(name)
             send[name] = pickled
             if name in self._partly and name not in force:
                 keep.append(name)
@@ -222,6 +228,7 @@ class Shipper:
             tuple(warnings),
             digests,
             tuple(keep),
+            tuple(fill),
         )
 
     def _digest(self, name: str, pickled: Pickled) -> bytes:
@@ -291,10 +298,13 @@ class Shipper:
         part-way), not from reading the cell, so ``exec`` or ``globals()[...]`` count too. A
         cell that ran on some ranks only (``every_rank`` False) bound them there only: the
         others still take the notebook's values of those names. A name ``deleted`` on some
-        rank is sent again when a cell reads it, kept by the ranks whose own it still is.
+        rank is sent again when a cell reads it, kept by the ranks whose own it still is: one
+        the ranks had bound goes with ``keep``; one the notebook sent, unchanged since, with
+        ``fill``, as the other ranks may have changed it in place (a model they trained).
         """
         for name in shipment.globals:
             self._sent[name] = shipment.digests[name]
+            self._deleted.discard(name)
         for name in bound:
             if every_rank:
                 self._remote.add(name)
@@ -305,10 +315,11 @@ class Shipper:
                 # unchanged notebook value is not sent again over what they made of it.
                 self._partly.add(name)
         for name in deleted:
-            self._sent.pop(name, None)
             if name in self._remote:
                 self._remote.discard(name)
                 self._partly.add(name)
+            elif name in self._sent:
+                self._deleted.add(name)
 
     def note_ranks_started(self, count: int) -> None:
         """The pool has started ``count`` rank processes so far: a change since it was last
@@ -342,6 +353,7 @@ class Shipper:
         (``every_rank`` False) bound them there only, as :meth:`commit` has it.
         """
         self._sent.clear()
+        self._deleted.clear()  # what is not sent goes to every rank: none is assumed to hold it
         if survivors_bound is None:
             self._remote.clear()
             self._partly.clear()

@@ -264,6 +264,7 @@ class Pool:
         on_wait: Callable[[], None] | None = None,
         ranks: Sequence[int] | None = None,
         keep: Collection[str] = (),
+        fill: Collection[str] = (),
     ) -> RunResult:
         """Run ``source`` on every rank with ``globals`` bound first; one result per rank.
 
@@ -271,7 +272,8 @@ class Pool:
         (with any other rank's failure); the others bind the globals and are idle at once,
         keeping their state. A collective the cell calls then fails within ``desync_after``
         seconds, saying that only those ranks run the cell. ``keep``: globals a rank binds only
-        where none of its cells bound that name.
+        where none of its cells bound that name; ``fill``: globals a rank binds only where it
+        lacks that name.
 
         With ``script``, the source runs as that script would under torchrun (its own
         ``__main__``, argv and directory). A syntax error or an unpicklable global fails here; a
@@ -304,6 +306,7 @@ class Pool:
             script,
             run_id=run_id,
             keep=tuple(sorted(set(keep) & set(shipped))),
+            fill=tuple(sorted(set(fill) & set(shipped))),
             head=ranks[0] if ranks else 0,
         )
         files = self._transfer.scan()

@@ -337,6 +337,10 @@ class RunCell:
     keep: tuple[str, ...] = ()
     """Of ``globals``, the names a rank binds only where none of its cells bound them: names some
     ranks bound in a ``--ranks`` cell stay theirs, the others get the notebook's value."""
+    fill: tuple[str, ...] = ()
+    """Of ``globals``, the names a rank binds only where it lacks them: a name an earlier cell
+    deleted on some ranks comes back there, and the others keep what they hold (a model they
+    trained in place is not the notebook's any more)."""
     head: int = 0
     """The cell's head: the first rank that runs it (``--ranks 1``: rank 1), whose ``input()``
     the notebook answers."""

@@ -355,6 +355,7 @@ class Session:
                 on_wait=view.flush,
                 ranks=ranks,
                 keep=shipment.keep,
+                fill=shipment.fill,
             )
         except CellInterrupted as interrupted:
             self._after_cell(entry, shipment, interrupted.result, every_rank)

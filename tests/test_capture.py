@@ -80,18 +80,25 @@ def test_names_bound_on_the_ranks_stay_remote() -> None:
 
 def test_a_name_the_ranks_deleted_is_sent_again_and_kept_where_still_their_own() -> None:
     """``del x`` on the ranks: a sent name goes again, unchanged or not, to a cell that reads
-    it; one the ranks had bound goes with ``keep`` (a rank that deleted it binds it, one that
-    still holds its own keeps that).
+    it, with ``fill`` (only the ranks that lack it bind it: the others may have changed theirs in
+    place); one the ranks had bound goes with ``keep`` (a rank that deleted it binds it, one that
+    still holds its own keeps that). Once there, it is unchanged again.
     """
     shipper = Shipper()
     shipper.commit(shipper.prepare("x", _ns(x=5)), frozenset())
     shipper.commit(shipper.prepare("del x", _ns(x=5)), frozenset(), deleted=frozenset({"x"}))
     again = shipper.prepare("x", _ns(x=5))
-    assert set(again.globals) == {"x"} and again.keep == ()
+    assert set(again.globals) == {"x"} and again.fill == ("x",) and again.keep == ()
+    shipper.commit(again, frozenset())
+    assert shipper.prepare("x", _ns(x=5)).unchanged == ("x",)
+    shipper.commit(shipper.prepare("del x", _ns(x=5)), frozenset(), deleted=frozenset({"x"}))
+    edited = shipper.prepare("x", _ns(x=6))  # the notebook's changed: every rank takes it
+    assert set(edited.globals) == {"x"} and edited.fill == ()
     shipper.commit(shipper.prepare("y = 1", _ns()), frozenset({"y"}))
     shipper.commit(shipper.prepare("del y", _ns()), frozenset(), deleted=frozenset({"y"}))
     kept = shipper.prepare("y", _ns(y="notebook's"))
     assert set(kept.globals) == {"y"} and kept.keep == ("y",) and kept.remote == ()
+    assert kept.fill == ()
 
 
 def test_a_rank_started_again_makes_sent_values_go_again_and_bound_names_stay() -> None:

@@ -1324,7 +1324,9 @@ def test_what_the_ranks_write_between_cells_is_written_by_the_next_cell(
 
 def test_a_name_a_cell_deleted_on_the_ranks_travels_again_from_the_notebook(nb: Kernel) -> None:
     """``del x`` in a ``%%sky`` cell removes the ranks' ``x``; the notebook still has its own,
-    which a later cell that reads ``x`` gets (not a NameError because it was sent once).
+    which a later cell that reads ``x`` gets (not a NameError because it was sent once). A rank
+    that did not delete it keeps what it holds, also a value the notebook sent that the ranks
+    changed in place (a model they trained: the notebook's would undo the training).
     """
     nb.ok(POOL2)
     nb.ok("deleted_there = 5")
@@ -1340,6 +1342,11 @@ def test_a_name_a_cell_deleted_on_the_ranks_travels_again_from_the_notebook(nb: 
     nb.ok("%%sky --ranks 1\ndel owned_there")
     nb.ok("%%sky --out owned\nowned_there")  # rank 0 keeps its own; rank 1 takes the notebook's
     assert nb.eval("owned.values") == [0, "notebook"]
+    nb.ok("trained = [0]")
+    nb.ok("%%sky\ntrained.append(rank + 1)")  # in place: each rank's copy differs now
+    nb.ok("%%sky --ranks 0\ndel trained")
+    nb.ok("%%sky --out after_training\ntrained")
+    assert nb.eval("after_training.values") == [[0], [0, 2]]
 
 
 def _lose_rank_1_while_idle(nb: Kernel, victim: int) -> None:

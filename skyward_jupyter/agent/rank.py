@@ -465,6 +465,8 @@ class Agent:
         before: dict[str, Any] = {}
         try:
             for name, value in self.arrivals.prepare(command).items():
+                if name in command.fill and name in self.namespace.globals:
+                    continue
                 if name not in command.keep or name not in self._bound_here:
                     self.namespace.bind(name, value)
             before = dict(self.namespace.globals)  # holds the values, so ids cannot be reused
