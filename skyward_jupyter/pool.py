@@ -41,7 +41,7 @@ from .providers import DEFAULT, provider_class
 from .providers.base import Node, Provider, ProviderError
 from .ranks import Rank, Ranks, RankSettings
 from .relay_keys import RelaySecrets
-from .results import PoolError, RankInfo, RunResult
+from .results import PoolError, RankInfo, RanksRestarted, RunResult
 from .transfer import DEFAULT_SYNC_CAP, Transfer, pickle_global
 from .wire import encode
 from .workdir import Manifest
@@ -265,6 +265,7 @@ class Pool:
         ranks: Sequence[int] | None = None,
         keep: Collection[str] = (),
         fill: Collection[str] = (),
+        started: int | None = None,
     ) -> RunResult:
         """Run ``source`` on every rank with ``globals`` bound first; one result per rank.
 
@@ -273,7 +274,9 @@ class Pool:
         keeping their state. A collective the cell calls then fails within ``desync_after``
         seconds, saying that only those ranks run the cell. ``keep``: globals a rank binds only
         where none of its cells bound that name; ``fill``: globals a rank binds only where it
-        lacks that name.
+        lacks that name. ``started``: :attr:`ranks_started` when ``globals`` were chosen; should
+        more have started by the time the cell may run (a recovery it waited for), it raises
+        :class:`RanksRestarted` and runs nothing.
 
         With ``script``, the source runs as that script would under torchrun (its own
         ``__main__``, argv and directory). A syntax error or an unpicklable global fails here; a
@@ -320,7 +323,9 @@ class Pool:
 
         try:
             return wait(
-                io.submit(self._run(command, files, timeout, ranks)), self.interrupt, waiting
+                io.submit(self._run(command, files, timeout, ranks, started)),
+                self.interrupt,
+                waiting,
             )
         finally:
             self._fanout.observers.pop(cell_id, None)
@@ -447,15 +452,18 @@ class Pool:
         files: list[Manifest],
         timeout: float | None,
         ranks: tuple[int, ...] | None,
+        started: int | None,
     ) -> RunResult:
         assert self._op_lock is not None
-        if self._still_mending():
+        if any(not r.done() for r in self._recoveries):  # a failed cell's, an idle rank's
             self._emit(
                 PoolMessage(f"the cell waits for the pool to start {self._starting()} again")
             )
         async with self._operation():
             if self._closing:
                 raise PoolError(f"pool {self.name!r} was closed before the cell could run")
+            if started is not None and self._ranks.started != started:
+                raise RanksRestarted(f"pool {self.name!r} started ranks again before the cell ran")
             lost_before, self._lost_while_idle = self._lost_while_idle, []
             everyone = self._ranks.all
             live = [r for r in everyone if r.alive]

@@ -45,6 +45,12 @@ class PoolError(Exception):
     """The pool could not do what was asked (start, form its process group, run)."""
 
 
+class RanksRestarted(PoolError):
+    """Rank processes started again (a lost rank, mended) after the cell's globals were chosen:
+    the new ones lack those taken for already there. Nothing ran; choose them again.
+    """
+
+
 class RankEnded(Exception):
     """A rank's process ended (or stopped answering) while the pool waited for it."""
 

@@ -33,7 +33,14 @@ from .protocol import Names, Script, cell_filename
 from .providers import UnknownProvider, provider_class, sweep_all
 from .providers.base import ProviderError
 from .rank_names import table
-from .results import CellError, CellInterrupted, PoolError, RunResult, WaitInterrupted
+from .results import (
+    CellError,
+    CellInterrupted,
+    PoolError,
+    RanksRestarted,
+    RunResult,
+    WaitInterrupted,
+)
 from .spec import PoolSpec, SpecError
 from .status import status_text
 
@@ -286,8 +293,9 @@ class Session:
         checked = CheckedSource.check(source, filename or "<%%sky cell>")
         _, reusable = self._reusable(name, spec)
         shipper = reusable.shipper if reusable else Shipper(self._shells_own)
-        if reusable:
-            shipper.note_ranks_started(reusable.pool.ranks_started)
+        started = reusable.pool.ranks_started if reusable else None
+        if started is not None:
+            shipper.note_ranks_started(started)
         shipment = shipper.prepare(source, user_ns)
         with self._lock:  # the idle watcher must not stop the pool this cell is about to use
             entry = self.entry(name, spec, shipper)
@@ -296,7 +304,15 @@ class Session:
             if ranks is not None:
                 ranks = entry.pool.check_ranks(ranks)
             return self._run_on(
-                entry, checked, shipment, stdout, timeout, filename=filename, ranks=ranks
+                entry,
+                checked,
+                shipment,
+                stdout,
+                timeout,
+                filename=filename,
+                ranks=ranks,
+                started=started if entry is reusable else None,
+                reship=lambda: shipper.prepare(source, user_ns),
             )
         finally:
             entry.busy -= 1
@@ -339,24 +355,39 @@ class Session:
         script: Script | None = None,
         filename: str | None = None,
         ranks: tuple[int, ...] | None = None,
+        started: int | None = None,
+        reship: Callable[[], Shipment] | None = None,
     ) -> RunResult:
+        """Run on ``entry``'s pool. ``started``: its ranks started when ``shipment`` was chosen;
+        should a recovery the cell waits for start one again, ``reship`` chooses the globals
+        anew (the new rank has none of those taken for there) and the cell runs with those.
+        """
         for warning in shipment.warnings:
             self._announce(f"warning: {warning}")
         view = self.views.cell(entry, stdout or self.stdout_mode, ranks)
         every_rank = ranks is None or set(ranks) >= set(range(entry.pool.world_size))
         try:
-            result = entry.pool.run(
-                source,
-                shipment.globals,
-                timeout=timeout,
-                filename=script.path if script else filename,
-                script=script,
-                observer=view.on_event,
-                on_wait=view.flush,
-                ranks=ranks,
-                keep=shipment.keep,
-                fill=shipment.fill,
-            )
+            while True:
+                try:
+                    result = entry.pool.run(
+                        source,
+                        shipment.globals,
+                        timeout=timeout,
+                        filename=script.path if script else filename,
+                        script=script,
+                        observer=view.on_event,
+                        on_wait=view.flush,
+                        ranks=ranks,
+                        keep=shipment.keep,
+                        fill=shipment.fill,
+                        started=started if reship is not None else None,
+                    )
+                    break
+                except RanksRestarted:
+                    assert reship is not None
+                    started = entry.pool.ranks_started
+                    entry.shipper.note_ranks_started(started)
+                    shipment = reship()
         except CellInterrupted as interrupted:
             self._after_cell(entry, shipment, interrupted.result, every_rank)
             raise

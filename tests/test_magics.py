@@ -12,12 +12,14 @@ pool's process group broken errors in teardown, and the pool is restarted for th
 from __future__ import annotations
 
 import ast
+import asyncio
 import contextlib
 import os
 import re
 import shutil
 import signal
 import tempfile
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -30,8 +32,11 @@ from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.manager import KernelManager
 
 from skyward_jupyter import checked_source
+from skyward_jupyter.capture import Shipper
+from skyward_jupyter.events import RankState
 from skyward_jupyter.magics import _HANDLERS
 from skyward_jupyter.options import COMMANDS
+from skyward_jupyter.ranks import Ranks
 from skyward_jupyter.session import PoolSpec, Session
 
 from .conftest import (
@@ -184,26 +189,34 @@ class Kernel:
                 on_message(msg)
         return Cell(code, msg_id, reply_of(self.kc, msg_id, deadline, what), mine)
 
+    def acting(
+        self, code: str, when: str, action: Callable[[], None], timeout: float = 40
+    ) -> tuple[Cell, float]:
+        """Run ``code``, call ``action`` once its output shows ``when``; return the cell and
+        how long it took to end after the action.
+        """
+        sent: list[float] = []
+
+        def act_once(msg: dict[str, Any]) -> None:
+            if not sent and when in _text_of(msg):
+                sent.append(time.monotonic())
+                action()
+
+        cell = self.execute(code, timeout=timeout, on_message=act_once)
+        assert sent, f"{when!r} never arrived while the cell ran: {cell}"
+        return cell, time.monotonic() - sent[0]
+
     def interrupted(self, code: str, when: str, timeout: float = 40) -> tuple[Cell, float]:
         """Run ``code``, interrupt the kernel once its output shows ``when``; return the cell
         and how long it took to end after the interrupt.
         """
-        sent: list[float] = []
-
-        def interrupt_once(msg: dict[str, Any]) -> None:
-            if not sent and when in _text_of(msg):
-                sent.append(time.monotonic())
-                self.km.interrupt_kernel()
-
         try:
-            cell = self.execute(code, timeout=timeout, on_message=interrupt_once)
+            return self.acting(code, when, self.km.interrupt_kernel, timeout)
         except AssertionError:
             for _ in range(2):  # leave the kernel usable for the tests after this one
                 self.km.interrupt_kernel()
             self.execute("pass", timeout=30)
             raise
-        assert sent, f"{when!r} never arrived while the cell ran: {cell}"
-        return cell, time.monotonic() - sent[0]
 
     def ensure_healthy(self) -> str | None:
         """If the current pool's process group is broken, restart the pool and say what was seen.
@@ -1299,6 +1312,29 @@ def test_a_model_and_its_optimizer_from_the_notebook_train_together_on_the_ranks
     assert nb.eval("trained.values") == [(True, True), (True, True)]
 
 
+def test_a_rank_keeping_its_own_model_keeps_the_optimizer_over_it_too(nb: Kernel) -> None:
+    """A model one rank built in a ``--ranks`` cell stays that rank's when the notebook's model
+    and optimizer travel together; the optimizer over the notebook's copy is not bound there
+    (it would step a model the rank does not use), and the cell says so. Other ranks take both.
+    """
+    nb.ok(POOL2)
+    nb.ok(
+        "%%sky --ranks 0\nimport torch\nown_model = torch.nn.Linear(2, 1)\n"
+        "with torch.no_grad():\n    own_model.weight.fill_(7.0)"
+    )
+    nb.ok(
+        "import torch\nown_model = torch.nn.Linear(2, 1)\n"
+        "own_opt = torch.optim.SGD(own_model.parameters(), lr=1.0)"
+    )
+    cell = nb.ok(
+        "%%sky --out own_pair\n"
+        "(own_model.weight[0, 0].item() == 7.0, 'own_opt' in globals(), 'own_opt' in globals()"
+        " and own_opt.param_groups[0]['params'][0] is own_model.weight)"
+    )
+    assert nb.eval("own_pair.values") == [(True, False, False), (False, True, True)]
+    assert "rank 0 keeps its own 'own_model', so 'own_opt'" in cell.stderr, str(cell)
+
+
 def test_what_the_ranks_write_between_cells_is_written_by_the_next_cell(
     nb: Kernel, tmp_path: Path
 ) -> None:
@@ -1342,10 +1378,10 @@ def test_a_name_a_cell_deleted_on_the_ranks_travels_again_from_the_notebook(nb: 
     nb.ok("%%sky --ranks 1\ndel owned_there")
     nb.ok("%%sky --out owned\nowned_there")  # rank 0 keeps its own; rank 1 takes the notebook's
     assert nb.eval("owned.values") == [0, "notebook"]
-    nb.ok("trained = [0]")
-    nb.ok("%%sky\ntrained.append(rank + 1)")  # in place: each rank's copy differs now
-    nb.ok("%%sky --ranks 0\ndel trained")
-    nb.ok("%%sky --out after_training\ntrained")
+    nb.ok("trained_in_place = [0]")
+    nb.ok("%%sky\ntrained_in_place.append(rank + 1)")  # in place: each rank's copy differs now
+    nb.ok("%%sky --ranks 0\ndel trained_in_place")
+    nb.ok("%%sky --out after_training\ntrained_in_place")
     assert nb.eval("after_training.values") == [[0], [0, 2]]
 
 
@@ -1360,6 +1396,51 @@ def _lose_rank_1_while_idle(nb: Kernel, victim: int) -> None:
         return f"local pid {victim})" not in line and line.endswith(": ready")
 
     wait_for(started_again, GONE_TIMEOUT, "the pool to start the lost rank again")
+
+
+def test_a_cell_run_while_a_lost_rank_starts_again_sends_it_the_globals(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A cell that chose its globals while the pool was still starting a rank it lost (idle)
+    waits for it, then sends the new rank every global it reads: chosen before the rank began
+    again with an empty namespace, the unchanged ones were taken for there (a NameError on that
+    rank). The restart is held until the cell has chosen, so the order is the one to test.
+    """
+    chosen = threading.Event()
+    restart_dead = Ranks.restart_dead
+    prepare = Shipper.prepare
+
+    async def held_restart(self: Ranks, *args: Any, **kwargs: Any) -> list[str]:
+        await asyncio.to_thread(chosen.wait, GONE_TIMEOUT)
+        return await restart_dead(self, *args, **kwargs)
+
+    def choosing(self: Shipper, *args: Any, **kwargs: Any) -> Any:
+        shipment = prepare(self, *args, **kwargs)
+        chosen.set()
+        return shipment
+
+    said: list[str] = []
+    session = Session(announce=said.append)
+    notebook = {"kept_for_the_new_rank": 41}
+    try:
+        spec = PoolSpec(nodes=2)
+        pids = session.run_cell(
+            "kept_for_the_new_rank\nimport os\nos.getpid()", notebook, spec=spec
+        )
+        pool = session.pools["default"].pool
+        monkeypatch.setattr(Ranks, "restart_dead", held_restart)
+        monkeypatch.setattr(Shipper, "prepare", choosing)
+        os.kill(pids.values[1], signal.SIGKILL)
+        wait_for(
+            lambda: pool.ranks[1].state is RankState.LOST,
+            GONE_TIMEOUT,
+            "the pool to see rank 1 gone",
+        )
+        after = session.run_cell("kept_for_the_new_rank + 1", notebook, spec=spec)
+        assert after.values == [42, 42], str(after.errors)
+        assert pool.ranks_started == 3
+    finally:
+        session.down_all()
 
 
 def test_a_rank_lost_between_cells_is_told_by_the_next_cell(nb: Kernel) -> None:

@@ -157,12 +157,13 @@ class Arrivals:
     def sync(self, command: p.SyncFiles) -> p.Synced:
         return self.files.sync(command, self._blob)
 
-    def prepare(self, command: p.RunCell) -> dict[str, Any]:
+    def prepare(self, command: p.RunCell) -> list[dict[str, Any]]:
         """Enter the cell's directory, then load its globals (a module a global refers to may
-        be one of the directory's). Raises with the global's name when one cannot load.
+        be one of the directory's), by groups: those that travel together (share tensors) in
+        one, each other alone. Raises with the global's name when one cannot load.
         """
         self.files.enter(command.workdir)
-        values = {}
+        groups: dict[int, dict[str, Any]] = {}
         loaded: dict[int, Any] = {}
         """By the shipped value's identity: globals that travel together (one
         :class:`~skyward_jupyter.protocol.Together`) are loaded once, so they share objects."""
@@ -180,8 +181,9 @@ class Arrivals:
                     f"global {name!r} could not be unpickled on this rank: {exc}"
                 ) from exc
             value = loaded[id(shipped)]
-            values[name] = value.values[name] if isinstance(value, p.Together) else value
-        return values
+            group = groups.setdefault(id(shipped), {})
+            group[name] = value.values[name] if isinstance(value, p.Together) else value
+        return list(groups.values())
 
     def _blob(self, ref: p.Relayed) -> memoryview:
         """The node's copy of a relayed value (waiting for it while it travels)."""

@@ -456,6 +456,32 @@ class Agent:
             rank = os.environ.get("RANK", "0")
             self._notes.extend(f"rank {rank}: {note}" for note in mended)
 
+    def _bind(self, command: p.RunCell, group: dict[str, Any]) -> None:
+        """Bind globals that arrived together, except those this rank holds its own of
+        (``RunCell.keep``, ``RunCell.fill``): where it holds one of a group that shares tensors
+        (a model), the others (its optimizer) stay as they are here too, and the cell says so:
+        bound, they would step the notebook's copy, not this rank's.
+        """
+        own = [
+            name
+            for name in group
+            if (name in command.fill and name in self.namespace.globals)
+            or (name in command.keep and name in self._bound_here)
+        ]
+        if own and len(group) > len(own):
+            rest = " and ".join(repr(name) for name in group if name not in own)
+            self._notes.append(
+                f"rank {os.environ.get('RANK', '0')} keeps its own "
+                f"{' and '.join(repr(name) for name in own)}, so {rest}, which share"
+                f"{'s' * (len(group) - len(own) == 1)} tensors with it in the notebook, "
+                f"stayed as it was on that rank; %sky push {' '.join(group)} gives every rank the "
+                "notebook's"
+            )
+            return
+        for name, value in group.items():
+            if name not in own:
+                self.namespace.bind(name, value)
+
     def _run_cell(self, command: p.RunCell) -> None:
         self.cell_id = self._last_cell = command.cell_id
         self.cell_head = command.head
@@ -464,11 +490,8 @@ class Agent:
         error: BaseException | None = None
         before: dict[str, Any] = {}
         try:
-            for name, value in self.arrivals.prepare(command).items():
-                if name in command.fill and name in self.namespace.globals:
-                    continue
-                if name not in command.keep or name not in self._bound_here:
-                    self.namespace.bind(name, value)
+            for group in self.arrivals.prepare(command):
+                self._bind(command, group)
             before = dict(self.namespace.globals)  # holds the values, so ids cannot be reused
             self.worlds.user_calls.reset()
             with self._cell_lock:
