@@ -342,7 +342,10 @@ class Shipper:
                 self._remote.add(name)
 
     def forget(
-        self, survivors_bound: frozenset[str] | None = None, every_rank: bool = True
+        self,
+        survivors_bound: frozenset[str] | None = None,
+        every_rank: bool = True,
+        deleted: frozenset[str] = frozenset(),
     ) -> None:
         """Namespaces were lost (ranks restarted): no value sent can be assumed there any more.
 
@@ -350,7 +353,8 @@ class Shipper:
         the others. Those, and the names earlier cells bound, stay remote: the notebook's values
         would silently replace what the surviving ranks hold, while a restarted rank, which
         lacks them, names them in its NameError. A cell that ran on some ranks only
-        (``every_rank`` False) bound them there only, as :meth:`commit` has it.
+        (``every_rank`` False) bound them there only, as :meth:`commit` has it. A name the
+        others ``deleted`` is sent again, kept where a rank still holds its own.
         """
         self._sent.clear()
         self._deleted.clear()  # what is not sent goes to every rank: none is assumed to hold it
@@ -361,3 +365,7 @@ class Shipper:
             self._remote |= survivors_bound
         else:
             self._partly |= survivors_bound - self._remote
+        for name in deleted if survivors_bound is not None else ():
+            if name in self._remote:
+                self._remote.discard(name)
+                self._partly.add(name)

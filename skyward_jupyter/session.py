@@ -267,7 +267,7 @@ class Session:
         failed = self._failed[name]
         return (
             f"pool {name!r} did not start as {failed.describe()} "
-            f"({self.defaults.differences(failed)}) and no other pool runs in its place: give "
+            f"({failed.given_over(self.defaults)}) and no other pool runs in its place: give "
             f"those pool options again to retry, or %sky down {name} to forget them"
         )
 
@@ -404,7 +404,7 @@ class Session:
         """
         if result.lost:
             every = len(result.lost) >= entry.pool.world_size
-            entry.shipper.forget(None if every else result.bound, every_rank)
+            entry.shipper.forget(None if every else result.bound, every_rank, result.deleted)
         else:
             entry.shipper.commit(shipment, result.bound, every_rank, result.deleted)
         entry.shipper.note_ranks_started(entry.pool.ranks_started)

@@ -191,6 +191,18 @@ class PoolSpec:
         ]
         return ", ".join(changed) or "nothing"
 
+    def given_over(self, base: PoolSpec) -> str:
+        """The options that make this description out of ``base`` (``--nodes 2``), as a user
+        gives them: for a pool that did not start, what to give again.
+        """
+        mine, theirs = base._flags(), self._flags()
+        given = [
+            f"{flag} {_shown(theirs.get(flag))}"
+            for flag in dict.fromkeys([*mine, *theirs])
+            if mine.get(flag) != theirs.get(flag)
+        ]
+        return ", ".join(given) or "the defaults"
+
     def _flags(self) -> dict[str, Any]:
         """``--flag`` -> value, the provider's options included."""
         common = {

@@ -99,6 +99,10 @@ def test_a_name_the_ranks_deleted_is_sent_again_and_kept_where_still_their_own()
     kept = shipper.prepare("y", _ns(y="notebook's"))
     assert set(kept.globals) == {"y"} and kept.keep == ("y",) and kept.remote == ()
     assert kept.fill == ()
+    shipper.commit(shipper.prepare("z = 1", _ns()), frozenset({"z"}))
+    shipper.forget(frozenset(), deleted=frozenset({"z"}))  # a rank lost in the cell that deleted z
+    lost = shipper.prepare("z", _ns(z="notebook's"))
+    assert set(lost.globals) == {"z"} and lost.keep == ("z",) and lost.remote == ()
 
 
 def test_a_rank_started_again_makes_sent_values_go_again_and_bound_names_stay() -> None:

@@ -23,6 +23,15 @@ def test_a_replacement_names_only_what_changed() -> None:
     assert two.differences(secret) == "--env (default) -> HF_TOKEN=***,MODE=fast"
 
 
+def test_a_pool_that_did_not_start_names_the_options_given_for_it() -> None:
+    """What to give again, as given (``--nodes 2``), not as a change from the defaults."""
+    defaults = PoolSpec()
+    assert PoolSpec(nodes=2).given_over(defaults) == "--nodes 2"
+    secret = PoolSpec(nodes=2, env=(("HF_TOKEN", "hf_abc"),))
+    assert secret.given_over(defaults) == "--nodes 2, --env HF_TOKEN=***"
+    assert defaults.given_over(defaults) == "the defaults"
+
+
 def test_each_provider_describes_its_own_pools() -> None:
     assert PoolSpec(nodes=2).describe() == "2 nodes x 1 rank per GPU or CPU, local"
     ssh = PoolSpec(provider="ssh", options=SSHOptions(hosts=("a@h1", "a@h2"))).settled()

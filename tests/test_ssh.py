@@ -417,7 +417,7 @@ def test_a_failed_replacement_of_an_ssh_pool_is_named_not_replaced_by_the_defaul
             assert cell.reply["ename"] == "UsageError", str(cell)
             assert re.fullmatch(
                 r"pool 'default' did not start as 2 nodes x 1 rank per GPU or CPU, ssh to \S+, "
-                r"\S+ \(.*--python \(default\) -> /nonexistent/python3.*\) and no other pool "
+                r"\S+ \(.*--python /nonexistent/python3.*\) and no other pool "
                 r"runs in its place: give those pool options again to retry, or %sky down "
                 r"default to forget them",
                 cell.reply["evalue"],
