@@ -35,7 +35,7 @@ from skyward_jupyter import checked_source
 from skyward_jupyter.capture import Shipper
 from skyward_jupyter.events import RankState
 from skyward_jupyter.magics import _HANDLERS
-from skyward_jupyter.options import COMMANDS
+from skyward_jupyter.options import COMMANDS, unknown_option
 from skyward_jupyter.ranks import Ranks
 from skyward_jupyter.session import PoolSpec, Session
 
@@ -1356,6 +1356,19 @@ def test_what_the_ranks_write_between_cells_is_written_by_the_next_cell(
     assert cell.stdout == "tick from rank 0\nthe next cell\n", str(cell)
     assert "pool 'default': the ranks wrote this between cells:" in cell.stderr, str(cell)
     assert "tick from rank" not in nb.ok("%%sky\npass").stdout  # written once
+    Path(f"{done}-1").unlink()
+    nb.ok("%%sky\nif rank == 1:\n    threading.Thread(target=tick_between).start()")
+    wait_for(Path(f"{done}-1").exists, CELL_TIMEOUT, "rank 1's tick")
+    quiet = nb.ok("%%sky\nprint('the cell after')")  # rank 1's stdout is not shown: nor said
+    assert quiet.stdout == "the cell after\n", str(quiet)
+    assert "between cells" not in quiet.stderr, str(quiet)
+
+
+def test_a_cell_option_given_to_a_command_is_named_with_what_is_near_it() -> None:
+    """``%sky config --timeout``: the cell's option, and the command's own that is near it."""
+    said = unknown_option("--timeout", ["--time", "--nodes"])
+    assert "it is a %%sky cell's own option (%%sky --timeout ...)" in said
+    assert said.endswith("did you mean --time?")
 
 
 def test_a_name_a_cell_deleted_on_the_ranks_travels_again_from_the_notebook(nb: Kernel) -> None:
