@@ -154,8 +154,10 @@ class Shipper:
         """Names a cell bound on every rank: the ranks' now."""
         self._partly: set[str] = set()
         """Names ``--ranks`` cells bound on some ranks only: sent to be kept where not bound."""
-        self._deleted: set[str] = set()
-        """Names sent unchanged that a cell deleted on some ranks: sent again, to those only."""
+        self._lacking: set[str] = set()
+        """Names sent that some ranks may lack (a cell deleted them there, or a rank started
+        again): sent again when read, bound only where lacking (the others may have changed
+        theirs in place)."""
         self._hashed: dict[str, _Hashed] = {}
         self._ranks_started: int | None = None
         """How many rank processes the pool had started when last told (None: not yet)."""
@@ -193,7 +195,7 @@ class Shipper:
             digest = self._digest(name, pickled)
             digests[name] = digest
             if self._sent.get(name) == digest and name not in force:
-                if name not in self._deleted:
+                if name not in self._lacking:
                     unchanged.append(name)
                     continue
                 fill.append(name)
@@ -304,7 +306,7 @@ class Shipper:
         """
         for name in shipment.globals:
             self._sent[name] = shipment.digests[name]
-            self._deleted.discard(name)
+            self._lacking.discard(name)
         for name in bound:
             if every_rank:
                 self._remote.add(name)
@@ -319,7 +321,7 @@ class Shipper:
                 self._remote.discard(name)
                 self._partly.add(name)
             elif name in self._sent:
-                self._deleted.add(name)
+                self._lacking.add(name)
 
     def note_ranks_started(self, count: int) -> None:
         """The pool has started ``count`` rank processes so far: a change since it was last
@@ -348,6 +350,8 @@ class Shipper:
         deleted: frozenset[str] = frozenset(),
     ) -> None:
         """Namespaces were lost (ranks restarted): no value sent can be assumed there any more.
+        Each goes again when a cell reads it, bound only where lacking (``fill``): a surviving
+        rank keeps what it made of it (a model it trained in place).
 
         ``survivors_bound``: only some ranks were lost, and the last cell bound these names on
         the others. Those, and the names earlier cells bound, stay remote: the notebook's values
@@ -356,8 +360,7 @@ class Shipper:
         (``every_rank`` False) bound them there only, as :meth:`commit` has it. A name the
         others ``deleted`` is sent again, kept where a rank still holds its own.
         """
-        self._sent.clear()
-        self._deleted.clear()  # what is not sent goes to every rank: none is assumed to hold it
+        self._lacking |= self._sent.keys()
         if survivors_bound is None:
             self._remote.clear()
             self._partly.clear()

@@ -455,7 +455,7 @@ class Pool:
         started: int | None,
     ) -> RunResult:
         assert self._op_lock is not None
-        if any(not r.done() for r in self._recoveries):  # a failed cell's, an idle rank's
+        if self._recovering():
             self._emit(
                 PoolMessage(f"the cell waits for the pool to start {self._starting()} again")
             )
@@ -580,7 +580,7 @@ class Pool:
             waited = (
                 f"the pool to start {self._starting()} again (that goes on; the next cell "
                 "waits for it)"
-                if self._still_mending()
+                if self._recovering()
                 else "the pool's operation under way to end"
             )
             for task in self._queued:
@@ -627,6 +627,10 @@ class Pool:
     def _still_mending(self) -> bool:
         """Whether a failed cell's recovery goes on after its cell (:data:`MENDING_WAIT`)."""
         return self._mending is not None and not self._mending.done()
+
+    def _recovering(self) -> bool:
+        """Whether a recovery holds the pool's operations (a failed cell's, an idle rank's)."""
+        return any(not recovery.done() for recovery in self._recoveries)
 
     def _starting(self) -> str:
         """What a recovery under way starts again, in words: the ranks not yet up (lost, or

@@ -63,6 +63,10 @@ WHO_TIMEOUT = 5.0
 """Seconds each rank has to list its names for ``%sky who`` (its reader thread answers)."""
 
 
+RESHIP_TRIES = 3
+"""Times a cell chooses its globals again because ranks were started meanwhile."""
+
+
 class SessionError(Exception):
     """Bad input or a state the user must change; shown as one line, nothing else changes."""
 
@@ -360,12 +364,14 @@ class Session:
     ) -> RunResult:
         """Run on ``entry``'s pool. ``started``: its ranks started when ``shipment`` was chosen;
         should a recovery the cell waits for start one again, ``reship`` chooses the globals
-        anew (the new rank has none of those taken for there) and the cell runs with those.
+        anew (the new rank has none of those taken for there) and the cell runs with those, up
+        to :data:`RESHIP_TRIES` times (a rank that keeps failing as it starts ends the wait).
         """
         for warning in shipment.warnings:
             self._announce(f"warning: {warning}")
         view = self.views.cell(entry, stdout or self.stdout_mode, ranks)
         every_rank = ranks is None or set(ranks) >= set(range(entry.pool.world_size))
+        tries = 0
         try:
             while True:
                 try:
@@ -380,14 +386,23 @@ class Session:
                         ranks=ranks,
                         keep=shipment.keep,
                         fill=shipment.fill,
-                        started=started if reship is not None else None,
+                        started=started,
                     )
                     break
-                except RanksRestarted:
-                    assert reship is not None
+                except RanksRestarted as restarted:
+                    tries += 1
+                    if reship is None or tries >= RESHIP_TRIES:
+                        raise PoolError(
+                            f"{restarted}, {tries} times while the cell waited; run it again "
+                            "once %sky status shows every rank ready"
+                        ) from None
                     started = entry.pool.ranks_started
                     entry.shipper.note_ranks_started(started)
+                    said = set(shipment.warnings)
                     shipment = reship()
+                    for warning in shipment.warnings:
+                        if warning not in said:  # every global goes again now: a new size
+                            self._announce(f"warning: {warning}")
         except CellInterrupted as interrupted:
             self._after_cell(entry, shipment, interrupted.result, every_rank)
             raise

@@ -197,7 +197,7 @@ class PoolSpec:
         """
         mine, theirs = base._flags(), self._flags()
         given = [
-            f"{flag} {_shown(theirs.get(flag))}"
+            flag if theirs.get(flag) is True else f"{flag} {_shown(theirs.get(flag))}"
             for flag in dict.fromkeys([*mine, *theirs])
             if mine.get(flag) != theirs.get(flag)
         ]

@@ -115,6 +115,7 @@ def test_a_rank_started_again_makes_sent_values_go_again_and_bound_names_stay() 
     shipper.note_ranks_started(3)  # a rank lost while idle, started again
     again = shipper.prepare("x + y", _ns(x=5, y=0))
     assert set(again.globals) == {"x"} and again.remote == ("y",)
+    assert again.fill == ("x",)  # the ranks that were not lost keep what they made of it
 
 
 def test_globals_that_share_tensors_travel_together_and_share_them_on_arrival() -> None:

@@ -33,7 +33,7 @@ from jupyter_client.manager import KernelManager
 
 from skyward_jupyter import checked_source
 from skyward_jupyter.capture import Shipper
-from skyward_jupyter.events import RankState
+from skyward_jupyter.events import PoolMessage, RankState
 from skyward_jupyter.magics import _HANDLERS
 from skyward_jupyter.options import COMMANDS, unknown_option
 from skyward_jupyter.ranks import Ranks
@@ -1332,7 +1332,7 @@ def test_a_rank_keeping_its_own_model_keeps_the_optimizer_over_it_too(nb: Kernel
         " and own_opt.param_groups[0]['params'][0] is own_model.weight)"
     )
     assert nb.eval("own_pair.values") == [(True, False, False), (False, True, True)]
-    assert "rank 0 keeps its own 'own_model', so 'own_opt'" in cell.stderr, str(cell)
+    assert "rank 0 keeps its own 'own_model', so the notebook's 'own_opt'" in cell.stderr, str(cell)
 
 
 def test_what_the_ranks_write_between_cells_is_written_by_the_next_cell(
@@ -1432,8 +1432,7 @@ def test_a_cell_run_while_a_lost_rank_starts_again_sends_it_the_globals(
         chosen.set()
         return shipment
 
-    said: list[str] = []
-    session = Session(announce=said.append)
+    session = Session(announce=lambda text: None)
     notebook = {"kept_for_the_new_rank": 41}
     try:
         spec = PoolSpec(nodes=2)
@@ -1441,6 +1440,13 @@ def test_a_cell_run_while_a_lost_rank_starts_again_sends_it_the_globals(
             "kept_for_the_new_rank\nimport os\nos.getpid()", notebook, spec=spec
         )
         pool = session.pools["default"].pool
+        told: list[str] = []
+
+        def tell(event: object) -> None:
+            if isinstance(event, PoolMessage):
+                told.append(event.text)
+
+        pool.subscribe(tell)
         monkeypatch.setattr(Ranks, "restart_dead", held_restart)
         monkeypatch.setattr(Shipper, "prepare", choosing)
         os.kill(pids.values[1], signal.SIGKILL)
@@ -1452,6 +1458,7 @@ def test_a_cell_run_while_a_lost_rank_starts_again_sends_it_the_globals(
         after = session.run_cell("kept_for_the_new_rank + 1", notebook, spec=spec)
         assert after.values == [42, 42], str(after.errors)
         assert pool.ranks_started == 3
+        assert any("the cell waits for the pool to start rank 1" in text for text in told), told
     finally:
         session.down_all()
 
@@ -1475,15 +1482,19 @@ def test_a_rank_lost_between_cells_is_told_by_the_next_cell(nb: Kernel) -> None:
 
 def test_a_rank_restarted_while_idle_gets_the_notebooks_globals_again(nb: Kernel) -> None:
     """A notebook global sent once, then a rank lost while idle and started again: the next
-    cell sends the global again (that rank's namespace is new), not a NameError on it.
+    cell sends the global again (that rank's namespace is new), not a NameError on it. The rank
+    that was not lost keeps what it made of a value sent to it (trained in place).
     """
     nb.ok(POOL2)
-    nb.ok("sent_before_idle_loss = 42")
-    nb.ok("%%sky --out before_idle_loss\nimport os\n(sent_before_idle_loss, os.getpid())")
+    nb.ok("sent_before_idle_loss = 42\nchanged_before_idle_loss = [0]")
+    nb.ok(
+        "%%sky --out before_idle_loss\nimport os\nchanged_before_idle_loss.append(rank)\n"
+        "(sent_before_idle_loss, os.getpid())"
+    )
     victim = nb.eval("before_idle_loss.values")[1][1]
     _lose_rank_1_while_idle(nb, victim)
-    nb.ok("%%sky --out after_idle_loss\nsent_before_idle_loss + 1")
-    assert nb.eval("after_idle_loss.values") == [43, 43]
+    nb.ok("%%sky --out after_idle_loss\n(sent_before_idle_loss + 1, changed_before_idle_loss)")
+    assert nb.eval("after_idle_loss.values") == [(43, [0, 0]), (43, [0])]
 
 
 def test_a_mistyped_pool_name_is_named_with_the_pools_that_run(nb: Kernel) -> None:

@@ -472,10 +472,10 @@ class Agent:
             rest = " and ".join(repr(name) for name in group if name not in own)
             self._notes.append(
                 f"rank {os.environ.get('RANK', '0')} keeps its own "
-                f"{' and '.join(repr(name) for name in own)}, so {rest}, which share"
-                f"{'s' * (len(group) - len(own) == 1)} tensors with it in the notebook, "
-                f"stayed as it was on that rank; %sky push {' '.join(group)} gives every rank the "
-                "notebook's"
+                f"{' and '.join(repr(name) for name in own)}, so the notebook's {rest}, which "
+                f"share{'s' * (len(group) - len(own) == 1)} tensors with it, was not bound "
+                "there (it would step the notebook's copy); %sky push "
+                f"{' '.join(group)} gives every rank the notebook's"
             )
             return
         for name, value in group.items():
