@@ -465,7 +465,10 @@ class Session:
         entry.shipper.note_ranks_started(entry.pool.ranks_started)
         shipment = entry.shipper.prepare("", user_ns, force=frozenset(names))
         try:
-            result = entry.pool.run("", shipment.globals).raise_for_errors()
+            # Names pulled in by what is pushed (a function's globals) keep their rules.
+            result = entry.pool.run(
+                "", shipment.globals, keep=shipment.keep, fill=shipment.fill
+            ).raise_for_errors()
         finally:
             self.views.operation_ended(entry)
         entry.shipper.commit(shipment, result.bound)
