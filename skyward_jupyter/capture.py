@@ -117,7 +117,10 @@ class Shipment:
     keep: tuple[str, ...] = ()
     """Of ``globals``, names some ranks bound: they keep theirs (``RunCell.keep``)."""
     fill: tuple[str, ...] = ()
-    """Of ``globals``, names some ranks deleted: only those bind them (``RunCell.fill``)."""
+    """Of ``globals``, names some ranks lack: only those bind them (``RunCell.fill``)."""
+    ranks_started: int | None = None
+    """The pool's rank processes started when the globals were chosen (``Pool.run``'s
+    ``started``); None: a pool not started yet."""
 
     @classmethod
     def nothing(cls) -> Shipment:
@@ -163,11 +166,18 @@ class Shipper:
         """How many rank processes the pool had started when last told (None: not yet)."""
 
     def prepare(
-        self, source: str, user_ns: Mapping[str, Any], force: frozenset[str] = frozenset()
+        self,
+        source: str,
+        user_ns: Mapping[str, Any],
+        force: frozenset[str] = frozenset(),
+        ranks_started: int | None = None,
     ) -> Shipment:
         """Pickle the globals ``source`` needs (:func:`.transfer.pickle_global`: a PoolError
-        names one that cannot travel).
+        names one that cannot travel), for a pool that has started ``ranks_started`` rank
+        processes so far (:meth:`note_ranks_started`; None: not started yet).
         """
+        if ranks_started is not None:
+            self.note_ranks_started(ranks_started)
         wanted = sorted(self._closure(names_read(source) | force, user_ns))
         send: dict[str, Pickled] = {}
         digests: dict[str, bytes] = {}
@@ -231,6 +241,7 @@ class Shipper:
             digests,
             tuple(keep),
             tuple(fill),
+            ranks_started,
         )
 
     def _digest(self, name: str, pickled: Pickled) -> bytes:

@@ -297,10 +297,8 @@ class Session:
         checked = CheckedSource.check(source, filename or "<%%sky cell>")
         _, reusable = self._reusable(name, spec)
         shipper = reusable.shipper if reusable else Shipper(self._shells_own)
-        started = reusable.pool.ranks_started if reusable else None
-        if started is not None:
-            shipper.note_ranks_started(started)
-        shipment = shipper.prepare(source, user_ns)
+        started = reusable.pool.ranks_started if reusable else None  # a new pool: None
+        shipment = shipper.prepare(source, user_ns, ranks_started=started)
         with self._lock:  # the idle watcher must not stop the pool this cell is about to use
             entry = self.entry(name, spec, shipper)
             entry.busy += 1
@@ -315,8 +313,9 @@ class Session:
                 timeout,
                 filename=filename,
                 ranks=ranks,
-                started=started if entry is reusable else None,
-                reship=lambda: shipper.prepare(source, user_ns),
+                reship=lambda: shipper.prepare(
+                    source, user_ns, ranks_started=entry.pool.ranks_started
+                ),
             )
         finally:
             entry.busy -= 1
@@ -359,13 +358,12 @@ class Session:
         script: Script | None = None,
         filename: str | None = None,
         ranks: tuple[int, ...] | None = None,
-        started: int | None = None,
         reship: Callable[[], Shipment] | None = None,
     ) -> RunResult:
-        """Run on ``entry``'s pool. ``started``: its ranks started when ``shipment`` was chosen;
-        should a recovery the cell waits for start one again, ``reship`` chooses the globals
-        anew (the new rank has none of those taken for there) and the cell runs with those, up
-        to :data:`RESHIP_TRIES` times (a rank that keeps failing as it starts ends the wait).
+        """Run on ``entry``'s pool. Should a recovery the cell waits for start a rank after
+        ``shipment`` was chosen, ``reship`` chooses the globals anew (the new rank has none of
+        those taken for there) and the cell runs with those, up to :data:`RESHIP_TRIES` times
+        (a rank that keeps failing as it starts ends the wait).
         """
         for warning in shipment.warnings:
             self._announce(f"warning: {warning}")
@@ -386,7 +384,7 @@ class Session:
                         ranks=ranks,
                         keep=shipment.keep,
                         fill=shipment.fill,
-                        started=started,
+                        started=shipment.ranks_started,
                     )
                     break
                 except RanksRestarted as restarted:
@@ -396,8 +394,6 @@ class Session:
                             f"{restarted}, {tries} times while the cell waited; run it again "
                             "once %sky status shows every rank ready"
                         ) from None
-                    started = entry.pool.ranks_started
-                    entry.shipper.note_ranks_started(started)
                     said = set(shipment.warnings)
                     shipment = reship()
                     for warning in shipment.warnings:
@@ -462,8 +458,9 @@ class Session:
         missing = [n for n in names if n not in user_ns]
         if missing:
             raise SessionError(f"not defined in the notebook: {', '.join(missing)}")
-        entry.shipper.note_ranks_started(entry.pool.ranks_started)
-        shipment = entry.shipper.prepare("", user_ns, force=frozenset(names))
+        shipment = entry.shipper.prepare(
+            "", user_ns, force=frozenset(names), ranks_started=entry.pool.ranks_started
+        )
         try:
             # Names pulled in by what is pushed (a function's globals) keep their rules.
             result = entry.pool.run(

@@ -183,11 +183,9 @@ class PoolSpec:
 
     def differences(self, other: PoolSpec) -> str:
         """What ``other`` changes, as options (``--env A=1 -> A=2``), for "replacing" messages."""
-        mine, theirs = self._flags(), other._flags()
         changed = [
-            f"{flag} {_shown(mine.get(flag))} -> {_shown(theirs.get(flag))}"
-            for flag in dict.fromkeys([*mine, *theirs])
-            if mine.get(flag) != theirs.get(flag)
+            f"{flag} {_shown(mine)} -> {_shown(theirs)}"
+            for flag, mine, theirs in self._changed_to(other)
         ]
         return ", ".join(changed) or "nothing"
 
@@ -195,13 +193,20 @@ class PoolSpec:
         """The options that make this description out of ``base`` (``--nodes 2``), as a user
         gives them: for a pool that did not start, what to give again.
         """
-        mine, theirs = base._flags(), self._flags()
         given = [
-            flag if theirs.get(flag) is True else f"{flag} {_shown(theirs.get(flag))}"
+            flag if theirs is True else f"{flag} {_shown(theirs)}"
+            for flag, _, theirs in base._changed_to(self)
+        ]
+        return ", ".join(given) or "the defaults"
+
+    def _changed_to(self, other: PoolSpec) -> list[tuple[str, Any, Any]]:
+        """Each option ``other`` sets otherwise: (``--flag``, this value, ``other``'s)."""
+        mine, theirs = self._flags(), other._flags()
+        return [
+            (flag, mine.get(flag), theirs.get(flag))
             for flag in dict.fromkeys([*mine, *theirs])
             if mine.get(flag) != theirs.get(flag)
         ]
-        return ", ".join(given) or "the defaults"
 
     def _flags(self) -> dict[str, Any]:
         """``--flag`` -> value, the provider's options included."""

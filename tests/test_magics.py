@@ -1463,17 +1463,24 @@ def test_a_cell_run_while_a_lost_rank_starts_again_sends_it_the_globals(
         session.down_all()
 
 
+def _bind_then_lose_rank_1_while_idle(nb: Kernel, name: str) -> str:
+    """On the 2-rank pool, a cell binds ``name`` on the ranks; then rank 1 is lost while idle
+    and started again. The line that tells of the loss.
+    """
+    nb.ok(POOL2)
+    nb.ok(f"%%sky --out pids_before_loss\n{name} = 1\nimport os\nos.getpid()")
+    victim = nb.eval("pids_before_loss.values")[1]
+    _lose_rank_1_while_idle(nb, victim)
+    return f"pool 'default': rank 1 (node 1, local pid {victim}) killed by SIGKILL while idle"
+
+
 def test_a_rank_lost_between_cells_is_told_by_the_next_cell(nb: Kernel) -> None:
     """A rank killed from outside while the pool idles is started again without its namespace:
     in a notebook with a frontend no panel is showing then, so the next cell on the pool says
     so first, before its own (failing) output.
     """
-    nb.ok(POOL2)
-    nb.ok("%%sky --out before_loss\nkept_before_loss = 1\nimport os\nos.getpid()")
-    victim = nb.eval("before_loss.values")[1]
-    _lose_rank_1_while_idle(nb, victim)
+    told = _bind_then_lose_rank_1_while_idle(nb, "kept_before_loss")
     cell = nb.fails("%%sky\nkept_before_loss")
-    told = f"pool 'default': rank 1 (node 1, local pid {victim}) killed by SIGKILL while idle"
     assert told in cell.stderr, str(cell)
     assert "pool 'default': rank 1 was restarted: its namespace was lost" in cell.stderr, str(cell)
     assert "NameError" in cell.reply["evalue"] or "NameError" in str(cell), str(cell)
@@ -1509,12 +1516,8 @@ def test_a_rank_lost_between_cells_is_told_by_a_pull_before_its_error(nb: Kernel
     lost while idle, restarted without its namespace) is told with the pull, before the error
     it explains, and not again by the next cell.
     """
-    nb.ok(POOL2)
-    nb.ok("%%sky --out before_pull\nkept_before_pull = 1\nimport os\nos.getpid()")
-    victim = nb.eval("before_pull.values")[1]
-    _lose_rank_1_while_idle(nb, victim)
+    told = _bind_then_lose_rank_1_while_idle(nb, "kept_before_pull")
     pull = nb.fails("%sky pull kept_before_pull --rank 1")
-    told = f"pool 'default': rank 1 (node 1, local pid {victim}) killed by SIGKILL while idle"
     assert told in pull.stderr, str(pull)
     assert pull.stderr.index(told) < pull.stderr.index("has no variable"), str(pull)
     assert told not in nb.ok("%%sky\npass").stderr  # told once
