@@ -1333,6 +1333,40 @@ def test_a_rank_keeping_its_own_model_keeps_the_optimizer_over_it_too(nb: Kernel
     )
     assert nb.eval("own_pair.values") == [(True, False, False), (False, True, True)]
     assert "rank 0 keeps its own 'own_model', so the notebook's 'own_opt'" in cell.stderr, str(cell)
+    # The optimizer the rank went without is named when a later cell misses it there.
+    missed = nb.fails("%%sky\nown_opt.zero_grad()")
+    assert "NameError" in str(missed), str(missed)
+    assert "rank 0 did not bind the notebook's 'own_opt' (sent with <In [" in str(missed), str(
+        missed
+    )
+    assert "%sky push own_model own_opt gives every rank the notebook's" in str(missed)
+    nb.ok("%%sky --ranks 0\nown_opt = torch.optim.SGD(own_model.parameters(), lr=1.0)")
+    missed_elsewhere = nb.fails("%%sky\nown_opt.zero_grad()\nown_undefined_name")
+    assert "did not bind" not in str(missed_elsewhere), str(missed_elsewhere)
+
+
+def test_a_pair_each_rank_deleted_half_of_is_named_where_a_cell_misses_it(nb: Kernel) -> None:
+    """A model deleted on rank 0 and its optimizer on rank 1: neither rank binds half of the
+    notebook's pair beside the half it still holds (the optimizer would step another model), so
+    a cell that reads the missing half fails there, and says why and what to do.
+    """
+    nb.ok(POOL2)
+    nb.ok(
+        "import torch\nhalf_model = torch.nn.Linear(2, 1)\n"
+        "half_opt = torch.optim.SGD(half_model.parameters(), lr=1.0)"
+    )
+    nb.ok("%%sky\nhalf_model, half_opt")
+    nb.ok("%%sky\nif rank == 0:\n    del half_model\nelse:\n    del half_opt")
+    # Each rank on its own: a failing rank stops the cell on the other before it may fail.
+    missed_0 = str(nb.fails("%%sky --ranks 0\nhalf_opt.zero_grad()\nhalf_model"))
+    assert "rank 0 did not bind the notebook's 'half_model'" in missed_0, missed_0
+    assert "it keeps its own 'half_opt'" in missed_0, missed_0
+    missed_1 = str(nb.fails("%%sky --ranks 1\nhalf_model\nhalf_opt"))
+    assert "rank 1 did not bind the notebook's 'half_opt'" in missed_1, missed_1
+    assert "%sky push half_model half_opt gives every rank the notebook's" in missed_1, missed_1
+    nb.ok("%sky push half_model half_opt")
+    assert nb.ok("%%sky --out half_both\n'half_model' in globals() and 'half_opt' in globals()")
+    assert nb.eval("half_both.values") == [True, True]
 
 
 def test_what_the_ranks_write_between_cells_is_written_by_the_next_cell(

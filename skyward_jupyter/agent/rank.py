@@ -125,6 +125,9 @@ class Agent:
         self._bound_here: set[str] = set()
         """Names this rank's cells bound: a global sent to be kept where not bound
         (``RunCell.keep``) leaves these alone."""
+        self._withheld: dict[str, str] = {}
+        """Globals the notebook sent that this rank did not bind, as they share tensors with one
+        it keeps (see :meth:`_bind`), and why: a cell that then misses one says so."""
         group = GroupSettings(
             rank=int(os.environ.get("RANK", "0")),
             world_size=int(os.environ.get("WORLD_SIZE", "1")),
@@ -469,18 +472,26 @@ class Agent:
             or (name in command.keep and name in self._bound_here)
         ]
         if own and len(group) > len(own):
-            rest = " and ".join(repr(name) for name in group if name not in own)
+            kept = " and ".join(repr(name) for name in own)
+            withheld = [name for name in group if name not in own]
+            push = f"%sky push {' '.join(group)} gives every rank the notebook's"
             self._notes.append(
-                f"rank {os.environ.get('RANK', '0')} keeps its own "
-                f"{' and '.join(repr(name) for name in own)}, so the notebook's {rest}, which "
-                f"share{'s' * (len(group) - len(own) == 1)} tensors with it, was not bound "
-                "there (it would step the notebook's copy); %sky push "
-                f"{' '.join(group)} gives every rank the notebook's"
+                f"rank {os.environ.get('RANK', '0')} keeps its own {kept}, so the notebook's "
+                f"{' and '.join(map(repr, withheld))}, which "
+                f"share{'s' * (len(withheld) == 1)} tensors with it, was not bound "
+                f"there (it would step the notebook's copy); {push}"
             )
+            for name in withheld:
+                self._withheld[name] = (
+                    f"rank {os.environ.get('RANK', '0')} did not bind the notebook's {name!r} "
+                    f"(sent with {command.filename}): it keeps its own {kept}, which {name!r} "
+                    f"shares tensors with; make {name!r} on this rank, or {push}"
+                )
             return
         for name, value in group.items():
             if name not in own:
                 self.namespace.bind(name, value)
+                self._withheld.pop(name, None)
 
     def _run_cell(self, command: p.RunCell) -> None:
         self.cell_id = self._last_cell = command.cell_id
@@ -531,6 +542,11 @@ class Agent:
         before.clear()
         self._bound_here.update(bound)
         self._bound_here.difference_update(deleted)
+        if self._withheld:
+            for name in bound:
+                self._withheld.pop(name, None)
+            if isinstance(error, NameError) and error.name in self._withheld:
+                self._notes.append(self._withheld[error.name])
         self._sync_output()
         self._mend_output()
         self._flush_metrics()
