@@ -31,12 +31,14 @@ import pytest
 from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.manager import KernelManager
 
-from skyward_jupyter import checked_source
+from skyward_jupyter import capture, checked_source
 from skyward_jupyter.capture import Shipper
 from skyward_jupyter.events import PoolMessage, RankState
 from skyward_jupyter.magics import _HANDLERS
 from skyward_jupyter.options import COMMANDS, unknown_option
+from skyward_jupyter.pool import Pool
 from skyward_jupyter.ranks import Ranks
+from skyward_jupyter.results import PoolError, RanksRestarted
 from skyward_jupyter.session import PoolSpec, Session
 
 from .conftest import (
@@ -1369,6 +1371,19 @@ def test_a_pair_each_rank_deleted_half_of_is_named_where_a_cell_misses_it(nb: Ke
     assert nb.eval("half_both.values") == [True, True]
 
 
+def test_a_pushed_function_brings_its_globals_by_the_cells_rules(nb: Kernel) -> None:
+    """``%sky push`` of a function sends the globals it reads too, by a cell's rules: a name
+    that only some ranks bound themselves stays theirs there; the pushed name itself goes to
+    every rank.
+    """
+    nb.ok(POOL2)
+    nb.ok("%%sky --ranks 0\npush_base = 100")
+    nb.ok("push_base = 1\ndef push_bump():\n    return push_base + 1")
+    nb.ok("%sky push push_bump")
+    nb.ok("%%sky --out bumped\npush_bump()")
+    assert nb.eval("bumped.values") == [101, 2]
+
+
 def test_what_the_ranks_write_between_cells_is_written_by_the_next_cell(
     nb: Kernel, tmp_path: Path
 ) -> None:
@@ -1494,6 +1509,44 @@ def test_a_cell_run_while_a_lost_rank_starts_again_sends_it_the_globals(
         assert pool.ranks_started == 3
         assert any("the cell waits for the pool to start rank 1" in text for text in told), told
     finally:
+        session.down_all()
+
+
+def test_a_cell_whose_pool_keeps_starting_ranks_again_gives_up_after_three_choices(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pool that has started ranks again each time the cell may run (a rank crashing as it
+    starts): the cell chooses its globals anew, up to three times, then fails saying to wait
+    for the pool. Each new choice sends every global again, and a warning it brings is said,
+    once.
+    """
+    said: list[str] = []
+    session = Session(announce=said.append)
+    notebook = {"sized_for_a_warning": bytes(4096)}
+    spec = PoolSpec(nodes=2)
+    monkeypatch.setattr(capture, "LARGE_GLOBAL_BYTES", 1024)
+    tries: list[int | None] = []
+
+    def restarting(self: Pool, *args: Any, **kwargs: Any) -> Any:
+        tries.append(kwargs["started"])
+        self._ranks.started += 1  # as a rank started again would count
+        raise RanksRestarted(f"pool {self.name!r} started ranks again before the cell ran")
+
+    try:
+        session.run_cell("len(sized_for_a_warning)", notebook, spec=spec)
+        warning = next(text for text in said if "'sized_for_a_warning' is" in text)
+        said.clear()
+        monkeypatch.setattr(Pool, "run", restarting)
+        with pytest.raises(PoolError) as failed:
+            session.run_cell("len(sized_for_a_warning)", notebook, spec=spec)
+        assert str(failed.value) == (
+            "pool 'default' started ranks again before the cell ran, 3 times while the cell "
+            "waited; run it again once %sky status shows every rank ready"
+        )
+        assert tries == [2, 3, 4]  # chosen anew each time, at the count the pool then had
+        assert said.count(warning) == 1, said  # unchanged at first: said with the new choice
+    finally:
+        monkeypatch.undo()
         session.down_all()
 
 

@@ -693,6 +693,45 @@ def test_ctrl_c_stops_a_cell_that_waits_for_a_recovery(
         assert not ran.exists(), "the stopped cell ran after the recovery"
 
 
+def test_ctrl_c_stops_a_cell_that_waits_for_an_idle_ranks_recovery(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A rank lost while the pool was idle is started again; a cell run meanwhile waits for
+    it, and Ctrl-C says that the cell never began and which rank it waited for.
+    """
+    gate, begun = _gated_restarts(monkeypatch)
+    with Pool(nodes=2, frameworks=Frameworks(torch=False)) as pool:
+        said: list[str] = []
+        pool.subscribe(lambda e: said.append(e.text) if isinstance(e, PoolMessage) else None)
+        pids = pool.run("import os\nos.getpid()").values
+        os.kill(pids[1], signal.SIGKILL)
+        assert begun.wait(20), "the pool did not begin to start rank 1 again"
+        outcome: list[BaseException] = []
+
+        def waiting_cell() -> None:
+            try:
+                pool.run("rank")
+            except BaseException as exc:  # noqa: BLE001 - what the cell raised is the result
+                outcome.append(exc)
+
+        cell = threading.Thread(target=waiting_cell)
+        cell.start()
+        try:
+            wait_for(lambda: any("the cell waits for the pool" in t for t in said), 20, "the wait")
+            pool.interrupt()
+            cell.join(timeout=20)
+            assert not cell.is_alive(), "Ctrl-C did not stop the cell's wait"
+            assert len(outcome) == 1 and isinstance(outcome[0], WaitInterrupted), outcome
+            assert outcome[0]._render_traceback_() == [
+                "KeyboardInterrupt: stopped before it began, while it waited for the pool to "
+                "start rank 1 on 127.0.0.1 again (that goes on; the next cell waits for it)"
+            ]
+        finally:
+            gate.set()
+            cell.join(timeout=60)
+        assert pool.run("rank").values == [0, 1]
+
+
 def test_ctrl_c_while_a_failed_cell_waits_for_its_recovery_ends_the_wait(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
