@@ -21,6 +21,8 @@ from typing import Any, TypeVar, cast, dataclass_transform
 
 import cloudpickle
 
+from . import wire
+
 M = TypeVar("M", bound=type)
 V = TypeVar("V")
 
@@ -145,7 +147,8 @@ def _tensor_of(buffer: Any, dtype: str, shape: tuple[int, ...], requires_grad: b
 
 @dataclass_transform(frozen_default=True)
 def message(cls: M) -> M:
-    """A frozen, slotted dataclass that pickles as a call of its constructor.
+    """A frozen, slotted dataclass that pickles as a call of its constructor (and travels on the
+    wire as its name and fields).
 
     A slotted dataclass otherwise pickles through Python-level ``__getstate__`` and
     ``__setstate__`` that list its fields each time: on the hottest path, a trivial cell, both
@@ -163,6 +166,7 @@ def message(cls: M) -> M:
         return made, args(self)
 
     setattr(made, "__reduce__", __reduce__)  # noqa: B010 - a method mypy will not let be assigned
+    wire.register(made, args)  # on the wire, without naming the class (see :mod:`.wire`)
     return cast(M, made)
 
 

@@ -5,7 +5,11 @@ A frame is a small fixed header, a table of segment lengths, then the segments::
     b"SKY" | version:u8 | count:u32 | count x length:u64 | segment 0 | segment 1 | ...
 
 Segment 0 is a pickle (protocol 5) of a :mod:`.protocol` message; the others are its
-out-of-band buffers. Messages hold only the protocol's own types and builtins; a user's value
+out-of-band buffers. A message travels as a tuple of its kind's name and its fields
+(:func:`register`): a class named in a pickle is looked up through the import system as it is
+written and as it is read, which on the hottest path, a trivial cell at hundreds of ranks, cost
+each rank more than the rest of its message (BENCHMARKS.md, "Measurements behind the code").
+Messages hold only the protocol's own types and builtins; a user's value
 travels inside as :class:`~skyward_jupyter.protocol.Pickled`, already pickled with cloudpickle (so
 notebook-defined functions travel by value), so the frame itself needs only the C pickler: on
 the pool's hottest path, a trivial cell, that is much cheaper than cloudpickle's. A
@@ -31,7 +35,7 @@ from typing import Any, Protocol
 from .wire_lines import encode_line
 
 MAGIC = b"SKY"
-VERSION = 1
+VERSION = 2
 _HEADER = struct.Struct("!3sBI")
 _LENGTH = struct.Struct("!Q")
 _START = _HEADER.size + _LENGTH.size
@@ -74,6 +78,36 @@ class AsyncByteWriter(Protocol):
     async def drain(self) -> None: ...
 
 
+_FORMS: dict[type, tuple[str, Callable[[Any], tuple[Any, ...]]]] = {}
+"""Each message kind's name on the wire and what gives its fields, in its constructor's order."""
+_KINDS: dict[str, Callable[..., Any]] = {}
+
+
+def register(kind: type, fields: Callable[[Any], tuple[Any, ...]]) -> None:
+    """Let ``kind`` travel as its name and ``fields(message)``, rebuilt by calling ``kind`` with
+    them. Named, not numbered: a message the other side lacks is an error, never another one.
+    """
+    _FORMS[kind] = (kind.__qualname__, fields)
+    _KINDS[kind.__qualname__] = kind
+
+
+def _envelope(obj: object) -> tuple[Any, ...]:
+    form = _FORMS.get(type(obj))
+    return (None, obj) if form is None else (form[0], *form[1](obj))
+
+
+def _opened(envelope: tuple[Any, ...]) -> Any:
+    if envelope[0] is None:
+        return envelope[1]
+    kind = _KINDS.get(envelope[0])
+    if kind is None:
+        raise WireError(
+            f"a message of a kind this side does not know ({envelope[0]!r}): the notebook and "
+            "the ranks run different skyward_jupyter versions"
+        )
+    return kind(*envelope[1:])
+
+
 def encode(obj: object) -> list[Segment]:
     """Serialise ``obj`` into the segments of one frame (header first).
 
@@ -81,7 +115,7 @@ def encode(obj: object) -> list[Segment]:
     so its reader wakes once for it, and a frame sent to every rank is joined only once.
     """
     buffers: list[pickle.PickleBuffer] = []
-    body = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    body = pickle.dumps(_envelope(obj), protocol=5, buffer_callback=buffers.append)
     if not buffers and len(body) <= _JOIN_BELOW - _START:
         return [_SINGLE.pack(MAGIC, VERSION, 1, len(body)) + body]
     segments: list[Segment] = [body, *(b.raw() for b in buffers)]
@@ -97,7 +131,7 @@ def encode(obj: object) -> list[Segment]:
 
 def decode(segments: Sequence[Segment]) -> Any:
     """Inverse of :func:`encode` minus the header: segment 0 is the pickle, the rest its buffers."""
-    return pickle.loads(segments[0], buffers=segments[1:])
+    return _opened(pickle.loads(segments[0], buffers=segments[1:]))
 
 
 def encode_blob(obj: object) -> bytearray:
@@ -107,7 +141,7 @@ def encode_blob(obj: object) -> bytearray:
     so a float sum's last bit, depend on it), not copied.
     """
     buffers: list[pickle.PickleBuffer] = []
-    body = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    body = pickle.dumps(_envelope(obj), protocol=5, buffer_callback=buffers.append)
     segments = [memoryview(body), *(b.raw() for b in buffers)]
     head = _HEADER.pack(MAGIC, VERSION, len(segments)) + b"".join(
         _LENGTH.pack(s.nbytes) for s in segments
@@ -323,7 +357,7 @@ class SyncChannel:
             return _PARTIAL  # a frame of several segments, the end still to come, or an error
         body = buffered[_START:end]
         del buffered[:end]
-        return pickle.loads(body)
+        return _opened(pickle.loads(body))
 
     def send(self, obj: object) -> None:
         frame = encode(obj)

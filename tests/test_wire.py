@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pickle
+import struct
 import threading
 
 import numpy as np
 import pytest
 
 from skyward_jupyter import protocol as p
+from skyward_jupyter import wire
 from skyward_jupyter.wire import SyncChannel, WireError, encode, read_message
 
 
@@ -285,3 +288,20 @@ def test_an_answer_reaches_only_the_request_it_answers() -> None:
         assert stacks.result().text == "now" and cell.result().cell_id == 7
 
     asyncio.run(go())
+
+
+def test_a_message_travels_as_its_name_and_fields_without_naming_a_module() -> None:
+    """A cell's frame names no class to import: reading a class from a pickle goes through the
+    import system on both sides, each frame, a large share of a trivial cell at many ranks.
+    """
+    (frame,) = encode(p.RunCell(4, "x", "<sky-cell-4>"))
+    assert b"skyward_jupyter" not in bytes(frame)
+    assert _through_asyncio([frame]) == p.RunCell(4, "x", "<sky-cell-4>")
+
+
+def test_a_message_of_a_kind_this_side_lacks_names_the_versions() -> None:
+    """A peer of another version may send a kind this side lacks: said, not mistaken."""
+    body = pickle.dumps(("MessageFromTheFuture", 1, 2), protocol=5)
+    frame = struct.pack("!3sBIQ", b"SKY", wire.VERSION, 1, len(body)) + body
+    with pytest.raises(WireError, match="notebook and the ranks run different skyward_jupyter"):
+        _through_asyncio([frame])

@@ -155,9 +155,12 @@ def _stored_globals(code: types.CodeType, module: bool = True) -> frozenset[str]
     return frozenset(names)
 
 
+@functools.lru_cache(maxsize=64)
 def _named(code: types.CodeType, filename: str) -> types.CodeType:
     """``code`` as if compiled from ``filename``, functions and classes defined in it too (a
-    traceback names the cell that ran, and shows its lines from ``linecache``).
+    traceback names the cell that ran, and shows its lines from ``linecache``). Kept, as the
+    compiled code is: a cell run again under the same name (a loop calling one cell) is not
+    copied again.
     """
     return code.replace(
         co_filename=filename,
