@@ -9,6 +9,8 @@ out-of-band buffers. A message travels as a tuple of its kind's name and its fie
 (:func:`register`): a class named in a pickle is looked up through the import system as it is
 written and as it is read, which on the hottest path, a trivial cell at hundreds of ranks, cost
 each rank more than the rest of its message (BENCHMARKS.md, "Measurements behind the code").
+What a message holds pickles as usual: a nested message or :class:`~.protocol.Pickled` by its
+class.
 Messages hold only the protocol's own types and builtins; a user's value
 travels inside as :class:`~skyward_jupyter.protocol.Pickled`, already pickled with cloudpickle (so
 notebook-defined functions travel by value), so the frame itself needs only the C pickler: on
@@ -87,6 +89,8 @@ def register(kind: type, fields: Callable[[Any], tuple[Any, ...]]) -> None:
     """Let ``kind`` travel as its name and ``fields(message)``, rebuilt by calling ``kind`` with
     them. Named, not numbered: a message the other side lacks is an error, never another one.
     """
+    if kind.__qualname__ in _KINDS:
+        raise ValueError(f"two message kinds are named {kind.__qualname__!r} on the wire")
     _FORMS[kind] = (kind.__qualname__, fields)
     _KINDS[kind.__qualname__] = kind
 
@@ -105,7 +109,13 @@ def _opened(envelope: tuple[Any, ...]) -> Any:
             f"a message of a kind this side does not know ({envelope[0]!r}): the notebook and "
             "the ranks run different skyward_jupyter versions"
         )
-    return kind(*envelope[1:])
+    try:
+        return kind(*envelope[1:])
+    except TypeError as exc:
+        raise WireError(
+            f"message {envelope[0]!r} of another shape ({exc}): the notebook and the ranks run "
+            "different skyward_jupyter versions"
+        ) from None
 
 
 def encode(obj: object) -> list[Segment]:

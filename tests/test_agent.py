@@ -224,3 +224,20 @@ def test_beats_the_agent_has_not_read_yet_count_as_heard(
         done = _until_done(channel, 1)
     assert proc.poll() is None
     assert done.error is None and done.value is not None and done.value.load() == 2
+
+
+def test_a_cells_code_renamed_for_its_file_keeps_its_own_qualified_names() -> None:
+    """Two cells run under one file name (one notebook cell calling ``%%sky`` twice) whose
+    methods compare equal as code: each keeps its own class's qualified name, which code
+    equality does not look at.
+    """
+    from skyward_jupyter.agent.cells import _cell_named, _compiled_once
+
+    first, _ = _compiled_once("class A:\n    def f(self, x):\n        return x\n", 0)
+    second, _ = _compiled_once("class B:\n    def f(self, x):\n        return x\n", 0)
+    namespace: dict[str, object] = {}
+    exec(_cell_named(first, "<In [3]>"), namespace)
+    exec(_cell_named(second, "<In [3]>"), namespace)
+    method = namespace["B"].f  # type: ignore[attr-defined]
+    assert method.__qualname__ == "B.f" and method.__code__.co_filename == "<In [3]>"
+    assert namespace["B"]().f(1) == 1  # type: ignore[operator]

@@ -305,3 +305,11 @@ def test_a_message_of_a_kind_this_side_lacks_names_the_versions() -> None:
     frame = struct.pack("!3sBIQ", b"SKY", wire.VERSION, 1, len(body)) + body
     with pytest.raises(WireError, match="notebook and the ranks run different skyward_jupyter"):
         _through_asyncio([frame])
+
+
+def test_a_message_of_another_shape_names_the_versions() -> None:
+    """A kind this side knows, with fields it does not take (a peer's older protocol)."""
+    body = pickle.dumps(("Output", 1, "stdout", "text", "a field too many"), protocol=5)
+    frame = struct.pack("!3sBIQ", b"SKY", wire.VERSION, 1, len(body)) + body
+    with pytest.raises(WireError, match="message 'Output' of another shape"):
+        _through_asyncio([frame])

@@ -91,10 +91,10 @@ class Namespace:
         self._future |= body.co_flags & _FUTURE_FLAGS
         for name in _stored_globals(body):
             self._disown(name)
-        exec(_named(body, filename), self.globals)
+        exec(_cell_named(body, filename), self.globals)
         if last is None:
             return None
-        return eval(_named(last, filename), self.globals)
+        return eval(_cell_named(last, filename), self.globals)
 
 
 _FUTURE_FLAGS = functools.reduce(
@@ -121,8 +121,8 @@ def _compiled_once(source: str, future: int) -> tuple[types.CodeType, types.Code
     """Compiled once per source and ``__future__`` features (the cell's and earlier cells'
     only, not this module's: a cell's annotations are evaluated, as Python does). A cell run
     again (a training loop, a benchmark) is not parsed and compiled again: on a trivial cell that
-    is much of a rank's work (BENCHMARKS.md, "Measurements behind the code"). Each run gets the
-    code renamed for it (:func:`_named`).
+    is much of a rank's work (BENCHMARKS.md, "Measurements behind the code"). A run takes it
+    renamed for its file name (:func:`_cell_named`).
     """
     tree = compile(source, _UNNAMED, "exec", future | ast.PyCF_ONLY_AST, dont_inherit=True)
     last: ast.expr | None = None
@@ -156,11 +156,18 @@ def _stored_globals(code: types.CodeType, module: bool = True) -> frozenset[str]
 
 
 @functools.lru_cache(maxsize=64)
+def _cell_named(code: types.CodeType, filename: str) -> types.CodeType:
+    """A cell's code renamed for ``filename`` (:func:`_named`), kept as its compiled code is: a
+    cell run again under the same name (a loop calling one cell) is not copied again. Only a
+    cell's whole code is kept: code objects compare equal whatever their qualified names, which
+    a nested function's takes from the code around it.
+    """
+    return _named(code, filename)
+
+
 def _named(code: types.CodeType, filename: str) -> types.CodeType:
     """``code`` as if compiled from ``filename``, functions and classes defined in it too (a
-    traceback names the cell that ran, and shows its lines from ``linecache``). Kept, as the
-    compiled code is: a cell run again under the same name (a loop calling one cell) is not
-    copied again.
+    traceback names the cell that ran, and shows its lines from ``linecache``).
     """
     return code.replace(
         co_filename=filename,

@@ -125,9 +125,10 @@ class Agent:
         self._bound_here: set[str] = set()
         """Names this rank's cells bound: a global sent to be kept where not bound
         (``RunCell.keep``) leaves these alone."""
-        self._withheld: dict[str, str] = {}
+        self._withheld: dict[str, tuple[int, str]] = {}
         """Globals the notebook sent that this rank did not bind, as they share tensors with one
-        it keeps (see :meth:`_bind`), and why: a cell that then misses one says so."""
+        it keeps (see :meth:`_bind`): the cell they came with, and why; a later cell that misses
+        one says so."""
         group = GroupSettings(
             rank=int(os.environ.get("RANK", "0")),
             world_size=int(os.environ.get("WORLD_SIZE", "1")),
@@ -483,9 +484,10 @@ class Agent:
             )
             for name in withheld:
                 self._withheld[name] = (
+                    command.cell_id,
                     f"rank {os.environ.get('RANK', '0')} did not bind the notebook's {name!r} "
                     f"(sent with {command.filename}): it keeps its own {kept}, which {name!r} "
-                    f"shares tensors with; make {name!r} on this rank, or {push}"
+                    f"shares tensors with; make {name!r} on this rank, or {push}",
                 )
             return
         for name, value in group.items():
@@ -543,10 +545,12 @@ class Agent:
         self._bound_here.update(bound)
         self._bound_here.difference_update(deleted)
         if self._withheld:
-            for name in bound:
+            for name in (*bound, *deleted):  # the rank's own now, or gone by its own cell
                 self._withheld.pop(name, None)
-            if isinstance(error, NameError) and error.name in self._withheld:
-                self._notes.append(self._withheld[error.name])
+            missing = error.name if isinstance(error, NameError) else None
+            missed = self._withheld.get(missing) if missing is not None else None
+            if missed is not None and missed[0] != command.cell_id:  # else said as it came
+                self._notes.append(missed[1])
         self._sync_output()
         self._mend_output()
         self._flush_metrics()
