@@ -10,8 +10,7 @@ out-of-band buffers. A message travels as a tuple of its kind's name and its fie
 written and as it is read, which on the hottest path, a trivial cell at hundreds of ranks, cost
 each rank more than the rest of its message (BENCHMARKS.md, "Measurements behind the code").
 What a message holds pickles as usual: a nested message or :class:`~.protocol.Pickled` by its
-class.
-Messages hold only the protocol's own types and builtins; a user's value
+class. Messages hold only the protocol's own types and builtins; a user's value
 travels inside as :class:`~skyward_jupyter.protocol.Pickled`, already pickled with cloudpickle (so
 notebook-defined functions travel by value), so the frame itself needs only the C pickler: on
 the pool's hottest path, a trivial cell, that is much cheaper than cloudpickle's. A

@@ -652,6 +652,35 @@ def _gated_restarts(
     return gate, begun
 
 
+def _stopped_while_waiting(
+    pool: Pool, said: list[str], gate: threading.Event, source: str
+) -> list[str]:
+    """Run ``source`` from a thread while a gated recovery holds ``pool``, press Ctrl-C once the
+    pool ``said`` that the cell waits, and return what the interrupted cell shows; the gate
+    opens afterwards (the recovery then ends).
+    """
+    outcome: list[BaseException] = []
+
+    def waiting_cell() -> None:
+        try:
+            pool.run(source)
+        except BaseException as exc:  # noqa: BLE001 - what the cell raised is the result
+            outcome.append(exc)
+
+    cell = threading.Thread(target=waiting_cell)
+    cell.start()
+    try:
+        wait_for(lambda: any("the cell waits for the pool" in t for t in said), 20, "the wait")
+        pool.interrupt()
+        cell.join(timeout=20)
+        assert not cell.is_alive(), "Ctrl-C did not stop the cell's wait"
+        assert len(outcome) == 1 and isinstance(outcome[0], WaitInterrupted), outcome
+        return outcome[0]._render_traceback_()
+    finally:
+        gate.set()
+        cell.join(timeout=60)
+
+
 def test_ctrl_c_stops_a_cell_that_waits_for_a_recovery(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -664,30 +693,11 @@ def test_ctrl_c_stops_a_cell_that_waits_for_a_recovery(
         said: list[str] = []
         pool.subscribe(lambda e: said.append(e.text) if isinstance(e, PoolMessage) else None)
         assert pool.run("import os\nif rank == 1:\n    os._exit(3)").lost == (1,)
-        outcome: list[BaseException] = []
-
-        def waiting_cell() -> None:
-            try:
-                pool.run(f"open({str(ran)!r}, 'w').close()")
-            except BaseException as exc:  # noqa: BLE001 - what the cell raised is the result
-                outcome.append(exc)
-
-        cell = threading.Thread(target=waiting_cell)
-        cell.start()
-        try:
-            wait_for(lambda: any("the cell waits for the pool" in t for t in said), 20, "the wait")
-            pool.interrupt()
-            cell.join(timeout=20)
-            assert not cell.is_alive(), "Ctrl-C did not stop the cell's wait"
-            assert len(outcome) == 1 and isinstance(outcome[0], WaitInterrupted), outcome
-            # One line, saying that the cell never began and what it waited for.
-            assert outcome[0]._render_traceback_() == [
-                "KeyboardInterrupt: stopped before it began, while it waited for the pool to "
-                "start rank 1 on 127.0.0.1 again (that goes on; the next cell waits for it)"
-            ]
-        finally:
-            gate.set()
-            cell.join(timeout=60)
+        # One line, saying that the cell never began and what it waited for.
+        assert _stopped_while_waiting(pool, said, gate, f"open({str(ran)!r}, 'w').close()") == [
+            "KeyboardInterrupt: stopped before it began, while it waited for the pool to "
+            "start rank 1 on 127.0.0.1 again (that goes on; the next cell waits for it)"
+        ]
         after = pool.run("rank")
         assert after.values == [0, 1] and "rank 1 was restarted: its namespace was lost" in said
         assert not ran.exists(), "the stopped cell ran after the recovery"
@@ -706,29 +716,10 @@ def test_ctrl_c_stops_a_cell_that_waits_for_an_idle_ranks_recovery(
         pids = pool.run("import os\nos.getpid()").values
         os.kill(pids[1], signal.SIGKILL)
         assert begun.wait(20), "the pool did not begin to start rank 1 again"
-        outcome: list[BaseException] = []
-
-        def waiting_cell() -> None:
-            try:
-                pool.run("rank")
-            except BaseException as exc:  # noqa: BLE001 - what the cell raised is the result
-                outcome.append(exc)
-
-        cell = threading.Thread(target=waiting_cell)
-        cell.start()
-        try:
-            wait_for(lambda: any("the cell waits for the pool" in t for t in said), 20, "the wait")
-            pool.interrupt()
-            cell.join(timeout=20)
-            assert not cell.is_alive(), "Ctrl-C did not stop the cell's wait"
-            assert len(outcome) == 1 and isinstance(outcome[0], WaitInterrupted), outcome
-            assert outcome[0]._render_traceback_() == [
-                "KeyboardInterrupt: stopped before it began, while it waited for the pool to "
-                "start rank 1 on 127.0.0.1 again (that goes on; the next cell waits for it)"
-            ]
-        finally:
-            gate.set()
-            cell.join(timeout=60)
+        assert _stopped_while_waiting(pool, said, gate, "rank") == [
+            "KeyboardInterrupt: stopped before it began, while it waited for the pool to "
+            "start rank 1 on 127.0.0.1 again (that goes on; the next cell waits for it)"
+        ]
         assert pool.run("rank").values == [0, 1]
 
 

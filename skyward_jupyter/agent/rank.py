@@ -473,11 +473,12 @@ class Agent:
             or (name in command.keep and name in self._bound_here)
         ]
         if own and len(group) > len(own):
+            rank = os.environ.get("RANK", "0")
             kept = " and ".join(repr(name) for name in own)
             withheld = [name for name in group if name not in own]
             push = f"%sky push {' '.join(group)} gives every rank the notebook's"
             self._notes.append(
-                f"rank {os.environ.get('RANK', '0')} keeps its own {kept}, so the notebook's "
+                f"rank {rank} keeps its own {kept}, so the notebook's "
                 f"{' and '.join(map(repr, withheld))}, which "
                 f"share{'s' * (len(withheld) == 1)} tensors with it, was not bound "
                 f"there (it would step the notebook's copy); {push}"
@@ -485,7 +486,7 @@ class Agent:
             for name in withheld:
                 self._withheld[name] = (
                     command.cell_id,
-                    f"rank {os.environ.get('RANK', '0')} did not bind the notebook's {name!r} "
+                    f"rank {rank} did not bind the notebook's {name!r} "
                     f"(sent with {command.filename}): it keeps its own {kept}, which {name!r} "
                     f"shares tensors with; make {name!r} on this rank, or {push}",
                 )
