@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import builtins
 import re
+import sys
 import types
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -143,6 +144,19 @@ def _sharing(held: Mapping[str, list[Any] | None]) -> list[set[str]]:
     return list(unique.values())
 
 
+def _arrays_in(name: str, value: Any) -> list[Any]:
+    """The tensors and arrays ``value`` holds, as pickling it would note them; a torch module's
+    are its parameters and buffers, read without pickling it (which takes tens of milliseconds
+    for a large model, paid in each cell that sends a new tensor beside it).
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.nn.Module):
+        return [*value.parameters(), *value.buffers()]
+    objects: list[Any] = []
+    pickle_global(name, value, objects)
+    return objects
+
+
 class Shipper:
     """Per pool: the globals already on the ranks (by hash) and the names the ranks own."""
 
@@ -217,6 +231,8 @@ class Shipper:
                     f"global {name!r} is {pickled.nbytes / 2**20:.0f} MiB and is sent to every "
                     "rank; loading it on the ranks inside the cell avoids the transfer"
                 )
+        if any(held.get(name) for name in send):
+            self._note_held_on_ranks(held, user_ns)
         for group in _sharing(held) if send else ():
             fresh, there = sorted(group & send.keys()), sorted(group - send.keys())
             if there and fresh:
@@ -243,6 +259,23 @@ class Shipper:
             tuple(fill),
             ranks_started,
         )
+
+    def _note_held_on_ranks(
+        self, held: dict[str, list[Any] | None], user_ns: Mapping[str, Any]
+    ) -> None:
+        """Add to ``held`` the tensors and arrays of the notebook's globals the ranks hold (sent
+        or bound there earlier) that this cell neither reads nor sends: a value sent now over
+        one of them (an optimizer over a model) arrives with a copy of it, not over the ranks'
+        own, whether or not the cell reads the model.
+        """
+        for name in sorted((self._sent.keys() | self._partly | self._remote) - held.keys()):
+            value = user_ns.get(name)
+            if value is None or isinstance(value, type | types.FunctionType):
+                continue
+            try:
+                held[name] = _arrays_in(name, value)
+            except PoolError:
+                continue  # a value that cannot travel is not what a value sent now copies
 
     def _digest(self, name: str, pickled: Pickled) -> bytes:
         """The digest of ``pickled``; its buffers are read only if they may have changed.

@@ -154,6 +154,43 @@ def test_globals_that_share_tensors_travel_together_and_share_them_on_arrival() 
     assert any("'opt' and 'sched' share tensors with 'model'" in w for w in partly.warnings)
 
 
+def test_a_value_sent_over_a_model_the_ranks_hold_says_so_when_the_cell_reads_only_it() -> None:
+    """An optimizer made in the notebook over a model the ranks hold (sent by an earlier cell,
+    bound there by one, or kept by some ranks), in a cell that reads the optimizer alone: it
+    arrives over a copy of the notebook's model, not the ranks' one, and the cell says so.
+    """
+    import torch
+
+    for how in ("sent", "bound", "partly"):
+        shipper = Shipper()
+        model = torch.nn.Linear(4, 1)
+        ns = _ns(model=model)
+        if how == "sent":
+            shipper.commit(shipper.prepare("model", ns), frozenset())
+        else:
+            every_rank = how == "bound"
+            shipper.commit(shipper.prepare("model = 1", _ns()), frozenset({"model"}), every_rank)
+        ns["opt"] = torch.optim.SGD(model.parameters(), lr=0.1)
+        # (A cell that reads both sends a partly bound model with the optimizer, to be kept.)
+        for cell in ("opt.param_groups", "model, opt")[: 1 + (how != "partly")]:
+            shipment = shipper.prepare(cell, ns)
+            assert set(shipment.globals) == {"opt"}, (how, cell)
+            assert any(
+                "'opt' shares tensors with 'model'" in w and "%sky push model opt" in w
+                for w in shipment.warnings
+            ), (how, cell, shipment.warnings)
+        ns["batch"] = torch.ones(3)  # its own tensors: nothing to say
+        assert shipper.prepare("batch", ns).warnings == (), how
+    # Not a module: found by pickling it (an array the ranks hold, and a new pair over it).
+    ns = _ns(table=np.arange(4))
+    shipper = Shipper()
+    shipper.commit(shipper.prepare("table", ns), frozenset())
+    ns["pair"] = (ns["table"], 1)
+    assert any(
+        "'pair' shares tensors with 'table'" in w for w in shipper.prepare("pair", ns).warnings
+    )
+
+
 def test_names_a_cell_bound_on_some_ranks_are_sent_to_be_kept_where_bound() -> None:
     shipper = Shipper()
     shipper.commit(shipper.prepare("x = 1", _ns()), frozenset({"x"}), every_rank=False)

@@ -1348,6 +1348,24 @@ def test_a_rank_keeping_its_own_model_keeps_the_optimizer_over_it_too(nb: Kernel
     assert "NameError" in str(own_miss) and "did not bind" not in str(own_miss), str(own_miss)
 
 
+def test_an_optimizer_read_alone_over_a_model_a_rank_kept_says_it_arrives_over_a_copy(
+    nb: Kernel,
+) -> None:
+    """Rank 0 keeps a model of its own; the notebook makes another and an optimizer over it. A
+    cell that reads the optimizer alone gives the ranks one over a copy of the notebook's model
+    (not rank 0's), and says so, with the push that sends the two together.
+    """
+    nb.ok(POOL2)
+    nb.ok("%%sky --ranks 0\nimport torch\nlone_model = torch.nn.Linear(2, 1)")
+    nb.ok(
+        "import torch\nlone_model = torch.nn.Linear(2, 1)\n"
+        "lone_opt = torch.optim.SGD(lone_model.parameters(), lr=1.0)"
+    )
+    cell = nb.ok("%%sky\nlone_opt.param_groups[0]['lr']")
+    assert "'lone_opt' shares tensors with 'lone_model'" in cell.stderr, str(cell)
+    assert "%sky push lone_model lone_opt" in cell.stderr, str(cell)
+
+
 def test_an_optimizer_a_rank_deleted_itself_is_not_blamed_on_the_notebook(nb: Kernel) -> None:
     """A rank that kept its earlier optimizer (not the notebook's new one, over a model it does
     not use) and then deleted it in a cell: missing it later is the cell's doing, not said as a
