@@ -367,6 +367,7 @@ class Session:
         """
         for warning in shipment.warnings:
             self._announce(f"warning: {warning}")
+        said = set(shipment.warnings)
         view = self.views.cell(entry, stdout or self.stdout_mode, ranks)
         every_rank = ranks is None or set(ranks) >= set(range(entry.pool.world_size))
         tries = 0
@@ -394,10 +395,10 @@ class Session:
                             f"{restarted}, {tries} times while the cell waited; run it again "
                             "once %sky status shows every rank ready"
                         ) from None
-                    said = set(shipment.warnings)
                     shipment = reship()
                     for warning in shipment.warnings:
                         if warning not in said:  # every global goes again now: a new size
+                            said.add(warning)
                             self._announce(f"warning: {warning}")
         except CellInterrupted as interrupted:
             self._after_cell(entry, shipment, interrupted.result, every_rank)

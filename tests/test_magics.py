@@ -1559,8 +1559,8 @@ def test_a_cell_whose_pool_keeps_starting_ranks_again_gives_up_after_three_choic
 ) -> None:
     """A pool that has started ranks again each time the cell may run (a rank crashing as it
     starts): the cell chooses its globals anew, up to three times, then fails saying to wait
-    for the pool. Each new choice sends every global again, and a warning it brings is said,
-    once.
+    for the pool. Each new choice sends every global again, and a warning it brings is said
+    once, also when it left one choice and came back with the next.
     """
     said: list[str] = []
     session = Session(announce=said.append)
@@ -1572,12 +1572,15 @@ def test_a_cell_whose_pool_keeps_starting_ranks_again_gives_up_after_three_choic
     def restarting(self: Pool, *args: Any, **kwargs: Any) -> Any:
         tries.append(kwargs["started"])
         self._ranks.started += 1  # as a rank started again would count
+        # Small for the second choice and large again for the third: its warning comes back.
+        notebook["sized_for_a_warning"] = bytes(8 if len(tries) == 1 else 4096)
         raise RanksRestarted(f"pool {self.name!r} started ranks again before the cell ran")
 
     try:
         session.run_cell("len(sized_for_a_warning)", notebook, spec=spec)
         warning = next(text for text in said if "'sized_for_a_warning' is" in text)
         said.clear()
+        notebook["sized_for_a_warning"] = bytes(4097)  # changed: the first choice warns too
         monkeypatch.setattr(Pool, "run", restarting)
         with pytest.raises(PoolError) as failed:
             session.run_cell("len(sized_for_a_warning)", notebook, spec=spec)
@@ -1586,7 +1589,7 @@ def test_a_cell_whose_pool_keeps_starting_ranks_again_gives_up_after_three_choic
             "waited; run it again once %sky status shows every rank ready"
         )
         assert tries == [2, 3, 4]  # chosen anew each time, at the count the pool then had
-        assert said.count(warning) == 1, said  # unchanged at first: said with the new choice
+        assert said.count(warning) == 1, said  # said with the first choice only
     finally:
         monkeypatch.undo()
         session.down_all()
