@@ -28,7 +28,7 @@ from typing import Any
 
 import xxhash
 
-from .protocol import Pickled, Together, each_once
+from .protocol import Pickled, Together, each_once, is_array
 from .results import PoolError
 from .transfer import pickle_global
 from .written import WATCH_MIN_BYTES, WRITES, Ranges, Watch, pages
@@ -144,14 +144,19 @@ def _sharing(held: Mapping[str, list[Any] | None]) -> list[set[str]]:
     return list(unique.values())
 
 
-def _arrays_in(name: str, value: Any) -> list[Any]:
-    """The tensors and arrays ``value`` holds, as pickling it would note them; a torch module's
-    are its parameters and buffers, read without pickling it (which takes tens of milliseconds
-    for a large model, paid in each cell that sends a new tensor beside it).
+def _arrays_in(name: str, value: Any, pickling: bool) -> list[Any] | None:
+    """The tensors and arrays ``value`` holds, as pickling it would note them. A torch module's
+    are its parameters and buffers, read without pickling it (tens of milliseconds for a large
+    model, in each cell that sends a new tensor beside it). Any other value is pickled to look
+    only when ``pickling`` (else None: not looked at).
     """
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, torch.nn.Module):
         return [*value.parameters(), *value.buffers()]
+    if is_array(value):
+        return [value]
+    if not pickling:
+        return None
     objects: list[Any] = []
     pickle_global(name, value, objects)
     return objects
@@ -176,6 +181,10 @@ class Shipper:
         again): sent again when read, bound only where lacking (the others may have changed
         theirs in place)."""
         self._hashed: dict[str, _Hashed] = {}
+        self._had_arrays: set[str] = set()
+        """Names whose value held a tensor or array when last pickled: where a cell does not
+        read one, only these are pickled again to look for what a new value shares (a long list
+        of strings would take longer than the cell)."""
         self._ranks_started: int | None = None
         """How many rank processes the pool had started when last told (None: not yet)."""
 
@@ -206,9 +215,10 @@ class Shipper:
             value = user_ns[name]
             # A function's copy of the globals it reads is not its own on the ranks (rebound
             # there): what it refers to is not shared with them.
-            held[name] = None if isinstance(value, type | types.FunctionType) else []
+            noted: list[Any] | None = None if isinstance(value, type | types.FunctionType) else []
+            held[name] = noted
             try:
-                pickled = pickle_global(name, value, held[name])
+                pickled = pickle_global(name, value, noted)
             except PoolError:
                 if name not in self._partly or name in force:
                     raise
@@ -216,6 +226,10 @@ class Shipper:
                 # rather than the cell fail for a value the ranks that have one never need.
                 remote.append(name)
                 continue
+            if noted:
+                self._had_arrays.add(name)
+            elif noted is not None:
+                self._had_arrays.discard(name)
             digest = self._digest(name, pickled)
             digests[name] = digest
             if self._sent.get(name) == digest and name not in force:
@@ -266,14 +280,15 @@ class Shipper:
         """Add to ``held`` the tensors and arrays of the notebook's globals the ranks hold (sent
         or bound there earlier) that this cell neither reads nor sends: a value sent now over
         one of them (an optimizer over a model) arrives with a copy of it, not over the ranks'
-        own, whether or not the cell reads the model.
+        own, whether or not the cell reads the model. A value other than a module, a tensor or
+        an array is pickled to look only if it held one when last pickled.
         """
         for name in sorted((self._sent.keys() | self._partly | self._remote) - held.keys()):
             value = user_ns.get(name)
             if value is None or isinstance(value, type | types.FunctionType):
                 continue
             try:
-                held[name] = _arrays_in(name, value)
+                held[name] = _arrays_in(name, value, pickling=name in self._had_arrays)
             except PoolError:
                 continue  # a value that cannot travel is not what a value sent now copies
 

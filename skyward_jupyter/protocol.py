@@ -56,7 +56,7 @@ def _bytes_of(buffer: Any) -> bytes:
     return buffer if type(buffer) is bytes else bytes(buffer)
 
 
-def _is_array(obj: Any) -> bool:
+def is_array(obj: Any) -> bool:
     """A tensor (a parameter too) or a numpy array: what two globals share that separate pickles
     would split into copies (the parameters of a model and of its optimizer).
     """
@@ -98,7 +98,7 @@ class _Pickler(cloudpickle.CloudPickler):  # type: ignore[misc]  # cloudpickle h
     noting: list[Any] | None = None
 
     def reducer_override(self, obj: Any) -> Any:
-        if self.noting is not None and _is_array(obj):
+        if self.noting is not None and is_array(obj):
             self.noting.append(obj)
         torch = sys.modules.get("torch")
         if torch is not None and type(obj) is torch.Tensor:

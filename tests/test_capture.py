@@ -191,6 +191,31 @@ def test_a_value_sent_over_a_model_the_ranks_hold_says_so_when_the_cell_reads_on
     )
 
 
+def test_only_globals_that_held_arrays_are_pickled_again_to_look_for_sharing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Looking for what a new array shares with the globals the ranks hold pickles those the
+    cell does not read: only those that held an array when last pickled (not a long list of
+    strings, which would take longer than the cell), whatever the notebook binds to them since.
+    """
+    shipper = Shipper()
+    ns = _ns(texts=["a"] * 10, pairs=[np.ones(2)])
+    shipper.commit(shipper.prepare("texts, pairs", ns), frozenset())
+    looked: list[str] = []
+    real = capture.pickle_global
+
+    def counted(name: str, value: Any, noting: list[Any] | None = None) -> Any:
+        looked.append(name)
+        return real(name, value, noting)
+
+    monkeypatch.setattr(capture, "pickle_global", counted)
+    ns["texts"] = ["b"]
+    for step in range(2):
+        ns["batch"] = np.full(3, step)  # a new batch each cell
+        shipper.commit(shipper.prepare("batch", ns), frozenset())
+    assert looked == ["batch", "pairs"] * 2
+
+
 def test_names_a_cell_bound_on_some_ranks_are_sent_to_be_kept_where_bound() -> None:
     shipper = Shipper()
     shipper.commit(shipper.prepare("x = 1", _ns()), frozenset({"x"}), every_rank=False)
