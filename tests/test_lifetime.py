@@ -11,12 +11,14 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from skyward_jupyter import Pool
+from skyward_jupyter.providers import local
 from skyward_jupyter.providers.local import LocalProvider
 from skyward_jupyter.providers.local_template import template
 
@@ -73,6 +75,35 @@ def test_a_rank_killed_outside_the_pool_leaves_nothing(tag: str) -> None:
         wait_for(lambda: not set(running(tag)) & set(first), 10, "rank 0's detached ones to end")
         assert set(running(tag)) == set(second)  # rank 1's, still running with rank 1
     wait_for(lambda: not running(tag), 10, "the rest to end with the pool")
+
+
+def test_a_rank_started_again_as_the_pool_closes_ends_with_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A rank lost while idle is started again; the pool closes while that start still waits
+    for the new rank's pipes. Nothing else knows of the new rank yet: it ends with the start
+    (it waited on its open wire for ever).
+    """
+    before = agent_pids()
+    real = local._pipe_reader
+    connected: list[int] = []
+    stalled = threading.Event()
+
+    async def stalling(fd: int) -> asyncio.StreamReader:
+        made = await real(fd)
+        connected.append(fd)
+        if len(connected) == 2:  # the new rank's second pipe: the pool closes meanwhile
+            stalled.set()
+            await asyncio.Event().wait()
+        return made
+
+    with Pool(nodes=2) as pool:
+        victim = pool.ranks[0].hello
+        assert victim is not None
+        monkeypatch.setattr(local, "_pipe_reader", stalling)
+        os.kill(victim.pid, 9)
+        assert stalled.wait(30), "rank 0 was not started again"
+    wait_for(lambda: not agent_pids() - before, 10, "the rank started as the pool closed to end")
 
 
 def test_detached_children_end_when_the_notebook_is_killed(tmp_path: Path, tag: str) -> None:

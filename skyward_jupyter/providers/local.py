@@ -528,14 +528,23 @@ class LocalProvider(Provider):
         except BaseException:
             _close((wire_in_w, wire_out_r, diag_r))
             raise
-        rank = LocalRank(
-            pid,
-            await _pipe_reader(wire_out_r),
-            PipeWriter(wire_in_w, f"skyward-write-{pid}"),
-            await _pipe_reader(diag_r),
-            exited,
-            run_id,
-        )
+        writer = PipeWriter(wire_in_w, f"skyward-write-{pid}")
+        wire_out: asyncio.StreamReader | None = None
+        try:
+            wire_out = await _pipe_reader(wire_out_r)
+            diagnostics = await _pipe_reader(diag_r)
+        except BaseException:
+            # Cancelled (the pool going down while the rank started): nothing else knows of the
+            # rank, which would wait on its open wire for ever. It ends here, with its pipes (a
+            # reader being connected is closed by asyncio; one connected ends at the rank's EOF).
+            writer.close()
+            if wire_out is None:
+                os.close(diag_r)
+            threading.Thread(
+                target=end_rank, args=(pid, run_id), name=f"end-{pid}", daemon=True
+            ).start()
+            raise
+        rank = LocalRank(pid, wire_out, writer, diagnostics, exited, run_id)
         self._ranks.append(rank)
         if run_id:
             self._run_ids.add(run_id)
