@@ -144,22 +144,26 @@ def _sharing(held: Mapping[str, list[Any] | None]) -> list[set[str]]:
     return list(unique.values())
 
 
-def _arrays_in(name: str, value: Any, pickling: bool) -> list[Any] | None:
-    """The tensors and arrays ``value`` holds, as pickling it would note them. A torch module's
-    are its parameters and buffers, read without pickling it (tens of milliseconds for a large
-    model, in each cell that sends a new tensor beside it). Any other value is pickled to look
-    only when ``pickling`` (else None: not looked at).
+def _arrays_in(value: Any) -> list[Any] | None:
+    """The tensors of a torch model or optimizer, or a tensor or array itself, found without
+    pickling it; None for any other value. Pickling a value to look (an optimizer's state, a
+    list of tensors) would cost every cell that sends a new tensor up to seconds.
     """
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(value, torch.nn.Module):
-        return [*value.parameters(), *value.buffers()]
     if is_array(value):
         return [value]
-    if not pickling:
+    torch = sys.modules.get("torch")
+    if torch is None:
         return None
-    objects: list[Any] = []
-    pickle_global(name, value, objects)
-    return objects
+    if isinstance(value, torch.nn.Module):
+        return [*value.parameters(), *value.buffers()]
+    if isinstance(value, torch.optim.Optimizer):
+        state = [t for s in value.state.values() for t in s.values() if is_array(t)]
+        return [*(t for group in value.param_groups for t in group["params"]), *state]
+    return None
+
+
+def _names(names: Iterable[str]) -> str:
+    return " and ".join(repr(n) for n in names)
 
 
 class Shipper:
@@ -181,10 +185,6 @@ class Shipper:
         again): sent again when read, bound only where lacking (the others may have changed
         theirs in place)."""
         self._hashed: dict[str, _Hashed] = {}
-        self._had_arrays: set[str] = set()
-        """Names whose value held a tensor or array when last pickled: where a cell does not
-        read one, only these are pickled again to look for what a new value shares (a long list
-        of strings would take longer than the cell)."""
         self._ranks_started: int | None = None
         """How many rank processes the pool had started when last told (None: not yet)."""
 
@@ -215,10 +215,9 @@ class Shipper:
             value = user_ns[name]
             # A function's copy of the globals it reads is not its own on the ranks (rebound
             # there): what it refers to is not shared with them.
-            noted: list[Any] | None = None if isinstance(value, type | types.FunctionType) else []
-            held[name] = noted
+            held[name] = None if isinstance(value, type | types.FunctionType) else []
             try:
-                pickled = pickle_global(name, value, noted)
+                pickled = pickle_global(name, value, held[name])
             except PoolError:
                 if name not in self._partly or name in force:
                     raise
@@ -226,10 +225,6 @@ class Shipper:
                 # rather than the cell fail for a value the ranks that have one never need.
                 remote.append(name)
                 continue
-            if noted:
-                self._had_arrays.add(name)
-            elif noted is not None:
-                self._had_arrays.discard(name)
             digest = self._digest(name, pickled)
             digests[name] = digest
             if self._sent.get(name) == digest and name not in force:
@@ -245,18 +240,31 @@ class Shipper:
                     f"global {name!r} is {pickled.nbytes / 2**20:.0f} MiB and is sent to every "
                     "rank; loading it on the ranks inside the cell avoids the transfer"
                 )
-        if any(held.get(name) for name in send):
+        if any(held.get(n) and n not in fill and not is_array(user_ns[n]) for n in send):
+            # A new value (not a fill, not a bare batch) may be built over one the cell does
+            # not read: looked for among those the ranks hold.
             self._note_held_on_ranks(held, user_ns)
         for group in _sharing(held) if send else ():
             fresh, there = sorted(group & send.keys()), sorted(group - send.keys())
-            if there and fresh:
-                sent = " and ".join(repr(n) for n in fresh)
+            sent = " and ".join(repr(n) for n in fresh)
+            share = f"{sent} share{'s' * (len(fresh) == 1)} tensors with"
+            theirs = [n for n in there if n in self._remote or n in self._partly]
+            ours = [n for n in there if n not in theirs]
+            if fresh and ours:
                 warnings.append(
-                    f"{sent} share{'s' * (len(fresh) == 1)} tensors with "
-                    f"{' and '.join(repr(n) for n in there)}, which the ranks hold from an "
-                    "earlier cell: they arrive with copies of those; %sky push "
-                    f"{' '.join(sorted(group))} sends them all together (the notebook's values "
-                    "then replace the ranks')"
+                    f"{share} {_names(ours)}, which the ranks hold from an earlier cell: they "
+                    f"arrive with copies of those; %sky push {' '.join(sorted(group))} sends "
+                    "them all together (the notebook's values then replace the ranks')"
+                )
+            if fresh and theirs:
+                warnings.append(
+                    f"{share} the notebook's {_names(theirs)}, but a %%sky cell bound "
+                    f"{'that' if len(theirs) == 1 else 'those'} on "
+                    f"{'the' if self._remote.issuperset(theirs) else 'some of the'} ranks: "
+                    f"there, {sent} "
+                    f"arrive{'s' * (len(fresh) == 1)} over copies, not over the ranks' own; "
+                    f"make {sent} in a %%sky cell, or %sky push {' '.join(sorted(group))} to "
+                    "give the ranks the notebook's values instead"
                 )
             if len(fresh) > 1:  # those sent now travel together
                 together = pickle_global(fresh[0], Together({n: user_ns[n] for n in fresh}))
@@ -277,20 +285,16 @@ class Shipper:
     def _note_held_on_ranks(
         self, held: dict[str, list[Any] | None], user_ns: Mapping[str, Any]
     ) -> None:
-        """Add to ``held`` the tensors and arrays of the notebook's globals the ranks hold (sent
-        or bound there earlier) that this cell neither reads nor sends: a value sent now over
-        one of them (an optimizer over a model) arrives with a copy of it, not over the ranks'
-        own, whether or not the cell reads the model. A value other than a module, a tensor or
-        an array is pickled to look only if it held one when last pickled.
+        """Add to ``held`` the tensors of the notebook's models, optimizers, tensors and arrays
+        the ranks hold (sent there, or bound there by a cell) that this cell neither reads nor
+        sends: a value sent now over one of them (an optimizer over a model) arrives over a copy
+        of it, not over the ranks' own, whether or not the cell reads the model.
         """
-        for name in sorted((self._sent.keys() | self._partly | self._remote) - held.keys()):
-            value = user_ns.get(name)
-            if value is None or isinstance(value, type | types.FunctionType):
-                continue
-            try:
-                held[name] = _arrays_in(name, value, pickling=name in self._had_arrays)
-            except PoolError:
-                continue  # a value that cannot travel is not what a value sent now copies
+        held_there = (self._sent.keys() - self._lacking) | self._partly | self._remote
+        for name in sorted(held_there - held.keys()):
+            arrays = _arrays_in(user_ns.get(name))
+            if arrays is not None:
+                held[name] = arrays
 
     def _digest(self, name: str, pickled: Pickled) -> bytes:
         """The digest of ``pickled``; its buffers are read only if they may have changed.

@@ -155,13 +155,14 @@ def test_globals_that_share_tensors_travel_together_and_share_them_on_arrival() 
 
 
 def test_a_value_sent_over_a_model_the_ranks_hold_says_so_when_the_cell_reads_only_it() -> None:
-    """An optimizer made in the notebook over a model the ranks hold (sent by an earlier cell,
-    bound there by one, or kept by some ranks), in a cell that reads the optimizer alone: it
-    arrives over a copy of the notebook's model, not the ranks' one, and the cell says so.
+    """An optimizer made in the notebook over a model the ranks hold, in a cell that reads the
+    optimizer alone: it arrives over a copy of the notebook's model, and the cell says so. A
+    model the notebook sent is the notebook's on the ranks (push both); one a cell bound there
+    is the ranks' own (make the optimizer there, or push both to replace it).
     """
     import torch
 
-    for how in ("sent", "bound", "partly"):
+    for how, where in (("sent", ""), ("bound", "on the ranks"), ("partly", "on some of the")):
         shipper = Shipper()
         model = torch.nn.Linear(4, 1)
         ns = _ns(model=model)
@@ -175,45 +176,76 @@ def test_a_value_sent_over_a_model_the_ranks_hold_says_so_when_the_cell_reads_on
         for cell in ("opt.param_groups", "model, opt")[: 1 + (how != "partly")]:
             shipment = shipper.prepare(cell, ns)
             assert set(shipment.globals) == {"opt"}, (how, cell)
-            assert any(
-                "'opt' shares tensors with 'model'" in w and "%sky push model opt" in w
-                for w in shipment.warnings
-            ), (how, cell, shipment.warnings)
+            (said,) = shipment.warnings
+            assert "'opt' shares tensors with" in said and "%sky push model opt" in said, said
+            if how == "sent":
+                assert "'model', which the ranks hold from an earlier cell" in said, said
+            else:
+                assert f"the notebook's 'model', but a %%sky cell bound that {where}" in said
+                assert "make 'opt' in a %%sky cell" in said, said
         ns["batch"] = torch.ones(3)  # its own tensors: nothing to say
         assert shipper.prepare("batch", ns).warnings == (), how
-    # Not a module: found by pickling it (an array the ranks hold, and a new pair over it).
-    ns = _ns(table=np.arange(4))
+
+
+def test_a_model_sent_alone_over_the_optimizer_the_ranks_hold_says_so() -> None:
+    """The notebook's model changed in place and sent alone: the ranks' optimizer, which they
+    hold over their copy, would not step what arrives. A model deleted on every rank since is
+    held nowhere: nothing to say of it.
+    """
+    import torch
+
+    model = torch.nn.Linear(4, 1)
+    ns = _ns(model=model, opt=torch.optim.Adam(model.parameters()))
     shipper = Shipper()
-    shipper.commit(shipper.prepare("table", ns), frozenset())
-    ns["pair"] = (ns["table"], 1)
-    assert any(
-        "'pair' shares tensors with 'table'" in w for w in shipper.prepare("pair", ns).warnings
-    )
+    shipper.commit(shipper.prepare("model, opt", ns), frozenset())
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    alone = shipper.prepare("model", ns)
+    assert set(alone.globals) == {"model"}
+    assert any("'model' shares tensors with 'opt'" in w for w in alone.warnings), alone.warnings
+    shipper.commit(shipper.prepare("del model", ns), frozenset(), deleted=frozenset({"model"}))
+    ns["opt"] = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert shipper.prepare("opt", ns).warnings == ()  # the ranks hold no 'model' to say of
 
 
-def test_only_globals_that_held_arrays_are_pickled_again_to_look_for_sharing(
+def test_sharing_with_unread_globals_is_looked_for_without_pickling_them(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Looking for what a new array shares with the globals the ranks hold pickles those the
-    cell does not read: only those that held an array when last pickled (not a long list of
-    strings, which would take longer than the cell), whatever the notebook binds to them since.
+    """Looking for what a value sends shares with the globals the ranks hold that the cell does
+    not read pickles none of them (a list of tensors or strings, pickled each cell, could take
+    longer than the cell), and a bare tensor or array sent (a batch) starts no look at all.
     """
+    import torch
+
+    model = torch.nn.Linear(4, 1)
+    ns = _ns(texts=["a"] * 10, tensors=[torch.ones(2)], model=model)
     shipper = Shipper()
-    ns = _ns(texts=["a"] * 10, pairs=[np.ones(2)])
-    shipper.commit(shipper.prepare("texts, pairs", ns), frozenset())
-    looked: list[str] = []
+    shipper.commit(shipper.prepare("texts, tensors, model", ns), frozenset())
+    pickled: list[str] = []
     real = capture.pickle_global
 
     def counted(name: str, value: Any, noting: list[Any] | None = None) -> Any:
-        looked.append(name)
+        pickled.append(name)
         return real(name, value, noting)
 
+    looked: list[Any] = []
+    arrays_in = capture._arrays_in
+
+    def seen(value: Any) -> list[Any] | None:
+        looked.append(value)
+        return arrays_in(value)
+
     monkeypatch.setattr(capture, "pickle_global", counted)
-    ns["texts"] = ["b"]
+    monkeypatch.setattr(capture, "_arrays_in", seen)
     for step in range(2):
         ns["batch"] = np.full(3, step)  # a new batch each cell
         shipper.commit(shipper.prepare("batch", ns), frozenset())
-    assert looked == ["batch", "pairs"] * 2
+    assert pickled == ["batch", "batch"] and looked == []
+    ns["pair"] = (np.ones(2), model.weight)
+    assert any(
+        "'pair' shares tensors with 'model'" in w for w in shipper.prepare("pair", ns).warnings
+    )
+    assert pickled[2:] == ["pair"] and any(value is model for value in looked)
 
 
 def test_names_a_cell_bound_on_some_ranks_are_sent_to_be_kept_where_bound() -> None:

@@ -1353,7 +1353,7 @@ def test_an_optimizer_read_alone_over_a_model_a_rank_kept_says_it_arrives_over_a
 ) -> None:
     """Rank 0 keeps a model of its own; the notebook makes another and an optimizer over it. A
     cell that reads the optimizer alone gives the ranks one over a copy of the notebook's model
-    (not rank 0's), and says so, with the push that sends the two together.
+    (not rank 0's), and says so: make it on the ranks, or push the two together.
     """
     nb.ok(POOL2)
     nb.ok("%%sky --ranks 0\nimport torch\nlone_model = torch.nn.Linear(2, 1)")
@@ -1362,7 +1362,10 @@ def test_an_optimizer_read_alone_over_a_model_a_rank_kept_says_it_arrives_over_a
         "lone_opt = torch.optim.SGD(lone_model.parameters(), lr=1.0)"
     )
     cell = nb.ok("%%sky\nlone_opt.param_groups[0]['lr']")
-    assert "'lone_opt' shares tensors with 'lone_model'" in cell.stderr, str(cell)
+    assert (
+        "'lone_opt' shares tensors with the notebook's 'lone_model', but a %%sky cell bound "
+        "that on some of the ranks: there, 'lone_opt' arrives over copies"
+    ) in cell.stderr, str(cell)
     assert "%sky push lone_model lone_opt" in cell.stderr, str(cell)
 
 
