@@ -257,14 +257,14 @@ class Shipper:
                     "them all together (the notebook's values then replace the ranks')"
                 )
             if fresh and theirs:
+                one = len(theirs) == 1
                 warnings.append(
-                    f"{share} the notebook's {_names(theirs)}, but a %%sky cell bound "
-                    f"{'that' if len(theirs) == 1 else 'those'} on "
-                    f"{'the' if self._remote.issuperset(theirs) else 'some of the'} ranks: "
-                    f"there, {sent} "
-                    f"arrive{'s' * (len(fresh) == 1)} over copies, not over the ranks' own; "
-                    f"make {sent} in a %%sky cell, or %sky push {' '.join(sorted(group))} to "
-                    "give the ranks the notebook's values instead"
+                    f"{share} the notebook's {_names(theirs)}, but the ranks' "
+                    f"{'is' if one else 'are'} their own (a %%sky cell bound "
+                    f"{'it' if one else 'them'}): on the ranks they share nothing, so one "
+                    "does not act on the other (an optimizer steps a model it does not hold); "
+                    "make them together in a %%sky cell, or %sky push "
+                    f"{' '.join(sorted(group))} to give the ranks the notebook's values of all"
                 )
             if len(fresh) > 1:  # those sent now travel together
                 together = pickle_global(fresh[0], Together({n: user_ns[n] for n in fresh}))
@@ -286,11 +286,12 @@ class Shipper:
         self, held: dict[str, list[Any] | None], user_ns: Mapping[str, Any]
     ) -> None:
         """Add to ``held`` the tensors of the notebook's models, optimizers, tensors and arrays
-        the ranks hold (sent there, or bound there by a cell) that this cell neither reads nor
-        sends: a value sent now over one of them (an optimizer over a model) arrives over a copy
-        of it, not over the ranks' own, whether or not the cell reads the model.
+        the ranks hold (sent there, or bound there by a cell) that this cell does not send,
+        read or not (one a cell bound is never sent): a value sent now over one of them (an
+        optimizer over a model) arrives over a copy of it, not over the ranks' own. A name some
+        ranks may lack (deleted on one, or a rank started again) is still held by the others.
         """
-        held_there = (self._sent.keys() - self._lacking) | self._partly | self._remote
+        held_there = self._sent.keys() | self._partly | self._remote
         for name in sorted(held_there - held.keys()):
             arrays = _arrays_in(user_ns.get(name))
             if arrays is not None:

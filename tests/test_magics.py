@@ -1363,8 +1363,8 @@ def test_an_optimizer_read_alone_over_a_model_a_rank_kept_says_it_arrives_over_a
     )
     cell = nb.ok("%%sky\nlone_opt.param_groups[0]['lr']")
     assert (
-        "'lone_opt' shares tensors with the notebook's 'lone_model', but a %%sky cell bound "
-        "that on some of the ranks: there, 'lone_opt' arrives over copies"
+        "'lone_opt' shares tensors with the notebook's 'lone_model', but the ranks' is their "
+        "own (a %%sky cell bound it): on the ranks they share nothing"
     ) in cell.stderr, str(cell)
     assert "%sky push lone_model lone_opt" in cell.stderr, str(cell)
 
