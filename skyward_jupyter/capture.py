@@ -246,7 +246,7 @@ class Shipper:
             self._note_held_on_ranks(held, user_ns)
         for group in _sharing(held) if send else ():
             fresh, there = sorted(group & send.keys()), sorted(group - send.keys())
-            sent = " and ".join(repr(n) for n in fresh)
+            sent = _names(fresh)
             share = f"{sent} share{'s' * (len(fresh) == 1)} tensors with"
             theirs = [n for n in there if n in self._remote or n in self._partly]
             ours = [n for n in there if n not in theirs]

@@ -474,7 +474,7 @@ class Agent:
         ]
         if own and len(group) > len(own):
             rank = os.environ.get("RANK", "0")
-            kept = " and ".join(repr(name) for name in own)
+            kept = " and ".join(map(repr, own))
             withheld = [name for name in group if name not in own]
             push = f"%sky push {' '.join(group)} gives every rank the notebook's"
             self._notes.append(
