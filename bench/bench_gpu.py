@@ -21,7 +21,9 @@ rank per GPU on this machine, ``--backend nccl``, on both sides.
   interval.
 
 Run ``python bench/bench_gpu.py --markdown-out BENCHMARKS.md`` to regenerate its block; JSON
-goes to ``bench/results/gpu.json``. Figures are never edited by hand.
+goes to ``bench/results/gpu.json``. Figures are never edited by hand. Both are written once (a)
+is measured and again after (b): a lent GPU is lent by the minute, and a run stopped during (b)
+keeps (a)'s figures, its block saying that (b) was not measured.
 """
 
 from __future__ import annotations
@@ -202,7 +204,7 @@ def _rate(x: float) -> str:
 
 
 def render_markdown(report: dict[str, Any]) -> str:
-    m, a, b, cfg = report["machine"], report["steps"], report["first"], report["config"]
+    m, a, cfg = report["machine"], report["steps"], report["config"]
     r = a["ratio"]
     lo, hi = r["of_medians_bootstrap_95"]
     goal = "**met**" if r["of_medians"] >= GOAL_STEPS_RATIO else "**NOT met**"
@@ -255,16 +257,25 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"**(b) First collective from cold**, {cfg['first_reps']} rounds interleaved after one "
         "warm-up: a fresh pool's start and first cell (all-reduce of a CUDA tensor) against "
         "`torchrun` of `bench/scripts/nccl_first.py`, launch to exit.\n",
+        *_first_lines(report.get("first")),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _first_lines(b: dict[str, Any] | None) -> list[str]:
+    """(b)'s table and ratio, or a line saying that this run ended before (b) was measured."""
+    if b is None:
+        return ["Not measured: this run ended before (b) finished.\n"]
+    lo, hi = b["ratio"]["of_medians_bootstrap_95"]
+    return [
         "| side | median | p10 | p90 | min | max |",
         "|---|---:|---:|---:|---:|---:|",
         spread_row("`torchrun --standalone`", b["wall_s"]["torchrun"], fmt_s),
         spread_row("pool start + first cell", b["wall_s"]["pool"], fmt_s),
         "",
         f"Pool / torchrun, ratio of medians: **{b['ratio']['of_medians']:.3f}** (bootstrap 95% "
-        f"interval {b['ratio']['of_medians_bootstrap_95'][0]:.3f} to "
-        f"{b['ratio']['of_medians_bootstrap_95'][1]:.3f}).\n",
+        f"interval {lo:.3f} to {hi:.3f}).\n",
     ]
-    return "\n".join(lines) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -282,27 +293,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     # torchrun's plain side runs as torchrun does by default; the pool sets its own value
     os.environ.pop("TORCH_FR_BUFFER_SIZE", None)
     load_before = load_avg()
+    config = {k: getattr(args, k) for k in ("reps", "steps", "warmup", "first_reps")}
+    report: dict[str, Any] = {
+        "command": command_line(),
+        "config": {**config, "gpus": gpus, "device": device},
+        "first": None,
+    }
+
+    def write(**measured: Any) -> None:
+        report.update(measured, machine=machine_info(load_before))
+        SCRIPT.write_outputs(args, report, render_markdown(report))
+
     nb = Notebook(gpus, args.timeout)
     notebook_dir = os.getcwd()
     os.chdir(SCRIPTS)  # torchrun and the cells run beside the scripts, as a user's notebook
     try:
         with tempfile.TemporaryDirectory(prefix="bench_gpu_") as tmp:
             print(f"(a) DDP loop, {gpus} NCCL ranks: {args.reps} rounds", file=sys.stderr)
-            steps = compare_steps(nb, gpus, args, Path(tmp) / "report.json")
+            write(steps=compare_steps(nb, gpus, args, Path(tmp) / "report.json"))
             print(f"(b) first collective: {args.first_reps} rounds", file=sys.stderr)
-            first = compare_first(nb, gpus, args)
+            write(first=compare_first(nb, gpus, args))
     finally:
         nb.close()
         os.chdir(notebook_dir)
-    config = {k: getattr(args, k) for k in ("reps", "steps", "warmup", "first_reps")}
-    report = {
-        "machine": machine_info(load_before),
-        "command": command_line(),
-        "config": {**config, "gpus": gpus, "device": device},
-        "steps": steps,
-        "first": first,
-    }
-    SCRIPT.write_outputs(args, report, render_markdown(report))
     return 0
 
 
