@@ -214,9 +214,13 @@ async def read_message(reader: AsyncByteReader, progress: Callable[[], None] | N
     more = _more_lengths(start)
     lengths = _lengths(start, await reader.readexactly(more) if more else b"")
     segments: list[bytes | bytearray] = []
-    for n in (n & _SIZE for n in lengths):
+    for index, length in enumerate(lengths):
+        n = length & _SIZE
         if n <= _CHUNK or progress is None:
-            segments.append(await reader.readexactly(n))
+            part = await reader.readexactly(n)
+            # A buffer (not the pickle, segment 0) is writable unless it was bytes when sent:
+            # an array loaded from read-only memory is read-only (a pulled array, a cell's value).
+            segments.append(part if index == 0 or length & _AS_BYTES else bytearray(part))
             continue
         data = bytearray()
         while len(data) < n:

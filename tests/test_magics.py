@@ -1238,6 +1238,10 @@ def test_pull_and_push(nb: Kernel) -> None:
     assert nb.eval("pulled") == 11
     nb.ok("%sky pull pulled")
     assert nb.eval("pulled") == 1
+    # A pulled array is the notebook's to change (it came back read-only).
+    nb.ok("%%sky\nimport numpy as np\nweights = np.zeros(3)")
+    nb.ok("%sky pull weights\nweights[0] = 1.0")
+    assert nb.eval("weights.tolist()") == [1.0, 0.0, 0.0]
     # Read on the rank asked alone; a name it lacks, or a value that does not pickle, is a
     # one-line error that leaves the notebook's variable as it was.
     nb.ok("%%sky --ranks 1\nonly_on_one = 'one'")

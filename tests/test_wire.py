@@ -67,6 +67,17 @@ def test_nested_pickled_payload_stays_out_of_band() -> None:
     assert np.array_equal(decoded.globals["x"].load(), array)
 
 
+def test_a_small_array_read_by_the_notebook_arrives_writable() -> None:
+    """What the notebook reads from a rank (a cell's value, ``%sky pull``) is the user's to
+    change: a small array's buffer was read as ``bytes`` and loaded read-only.
+    """
+    small = np.arange(10, dtype=np.float64)
+    decoded = _through_asyncio(encode(p.Pickled.dump((small, b"kept as bytes"))))
+    got, raw = decoded.load()
+    got[0] = 7.0  # raises on a read-only array
+    assert np.array_equal(got[1:], small[1:]) and raw == b"kept as bytes"
+
+
 def test_a_large_cpu_tensor_travels_out_of_band_and_arrives_writable() -> None:
     torch = pytest.importorskip("torch")
     weights = torch.rand(300_000, dtype=torch.float32).to(torch.bfloat16).requires_grad_()
