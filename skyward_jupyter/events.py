@@ -73,6 +73,15 @@ class OutputReceived:
 
 
 @dataclass(frozen=True, slots=True)
+class DisplayReceived:
+    """Rich output of a rank (a figure): a MIME bundle (:class:`~.protocol.Display`)."""
+
+    rank: int
+    cell_id: int | None
+    data: dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
 class MetricsLogged:
     rank: int
     cell_id: int | None
@@ -113,6 +122,7 @@ PoolEvent = Union[  # noqa: UP007 - a runtime alias, usable in isinstance() on 3
     NodeStateChanged,
     RankUsage,
     OutputReceived,
+    DisplayReceived,
     MetricsLogged,
     CellStarted,
     CellFinished,

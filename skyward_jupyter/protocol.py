@@ -567,6 +567,16 @@ class Output:
 
 
 @message
+class Display:
+    """Rich output of the cell's head rank (a matplotlib figure), as a MIME bundle: the type's
+    name to its data (an image base64-encoded), ``text/plain`` always among them.
+    """
+
+    cell_id: int | None
+    data: dict[str, str]
+
+
+@message
 class Metrics:
     cell_id: int | None
     rows: tuple[tuple[int | None, dict[str, float]], ...]

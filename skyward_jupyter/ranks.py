@@ -22,6 +22,7 @@ from . import limits, wire
 from . import protocol as p
 from .environments import NodeEnvironment, Packages
 from .events import (
+    DisplayReceived,
     MetricsLogged,
     NodeStateChanged,
     OutputReceived,
@@ -526,6 +527,8 @@ class Ranks:
     def _dispatch(self, rank: Rank, message: object) -> None:
         if isinstance(message, p.Output):
             self.emit(OutputReceived(rank.index, message.cell_id, message.stream, message.text))
+        elif isinstance(message, p.Display):
+            self.emit(DisplayReceived(rank.index, message.cell_id, message.data))
         elif isinstance(message, p.Metrics):
             self.emit(MetricsLogged(rank.index, message.cell_id, message.rows))
         elif isinstance(message, p.ANSWERS):

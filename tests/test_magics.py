@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import base64
 import contextlib
 import os
 import re
@@ -874,6 +875,52 @@ def test_all_shows_every_ranks_value(nb: Kernel) -> None:
     cell = nb.ok("%%sky --all\nimport torch.distributed as dist\ndist.get_rank() * 10")
     shown = "\n".join([*cell.shown, cell.stdout])
     assert shown.split() == ["[rank", "0]", "0", "[rank", "1]", "10"], str(cell)
+
+
+def _outputs_in_order(cell: Cell) -> list[str]:
+    """The cell's stdout (consecutive messages joined) and its images, in the order they came."""
+    out: list[str] = []
+    for m in cell.messages:
+        data = m["content"].get("data", {})
+        if m["msg_type"] == "stream" and m["content"]["name"] == "stdout":
+            if out and not out[-1].startswith("image:"):
+                out[-1] += m["content"]["text"]
+            else:
+                out.append(m["content"]["text"])
+        elif m["msg_type"] == "display_data" and "image/png" in data:
+            png = base64.b64decode(data["image/png"])
+            assert png.startswith(b"\x89PNG"), str(cell)
+            out.append(f"image: {data['text/plain']}")
+    return out
+
+
+def test_a_heads_figures_show_in_the_cell_as_images_and_are_closed_on_every_rank(
+    nb: Kernel,
+) -> None:
+    """The kernel names Jupyter's inline backend, which the ranks inherit: there it printed each
+    figure's text once per rank. ``plt.show()`` and a figure left open at the end now show as
+    images, the head's only, in turn with its prints; no rank keeps a figure after the cell.
+    """
+    nb.ok(POOL2)
+    cell = nb.ok(
+        "%%sky --nodes 2\n"
+        "import matplotlib.pyplot as plt, torch.distributed as dist\n"
+        "print('before')\n"
+        "plt.plot([1, 2, 3], [dist.get_rank()] * 3)\n"
+        "plt.show()\n"
+        "print('between')\n"
+        "fig, axes = plt.subplots(1, 2)\n"
+        "axes[0].bar([1], [dist.get_rank() + 1])\n"
+    )
+    assert _outputs_in_order(cell) == [
+        "before\n",
+        "image: <Figure size 640x480 with 1 Axes>",
+        "between\n",
+        "image: <Figure size 640x480 with 2 Axes>",
+    ], str(cell)
+    assert "Figure size" not in cell.stderr and "non-interactive" not in cell.stderr, str(cell)
+    left = nb.ok("%%sky --all\nimport matplotlib.pyplot as plt\nlen(plt.get_fignums())")
+    assert left.per_rank == {0: "0", 1: "0"}, str(left)
 
 
 def test_a_cell_without_a_final_expression_displays_nothing(nb: Kernel) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import io
 
 from skyward_jupyter.display.output import STDERR_HOLD_SECONDS, VIEW_STALE_SECONDS, CellOutput
-from skyward_jupyter.events import OutputReceived
+from skyward_jupyter.events import DisplayReceived, OutputReceived
 from skyward_jupyter.flags import rank_span
 
 
@@ -385,3 +385,66 @@ def test_output_over_the_flush_limit_is_skipped_from_the_oldest_in_whole_lines()
     skipped = int(marker.split()[1])
     assert skipped == sum(map(len, lines)) - len(out.getvalue()) + len(marker) + 1
     assert rest[-2] == "line 029999"
+
+
+class Written(io.StringIO):
+    """A notebook stream that records, with the figures shown, in what order things came."""
+
+    def __init__(self, name: str, order: list[str]) -> None:
+        super().__init__()
+        self._name, self._order = name, order
+
+    def write(self, text: str) -> int:
+        self._order.append(f"{self._name}: {text}")
+        return super().write(text)
+
+
+def shown_in_order(
+    mode: str, events: list[OutputReceived | DisplayReceived], flush_each: bool = True
+) -> list[str]:
+    order: list[str] = []
+    view = CellOutput(
+        mode,  # type: ignore[arg-type]
+        Written("stdout", order),
+        Written("stderr", order),
+        ranks=2,
+        clock=Clock(),
+        show=lambda data: order.append(f"figure: {data['text/plain']}"),
+    )
+    for event in events:
+        view.on_event(event)
+        if flush_each:
+            view.flush()
+    view.finish()
+    return order
+
+
+FIGURE = {"image/png": "iVBORw0KGgo=", "text/plain": "<Figure size 640x480 with 1 Axes>"}
+
+
+def test_a_heads_figure_shows_after_what_it_wrote_before_and_before_what_follows() -> None:
+    """The head's stderr line held for the other rank (a warning) still comes before the figure
+    the head showed after it; the other rank's figure is not the cell's (nor sent: see
+    agent/figures.py), and ``--stdout none`` shows none.
+    """
+    events: list[OutputReceived | DisplayReceived] = [
+        OutputReceived(0, 1, "stdout", "epoch 1\n"),
+        OutputReceived(0, 1, "stderr", "UserWarning: held\n"),
+        DisplayReceived(0, 1, FIGURE),
+        DisplayReceived(1, 1, FIGURE),
+        OutputReceived(0, 1, "stdout", "epoch 2\n"),
+    ]
+    assert shown_in_order("head", events) == [
+        "stdout: epoch 1\n",
+        "stderr: [rank 0 stderr] UserWarning: held\n",
+        "figure: <Figure size 640x480 with 1 Axes>",
+        "stdout: epoch 2\n",
+    ]
+    assert shown_in_order("none", events) == ["stderr: [rank 0 stderr] UserWarning: held\n"]
+
+
+def test_figures_are_kept_when_a_flood_of_text_is_skipped() -> None:
+    lines = [OutputReceived(0, 1, "stdout", f"line {i:06d}\n") for i in range(30_000)]
+    order = shown_in_order("head", [DisplayReceived(0, 1, FIGURE), *lines], flush_each=False)
+    assert order[0] == "figure: <Figure size 640x480 with 1 Axes>"
+    assert "skipped" in order[1] and order[-1].endswith("line 029999\n")

@@ -56,6 +56,7 @@ from .descendants import (
     make_private_dir,
     remove_private_dir,
 )
+from .figures import Figures
 from .inbox import Inbox
 from .names import answer as names_answer
 from .node_usage import NodeUsage, socket_path
@@ -159,6 +160,14 @@ class Agent:
             group.rank, self.channel.send, lambda: (self.cell_id, self.cell_head), self._sync_output
         )
         self.console.install()
+        self.figures = Figures(
+            group.rank,
+            self.channel.send,
+            lambda: (self.cell_id, self.cell_head),
+            self._sync_output,
+            self._notes.append,
+        )
+        self.figures.install()
         self.inbox = Inbox(self.channel, self._route, settings.ranks_on_machine)
         self.cell_id: int | None = None
         self.cell_head = 0
@@ -515,7 +524,10 @@ class Agent:
                 if self._interrupted:
                     raise KeyboardInterrupt
                 if command.script is None:
-                    value = self.namespace.run(command.source, command.filename)
+                    try:
+                        value = self.namespace.run(command.source, command.filename)
+                    finally:  # as after a cell in Jupyter, failed or not
+                        self.figures.cell_ended()
                 else:
                     script = command.script
                     path = self.arrivals.files.here(script.path)

@@ -15,7 +15,8 @@ written as soon as every rank has written it (the usual case: all ranks warn at 
 
 A rank's stdout and stderr reach the cell in the order the rank wrote them: stdout that a rank
 writes after a stderr line still held waits behind that line, and one flush writes its streams in
-turn, in that order (not all of stdout, then all of stderr).
+turn, in that order (not all of stdout, then all of stderr). A figure the head shows
+(:class:`~..events.DisplayReceived`) is displayed in that order too, after what it printed first.
 """
 
 from __future__ import annotations
@@ -23,15 +24,14 @@ from __future__ import annotations
 import bisect
 import collections
 import itertools
-import operator
 import re
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from ..events import OutputReceived, PoolEvent
+from ..events import DisplayReceived, OutputReceived, PoolEvent
 from ..flags import rank_span
 from ..options import StdoutMode
 
@@ -47,8 +47,24 @@ the cell ends. A bar in view keeps it, however slowly it redraws (bars with minu
 steps would otherwise leave a line per step and rank)."""
 _BREAKS = re.compile(r"([\r\n])")
 _LINES = re.compile(r"[^\n]*\n|[^\n]+")
-_Parts = list[tuple[str, str]]
-"""Text for the cell, in order: (the notebook's stream, text)."""
+
+
+@dataclass(frozen=True)
+class _Shown:
+    """A rank's rich output (a figure's MIME bundle), among the text in :data:`_Parts`."""
+
+    data: Mapping[str, str]
+
+
+_Parts = list[tuple[str, str] | _Shown]
+"""Output for the cell, in order: (the notebook's stream, text), or rich output to display."""
+
+
+def display_bundle(data: Mapping[str, str]) -> None:
+    """Display a MIME bundle in the cell that runs (the kernel's thread: its cell)."""
+    from IPython.display import display
+
+    display(dict(data), raw=True)  # type: ignore[no-untyped-call]
 
 
 def stderr_label(ranks: Iterable[int]) -> str:
@@ -86,18 +102,21 @@ class CellOutput:
         ranks: int | None = None,
         head: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        show: Callable[[Mapping[str, str]], None] = display_bundle,
     ) -> None:
         """``ranks``: how many ranks run the cell, so a line all of them wrote needs no wait
         (None: every held line waits :data:`STDERR_HOLD_SECONDS`); ``head``: the first of them,
-        whose stdout ``head`` shows (``--ranks 2-3``: rank 2). ``clock`` is for tests.
+        whose stdout ``head`` shows (``--ranks 2-3``: rank 2). ``clock`` and ``show`` (what
+        displays a rank's figure) are for tests.
         """
         self.mode = mode
         self._head = head
         self._stdout = stdout
         self._stderr = stderr
+        self._show = show
         self._ranks = ranks
         self._clock = clock
-        self._queue: collections.deque[OutputReceived] = collections.deque()
+        self._queue: collections.deque[OutputReceived | DisplayReceived] = collections.deque()
         self._at_line_start: dict[tuple[int, str], bool] = {}
         # Per stream of the notebook: whose line is still open (no final newline yet).
         self._open_line: dict[str, tuple[int, str] | None] = {"stdout": None, "stderr": None}
@@ -126,7 +145,7 @@ class CellOutput:
 
     def on_event(self, event: PoolEvent) -> None:
         """IO thread: keep the event for the next flush."""
-        if isinstance(event, OutputReceived):
+        if isinstance(event, OutputReceived | DisplayReceived):
             self._queue.append(event)
 
     def flush(self) -> None:
@@ -163,9 +182,13 @@ class CellOutput:
         """The prefix for this event's lines; None when it is not shown in the cell."""
         if event.stream == "stderr":
             return stderr_label([event.rank])
+        return self._stdout_label(event.rank)
+
+    def _stdout_label(self, rank: int) -> str | None:
+        """The prefix for ``rank``'s stdout; None when the cell does not show it."""
         if self.mode == "all":
-            return f"[rank {event.rank}] "
-        if self.mode == "head" and event.rank == self._head:
+            return f"[rank {rank}] "
+        if self.mode == "head" and rank == self._head:
             return ""
         return None
 
@@ -206,6 +229,11 @@ class CellOutput:
         parts: _Parts = []
         while self._queue:
             event = self._queue.popleft()
+            if isinstance(event, DisplayReceived):
+                if self._stdout_label(event.rank) is not None:  # shown where its stdout is
+                    self._release(parts, now, forced={event.rank})  # after what it wrote first
+                    parts.append(_Shown(event.data))
+                continue
             label = self._label(event)
             if label is None or not event.text:
                 continue
@@ -351,28 +379,55 @@ class CellOutput:
         parts.append(("stderr", stderr_label(entry.ranks) + entry.text))
 
     def _write(self, parts: _Parts) -> None:
-        """Write the streams' texts in turn, as they came; what is over
+        """Write the streams' texts and display the figures in turn, as they came; text over
         :data:`MAX_FLUSH_CHARS` is skipped from the oldest on, and the cell says how much.
         """
-        skipped = sum(len(text) for _, text in parts) - MAX_FLUSH_CHARS
+        texts = [part for part in parts if not isinstance(part, _Shown)]
+        skipped = sum(len(text) for _, text in texts) - MAX_FLUSH_CHARS
         if skipped > 0:
-            cut = skipped
-            while len(parts[0][1]) <= cut:
-                cut -= len(parts.pop(0)[1])
-            stream, text = parts[0]
-            if cut and text[cut - 1] != "\n":  # the kept output begins with a whole line
-                end = text.find("\n", cut)
-                whole = len(text) if end < 0 else end + 1
-                skipped, cut = skipped + whole - cut, whole
-            self.skipped_chars += skipped
-            parts[0] = (
-                stream,
-                f"[skyward_jupyter: {skipped} characters of rank output skipped to keep the "
-                f"notebook responsive]\n" + text[cut:],
-            )
-        for stream, group in itertools.groupby(parts, key=operator.itemgetter(0)):
+            parts = self._skip(parts, skipped)
+        for stream, group in itertools.groupby(parts, key=_stream_of):
+            if stream == "display":
+                for shown in group:
+                    assert isinstance(shown, _Shown)
+                    self._show(shown.data)
+                continue
             out = (
                 (self._stdout or sys.stdout) if stream == "stdout" else (self._stderr or sys.stderr)
             )
-            out.write("".join(text for _, text in group))
+            out.write("".join(part[1] for part in group if not isinstance(part, _Shown)))
             out.flush()
+
+    def _skip(self, parts: _Parts, skipped: int) -> _Parts:
+        """``parts`` less their oldest ``skipped`` characters of text (more, to begin the rest
+        with a whole line), with a line saying so; figures are kept.
+        """
+        cut = skipped
+        kept: _Parts = []
+        rest = collections.deque(parts)
+        while rest:
+            part = rest.popleft()
+            if isinstance(part, _Shown):
+                kept.append(part)
+            elif len(part[1]) <= cut:
+                cut -= len(part[1])
+            else:
+                stream, text = part
+                if cut and text[cut - 1] != "\n":  # the kept output begins with a whole line
+                    end = text.find("\n", cut)
+                    whole = len(text) if end < 0 else end + 1
+                    skipped, cut = skipped + whole - cut, whole
+                kept.append(
+                    (
+                        stream,
+                        f"[skyward_jupyter: {skipped} characters of rank output skipped to keep "
+                        f"the notebook responsive]\n" + text[cut:],
+                    )
+                )
+                break
+        self.skipped_chars += skipped
+        return kept + list(rest)
+
+
+def _stream_of(part: tuple[str, str] | _Shown) -> str:
+    return "display" if isinstance(part, _Shown) else part[0]
