@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Any, Union
 
 if TYPE_CHECKING:
     from .results import RunResult
@@ -78,7 +78,7 @@ class DisplayReceived:
 
     rank: int
     cell_id: int | None
-    data: dict[str, str]
+    data: dict[str, Any]
 
 
 @dataclass(frozen=True, slots=True)

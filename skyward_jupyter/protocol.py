@@ -573,7 +573,7 @@ class Display:
     """
 
     cell_id: int | None
-    data: dict[str, str]
+    data: dict[str, Any]
 
 
 @message

@@ -878,12 +878,12 @@ def test_all_shows_every_ranks_value(nb: Kernel) -> None:
 
 
 def _outputs_in_order(cell: Cell) -> list[str]:
-    """The cell's stdout (consecutive messages joined) and its images, in the order they came."""
+    """The cell's stdout (consecutive messages joined), images and HTML, in the order they came."""
     out: list[str] = []
     for m in cell.messages:
         data = m["content"].get("data", {})
         if m["msg_type"] == "stream" and m["content"]["name"] == "stdout":
-            if out and not out[-1].startswith("image:"):
+            if out and not out[-1].startswith(("image:", "html:")):
                 out[-1] += m["content"]["text"]
             else:
                 out.append(m["content"]["text"])
@@ -891,36 +891,50 @@ def _outputs_in_order(cell: Cell) -> list[str]:
             png = base64.b64decode(data["image/png"])
             assert png.startswith(b"\x89PNG"), str(cell)
             out.append(f"image: {data['text/plain']}")
+        elif m["msg_type"] == "display_data" and "text/html" in data:
+            out.append(f"html: {data['text/html']}")
     return out
 
 
-def test_a_heads_figures_show_in_the_cell_as_images_and_are_closed_on_every_rank(
-    nb: Kernel,
+def test_a_heads_figures_and_displays_show_in_the_cell_and_no_rank_keeps_a_figure(
+    nb: Kernel, tmp_path: Path
 ) -> None:
     """The kernel names Jupyter's inline backend, which the ranks inherit: there it printed each
-    figure's text once per rank. ``plt.show()`` and a figure left open at the end now show as
-    images, the head's only, in turn with its prints; no rank keeps a figure after the cell.
+    figure's text once per rank, and ``display`` (a notebook's builtin) was a NameError.
+    ``plt.show()``, a figure left open at the end and ``display`` now show as Jupyter shows
+    them, the head's only (its figures are the size it made them), in turn with its prints;
+    no rank keeps a figure after a cell, nor after a script.
     """
     nb.ok(POOL2)
     cell = nb.ok(
         "%%sky --nodes 2\n"
         "import matplotlib.pyplot as plt, torch.distributed as dist\n"
+        "from IPython.display import HTML\n"
+        "rank = dist.get_rank()\n"
         "print('before')\n"
-        "plt.plot([1, 2, 3], [dist.get_rank()] * 3)\n"
+        "plt.figure(figsize=(4 + rank, 3))\n"
+        "plt.plot([1, 2, 3], [rank] * 3)\n"
         "plt.show()\n"
+        "display(HTML(f'<b>rank {rank}</b>'))\n"
         "print('between')\n"
-        "fig, axes = plt.subplots(1, 2)\n"
-        "axes[0].bar([1], [dist.get_rank() + 1])\n"
+        "fig, axes = plt.subplots(1, 2, figsize=(2 + rank, 2))\n"
+        "axes[0].bar([1], [rank + 1])\n"
     )
     assert _outputs_in_order(cell) == [
         "before\n",
-        "image: <Figure size 640x480 with 1 Axes>",
+        "image: <Figure size 400x300 with 1 Axes>",
+        "html: <b>rank 0</b>",
         "between\n",
-        "image: <Figure size 640x480 with 2 Axes>",
+        "image: <Figure size 200x200 with 2 Axes>",
     ], str(cell)
     assert "Figure size" not in cell.stderr and "non-interactive" not in cell.stderr, str(cell)
+    script = tmp_path / "plots.py"
+    script.write_text(
+        "import matplotlib.pyplot as plt\nplt.plot([1, 2])\nplt.savefig('/dev/null')\n"
+    )
+    nb.ok(f"%sky run --nodes 2 {script}")
     left = nb.ok("%%sky --all\nimport matplotlib.pyplot as plt\nlen(plt.get_fignums())")
-    assert left.per_rank == {0: "0", 1: "0"}, str(left)
+    assert left.per_rank == {0: "0", 1: "0"} and _outputs_in_order(left) == [], str(left)
 
 
 def test_a_cell_without_a_final_expression_displays_nothing(nb: Kernel) -> None:

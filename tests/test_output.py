@@ -422,25 +422,30 @@ def shown_in_order(
 FIGURE = {"image/png": "iVBORw0KGgo=", "text/plain": "<Figure size 640x480 with 1 Axes>"}
 
 
-def test_a_heads_figure_shows_after_what_it_wrote_before_and_before_what_follows() -> None:
-    """The head's stderr line held for the other rank (a warning) still comes before the figure
-    the head showed after it; the other rank's figure is not the cell's (nor sent: see
-    agent/figures.py), and ``--stdout none`` shows none.
+def test_a_heads_figure_shows_behind_what_it_wrote_before_and_before_what_follows() -> None:
+    """A warning every rank printed stays one line, though the head showed a figure after it
+    (the figure waits behind it, as the head's stdout would); the figure shows whatever
+    ``--stdout`` says (it is not stdout), and another rank's is not the cell's (nor sent: see
+    agent/rich_output.py).
     """
     events: list[OutputReceived | DisplayReceived] = [
         OutputReceived(0, 1, "stdout", "epoch 1\n"),
-        OutputReceived(0, 1, "stderr", "UserWarning: held\n"),
+        OutputReceived(0, 1, "stderr", "UserWarning: every rank\n"),
         DisplayReceived(0, 1, FIGURE),
         DisplayReceived(1, 1, FIGURE),
+        OutputReceived(1, 1, "stderr", "UserWarning: every rank\n"),
         OutputReceived(0, 1, "stdout", "epoch 2\n"),
     ]
     assert shown_in_order("head", events) == [
         "stdout: epoch 1\n",
-        "stderr: [rank 0 stderr] UserWarning: held\n",
+        "stderr: [ranks 0-1 stderr] UserWarning: every rank\n",
         "figure: <Figure size 640x480 with 1 Axes>",
         "stdout: epoch 2\n",
     ]
-    assert shown_in_order("none", events) == ["stderr: [rank 0 stderr] UserWarning: held\n"]
+    assert shown_in_order("none", events) == [
+        "stderr: [ranks 0-1 stderr] UserWarning: every rank\n",
+        "figure: <Figure size 640x480 with 1 Axes>",
+    ]
 
 
 def test_figures_are_kept_when_a_flood_of_text_is_skipped() -> None:

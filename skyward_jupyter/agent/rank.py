@@ -56,13 +56,13 @@ from .descendants import (
     make_private_dir,
     remove_private_dir,
 )
-from .figures import Figures
 from .inbox import Inbox
 from .names import answer as names_answer
 from .node_usage import NodeUsage, socket_path
 from .output import FdCapture, PythonStreams
 from .process import UsageMeter, flush_c_stdio, set_process_name, unread_bytes
 from .relay import RelayKeys
+from .rich_output import RichOutput
 from .stacks import Watch
 from .torch_setup import GroupSettings
 from .workdir import remove_tree
@@ -157,17 +157,17 @@ class Agent:
         )
         self.watch = Watch(AGENT_THREADS)
         self.console = Console(
-            group.rank, self.channel.send, lambda: (self.cell_id, self.cell_head), self._sync_output
+            group.rank, self._send_whole, lambda: (self.cell_id, self.cell_head), self._sync_output
         )
         self.console.install()
-        self.figures = Figures(
+        self.rich_output = RichOutput(
             group.rank,
-            self.channel.send,
+            self._send_whole,
             lambda: (self.cell_id, self.cell_head),
             self._sync_output,
             self._notes.append,
         )
-        self.figures.install()
+        self.rich_output.install()
         self.inbox = Inbox(self.channel, self._route, settings.ranks_on_machine)
         self.cell_id: int | None = None
         self.cell_head = 0
@@ -176,6 +176,10 @@ class Agent:
         self._in_cell = False
         self._interrupted = False
         """An interrupt arrived during the current cell (its error is then a consequence)."""
+        self._sending_whole = False
+        """The main thread writes a frame in a cell (see :meth:`_send_whole`)."""
+        self._held_interrupt = False
+        """An interrupt came while it did: raised once the frame is written."""
         self._stop_cell: int | None = None
         self._last_cell: int | None = None
         """The last cell run since the group last formed (when it forms again, it is why)."""
@@ -409,6 +413,26 @@ class Agent:
     def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
         # Only user code is interruptible; between cells the agent must finish what it sends.
         if self._in_cell:
+            if self._sending_whole:
+                self._held_interrupt = True
+                return
+            raise KeyboardInterrupt
+
+    def _send_whole(self, message: object) -> None:
+        """Send from the cell's thread (a figure, a prompt): an interrupt that comes meanwhile
+        is raised once the frame is written; raised inside it, it would leave half a frame on
+        the wire, and the notebook would read what follows as its rest.
+        """
+        if threading.current_thread() is not threading.main_thread() or self._sending_whole:
+            self.channel.send(message)  # the handler runs on the main thread only
+            return
+        self._sending_whole = True
+        try:
+            self.channel.send(message)
+        finally:
+            self._sending_whole = False
+            held, self._held_interrupt = self._held_interrupt, False
+        if held and self._in_cell:
             raise KeyboardInterrupt
 
     # ------------------------------------------------------------------------------- main thread
@@ -526,8 +550,10 @@ class Agent:
                 if command.script is None:
                     try:
                         value = self.namespace.run(command.source, command.filename)
-                    finally:  # as after a cell in Jupyter, failed or not
-                        self.figures.cell_ended()
+                    except BaseException:
+                        self.rich_output.cell_ended(failed=True)  # as in Jupyter, failed or not
+                        raise
+                    self.rich_output.cell_ended()
                 else:
                     script = command.script
                     path = self.arrivals.files.here(script.path)
@@ -537,6 +563,8 @@ class Agent:
                         run_script(command.source, path, argv, self.namespace.module)
             finally:
                 self._in_cell = False
+                if command.script is not None:
+                    self.rich_output.discard()
         except BaseException as exc:  # noqa: BLE001 - the cell's failure is its result
             error = exc
         after_interrupt = self._interrupted

@@ -16,7 +16,8 @@ written as soon as every rank has written it (the usual case: all ranks warn at 
 A rank's stdout and stderr reach the cell in the order the rank wrote them: stdout that a rank
 writes after a stderr line still held waits behind that line, and one flush writes its streams in
 turn, in that order (not all of stdout, then all of stderr). A figure the head shows
-(:class:`~..events.DisplayReceived`) is displayed in that order too, after what it printed first.
+(:class:`~..events.DisplayReceived`) is displayed in that order too, behind what it wrote first,
+whatever ``--stdout`` says: a figure is not stdout, and only the head sends one.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TextIO
+from typing import Any, TextIO
 
 from ..events import DisplayReceived, OutputReceived, PoolEvent
 from ..flags import rank_span
@@ -50,17 +51,17 @@ _LINES = re.compile(r"[^\n]*\n|[^\n]+")
 
 
 @dataclass(frozen=True)
-class _Shown:
-    """A rank's rich output (a figure's MIME bundle), among the text in :data:`_Parts`."""
+class _Rich:
+    """The head's rich output (a figure's MIME bundle), among the text in :data:`_Parts`."""
 
-    data: Mapping[str, str]
+    data: Mapping[str, Any]
 
 
-_Parts = list[tuple[str, str] | _Shown]
+_Parts = list[tuple[str, str] | _Rich]
 """Output for the cell, in order: (the notebook's stream, text), or rich output to display."""
 
 
-def display_bundle(data: Mapping[str, str]) -> None:
+def display_bundle(data: Mapping[str, Any]) -> None:
     """Display a MIME bundle in the cell that runs (the kernel's thread: its cell)."""
     from IPython.display import display
 
@@ -86,6 +87,8 @@ class _Held:
     ranks: set[int] = field(default_factory=set)
     label: str | None = None
     """Set for held stdout: the prefix its lines get in the cell."""
+    rich: Mapping[str, Any] | None = None
+    """Set for a held figure (with ``label`` ""): its MIME bundle."""
 
 
 def _seq_of(entry: _Held) -> int:
@@ -102,7 +105,7 @@ class CellOutput:
         ranks: int | None = None,
         head: int = 0,
         clock: Callable[[], float] = time.monotonic,
-        show: Callable[[Mapping[str, str]], None] = display_bundle,
+        show: Callable[[Mapping[str, Any]], None] = display_bundle,
     ) -> None:
         """``ranks``: how many ranks run the cell, so a line all of them wrote needs no wait
         (None: every held line waits :data:`STDERR_HOLD_SECONDS`); ``head``: the first of them,
@@ -182,13 +185,9 @@ class CellOutput:
         """The prefix for this event's lines; None when it is not shown in the cell."""
         if event.stream == "stderr":
             return stderr_label([event.rank])
-        return self._stdout_label(event.rank)
-
-    def _stdout_label(self, rank: int) -> str | None:
-        """The prefix for ``rank``'s stdout; None when the cell does not show it."""
         if self.mode == "all":
-            return f"[rank {rank}] "
-        if self.mode == "head" and rank == self._head:
+            return f"[rank {event.rank}] "
+        if self.mode == "head" and event.rank == self._head:
             return ""
         return None
 
@@ -230,9 +229,12 @@ class CellOutput:
         while self._queue:
             event = self._queue.popleft()
             if isinstance(event, DisplayReceived):
-                if self._stdout_label(event.rank) is not None:  # shown where its stdout is
-                    self._release(parts, now, forced={event.rank})  # after what it wrote first
-                    parts.append(_Shown(event.data))
+                if event.rank != self._head:
+                    continue  # not the cell's (the ranks send none: see agent/figures.py)
+                if self._last_seq.get(event.rank, -1) in self._held:
+                    self._wait_behind(event.rank, "", "", now, event.data)
+                else:
+                    parts.append(_Rich(event.data))
                 continue
             label = self._label(event)
             if label is None or not event.text:
@@ -249,9 +251,13 @@ class CellOutput:
         self._release(parts, now, everything=everything)
         self._write(parts)
 
-    def _wait_behind(self, rank: int, text: str, label: str, now: float) -> None:
-        """Hold ``rank``'s stdout behind its stderr lines still held, to keep its order."""
-        entry = _Held(self._seq, text, now, {rank}, label)
+    def _wait_behind(
+        self, rank: int, text: str, label: str, now: float, rich: Mapping[str, Any] | None = None
+    ) -> None:
+        """Hold ``rank``'s stdout (or figure) behind its stderr lines still held, to keep its
+        order.
+        """
+        entry = _Held(self._seq, text, now, {rank}, label, rich)
         self._seq += 1
         self._held[entry.seq] = entry
         self._last_seq[rank] = entry.seq
@@ -362,6 +368,9 @@ class CellOutput:
             self._write_held(parts, self._held.pop(seq))
 
     def _write_held(self, parts: _Parts, entry: _Held) -> None:
+        if entry.rich is not None:
+            parts.append(_Rich(entry.rich))
+            return
         if entry.label is not None:
             (rank,) = entry.ranks
             self._append(parts, "stdout", (rank, "stdout"), entry.text, entry.label)
@@ -382,20 +391,20 @@ class CellOutput:
         """Write the streams' texts and display the figures in turn, as they came; text over
         :data:`MAX_FLUSH_CHARS` is skipped from the oldest on, and the cell says how much.
         """
-        texts = [part for part in parts if not isinstance(part, _Shown)]
+        texts = [part for part in parts if not isinstance(part, _Rich)]
         skipped = sum(len(text) for _, text in texts) - MAX_FLUSH_CHARS
         if skipped > 0:
             parts = self._skip(parts, skipped)
         for stream, group in itertools.groupby(parts, key=_stream_of):
             if stream == "display":
                 for shown in group:
-                    assert isinstance(shown, _Shown)
+                    assert isinstance(shown, _Rich)
                     self._show(shown.data)
                 continue
             out = (
                 (self._stdout or sys.stdout) if stream == "stdout" else (self._stderr or sys.stderr)
             )
-            out.write("".join(part[1] for part in group if not isinstance(part, _Shown)))
+            out.write("".join(part[1] for part in group if not isinstance(part, _Rich)))
             out.flush()
 
     def _skip(self, parts: _Parts, skipped: int) -> _Parts:
@@ -407,7 +416,7 @@ class CellOutput:
         rest = collections.deque(parts)
         while rest:
             part = rest.popleft()
-            if isinstance(part, _Shown):
+            if isinstance(part, _Rich):
                 kept.append(part)
             elif len(part[1]) <= cut:
                 cut -= len(part[1])
@@ -429,5 +438,6 @@ class CellOutput:
         return kept + list(rest)
 
 
-def _stream_of(part: tuple[str, str] | _Shown) -> str:
-    return "display" if isinstance(part, _Shown) else part[0]
+def _stream_of(part: tuple[str, str] | _Rich) -> str:
+    """What :meth:`CellOutput._write` groups a part by: its stream, or "display"."""
+    return "display" if isinstance(part, _Rich) else part[0]
