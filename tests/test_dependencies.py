@@ -25,6 +25,7 @@ OPTIONAL = {
     "ray": "only the ray provider needs it (the `ray` extra); without it, it says so",
     "jax": "only --framework jax needs it on the ranks (the `jax` extra); without it, it says so",
     "keras": "only --keras-backend jax imports it on the ranks (the `keras` extra)",
+    "matplotlib": "the ranks' backend module, which only matplotlib imports, once a cell does",
 }
 
 
