@@ -74,11 +74,14 @@ class OutputReceived:
 
 @dataclass(frozen=True, slots=True)
 class DisplayReceived:
-    """Rich output of a rank (a figure): a MIME bundle (:class:`~.protocol.Display`)."""
+    """Rich output of a rank (a figure, ``display()``): :class:`~.protocol.Display`'s fields."""
 
     rank: int
     cell_id: int | None
     data: dict[str, Any]
+    metadata: dict[str, Any]
+    display_id: str | None = None
+    update: bool = False
 
 
 @dataclass(frozen=True, slots=True)

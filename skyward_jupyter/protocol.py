@@ -568,12 +568,17 @@ class Output:
 
 @message
 class Display:
-    """Rich output of the cell's head rank (a matplotlib figure), as a MIME bundle: the type's
-    name to its data (an image base64-encoded), ``text/plain`` always among them.
+    """Rich output of the cell's head rank (a figure, ``display()``), as a MIME bundle: the
+    type's name to its data, in builtins only (text, an image base64-encoded, JSON), as
+    Jupyter's messages carry it; ``metadata`` by type (an image's width).
+    ``display_id``: shown under that id; ``update``: replaces what was shown under it.
     """
 
     cell_id: int | None
     data: dict[str, Any]
+    metadata: dict[str, Any]
+    display_id: str | None = None
+    update: bool = False
 
 
 @message

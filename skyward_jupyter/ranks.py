@@ -528,7 +528,16 @@ class Ranks:
         if isinstance(message, p.Output):
             self.emit(OutputReceived(rank.index, message.cell_id, message.stream, message.text))
         elif isinstance(message, p.Display):
-            self.emit(DisplayReceived(rank.index, message.cell_id, message.data))
+            self.emit(
+                DisplayReceived(
+                    rank.index,
+                    message.cell_id,
+                    message.data,
+                    message.metadata,
+                    message.display_id,
+                    message.update,
+                )
+            )
         elif isinstance(message, p.Metrics):
             self.emit(MetricsLogged(rank.index, message.cell_id, message.rows))
         elif isinstance(message, p.ANSWERS):

@@ -928,6 +928,17 @@ def test_a_heads_figures_and_displays_show_in_the_cell_and_no_rank_keeps_a_figur
         "image: <Figure size 200x200 with 2 Axes>",
     ], str(cell)
     assert "Figure size" not in cell.stderr and "non-interactive" not in cell.stderr, str(cell)
+    shown = nb.ok(
+        "%%sky\nfrom IPython.display import HTML\n"
+        "handle = display(HTML('<i>step 1</i>'), display_id=True)\n"
+        "handle.update(HTML('<i>step 2</i>'))\n"
+    )
+    first, update = (m for m in shown.messages if "text/html" in m["content"].get("data", {}))
+    assert (first["msg_type"], update["msg_type"]) == ("display_data", "update_display_data")
+    assert update["content"]["data"]["text/html"] == "<i>step 2</i>", str(shown)
+    assert first["content"]["transient"] == update["content"]["transient"], str(shown)
+    failed = nb.fails("%%sky\nimport matplotlib.pyplot as plt\nplt.plot([1, 2])\n1 / 0")
+    assert _outputs_in_order(failed) == [], str(failed)  # drawn, it would race the pool's stop
     script = tmp_path / "plots.py"
     script.write_text(
         "import matplotlib.pyplot as plt\nplt.plot([1, 2])\nplt.savefig('/dev/null')\n"

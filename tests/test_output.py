@@ -409,7 +409,7 @@ def shown_in_order(
         Written("stderr", order),
         ranks=2,
         clock=Clock(),
-        show=lambda data: order.append(f"figure: {data['text/plain']}"),
+        show=lambda shown: order.append(f"figure: {shown.data['text/plain']}"),
     )
     for event in events:
         view.on_event(event)
@@ -431,8 +431,8 @@ def test_a_heads_figure_shows_behind_what_it_wrote_before_and_before_what_follow
     events: list[OutputReceived | DisplayReceived] = [
         OutputReceived(0, 1, "stdout", "epoch 1\n"),
         OutputReceived(0, 1, "stderr", "UserWarning: every rank\n"),
-        DisplayReceived(0, 1, FIGURE),
-        DisplayReceived(1, 1, FIGURE),
+        DisplayReceived(0, 1, FIGURE, {}),
+        DisplayReceived(1, 1, FIGURE, {}),
         OutputReceived(1, 1, "stderr", "UserWarning: every rank\n"),
         OutputReceived(0, 1, "stdout", "epoch 2\n"),
     ]
@@ -450,6 +450,26 @@ def test_a_heads_figure_shows_behind_what_it_wrote_before_and_before_what_follow
 
 def test_figures_are_kept_when_a_flood_of_text_is_skipped() -> None:
     lines = [OutputReceived(0, 1, "stdout", f"line {i:06d}\n") for i in range(30_000)]
-    order = shown_in_order("head", [DisplayReceived(0, 1, FIGURE), *lines], flush_each=False)
+    order = shown_in_order("head", [DisplayReceived(0, 1, FIGURE, {}), *lines], flush_each=False)
     assert order[0] == "figure: <Figure size 640x480 with 1 Axes>"
     assert "skipped" in order[1] and order[-1].endswith("line 029999\n")
+
+
+def test_a_display_the_notebook_cannot_show_is_said_and_the_cell_goes_on() -> None:
+    """Raised from the flush, the frontend's error ended the notebook's wait while the ranks
+    still ran, and the cell's later output never came.
+    """
+
+    def broken(shown: DisplayReceived) -> None:
+        raise ValueError("Can't clean for JSON")
+
+    out, err = io.StringIO(), io.StringIO()
+    view = CellOutput("head", out, err, ranks=1, clock=Clock(), show=broken)
+    view.on_event(DisplayReceived(0, 1, {"text/plain": "x", "application/json": {}}, {}))
+    send(view, 0, "later\n", "stdout")
+    view.flush()
+    assert out.getvalue() == "later\n"
+    assert err.getvalue() == (
+        "[skyward_jupyter: rank 0's display (text/plain, application/json) could not be shown: "
+        "ValueError: Can't clean for JSON]\n"
+    )

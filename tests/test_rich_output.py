@@ -67,10 +67,9 @@ def backend() -> Iterator[None]:
 def test_a_rank_uses_its_backend_unless_the_user_chose_one(
     monkeypatch: pytest.MonkeyPatch, inherited: str | None, chosen: str
 ) -> None:
+    monkeypatch.setenv("MPLBACKEND", inherited or "")  # recorded, so put back after the test
     if inherited is None:
-        monkeypatch.delenv("MPLBACKEND", raising=False)
-    else:
-        monkeypatch.setenv("MPLBACKEND", inherited)
+        monkeypatch.delenv("MPLBACKEND")
     monkeypatch.setattr(rich_output, "_current", None)
     monkeypatch.setattr(builtins, "display", None, raising=False)
     rank = Rank()
@@ -149,25 +148,16 @@ def test_a_figure_that_cannot_be_drawn_or_is_too_large_is_said_and_the_rest_show
 
 
 @pytest.mark.usefixtures("backend")
-def test_an_interrupted_drawing_after_a_failed_cell_is_said_not_raised(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The pool stops the head while it draws after the others failed: the cell's own error
-    must stay its result, not the interrupt.
+def test_a_failed_cells_figures_are_closed_undrawn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool stops the other ranks as soon as one fails: drawing would race that stop (and
+    its interrupt would be said in place of the cell's error).
     """
-
-    def interrupted(figure: Any) -> dict[str, Any]:
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(rich_output, "figure_forms", interrupted)
+    drawn: list[Any] = []
+    monkeypatch.setattr(rich_output, "figure_forms", drawn.append)
     rank = Rank()
     plt.plot([1, 2])
     rank.output.cell_ended(failed=True)
-    assert rank.notes == ["rank 0: its open figures were not shown: KeyboardInterrupt"]
-    assert plt.get_fignums() == []
-    plt.plot([1, 2])
-    with pytest.raises(KeyboardInterrupt):  # after a cell that succeeded, the interrupt is its
-        rank.output.cell_ended()
+    assert rank.sent == [] and drawn == [] and rank.notes == [] and plt.get_fignums() == []
 
 
 @pytest.mark.usefixtures("backend")
@@ -204,40 +194,121 @@ def test_display_on_the_head_sends_what_jupyter_would_show(
     assert capsys.readouterr().out == ""
 
 
+class Point:
+    """A type of the rank's own, which the notebook could not unpickle."""
+
+
+class Odd:
+    def _repr_json_(self) -> dict[str, Any]:
+        return {"p": Point()}
+
+    def _repr_html_(self) -> Any:
+        return Point()
+
+    def _repr_png_(self) -> tuple[bytes, dict[str, Any]]:
+        return b"\x89PNG", {"width": 300}
+
+    def __repr__(self) -> str:
+        raise RuntimeError("broken repr")
+
+
+class Proxy:
+    """Answers every name, as a mock does."""
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kwargs: Point()
+
+    def __repr__(self) -> str:
+        return "Proxy()"
+
+
+def test_display_sends_only_what_the_notebook_can_read_and_says_the_rest() -> None:
+    """A form of a type the notebook lacks made the rank's message unreadable there (the rank
+    was killed), and a proxy's answers failed to pickle: only text, images and JSON go.
+    """
+    rank = Rank()
+    rank.output.display(Odd(), Proxy(), metadata={"isolated": True})
+    rank.output.display(
+        {"text/plain": "w", "application/vnd.jupyter.widget-view+json": {}}, raw=True
+    )
+    odd, proxy, widget = rank.sent
+    assert odd.data == {
+        "image/png": base64.b64encode(b"\x89PNG").decode(),
+        "text/plain": "<Odd object (its repr raised RuntimeError: broken repr)>",
+    }
+    assert odd.metadata == {"image/png": {"width": 300}, "isolated": True}
+    assert proxy.data == {"text/plain": "Proxy()"} and widget.data == {"text/plain": "w"}
+    said = "\n".join(rank.notes)
+    assert "application/json form (dict) is not text, an image or JSON" in said
+    assert "text/html form (Point) is not text" in said and "a widget shows only" in said
+    for message in rank.sent:  # what the notebook reads: builtins only
+        assert type(message.data) is dict and all(
+            type(v) in (str, dict) for v in message.data.values()
+        )
+
+
+def test_display_include_exclude_and_a_handle_that_updates_in_place() -> None:
+    rank = Rank()
+    handle = rank.output.display(Table(), exclude={"text/html"}, display_id=True)
+    assert handle is not None
+    handle.update(Table(), raw=False)
+    rank.output.display(Table(), include={"text/html"})
+    first, updated, only_html = rank.sent
+    assert first.data == {"text/plain": "Table(1)"} and not first.update
+    assert updated.display_id == first.display_id == handle.display_id and updated.update
+    assert only_html.data == {"text/html": "<table><tr><td>1</td></tr></table>"}
+    assert only_html.display_id is None and rank.output.display(Table()) is None
+
+
 def test_display_elsewhere_prints_the_text(capsys: pytest.CaptureFixture[str]) -> None:
     rank = Rank(rank=1, head=0)
     rank.output.display(Table(), {"text/plain": "raw"}, "x")
     rank.output.display({"text/plain": "raw"}, raw=True)
+    handle = rank.output.display(Table(), display_id="progress")
+    assert handle is not None
+    handle.update("done")
     assert rank.sent == []
-    assert capsys.readouterr().out == "Table(1)\n{'text/plain': 'raw'}\n'x'\nraw\n"
+    out = capsys.readouterr().out
+    assert out == "Table(1)\n{'text/plain': 'raw'}\n'x'\nraw\nTable(1)\n'done'\n"
 
 
 class Wire:
-    """A channel whose frame is interrupted halfway, as SIGINT from the pool would."""
+    """A channel whose frame a signal cuts halfway, as the pool's interrupt or a cell's alarm
+    would.
+    """
 
-    def __init__(self) -> None:
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
         self.frames: list[str] = []
 
     def send(self, message: object) -> None:
         self.frames.append("first half")
-        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(self.signum)
         self.frames.append("second half")
 
 
-def test_an_interrupt_during_a_frame_the_cell_sends_comes_after_the_frame() -> None:
-    """Raised inside the write, it left half a frame on the wire, and the notebook read what
-    followed as its rest (the rank was then lost).
+def _timed_out(signum: int, frame: object) -> None:
+    raise TimeoutError("the cell's own alarm")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGALRM])
+def test_a_signal_during_a_frame_the_cell_sends_is_handled_after_the_frame(signum: int) -> None:
+    """Raised inside the write, the handler's exception left half a frame on the wire, and the
+    notebook read what followed as its rest (the rank was then lost).
     """
     assert threading.current_thread() is threading.main_thread()
     agent = Agent.__new__(Agent)  # only what the handler and the sender use
-    agent.channel = Wire()  # type: ignore[assignment]
-    agent._in_cell, agent._sending_whole, agent._held_interrupt = True, False, False
-    previous = signal.signal(signal.SIGINT, agent._on_sigint)
+    wire = Wire(signum)
+    agent.channel = wire  # type: ignore[assignment]
+    agent._in_cell = True
+    handlers = {signal.SIGINT: agent._on_sigint, signal.SIGALRM: _timed_out}
+    expected = {signal.SIGINT: KeyboardInterrupt, signal.SIGALRM: TimeoutError}[signum]
+    previous = signal.signal(signum, handlers[signum])
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, ())
     try:
-        with pytest.raises(KeyboardInterrupt):
-            agent._send_whole(p.Display(1, {"text/plain": "x"}))
-        assert agent.channel.frames == ["first half", "second half"]  # type: ignore[attr-defined]
-        agent._in_cell = False  # between cells: nothing raised, the frame whole
-        agent._send_whole(p.Display(1, {"text/plain": "x"}))
+        with pytest.raises(expected):
+            agent._send_whole(p.Display(1, {"text/plain": "x"}, {}))
+        assert wire.frames == ["first half", "second half"]
+        assert signal.pthread_sigmask(signal.SIG_BLOCK, ()) == mask  # the mask is put back
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.signal(signum, previous)

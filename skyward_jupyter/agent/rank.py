@@ -176,10 +176,6 @@ class Agent:
         self._in_cell = False
         self._interrupted = False
         """An interrupt arrived during the current cell (its error is then a consequence)."""
-        self._sending_whole = False
-        """The main thread writes a frame in a cell (see :meth:`_send_whole`)."""
-        self._held_interrupt = False
-        """An interrupt came while it did: raised once the frame is written."""
         self._stop_cell: int | None = None
         self._last_cell: int | None = None
         """The last cell run since the group last formed (when it forms again, it is why)."""
@@ -413,27 +409,26 @@ class Agent:
     def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
         # Only user code is interruptible; between cells the agent must finish what it sends.
         if self._in_cell:
-            if self._sending_whole:
-                self._held_interrupt = True
-                return
             raise KeyboardInterrupt
 
     def _send_whole(self, message: object) -> None:
-        """Send from the cell's thread (a figure, a prompt): an interrupt that comes meanwhile
-        is raised once the frame is written; raised inside it, it would leave half a frame on
-        the wire, and the notebook would read what follows as its rest.
+        """Send from the cell's thread (a figure, a prompt): a signal that comes meanwhile (the
+        pool's interrupt, a cell's alarm) has its handler run once the frame is written; raised
+        inside it, its exception would leave half a frame on the wire, and the notebook would
+        read what follows as its rest. One already caught when the signals are blocked raises
+        as ``send`` is entered (Python runs pending handlers there), before anything is written.
         """
-        if threading.current_thread() is not threading.main_thread() or self._sending_whole:
-            self.channel.send(message)  # the handler runs on the main thread only
+        if threading.current_thread() is not threading.main_thread():
+            self.channel.send(message)  # handlers run on the main thread only
             return
-        self._sending_whole = True
+        # The mask as it is (the call runs pending handlers, so may raise: nothing changed yet);
+        # blocking may raise too, for one caught in between: the mask is put back all the same.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, ())
         try:
+            signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
             self.channel.send(message)
         finally:
-            self._sending_whole = False
-            held, self._held_interrupt = self._held_interrupt, False
-        if held and self._in_cell:
-            raise KeyboardInterrupt
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
     # ------------------------------------------------------------------------------- main thread
 

@@ -23,9 +23,11 @@ from __future__ import annotations
 import base64
 import builtins
 import io
+import json
 import os
 import sys
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Collection
 from typing import Any
 
 from .. import protocol as p
@@ -45,6 +47,8 @@ FRONTEND_BACKENDS = frozenset(
 )
 """Backends that draw into a notebook's frontend (lower case): a rank has none, so they give
 way to :data:`BACKEND`. Jupyter's kernel sets the first ones; the rest a user may."""
+_RANK_ONLY = frozenset({"application/vnd.jupyter.widget-view+json"})
+"""Forms that name an object living on the rank (a widget's model): the notebook has none."""
 MAX_RICH_BYTES = 8 * 2**20
 """The most one figure or ``display`` may send: a cell's output is saved in the notebook."""
 _REPR_METHODS = (
@@ -62,6 +66,8 @@ _REPR_METHODS = (
 
 
 class RichOutput:
+    """The rank's ``display`` builtin and figures (see the module's docstring)."""
+
     def __init__(
         self,
         rank: int,
@@ -92,52 +98,102 @@ class RichOutput:
 
     # ------------------------------------------------------------------------------ display
 
-    def display(self, *objs: Any, raw: bool = False, **options: Any) -> None:
+    def display(
+        self,
+        *objs: Any,
+        raw: bool = False,
+        include: Collection[str] | None = None,
+        exclude: Collection[str] | None = None,
+        metadata: dict[str, Any] | None = None,
+        display_id: str | bool | None = None,
+        **options: Any,
+    ) -> DisplayHandle | None:
         """The notebook's builtin ``display``: on the cell's head, what Jupyter would show of
         each object (``raw``: each is a MIME bundle already); elsewhere its text, as ``print``.
-        ``display_id``, ``metadata`` and the other options of IPython's have no effect here.
+        With ``display_id`` (``True``: a new one) it returns a handle whose ``update`` replaces
+        what was shown, as IPython's does. Its other options (``transient``, ``clear``) do
+        nothing here.
         """
-        head = self._head_cell()
+        if display_id is True:
+            display_id = uuid.uuid4().hex
+        shown_id = display_id or None
         for obj in objs:
-            if head is None:
-                print(obj.get("text/plain", "") if raw and isinstance(obj, dict) else repr(obj))
-                continue
-            data = dict(obj) if raw and isinstance(obj, dict) else self._forms(obj)
-            self._show(head, data, f"display of {type(obj).__name__}")
+            self._display(obj, raw, include, exclude, metadata, shown_id, update=False)
+        return DisplayHandle(self, shown_id) if shown_id else None
 
-    def _forms(self, obj: Any) -> dict[str, Any]:
-        """What Jupyter's display shows of ``obj``: a figure as a PNG, else the forms its
-        ``_repr_*_`` methods give (a method that raises is said and left out), and its repr.
+    def _display(
+        self,
+        obj: Any,
+        raw: bool,
+        include: Collection[str] | None,
+        exclude: Collection[str] | None,
+        metadata: dict[str, Any] | None,
+        display_id: str | None,
+        update: bool,
+    ) -> None:
+        head = self._head_cell()
+        if head is None:
+            text = obj.get("text/plain", "") if raw and isinstance(obj, dict) else _repr(obj)
+            print(text)
+            return
+        if raw and isinstance(obj, dict):
+            data, forms_metadata = dict(obj), dict[str, Any]()
+        else:
+            data, forms_metadata = self._forms(obj)
+        data = {
+            mime: value
+            for mime, value in data.items()
+            if (include is None or mime in include) and (exclude is None or mime not in exclude)
+        }
+        shown_metadata = {**forms_metadata, **(metadata or {})}
+        self._show(
+            head, data, f"display of {type(obj).__name__}", shown_metadata, display_id, update
+        )
+
+    def _forms(self, obj: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """What Jupyter's display shows of ``obj``, and its metadata: a figure as a PNG, else
+        the forms its ``_repr_*_`` methods give (a method that raises is said and left out),
+        and its repr.
         """
         if _is_figure(obj):
-            return figure_forms(obj)
+            return figure_forms(obj), {}
         data: dict[str, Any] = {}
-        if not isinstance(obj, type):  # a class's _repr_html_ is an unbound function
-            bundle = self._asked(obj, "_repr_mimebundle_", include=None, exclude=None)
-            data.update(bundle if isinstance(bundle, dict) else {})
-            for mime, name in _REPR_METHODS:
-                if mime not in data and (value := self._asked(obj, name)) is not None:
-                    data[mime] = value
-        data.setdefault("text/plain", repr(obj))
-        return data
+        metadata: dict[str, Any] = {}
+        bundle = self._asked(obj, "_repr_mimebundle_", include=None, exclude=None)
+        if isinstance(bundle, tuple) and len(bundle) == 2:
+            bundle, bundle_metadata = bundle
+            metadata.update(bundle_metadata if isinstance(bundle_metadata, dict) else {})
+        data.update(bundle if isinstance(bundle, dict) else {})
+        for mime, name in _REPR_METHODS:
+            if mime in data:
+                continue
+            value = self._asked(obj, name)
+            if isinstance(value, tuple) and len(value) == 2:  # (data, its metadata)
+                value, metadata[mime] = value
+            if value is not None:
+                data[mime] = value
+        data.setdefault("text/plain", _repr(obj))
+        return data, metadata
 
     def _asked(self, obj: Any, name: str, **kwargs: Any) -> Any:
-        method = getattr(obj, name, None)
-        if not callable(method):
+        """``obj``'s method ``name`` called, where it has a real one (as IPython asks: not a
+        class's, not a proxy's that answers every name); None if not, or if it raises (said).
+        """
+        method = _real_method(obj, name)
+        if method is None:
             return None
         try:
-            value = method(**kwargs)
+            return method(**kwargs)
         except Exception as exc:  # noqa: BLE001 - the user's method; said, and shown without it
             self._note(f"rank {self.rank}: {type(obj).__name__}.{name} raised {_said(exc)}")
             return None
-        return value[0] if isinstance(value, tuple) else value  # (data, metadata)
 
     # ------------------------------------------------------------------------------ figures
 
     def cell_ended(self, failed: bool = False) -> None:
-        """After every cell, as the inline backend does: the figures left open are shown. After
-        a failed cell, nothing here may replace its error (the pool stops the other ranks, and
-        may interrupt this one while it draws): what goes wrong is said instead.
+        """After every cell, as the inline backend does: the figures left open are shown. A
+        failed cell's are closed undrawn: the pool stops the other ranks at once, and drawing
+        would race that stop (shown or not by chance, and an interrupt said for its error).
         """
         if "matplotlib.pyplot" not in sys.modules:
             return  # no figure can be open: most cells pay one lookup
@@ -145,13 +201,10 @@ class RichOutput:
 
         if matplotlib.get_backend() != BACKEND:
             return  # the user's own backend keeps its figures as it does anywhere
-        if not failed:
+        if failed:
+            self.discard()
+        else:
             self.show_open()
-            return
-        try:
-            self.show_open()
-        except BaseException as exc:  # noqa: BLE001 - the cell's own error is its result
-            self._note(f"rank {self.rank}: its open figures were not shown: {_said(exc)}")
 
     def show_open(self) -> None:
         """``plt.show()``: the open figures to the notebook from the head rank, then closed."""
@@ -175,8 +228,9 @@ class RichOutput:
             plt.close("all")
 
     def discard(self) -> None:
-        """After a script (``%sky run``): its figures closed unshown, as when it ends under
-        torchrun; the next cell would otherwise show them.
+        """The open figures closed undrawn: after a failed cell, and after a script (``%sky
+        run``), whose figures left open go unshown as when it ends under torchrun (what its
+        ``plt.show()`` showed, it showed); the next cell would otherwise show them.
         """
         if "matplotlib.pyplot" in sys.modules:
             sys.modules["matplotlib.pyplot"].close("all")
@@ -193,11 +247,25 @@ class RichOutput:
             return None
         return cell_id
 
-    def _show(self, cell_id: int, data: dict[str, Any], what: str) -> None:
+    def _show(
+        self,
+        cell_id: int,
+        data: dict[str, Any],
+        what: str,
+        metadata: dict[str, Any] | None = None,
+        display_id: str | None = None,
+        update: bool = False,
+    ) -> None:
+        """Send what ``data`` and ``metadata`` hold that Jupyter's messages can carry, so the
+        notebook can read and show it whatever the rank's own types; what cannot go, or is
+        over :data:`MAX_RICH_BYTES` in all, is said instead.
+        """
+        carried = {}
         for mime, value in data.items():
-            if isinstance(value, bytes):  # an image; the notebook's format has it in base64
-                data[mime] = base64.b64encode(value).decode("ascii")
-        size = sum(len(v) for v in data.values() if isinstance(v, str))
+            form = self._carried(mime, value, what)
+            if form is not None:
+                carried[str(mime)] = form
+        size = sum(len(v) if isinstance(v, str) else len(json.dumps(v)) for v in carried.values())
         if size > MAX_RICH_BYTES:
             self._note(
                 f"rank {self.rank}: {what} was not shown: {size / 2**20:.1f} MiB, over the "
@@ -205,8 +273,49 @@ class RichOutput:
                 "notebook); save it to a file instead (a figure: savefig, at a lower dpi)"
             )
             return
+        if not carried:
+            return
         self._flush()
-        self._send(p.Display(cell_id, data))
+        shown_metadata = _as_json(metadata or {}) or {}
+        self._send(p.Display(cell_id, carried, shown_metadata, display_id, update))
+
+    def _carried(self, mime: Any, value: Any, what: str) -> Any:
+        """``value`` as a MIME bundle carries it (text; an image in base64; JSON), or None."""
+        if not isinstance(mime, str) or mime in _RANK_ONLY:
+            if mime in _RANK_ONLY:
+                self._note(f"rank {self.rank}: {what}: a widget shows only where it lives")
+            return None
+        if isinstance(value, bytes):
+            return base64.b64encode(value).decode("ascii")
+        if isinstance(value, str):
+            return str(value)  # a subclass of str would need its class in the notebook
+        if mime.endswith("json") and (form := _as_json(value)) is not None:
+            return form
+        self._note(
+            f"rank {self.rank}: {what}: its {mime} form ({type(value).__name__}) is not text, "
+            "an image or JSON, so it was left out"
+        )
+        return None
+
+
+class DisplayHandle:
+    """What ``display(..., display_id=...)`` returns on a rank, as IPython's does: ``update``
+    replaces what was shown under the id, ``display`` shows the object again under it.
+    """
+
+    def __init__(self, output: RichOutput, display_id: str) -> None:
+        self._output = output
+        self.display_id = display_id
+
+    def display(self, obj: Any, raw: bool = False, **options: Any) -> None:
+        self._output._display(
+            obj, raw, None, None, options.get("metadata"), self.display_id, update=False
+        )
+
+    def update(self, obj: Any, raw: bool = False, **options: Any) -> None:
+        self._output._display(
+            obj, raw, None, None, options.get("metadata"), self.display_id, update=True
+        )
 
 
 def figure_forms(figure: Any) -> dict[str, Any]:
@@ -219,6 +328,36 @@ def figure_forms(figure: Any) -> dict[str, Any]:
         figure.savefig(png, format="png", bbox_inches="tight")
         data["image/png"] = png.getvalue()
     return data
+
+
+def _real_method(obj: Any, name: str) -> Callable[..., Any] | None:
+    """``obj``'s method ``name``, as IPython looks for one: not on a class (its method is
+    unbound), not on a proxy that answers any name, and None where looking raises.
+    """
+    if isinstance(obj, type):
+        return None
+    try:
+        if getattr(obj, "_skyward_no_such_method_", None) is not None:
+            return None  # answers every name: a mock, a proxy
+        method = getattr(obj, name, None)
+    except Exception:  # noqa: BLE001 - an object whose __getattr__ raises has no such method
+        return None
+    return method if callable(method) else None
+
+
+def _as_json(value: Any) -> Any:
+    """``value`` as plain JSON (dicts, lists, strings, numbers), or None where it is not."""
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError):
+        return None
+
+
+def _repr(obj: Any) -> str:
+    try:
+        return repr(obj)
+    except Exception as exc:  # noqa: BLE001 - a broken __repr__ is shown as such, as IPython does
+        return f"<{type(obj).__name__} object (its repr raised {_said(exc)})>"
 
 
 def _is_figure(obj: Any) -> bool:

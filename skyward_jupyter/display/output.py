@@ -15,9 +15,9 @@ written as soon as every rank has written it (the usual case: all ranks warn at 
 
 A rank's stdout and stderr reach the cell in the order the rank wrote them: stdout that a rank
 writes after a stderr line still held waits behind that line, and one flush writes its streams in
-turn, in that order (not all of stdout, then all of stderr). A figure the head shows
-(:class:`~..events.DisplayReceived`) is displayed in that order too, behind what it wrote first,
-whatever ``--stdout`` says: a figure is not stdout, and only the head sends one.
+turn, in that order (not all of stdout, then all of stderr). What the head displays (a figure,
+``display()``: :class:`~..events.DisplayReceived`) is displayed in that order too, behind what it
+wrote first, whatever ``--stdout`` says: it is not stdout, and only the head sends it.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import itertools
 import re
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import TextIO
 
 from ..events import DisplayReceived, OutputReceived, PoolEvent
 from ..flags import rank_span
@@ -48,24 +48,22 @@ the cell ends. A bar in view keeps it, however slowly it redraws (bars with minu
 steps would otherwise leave a line per step and rank)."""
 _BREAKS = re.compile(r"([\r\n])")
 _LINES = re.compile(r"[^\n]*\n|[^\n]+")
+_Parts = list[tuple[str, str] | DisplayReceived]
+"""Output for the cell, in order: (the notebook's stream, text), or the head's rich output."""
 
 
-@dataclass(frozen=True)
-class _Rich:
-    """The head's rich output (a figure's MIME bundle), among the text in :data:`_Parts`."""
+def display_bundle(shown: DisplayReceived) -> None:
+    """Display the head's rich output in the cell that runs (the kernel's thread: its cell)."""
+    from IPython.display import display, update_display
 
-    data: Mapping[str, Any]
-
-
-_Parts = list[tuple[str, str] | _Rich]
-"""Output for the cell, in order: (the notebook's stream, text), or rich output to display."""
-
-
-def display_bundle(data: Mapping[str, Any]) -> None:
-    """Display a MIME bundle in the cell that runs (the kernel's thread: its cell)."""
-    from IPython.display import display
-
-    display(dict(data), raw=True)  # type: ignore[no-untyped-call]
+    if shown.update and shown.display_id is not None:
+        update_display(  # type: ignore[no-untyped-call]
+            shown.data, raw=True, metadata=shown.metadata, display_id=shown.display_id
+        )
+    else:
+        display(  # type: ignore[no-untyped-call]
+            shown.data, raw=True, metadata=shown.metadata, display_id=shown.display_id
+        )
 
 
 def stderr_label(ranks: Iterable[int]) -> str:
@@ -87,8 +85,8 @@ class _Held:
     ranks: set[int] = field(default_factory=set)
     label: str | None = None
     """Set for held stdout: the prefix its lines get in the cell."""
-    rich: Mapping[str, Any] | None = None
-    """Set for a held figure (with ``label`` ""): its MIME bundle."""
+    rich: DisplayReceived | None = None
+    """Set for held rich output (with ``label`` ""): what the head displayed."""
 
 
 def _seq_of(entry: _Held) -> int:
@@ -105,7 +103,7 @@ class CellOutput:
         ranks: int | None = None,
         head: int = 0,
         clock: Callable[[], float] = time.monotonic,
-        show: Callable[[Mapping[str, Any]], None] = display_bundle,
+        show: Callable[[DisplayReceived], None] = display_bundle,
     ) -> None:
         """``ranks``: how many ranks run the cell, so a line all of them wrote needs no wait
         (None: every held line waits :data:`STDERR_HOLD_SECONDS`); ``head``: the first of them,
@@ -230,11 +228,11 @@ class CellOutput:
             event = self._queue.popleft()
             if isinstance(event, DisplayReceived):
                 if event.rank != self._head:
-                    continue  # not the cell's (the ranks send none: see agent/figures.py)
+                    continue  # not the cell's (the ranks send none: see agent/rich_output.py)
                 if self._last_seq.get(event.rank, -1) in self._held:
-                    self._wait_behind(event.rank, "", "", now, event.data)
+                    self._wait_behind(event.rank, "", "", now, event)
                 else:
-                    parts.append(_Rich(event.data))
+                    parts.append(event)
                 continue
             label = self._label(event)
             if label is None or not event.text:
@@ -252,10 +250,10 @@ class CellOutput:
         self._write(parts)
 
     def _wait_behind(
-        self, rank: int, text: str, label: str, now: float, rich: Mapping[str, Any] | None = None
+        self, rank: int, text: str, label: str, now: float, rich: DisplayReceived | None = None
     ) -> None:
-        """Hold ``rank``'s stdout (or figure) behind its stderr lines still held, to keep its
-        order.
+        """Hold ``rank``'s stdout (or rich output) behind its stderr lines still held, to keep
+        its order.
         """
         entry = _Held(self._seq, text, now, {rank}, label, rich)
         self._seq += 1
@@ -369,7 +367,7 @@ class CellOutput:
 
     def _write_held(self, parts: _Parts, entry: _Held) -> None:
         if entry.rich is not None:
-            parts.append(_Rich(entry.rich))
+            parts.append(entry.rich)
             return
         if entry.label is not None:
             (rank,) = entry.ranks
@@ -388,35 +386,50 @@ class CellOutput:
         parts.append(("stderr", stderr_label(entry.ranks) + entry.text))
 
     def _write(self, parts: _Parts) -> None:
-        """Write the streams' texts and display the figures in turn, as they came; text over
+        """Write the streams' texts and display the rich output in turn, as they came; text over
         :data:`MAX_FLUSH_CHARS` is skipped from the oldest on, and the cell says how much.
         """
-        texts = [part for part in parts if not isinstance(part, _Rich)]
+        texts = [part for part in parts if not isinstance(part, DisplayReceived)]
         skipped = sum(len(text) for _, text in texts) - MAX_FLUSH_CHARS
         if skipped > 0:
             parts = self._skip(parts, skipped)
         for stream, group in itertools.groupby(parts, key=_stream_of):
             if stream == "display":
                 for shown in group:
-                    assert isinstance(shown, _Rich)
-                    self._show(shown.data)
+                    assert isinstance(shown, DisplayReceived)
+                    self._display(shown)
                 continue
             out = (
                 (self._stdout or sys.stdout) if stream == "stdout" else (self._stderr or sys.stderr)
             )
-            out.write("".join(part[1] for part in group if not isinstance(part, _Rich)))
+            out.write("".join(part[1] for part in group if not isinstance(part, DisplayReceived)))
             out.flush()
+
+    def _display(self, shown: DisplayReceived) -> None:
+        """Display the head's output; one the notebook cannot show is said on stderr, and the
+        cell's other output and its wait go on.
+        """
+        try:
+            self._show(shown)
+        except Exception as exc:  # noqa: BLE001 - any error of the frontend's formatting
+            what = ", ".join(shown.data) or "nothing"
+            err = self._stderr or sys.stderr
+            err.write(
+                f"[skyward_jupyter: rank {shown.rank}'s display ({what}) could not be shown: "
+                f"{type(exc).__name__}: {exc}]\n"
+            )
+            err.flush()
 
     def _skip(self, parts: _Parts, skipped: int) -> _Parts:
         """``parts`` less their oldest ``skipped`` characters of text (more, to begin the rest
-        with a whole line), with a line saying so; figures are kept.
+        with a whole line), with a line saying so; rich output is kept.
         """
         cut = skipped
         kept: _Parts = []
         rest = collections.deque(parts)
         while rest:
             part = rest.popleft()
-            if isinstance(part, _Rich):
+            if isinstance(part, DisplayReceived):
                 kept.append(part)
             elif len(part[1]) <= cut:
                 cut -= len(part[1])
@@ -438,6 +451,6 @@ class CellOutput:
         return kept + list(rest)
 
 
-def _stream_of(part: tuple[str, str] | _Rich) -> str:
+def _stream_of(part: tuple[str, str] | DisplayReceived) -> str:
     """What :meth:`CellOutput._write` groups a part by: its stream, or "display"."""
-    return "display" if isinstance(part, _Rich) else part[0]
+    return "display" if isinstance(part, DisplayReceived) else part[0]
