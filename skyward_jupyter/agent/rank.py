@@ -536,10 +536,10 @@ class Agent:
                 self._bind(command, group)
             before = dict(self.namespace.globals)  # holds the values, so ids cannot be reused
             self.worlds.user_calls.reset()
-            with self._cell_lock:
-                self._interrupted = self._stop_cell == command.cell_id
-                self._in_cell = True
             try:
+                with self._cell_lock:  # inside: an interrupt as the lock is let go is the cell's
+                    self._interrupted = self._stop_cell == command.cell_id
+                    self._in_cell = True
                 if self._interrupted:
                     raise KeyboardInterrupt
                 if command.script is None:
