@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import builtins
 import getpass
+import os
 import queue
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +35,7 @@ class Console:
         self._cell = cell
         self._flush = flush
         self._replies: queue.Queue[p.InputReply] = queue.Queue()
+        self._pid = os.getpid()
 
     def install(self) -> None:
         builtins.input = self.input
@@ -50,6 +52,12 @@ class Console:
         self._replies.put(reply)
 
     def _ask(self, prompt: str, password: bool) -> str:
+        if os.getpid() != self._pid:
+            raise EOFError(
+                f"input in a process forked from rank {self.rank}: only the rank itself can ask "
+                "the notebook (the reply would reach the rank, not this process); ask before "
+                "forking and pass the answer on"
+            )
         cell_id, head = self._cell()
         if self.rank != head:
             raise EOFError(
