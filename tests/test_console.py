@@ -7,6 +7,7 @@ import os
 import pytest
 
 from skyward_jupyter import protocol as p
+from skyward_jupyter.agent.cell_head import CellHead
 from skyward_jupyter.agent.console import Console
 
 
@@ -22,7 +23,7 @@ def test_input_in_a_process_forked_from_the_head_is_refused_not_sent(
         sent.append(message)
         console.answer(p.InputReply("ada"))
 
-    console = Console(0, send, lambda: (3, 0), lambda: None)
+    console = Console(CellHead(0, send, lambda: (3, 0), lambda: None))
     monkeypatch.setattr(os, "getpid", lambda: -1)  # what the child sees: another pid
     with pytest.raises(EOFError, match="forked from rank 0"):
         console.input("name? ")

@@ -17,6 +17,7 @@ import pytest
 
 from skyward_jupyter import protocol as p
 from skyward_jupyter.agent import rich_output
+from skyward_jupyter.agent.cell_head import CellHead
 from skyward_jupyter.agent.rank import Agent
 
 plt = pytest.importorskip("matplotlib.pyplot")
@@ -30,9 +31,8 @@ class Rank:
         self.notes: list[str] = []
         self.flushed = 0
         self.cell: tuple[int | None, int] = (cell_id, head)
-        self.output = rich_output.RichOutput(
-            rank, self.sent.append, lambda: self.cell, self._flush, self.notes.append
-        )
+        head = CellHead(rank, self.sent.append, lambda: self.cell, self._flush)
+        self.output = rich_output.RichOutput(head, self.notes.append)
 
     def _flush(self) -> None:
         self.flushed += 1

@@ -13,29 +13,18 @@ from __future__ import annotations
 
 import builtins
 import getpass
-import os
 import queue
-from collections.abc import Callable
 from typing import Any
 
 from .. import protocol as p
+from .cell_head import CellHead
 
 
 class Console:
-    def __init__(
-        self,
-        rank: int,
-        send: Callable[[object], None],
-        cell: Callable[[], tuple[int | None, int]],
-        flush: Callable[[], None],
-    ) -> None:
-        """``cell``: the running cell's id and its head rank."""
-        self.rank = rank
-        self._send = send
-        self._cell = cell
-        self._flush = flush
+    def __init__(self, head: CellHead) -> None:
+        self.rank = head.rank
+        self._head = head
         self._replies: queue.Queue[p.InputReply] = queue.Queue()
-        self._pid = os.getpid()
 
     def install(self) -> None:
         builtins.input = self.input
@@ -52,23 +41,23 @@ class Console:
         self._replies.put(reply)
 
     def _ask(self, prompt: str, password: bool) -> str:
-        if os.getpid() != self._pid:
+        if self._head.forked():
             raise EOFError(
                 f"input in a process forked from rank {self.rank}: only the rank itself can ask "
                 "the notebook (the reply would reach the rank, not this process); ask before "
                 "forking and pass the answer on"
             )
-        cell_id, head = self._cell()
+        cell_id, head = self._head.cell()
         if self.rank != head:
             raise EOFError(
                 f"input on rank {self.rank}: only the cell's head rank (rank {head}) can ask the "
                 f"notebook; read input on rank {head} and share it with the others (e.g. "
                 "dist.broadcast_object_list, where every rank runs the cell)"
             )
-        self._flush()  # what the cell printed before the prompt shows first
+        self._head.flush()  # what the cell printed before the prompt shows first
         while not self._replies.empty():  # a reply to a prompt an interrupt abandoned
             self._replies.get_nowait()
-        self._send(p.InputRequest(cell_id, prompt, password))
+        self._head.send(p.InputRequest(cell_id, prompt, password))
         reply = self._replies.get()
         if reply.error is not None:
             raise EOFError(reply.error)

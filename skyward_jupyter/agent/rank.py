@@ -47,6 +47,7 @@ from ..launch_env import error_file, launched
 from ..wire import SyncChannel
 from .agent_threads import AGENT_THREADS
 from .arrivals import Arrivals
+from .cell_head import CellHead
 from .cell_result import cell_done
 from .cells import Namespace, run_script
 from .console import Console
@@ -156,17 +157,12 @@ class Agent:
             self._notes.append,
         )
         self.watch = Watch(AGENT_THREADS)
-        self.console = Console(
+        head = CellHead(
             group.rank, self._send_whole, lambda: (self.cell_id, self.cell_head), self._sync_output
         )
+        self.console = Console(head)
         self.console.install()
-        self.rich_output = RichOutput(
-            group.rank,
-            self._send_whole,
-            lambda: (self.cell_id, self.cell_head),
-            self._sync_output,
-            self._notes.append,
-        )
+        self.rich_output = RichOutput(head, self._notes.append)
         self.rich_output.install()
         self.inbox = Inbox(self.channel, self._route, settings.ranks_on_machine)
         self.cell_id: int | None = None
@@ -546,7 +542,7 @@ class Agent:
                     try:
                         value = self.namespace.run(command.source, command.filename)
                     except BaseException:
-                        self.rich_output.cell_ended(failed=True)  # as in Jupyter, failed or not
+                        self.rich_output.cell_ended(failed=True)  # its figures closed undrawn
                         raise
                     self.rich_output.cell_ended()
                 else:

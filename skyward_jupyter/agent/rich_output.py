@@ -31,6 +31,7 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 from .. import protocol as p
+from .cell_head import CellHead
 
 BACKEND = "module://skyward_jupyter.agent.mpl_backend"
 FRONTEND_BACKENDS = frozenset(
@@ -68,25 +69,11 @@ _REPR_METHODS = (
 class RichOutput:
     """The rank's ``display`` builtin and figures (see the module's docstring)."""
 
-    def __init__(
-        self,
-        rank: int,
-        send: Callable[[object], None],
-        cell: Callable[[], tuple[int | None, int]],
-        flush: Callable[[], None],
-        note: Callable[[str], None],
-    ) -> None:
-        """``send``: a message to the notebook, sent whole even if the cell is interrupted;
-        ``cell``: the running cell's id and its head rank; ``flush``: the rank's output sent on,
-        so what the cell printed before a figure shows before it; ``note``: a line for the
-        cell's result (a figure that could not be drawn).
-        """
-        self.rank = rank
-        self._send = send
-        self._cell = cell
-        self._flush = flush
+    def __init__(self, head: CellHead, note: Callable[[str], None]) -> None:
+        """``note``: a line for the cell's result (a figure that could not be drawn)."""
+        self.rank = head.rank
+        self._head = head
         self._note = note
-        self._pid = os.getpid()
 
     def install(self) -> None:
         """At the rank's start, before any cell imports matplotlib (which reads the variable)."""
@@ -242,8 +229,8 @@ class RichOutput:
         that is not the head, no cell running, or a process a cell forked from the rank, which
         must not write on the rank's wire).
         """
-        cell_id, head = self._cell()
-        if cell_id is None or self.rank != head or os.getpid() != self._pid:
+        cell_id, head = self._head.cell()
+        if cell_id is None or self.rank != head or self._head.forked():
             return None
         return cell_id
 
@@ -264,7 +251,7 @@ class RichOutput:
         for mime, value in data.items():
             form = self._carried(mime, value, what)
             if form is not None:
-                carried[str(mime)] = form
+                carried[mime] = form
         size = sum(len(v) if isinstance(v, str) else len(json.dumps(v)) for v in carried.values())
         if size > MAX_RICH_BYTES:
             self._note(
@@ -275,15 +262,16 @@ class RichOutput:
             return
         if not carried:
             return
-        self._flush()
+        self._head.flush()
         shown_metadata = _as_json(metadata or {}) or {}
-        self._send(p.Display(cell_id, carried, shown_metadata, display_id, update))
+        self._head.send(p.Display(cell_id, carried, shown_metadata, display_id, update))
 
     def _carried(self, mime: Any, value: Any, what: str) -> Any:
         """``value`` as a MIME bundle carries it (text; an image in base64; JSON), or None."""
-        if not isinstance(mime, str) or mime in _RANK_ONLY:
-            if mime in _RANK_ONLY:
-                self._note(f"rank {self.rank}: {what}: a widget shows only where it lives")
+        if mime in _RANK_ONLY:
+            self._note(f"rank {self.rank}: {what}: a widget shows only where it lives")
+            return None
+        if not isinstance(mime, str):
             return None
         if isinstance(value, bytes):
             return base64.b64encode(value).decode("ascii")
@@ -308,14 +296,14 @@ class DisplayHandle:
         self.display_id = display_id
 
     def display(self, obj: Any, raw: bool = False, **options: Any) -> None:
-        self._output._display(
-            obj, raw, None, None, options.get("metadata"), self.display_id, update=False
-        )
+        self._again(obj, raw, options, update=False)
 
     def update(self, obj: Any, raw: bool = False, **options: Any) -> None:
-        self._output._display(
-            obj, raw, None, None, options.get("metadata"), self.display_id, update=True
-        )
+        self._again(obj, raw, options, update=True)
+
+    def _again(self, obj: Any, raw: bool, options: dict[str, Any], update: bool) -> None:
+        metadata = options.get("metadata")
+        self._output._display(obj, raw, None, None, metadata, self.display_id, update)
 
 
 def figure_forms(figure: Any) -> dict[str, Any]:
