@@ -54,16 +54,15 @@ _Parts = list[tuple[str, str] | DisplayReceived]
 
 def display_bundle(shown: DisplayReceived) -> None:
     """Display the head's rich output in the cell that runs (the kernel's thread: its cell)."""
-    from IPython.display import display, update_display
+    from IPython.display import display
 
-    if shown.update and shown.display_id is not None:
-        update_display(  # type: ignore[no-untyped-call]
-            shown.data, raw=True, metadata=shown.metadata, display_id=shown.display_id
-        )
-    else:
-        display(  # type: ignore[no-untyped-call]
-            shown.data, raw=True, metadata=shown.metadata, display_id=shown.display_id
-        )
+    display(  # type: ignore[no-untyped-call]
+        shown.data,
+        raw=True,
+        metadata=shown.metadata,
+        display_id=shown.display_id,
+        update=shown.update,  # what IPython's update_display passes: only with a display_id
+    )
 
 
 def stderr_label(ranks: Iterable[int]) -> str:
@@ -108,7 +107,7 @@ class CellOutput:
         """``ranks``: how many ranks run the cell, so a line all of them wrote needs no wait
         (None: every held line waits :data:`STDERR_HOLD_SECONDS`); ``head``: the first of them,
         whose stdout ``head`` shows (``--ranks 2-3``: rank 2). ``clock`` and ``show`` (what
-        displays a rank's figure) are for tests.
+        displays the head's rich output) are for tests.
         """
         self.mode = mode
         self._head = head
